@@ -1,0 +1,14 @@
+"""`minibatchd`: the daemon's command line."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    print("minibatchd: the daemon is not part of this build yet", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""minibatch's engine: requests, KV blocks, schedulers, the model runner and the models."""

@@ -1,0 +1,201 @@
+"""Flat-batch attention metadata and the attention backends over the paged KV cache.
+
+One forward runs a flat batch of tokens from many sequences (no padding). Each
+sequence contributes `query_len` new tokens (a prefill chunk, or 1 when
+decoding) on top of `seq_len - query_len` tokens already in the cache. The new
+tokens' K/V are written into the cache through `slot_mapping`; attention then
+reads each sequence's whole context back through its block table.
+
+Cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+(index 0 holds K, 1 holds V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """What the attention layers need to know about one flat batch."""
+
+    query_lens: list[int]  # new tokens per sequence in this forward
+    seq_lens: list[int]  # context per sequence after this forward (cached + new)
+    block_size: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset of each new token
+    block_tables: list[list[int]]  # block ids per sequence, in position order
+    # Filled by the backend's prepare(), once per forward, shared by all layers.
+    plan: object | None = field(default=None)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.numel())
+
+
+@dataclass(slots=True)
+class FlatBatch:
+    """Model inputs for one forward: token ids, their positions and the attention metadata."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_seqs] int64: the last new token of each sequence
+
+
+def build_flat_batch(
+    token_chunks: list[list[int]],
+    num_cached: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> FlatBatch:
+    """Pack each sequence's new tokens into one flat batch.
+
+    token_chunks[i] are the tokens sequence i computes now; they sit at
+    positions num_cached[i] .. num_cached[i] + len - 1, and block_tables[i]
+    must cover every position up to the end of the chunk.
+    """
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    last: list[int] = []
+    for chunk, start, table in zip(token_chunks, num_cached, block_tables, strict=True):
+        end = start + len(chunk)
+        if not chunk:
+            raise ValueError("every sequence in a flat batch needs at least one new token")
+        if len(table) * block_size < end:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {end} tokens")
+        ids.extend(chunk)
+        for pos in range(start, end):
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        query_lens.append(len(chunk))
+        seq_lens.append(end)
+        last.append(len(ids) - 1)
+    as_long = dict(dtype=torch.long, device=device)
+    attn = AttentionMetadata(
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_size=block_size,
+        slot_mapping=torch.tensor(slots, **as_long),
+        block_tables=block_tables,
+    )
+    return FlatBatch(
+        input_ids=torch.tensor(ids, **as_long),
+        positions=torch.tensor(positions, **as_long),
+        attn=attn,
+        logits_indices=torch.tensor(last, **as_long),
+    )
+
+
+class AttentionBackend(Protocol):
+    """Writes the new K/V into the paged cache and attends over each sequence's context."""
+
+    name: str
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Build per-forward state (gather indices, masks) once for all layers."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+@dataclass(slots=True)
+class _TorchPlan:
+    # Sequences with one new token attend together in one padded call.
+    decode_tokens: torch.Tensor | None  # [num_decode] flat token index
+    decode_slots: torch.Tensor | None  # [num_decode * max_ctx] cache slot per context position (0 = pad)
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_ctx] True where a real context position
+    decode_ctx: int
+    # Longer chunks attend one sequence at a time: (token start, query len, slots, mask or None).
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
+
+
+class TorchAttentionBackend:
+    """Attention in plain PyTorch (scaled_dot_product_attention); the CPU path."""
+
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        device = meta.slot_mapping.device
+        bs = meta.block_size
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills = []
+        start = 0
+        for qlen, ctx, table in zip(meta.query_lens, meta.seq_lens, meta.block_tables):
+            if qlen == 1:
+                decode_rows.append(start)
+                decode_tables.append(table)
+                decode_lens.append(ctx)
+            else:
+                slots = _context_slots(table, ctx, bs, device)
+                mask = None
+                if ctx != qlen:  # a chunk after cached context: causal with an offset
+                    q_pos = torch.arange(ctx - qlen, ctx, device=device)
+                    mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
+                prefills.append((start, qlen, slots, mask))
+            start += qlen
+        plan = _TorchPlan(None, None, None, 0, prefills)
+        if decode_rows:
+            max_ctx = max(decode_lens)
+            lens = torch.tensor(decode_lens, device=device)
+            slots = torch.stack([_context_slots(t, max_ctx, bs, device, valid=n) for t, n in zip(decode_tables, decode_lens)])
+            plan.decode_tokens = torch.tensor(decode_rows, dtype=torch.long, device=device)
+            plan.decode_slots = slots.reshape(-1)
+            plan.decode_mask = (torch.arange(max_ctx, device=device)[None, :] < lens[:, None])[:, None, None, :]
+            plan.decode_ctx = max_ctx
+        meta.plan = plan
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
+        v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        plan: _TorchPlan = meta.plan
+        out = torch.empty_like(q)
+        if plan.decode_tokens is not None:
+            n = plan.decode_tokens.numel()
+            kd = k_flat.index_select(0, plan.decode_slots).view(n, plan.decode_ctx, num_kv_heads, head_dim)
+            vd = v_flat.index_select(0, plan.decode_slots).view(n, plan.decode_ctx, num_kv_heads, head_dim)
+            qd = q.index_select(0, plan.decode_tokens).unsqueeze(2)  # [n, heads, 1, head_dim]
+            od = F.scaled_dot_product_attention(
+                qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
+            )
+            out.index_copy_(0, plan.decode_tokens, od.squeeze(2))
+        for start, qlen, slots, mask in plan.prefills:
+            qp = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, heads, qlen, head_dim]
+            kp = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, head_dim]
+            vp = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+            )
+            out[start : start + qlen] = op.squeeze(0).transpose(0, 1)
+        return out
+
+
+def _context_slots(table: list[int], length: int, block_size: int, device, valid: int | None = None) -> torch.Tensor:
+    """Cache slot of every context position 0..length-1 (positions past `valid` map to slot 0)."""
+    valid = length if valid is None else valid
+    n_blocks = -(-valid // block_size)
+    blocks = torch.tensor(table[:n_blocks], dtype=torch.long, device=device)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size, device=device)[None, :]).reshape(-1)[:valid]
+    if length > valid:
+        slots = torch.cat([slots, slots.new_zeros(length - valid)])
+    return slots

