@@ -1,0 +1,173 @@
+"""KV-cache block bookkeeping: a free queue, reference counts and prefix caching. Pure Python.
+
+Block 0 is reserved as the null block: it is never handed out, so padding in a
+block table or slot mapping can point at it without a sentinel value.
+
+Prefix caching: a block whose 16 (block_size) tokens are all computed gets a
+hash chained from its parent block's hash and its own token ids. A later
+request whose prompt starts with the same tokens shares those blocks (the
+reference count goes up) instead of recomputing them. A freed block keeps its
+hash while it sits in the free queue, so it can still be hit until it is
+evicted by being handed out again.
+
+The free queue is least-recently-freed first. A request's blocks are freed in
+reverse order, so its tail blocks (least likely to be shared) are evicted
+before the head of its prompt.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .request import Request
+
+NULL_BLOCK = 0
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None  # set once the block is full and registered
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] | None = None  # kept to verify a hash hit
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2 (one is the null block), got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
+        self.cached: dict[int, Block] = {}  # block hash -> block holding those tokens
+        self.req_blocks: dict[str, list[Block]] = {}
+        self.req_num_hashed: dict[str, int] = {}  # leading blocks of a request already registered
+        self.prefix_hits = 0  # blocks served from the cache, over the manager's life
+
+    # -- capacity ---------------------------------------------------------
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_usable_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_usable_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache -----------------------------------------------------
+    def get_computed_blocks(self, req: Request) -> list[Block]:
+        """The longest run of cached full blocks that starts the request's tokens.
+
+        At least one token is always left to compute, so the forward has a
+        position to take the next token's logits from.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[Block] = []
+        parent = None
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        for i in range(max_blocks):
+            tokens = tuple(req.tokens(i * self.block_size, (i + 1) * self.block_size))
+            block = self.cached.get(hash((parent, tokens)))
+            if block is None or block.token_ids != tokens or block.parent_hash != parent:
+                break
+            hits.append(block)
+            parent = block.block_hash
+        return hits
+
+    # -- allocation -------------------------------------------------------
+    def can_allocate(self, req: Request, num_new_tokens: int, computed: list[Block] = ()) -> bool:
+        return self._num_new_blocks(req, num_new_tokens, computed) <= self.num_free_blocks - sum(
+            1 for b in computed if b.ref_count == 0
+        )
+
+    def allocate(self, req: Request, num_new_tokens: int, computed: list[Block] = ()) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens (after `computed` prefix hits).
+
+        Returns False, changing nothing, when the free blocks are not enough.
+        """
+        if not self.can_allocate(req, num_new_tokens, computed):
+            return False
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        for block in computed:
+            if block.ref_count == 0:
+                del self.free_queue[block.block_id]
+            block.ref_count += 1
+            blocks.append(block)
+        if computed:
+            self.req_num_hashed[req.request_id] = len(computed)
+            self.prefix_hits += len(computed)
+        for _ in range(self._num_new_blocks(req, num_new_tokens, ())):
+            _, block = self.free_queue.popitem(last=False)
+            if block.block_hash is not None:  # evict its cached contents
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = block.parent_hash = block.token_ids = None
+            block.ref_count = 1
+            blocks.append(block)
+        req.block_ids = [b.block_id for b in blocks]
+        return True
+
+    def _num_new_blocks(self, req: Request, num_new_tokens: int, computed) -> int:
+        held = len(self.req_blocks.get(req.request_id, ())) + len(computed)
+        total = req.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        return max(0, self.blocks_needed(total) - held)
+
+    def free(self, req: Request) -> None:
+        """Release the request's blocks, tail first (see the module docstring)."""
+        for block in reversed(self.req_blocks.pop(req.request_id, [])):
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = block
+        self.req_num_hashed.pop(req.request_id, None)
+        req.block_ids = []
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the request's newly completed blocks (all tokens computed) for prefix hits."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.req_blocks.get(req.request_id, [])
+        num_full = min(req.num_computed_tokens // self.block_size, len(blocks))
+        start = self.req_num_hashed.get(req.request_id, 0)
+        parent = blocks[start - 1].block_hash if start > 0 else None
+        for i in range(start, num_full):
+            block = blocks[i]
+            tokens = tuple(req.tokens(i * self.block_size, (i + 1) * self.block_size))
+            h = hash((parent, tokens))
+            if block.block_hash is None:
+                block.block_hash, block.parent_hash, block.token_ids = h, parent, tokens
+                self.cached.setdefault(h, block)
+            parent = h
+        self.req_num_hashed[req.request_id] = max(start, num_full)
+
+    # -- checks -----------------------------------------------------------
+    def check_integrity(self) -> None:
+        """free + used == usable, reference counts match the owners, the null block untouched."""
+        refs = [0] * self.num_blocks
+        for blocks in self.req_blocks.values():
+            for b in blocks:
+                refs[b.block_id] += 1
+        null = self.blocks[NULL_BLOCK]
+        assert null.ref_count == 0 and NULL_BLOCK not in self.free_queue and refs[NULL_BLOCK] == 0, "null block used"
+        for b in self.blocks[1:]:
+            assert b.ref_count == refs[b.block_id], f"block {b.block_id}: ref_count {b.ref_count} != {refs[b.block_id]} owners"
+            assert (b.ref_count == 0) == (b.block_id in self.free_queue), f"block {b.block_id} free-queue mismatch"
+        for h, b in self.cached.items():
+            assert b.block_hash == h, f"cached block {b.block_id} hash mismatch"
+        assert self.num_free_blocks + sum(1 for b in self.blocks[1:] if b.ref_count > 0) == self.num_usable_blocks

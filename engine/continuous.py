@@ -1,0 +1,76 @@
+"""Iteration-level (continuous) batching: requests join and leave the batch at every step."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .request import Request
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler, SchedulerOutput
+
+
+class ContinuousScheduler:
+    """Each step: running requests first (decodes, then unfinished prefill chunks), then new ones.
+
+    The token budget (max_num_batched_tokens) is shared, so a long prompt is
+    prefilled in chunks alongside other requests' decodes. When the cache runs
+    out of blocks, the most recently admitted request is preempted: its blocks
+    are freed and it goes back to the head of the queue to be recomputed.
+    """
+
+    def __init__(self, sched: "Scheduler") -> None:
+        self.s = sched
+
+    def schedule(self, admit: bool = True) -> "SchedulerOutput":
+        from .scheduler import SchedulerOutput
+
+        s, out = self.s, SchedulerOutput()
+        budget = s.config.max_num_batched_tokens
+        # Decodes before prefill chunks, each group in admission order.
+        order = sorted(s.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for req in order:
+            if req not in s.running:  # preempted earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while not s.blocks.allocate(req, n):
+                victim = s.running[-1]
+                if victim in out.requests:
+                    budget += out.remove(victim)
+                s.preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.add(req, n)
+                budget -= n
+        if admit and not out.preempted:
+            self._admit(out, budget)
+        return out
+
+    def _admit(self, out: "SchedulerOutput", budget: int) -> None:
+        s = self.s
+        while s.waiting and budget > 0 and len(s.running) < s.config.max_num_seqs:
+            req: Request = s.waiting[0]
+            computed = s.blocks.get_computed_blocks(req)
+            n = min(req.num_tokens - len(computed) * s.blocks.block_size, budget)
+            if not s.blocks.allocate(req, n, computed):
+                break
+            s.admit(req, len(computed))
+            out.prefix_hit_blocks += len(computed)
+            out.add(req, n)
+            budget -= n
+
+    def on_finish(self, req: Request) -> None:
+        self.s.release(req)
+
+    def at_boundary(self) -> bool:
+        return not self.s.running
+
+    def end(self) -> None:
+        pass
+
+    def next_wakeup(self) -> float | None:
+        return None

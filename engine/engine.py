@@ -1,0 +1,187 @@
+"""LLMEngine: one step is schedule -> execute -> update -> outputs.
+
+The engine itself imports no torch; the runner and the tokenizer come in
+through the constructor (see `factory.build_engine` for the real ones).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer, Tokenizer
+from .outputs import RequestOutput, StepStats
+from .request import Request, RequestStatus
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+
+class Runner(Protocol):
+    def execute(self, out: SchedulerOutput): ...  # -> object with .sampled: dict[str, int]
+
+    def forget(self, request_id: str) -> None: ...
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Per-request output state: the detokenizer and how much text went out."""
+
+    detok: IncrementalDetokenizer
+    sent_chars: int = 0
+    sent_tokens: int = 0
+    cut: bool = False  # a stop string ended the text: nothing after it may be flushed
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        runner: Runner,
+        tokenizer: Tokenizer,
+        block_manager: BlockManager,
+        scheduler_config: SchedulerConfig,
+        eos_token_ids: tuple[int, ...] = (),
+        mode: str = "continuous",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.runner, self.tokenizer, self.clock = runner, tokenizer, clock
+        self.scheduler = Scheduler(scheduler_config, block_manager, mode, clock)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.streams: dict[str, _Stream] = {}
+        self.pending_outputs: list[RequestOutput] = []  # finished outside a step (aborts)
+        self.num_steps = 0
+        self.info: dict[str, object] = {}  # model, device, dtype... for status displays
+
+    # -- requests ---------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """Queue a request; raises RequestRejected (or QueueFull) with the reason."""
+        req = Request(request_id, list(prompt_token_ids), params, arrival_time=self.clock())
+        self.scheduler.add(req)
+        self.streams[request_id] = _Stream(IncrementalDetokenizer(self.tokenizer))
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        req = self.scheduler.abort(request_id)
+        if req is None or request_id not in self.streams:
+            return False
+        self.pending_outputs.append(self._final(req))
+        return True
+
+    def set_mode(self, mode: str) -> None:
+        self.scheduler.set_mode(mode)
+
+    @property
+    def mode(self) -> str:
+        return self.scheduler.mode
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self.pending_outputs)
+
+    # -- the step ---------------------------------------------------------
+    def step(self) -> tuple[list[RequestOutput], StepStats | None]:
+        outputs, self.pending_outputs = self.pending_outputs, []
+        started = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs, None
+        result = self.runner.execute(sched)
+        now = self.clock()
+        for req in self.scheduler.update(sched):
+            req.append_token(result.sampled[req.request_id], now)
+            out = self._process(req)
+            if out is not None:
+                outputs.append(out)
+        self.num_steps += 1
+        return outputs, self._stats(sched, time.perf_counter() - started)
+
+    def _process(self, req: Request) -> RequestOutput | None:
+        """Detokenize the new token, apply stop conditions, build the delta."""
+        p, token = req.params, req.output_token_ids[-1]
+        stream = self.streams[req.request_id]
+        status = None
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            status = RequestStatus.FINISHED_STOPPED  # a stop token adds no text
+        else:
+            stream.detok.push([token])
+            if p.stop:
+                cut = _find_stop(stream.detok.text, p.stop, stream.sent_chars)
+                if cut is not None:
+                    stream.detok.text = stream.detok.text[:cut]
+                    stream.cut = True
+                    status = RequestStatus.FINISHED_STOPPED
+        if status is None and len(req.output_token_ids) >= p.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(req, status)
+            return self._final(req)
+        # Hold back text that could be the start of a stop string.
+        hold = max((len(s) for s in p.stop), default=1) - 1
+        return self._delta(req, stream, len(stream.detok.text) - hold)
+
+    def _delta(self, req: Request, stream: _Stream, upto: int) -> RequestOutput | None:
+        text = stream.detok.text[stream.sent_chars : max(upto, stream.sent_chars)]
+        tokens = req.output_token_ids[stream.sent_tokens :]
+        if not text and not tokens:
+            return None
+        stream.sent_chars += len(text)
+        stream.sent_tokens = len(req.output_token_ids)
+        return RequestOutput(req.request_id, text, tokens)
+
+    def _final(self, req: Request, error: str | None = None) -> RequestOutput:
+        stream = self.streams.pop(req.request_id)
+        if not stream.cut:
+            stream.detok.flush()
+        out = self._delta(req, stream, len(stream.detok.text)) or RequestOutput(req.request_id, "", [])
+        out.finished, out.finish_reason = True, req.status.finish_reason
+        out.metrics, out.error = req.metrics(), error
+        self.runner.forget(req.request_id)
+        return out
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """End every request with an error (after a forward failed) and free their blocks."""
+        outputs = self.pending_outputs
+        self.pending_outputs = []
+        for req in list(self.scheduler.waiting) + list(self.scheduler.running):
+            already = req.status.finished
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            if not already and req.request_id in self.streams:
+                outputs.append(self._final(req, error))
+        for req in list(self.scheduler.running):  # static members kept for padding
+            self.scheduler.release(req)
+        return outputs
+
+    def _stats(self, sched: SchedulerOutput, step_time: float) -> StepStats:
+        s, bm = self.scheduler, self.scheduler.blocks
+        return StepStats(
+            step=self.num_steps,
+            timestamp=time.time(),
+            mode=s.mode,
+            pending_mode=s.pending_mode,
+            running=len(sched.requests) + len(sched.padding),
+            max_num_seqs=s.config.max_num_seqs,
+            waiting=len(s.waiting),
+            prefill_tokens=sched.num_prefill_tokens,
+            decode_tokens=sched.num_decode_tokens,
+            padding_rows=len(sched.padding),
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_total=bm.num_usable_blocks,
+            prefix_hit_blocks=sched.prefix_hit_blocks,
+            preemptions=len(sched.preempted),
+            wasted_row_steps=s.wasted_row_steps,
+            total_preemptions=s.num_preemptions,
+            step_time=step_time,
+        )
+
+
+def _find_stop(text: str, stops: list[str], sent: int) -> int | None:
+    """Index where the earliest stop string starts, searching only text that can hold a new match."""
+    longest = max(len(s) for s in stops)
+    window_start = max(0, sent - longest)
+    best = None
+    for s in stops:
+        i = text.find(s, window_start)
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best

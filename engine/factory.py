@@ -1,0 +1,122 @@
+"""Build a ready LLMEngine from an EngineConfig: resolve and load the model, size the KV cache."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .engine import LLMEngine
+from .model_store import DEFAULT_MODEL, resolve_model
+from .scheduler import MODES, SchedulerConfig
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    mode: str = "continuous"
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's own context length
+    max_wait_ms: float = 50.0
+    max_queue: int | None = None
+    block_size: int = 16
+    kv_cache_gb: float | None = None  # None: kv_cache_fraction of the memory available now
+    kv_cache_fraction: float = 0.1
+    num_kv_blocks: int | None = None  # exact pool size (tests, experiments); overrides the budget
+    enable_prefix_caching: bool = True
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU
+    threads: int | None = None  # torch intra-op threads on CPU
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
+
+
+def available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    import torch
+    from transformers import AutoTokenizer
+
+    from .attention import TorchAttentionBackend
+    from .kv_cache import allocate_kv_cache, num_blocks_for_budget
+    from .model_runner import ModelRunner
+    from .models import load_model
+
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device cuda requested but no CUDA GPU is available")
+    dtype_name = config.dtype if config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    dtype = getattr(torch, dtype_name)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+
+    model_dir = resolve_model(config.model)
+    model = load_model(model_dir, TorchAttentionBackend(), device=device, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    cfg = model.config
+    max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
+
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    else:
+        if config.kv_cache_gb is not None:
+            budget = int(config.kv_cache_gb * 2**30)
+        elif device == "cuda":
+            free, _ = torch.cuda.mem_get_info()
+            budget = int(free * 0.8)
+        else:
+            budget = int(available_memory_bytes() * config.kv_cache_fraction)
+        num_blocks = num_blocks_for_budget(cfg, config.block_size, dtype, budget)
+        # Never more than every running request at full context could use (+ the null block).
+        num_blocks = min(num_blocks, config.max_num_seqs * -(-max_model_len // config.block_size) + 1)
+    if num_blocks < 2:
+        raise ValueError(f"the KV-cache budget gives {num_blocks} blocks; need at least 2")
+    caches = allocate_kv_cache(cfg, num_blocks, config.block_size, dtype, device)
+    runner = ModelRunner(model, caches, config.block_size)
+
+    eos = set(cfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    engine = LLMEngine(
+        runner,
+        tokenizer,
+        BlockManager(num_blocks, config.block_size, config.enable_prefix_caching),
+        SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            max_wait_ms=config.max_wait_ms,
+            max_queue=config.max_queue,
+        ),
+        eos_token_ids=tuple(sorted(eos)),
+        mode=config.mode,
+    )
+    engine.info.update(
+        model=config.model, model_dir=str(model_dir), device=device, dtype=dtype_name,
+        block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_model_len,
+    )
+    return engine

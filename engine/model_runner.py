@@ -1,0 +1,69 @@
+"""Runs one scheduled step: builds the flat inputs, runs the forward over the paged cache, samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import build_flat_batch
+from .models.llama import LlamaForCausalLM
+from .request import Request
+from .sampler import Sampler
+from .scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled: dict[str, int]  # request id -> next token, for requests that reached their last token
+
+
+class ModelRunner:
+    """Owns the model and the KV cache tensors. The same code runs on CPU and GPU."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        block_size: int,
+    ) -> None:
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.device = next(model.parameters()).device
+        self.sampler = Sampler(self.device)
+        self.fault_at_step: int | None = None  # test hook: raise in the forward of this step
+        self.steps = 0
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self.steps += 1
+        if self.fault_at_step is not None and self.steps >= self.fault_at_step:
+            raise RuntimeError(f"injected forward fault at step {self.steps}")
+        chunks, starts, tables, samplers = [], [], [], []
+        for req, n in zip(out.requests, out.num_new_tokens):
+            start = req.num_computed_tokens
+            chunks.append(req.tokens(start, start + n))
+            starts.append(start)
+            tables.append(req.block_ids)
+            samplers.append(start + n == req.num_tokens)
+        for req in out.padding:
+            # A finished static-batch member's row is computed as a padded row
+            # would be: its last token again, over its own blocks; output dropped.
+            last = req.num_tokens - 1
+            chunks.append([req.token_at(last)])
+            starts.append(min(last, len(req.block_ids) * self.block_size - 1))
+            tables.append(req.block_ids)
+            samplers.append(False)
+        if not chunks:
+            return RunnerOutput({})
+        batch = build_flat_batch(chunks, starts, tables, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        rows = [i for i, s in enumerate(samplers) if s]
+        if not rows:
+            return RunnerOutput({})
+        reqs: list[Request] = [out.requests[i] for i in rows]
+        logits = self.model.compute_logits(hidden[batch.logits_indices[rows]])
+        tokens = self.sampler(logits, reqs)
+        return RunnerOutput({r.request_id: t for r, t in zip(reqs, tokens)})
+
+    def forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)

@@ -1,0 +1,47 @@
+"""What the engine hands out: per-request deltas and per-step statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .request import RequestMetrics
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """New text and tokens for one request since its previous output."""
+
+    request_id: str
+    text: str  # the new text (never half a character; stop strings excluded)
+    token_ids: list[int]  # the new token ids
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
+    metrics: RequestMetrics | None = None  # set on the final output
+    error: str | None = None  # set when the request ended because the engine failed
+
+
+@dataclass(slots=True, frozen=True)
+class StepStats:
+    """One engine step, as the stats endpoint, the event stream and the TUI see it."""
+
+    step: int
+    timestamp: float  # wall clock (time.time()) at the end of the step
+    mode: str  # "continuous" | "static"
+    pending_mode: str | None  # a requested switch waiting for the batch boundary
+    running: int  # requests in the batch (static: including finished members still padding)
+    max_num_seqs: int
+    waiting: int
+    prefill_tokens: int
+    decode_tokens: int
+    padding_rows: int  # static: finished members' rows computed anyway this step
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_hit_blocks: int  # blocks taken from the prefix cache this step
+    preemptions: int  # this step
+    wasted_row_steps: int  # static: padding rows so far, over the engine's life
+    total_preemptions: int
+    step_time: float  # seconds, schedule + forward + sampling + bookkeeping
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0

@@ -1,0 +1,114 @@
+"""A request's state as it moves through the engine, and the timings derived from it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # back in the waiting queue; its KV will be recomputed
+    FINISHED_STOPPED = 3  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = 4  # max_tokens or the model's context
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this request can ever hold: prompt + max_tokens."""
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_times.append(now)
+        if self.first_token_time is None:
+            self.first_token_time = now
+
+    def metrics(self) -> "RequestMetrics":
+        return RequestMetrics.of(self)
+
+
+@dataclass(slots=True, frozen=True)
+class RequestMetrics:
+    """Timings in seconds (None until the event happened)."""
+
+    queue_wait: float | None  # arrival -> first scheduled
+    ttft: float | None  # arrival -> first token
+    tpot: float | None  # mean time per output token after the first
+    e2e: float | None  # arrival -> finished
+    prefill_time: float | None  # first scheduled -> first token
+    decode_time: float | None  # first token -> last token
+    prompt_tokens: int
+    output_tokens: int
+    cached_prompt_tokens: int
+    preemptions: int
+
+    @classmethod
+    def of(cls, r: Request) -> "RequestMetrics":
+        def since(t0, t1):
+            return None if t0 is None or t1 is None else t1 - t0
+
+        last = r.token_times[-1] if r.token_times else None
+        n = len(r.output_token_ids)
+        decode = since(r.first_token_time, last)
+        return cls(
+            queue_wait=since(r.arrival_time, r.first_scheduled_time),
+            ttft=since(r.arrival_time, r.first_token_time),
+            tpot=decode / (n - 1) if decode is not None and n > 1 else None,
+            e2e=since(r.arrival_time, r.finished_time),
+            prefill_time=since(r.first_scheduled_time, r.first_token_time),
+            decode_time=decode,
+            prompt_tokens=r.num_prompt_tokens,
+            output_tokens=n,
+            cached_prompt_tokens=r.num_cached_tokens,
+            preemptions=r.num_preemptions,
+        )

@@ -1,0 +1,85 @@
+"""Batched next-token sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds."""
+
+from __future__ import annotations
+
+import torch
+
+from .request import Request
+
+
+class Sampler:
+    """Picks one token per row of logits. Greedy rows take the argmax.
+
+    A seeded request draws from its own generator, advanced once per token, so
+    it gets the same tokens whatever else shares the batch. Sampling uses the
+    exponential race (argmax of p / E with E ~ Exp(1)), which needs one noise
+    draw per row and no cumulative sums.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.generators: dict[str, torch.Generator] = {}
+        self.default_generator = torch.Generator(device=self.device)
+        self.default_generator.seed()
+
+    def forget(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:  # logits: [n, vocab]
+        logits = logits.float()
+        if all(r.params.greedy and not r.params.needs_penalties for r in reqs):
+            return logits.argmax(dim=-1).tolist()
+        for i, r in enumerate(reqs):
+            if r.params.needs_penalties:
+                apply_penalties(logits[i], r)
+        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
+        result = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            idx = (~greedy).nonzero().squeeze(1)
+            sampled = self._sample(logits[idx], [reqs[i] for i in idx.tolist()])
+            result[idx] = sampled
+        return result.tolist()
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        temps = torch.tensor([r.params.temperature for r in reqs], device=logits.device)
+        logits = logits / temps[:, None]
+        top_k = [r.params.top_k for r in reqs]
+        if any(k > 0 for k in top_k):
+            ks = torch.tensor([k if k > 0 else logits.shape[1] for k in top_k], device=logits.device)
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (ks - 1).clamp(max=logits.shape[1] - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        top_p = torch.tensor([r.params.top_p for r in reqs], device=logits.device)
+        if bool((top_p < 1).any()):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            # drop a token when the mass before it already reaches top_p (the top token always stays)
+            drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p[:, None]
+            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+            probs = probs.masked_fill(drop, 0.0)
+        min_p = torch.tensor([r.params.min_p for r in reqs], device=logits.device)
+        if bool((min_p > 0).any()):
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs)
+        for i, r in enumerate(reqs):
+            noise[i].exponential_(generator=self._generator(r))
+        return (probs / noise).argmax(dim=-1)
+
+    def _generator(self, r: Request) -> torch.Generator:
+        if r.params.seed is None:
+            return self.default_generator
+        g = self.generators.get(r.request_id)
+        if g is None:
+            g = self.generators[r.request_id] = torch.Generator(device=self.device)
+            g.manual_seed(r.params.seed)
+        return g
+
+
+def apply_penalties(row: torch.Tensor, r: Request) -> None:  # row: [vocab], changed in place
+    p = r.params
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), dtype=torch.long, device=row.device)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if r.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+        ids, counts = torch.tensor(r.output_token_ids, device=row.device).unique(return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty

@@ -1,0 +1,85 @@
+"""Per-request sampling and stopping settings, validated on construction (no torch here)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+class InvalidParameterError(ValueError):
+    """A sampling parameter is out of range; `field` names it."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token and when to stop. Greedy when temperature is 0."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p; in (0, 1]
+    top_k: int = -1  # keep the k most likely tokens; -1 (or 0) keeps all
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one; in [0, 1]
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output
+    presence_penalty: float = 0.0  # in [-2, 2], subtracted once from tokens already in the output
+    frequency_penalty: float = 0.0  # in [-2, 2], subtracted per occurrence in the output
+    seed: int | None = None  # same seed -> same tokens, whatever else is in the batch
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)  # stop strings, matched on the text, not included
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def validate(self) -> None:
+        _number("temperature", self.temperature, lo=0.0, hi=100.0)
+        _number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        _integer("top_k", self.top_k, lo=-1)
+        _number("min_p", self.min_p, lo=0.0, hi=1.0)
+        _number("repetition_penalty", self.repetition_penalty, lo=0.0, hi=10.0, lo_open=True)
+        _number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        _number("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        if self.seed is not None:
+            _integer("seed", self.seed, lo=0, hi=2**63 - 1)
+        _integer("max_tokens", self.max_tokens, lo=1)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidParameterError("stop", "must be a non-empty string or a list of non-empty strings")
+        if len(self.stop) > 16:
+            raise InvalidParameterError("stop", f"at most 16 stop strings, got {len(self.stop)}")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidParameterError("stop_token_ids", "must be a list of non-negative integers")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidParameterError("ignore_eos", "must be a boolean")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(name: str, v, lo: float, hi: float, lo_open: bool = False) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise InvalidParameterError(name, f"must be a finite number, got {v!r}")
+    if (v <= lo if lo_open else v < lo) or v > hi:
+        left = "(" if lo_open else "["
+        raise InvalidParameterError(name, f"must be in {left}{lo:g}, {hi:g}], got {v!r}")
+
+
+def _integer(name: str, v, lo: int, hi: int | None = None) -> None:
+    if not _is_int(v):
+        raise InvalidParameterError(name, f"must be an integer, got {v!r}")
+    if v < lo or (hi is not None and v > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise InvalidParameterError(name, f"must be {bound}, got {v!r}")

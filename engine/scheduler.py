@@ -1,0 +1,233 @@
+"""The scheduler: waiting and running queues over the block manager, with a switchable batching mode.
+
+`schedule()` decides what the next forward computes; the policy that decides
+is the current mode's (`ContinuousScheduler` or `StaticScheduler`). There is no
+prefill or decode phase as such: each request's `num_computed_tokens` catches
+up with its token count, a chunk at a time; a decode is a chunk of one.
+
+Pure Python: no torch, so it is tested with a fake runner in milliseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .request import Request, RequestStatus
+
+MODES = ("continuous", "static")
+
+
+class RequestRejected(ValueError):
+    """The request can never run here (too long, cannot fit the cache, bad prompt); the message says why."""
+
+    def __init__(self, message: str, field_name: str = "prompt", status: int = 400) -> None:
+        super().__init__(message)
+        self.field = field_name
+        self.status = status
+
+
+class QueueFull(RequestRejected):
+    """The waiting queue is at its cap; try again later."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, field_name="queue", status=429)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32  # running requests at most (static: the batch size)
+    max_num_batched_tokens: int = 512  # tokens per forward (continuous mode)
+    max_model_len: int = 2048  # prompt + max_tokens at most
+    max_wait_ms: float = 50.0  # static mode: the longest a batch waits to fill up
+    max_queue: int | None = None  # waiting requests at most; None: unbounded
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running request can decode each step"
+            )
+        if self.max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one forward computes. Lists are in batch order."""
+
+    requests: list[Request] = field(default_factory=list)  # requests computing tokens this step
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each computes: a prefill chunk, or 1
+    padding: list[Request] = field(default_factory=list)  # static: finished members whose rows still run
+    preempted: list[Request] = field(default_factory=list)  # sent back to the waiting queue this step
+    num_prefill_tokens: int = 0  # prompt (or recomputed) tokens in this forward
+    num_decode_tokens: int = 0  # one per request generating its next token
+    prefix_hit_blocks: int = 0  # blocks admitted requests took from the prefix cache
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests and not self.padding
+
+    def add(self, req: Request, n: int) -> None:
+        self.requests.append(req)
+        self.num_new_tokens.append(n)
+        if req.output_token_ids and req.num_computed_tokens + n == req.num_tokens and n == 1:
+            self.num_decode_tokens += 1
+        else:
+            self.num_prefill_tokens += n
+
+    def remove(self, req: Request) -> int:
+        i = self.requests.index(req)
+        n = self.num_new_tokens.pop(i)
+        self.requests.pop(i)
+        if req.output_token_ids and n == 1:
+            self.num_decode_tokens -= 1
+        else:
+            self.num_prefill_tokens -= n
+        return n
+
+
+class Scheduler:
+    """Queues, admission checks, aborts and mode switching; `schedule()` defers to the mode's policy."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        mode: str = "continuous",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        from .continuous import ContinuousScheduler
+        from .static import StaticScheduler
+
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.config, self.blocks, self.clock = config, block_manager, clock
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order (static: the current batch)
+        self.requests: dict[str, Request] = {}
+        self.policies = {"continuous": ContinuousScheduler(self), "static": StaticScheduler(self)}
+        self.mode = mode
+        self.pending_mode: str | None = None
+        self.num_preemptions = 0
+        self.wasted_row_steps = 0
+
+    # -- requests in ------------------------------------------------------
+    def check(self, req: Request) -> None:
+        """Raise RequestRejected if the request could never run."""
+        if not req.prompt_token_ids:
+            raise RequestRejected("prompt is empty", "prompt")
+        limit = self.config.max_model_len
+        if req.max_total_tokens > limit:
+            raise RequestRejected(
+                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.params.max_tokens}) = "
+                f"{req.max_total_tokens} exceeds the context limit of {limit} tokens",
+                "max_tokens",
+            )
+        need = self.blocks.blocks_needed(req.max_total_tokens)
+        if need > self.blocks.num_usable_blocks:
+            raise RequestRejected(
+                f"prompt + max_tokens = {req.max_total_tokens} tokens needs {need} KV blocks but the whole "
+                f"cache has {self.blocks.num_usable_blocks}; it could never run",
+                "max_tokens",
+            )
+
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise RequestRejected(f"request id {req.request_id!r} is already in use", "request_id")
+        self.check(req)
+        cap = self.config.max_queue
+        if cap is not None and len(self.waiting) >= cap:
+            raise QueueFull(f"the waiting queue is full ({cap} requests); retry later")
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+        self.requests[req.request_id] = req
+
+    # -- the step ---------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        policy = self.policies[self.mode]
+        if self.pending_mode is not None and policy.at_boundary():
+            policy.end()
+            self.mode, self.pending_mode = self.pending_mode, None
+            policy = self.policies[self.mode]
+        out = policy.schedule(admit=self.pending_mode is None)
+        self.num_preemptions += len(out.preempted)
+        self.wasted_row_steps += len(out.padding)
+        return out
+
+    def update(self, out: SchedulerOutput) -> list[Request]:
+        """Advance computed tokens after the forward; return the requests that now sample a token."""
+        sampling = []
+        for req, n in zip(out.requests, out.num_new_tokens):
+            req.num_computed_tokens += n
+            self.blocks.cache_full_blocks(req)
+            if req.num_computed_tokens == req.num_tokens:
+                sampling.append(req)
+        return sampling
+
+    def next_wakeup(self) -> float | None:
+        """When the scheduler wants to run again though nothing new arrives (static batch timeout)."""
+        return self.policies[self.mode].next_wakeup()
+
+    # -- requests out -----------------------------------------------------
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request (stop, length or abort); the policy decides when its blocks go back."""
+        if req.status.finished:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+            self.blocks.free(req)
+            self.requests.pop(req.request_id, None)
+        req.status = status
+        req.finished_time = self.clock()
+        if req in self.running:
+            self.policies[self.mode].on_finish(req)
+
+    def release(self, req: Request) -> None:
+        """Drop a finished request from the running set and free its blocks."""
+        self.running.remove(req)
+        self.blocks.free(req)
+        self.requests.pop(req.request_id, None)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return req
+
+    def preempt(self, req: Request) -> None:
+        """Free a running request's blocks and queue it first, to recompute its tokens later."""
+        self.running.remove(req)
+        self.blocks.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def admit(self, req: Request, computed_blocks: int) -> None:
+        self.waiting.remove(req) if self.waiting[0] is not req else self.waiting.popleft()
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = computed_blocks * self.blocks.block_size
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = self.clock()
+            req.num_cached_tokens = req.num_computed_tokens
+
+    def set_mode(self, mode: str) -> None:
+        """Switch at the next batch boundary; running requests are never dropped or restarted."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.pending_mode = None if mode == self.mode else mode
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + sum(1 for r in self.running if not r.status.finished)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
