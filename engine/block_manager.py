@@ -104,6 +104,7 @@ class BlockManager:
         """
         if not self.can_allocate(req, num_new_tokens, computed):
             return False
+        num_new = self._num_new_blocks(req, num_new_tokens, computed)
         blocks = self.req_blocks.setdefault(req.request_id, [])
         for block in computed:
             if block.ref_count == 0:
@@ -113,7 +114,7 @@ class BlockManager:
         if computed:
             self.req_num_hashed[req.request_id] = len(computed)
             self.prefix_hits += len(computed)
-        for _ in range(self._num_new_blocks(req, num_new_tokens, ())):
+        for _ in range(num_new):
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:  # evict its cached contents
                 if self.cached.get(block.block_hash) is block:

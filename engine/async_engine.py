@@ -1,0 +1,166 @@
+"""AsyncEngine: the step loop on one background thread, results to asyncio consumers.
+
+The event loop never runs engine code: submissions and aborts go into an
+inbox the engine thread drains at the start of each step, and outputs come
+back with `loop.call_soon_threadsafe`. The thread sleeps on an Event when
+there is nothing to do (no busy-wait) and wakes on a new request, an abort, or
+the static scheduler's batch deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+
+from .engine import LLMEngine
+from .outputs import RequestOutput, StepStats
+from .request import Request
+from .sampling_params import SamplingParams
+from .scheduler import MODES, QueueFull, RequestRejected
+
+log = logging.getLogger("minibatch.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped; no request can run."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, stats_ring: int = 600) -> None:
+        self.engine = engine
+        self._inbox: deque[Callable[[], None]] = deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._queued = 0  # submitted but not yet in the scheduler's waiting queue
+        self.stats: deque[StepStats] = deque(maxlen=stats_ring)
+        self.stats_listeners: list[Callable[[StepStats], None]] = []  # called on the engine thread
+        self.last_error: str | None = None
+        self.last_error_time: float | None = None
+        self.started_at = time.time()
+        self._thread = threading.Thread(target=self._run, name="minibatch-engine", daemon=True)
+
+    # -- lifecycle --------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- requests ---------------------------------------------------------
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Check and queue a request (from the event loop); raises RequestRejected or QueueFull at once."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        request_id = request_id or f"req-{next(self._ids)}"
+        sched = self.engine.scheduler
+        probe = Request(request_id, list(prompt_token_ids), params)
+        sched.check(probe)
+        cap = sched.config.max_queue
+        if cap is not None and len(sched.waiting) + self._queued >= cap:
+            raise QueueFull(f"the waiting queue is full ({cap} requests); retry later")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, queue)
+        self._queued += 1
+
+        def add() -> None:
+            self._queued -= 1
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params)
+            except RequestRejected as exc:
+                self._emit(RequestOutput(request_id, "", [], True, "abort", error=str(exc)))
+
+        self._inbox.append(add)
+        self._wake.set()
+        return request_id
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of a submitted request until its final one. Leaving early aborts it."""
+        _, queue = self._streams[request_id]
+        finished = False
+        try:
+            while True:
+                out: RequestOutput = await queue.get()
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        request_id = self.submit(prompt_token_ids, params, request_id)
+        async for out in self.stream(request_id):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the request's blocks are freed at the next step."""
+        self._inbox.append(lambda: self.engine.abort(request_id))
+        self._wake.set()
+
+    def set_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self._inbox.append(lambda: self.engine.set_mode(mode))
+        self._wake.set()
+
+    # -- the engine thread ------------------------------------------------
+    def _emit(self, out: RequestOutput) -> None:
+        entry = self._streams.get(out.request_id)
+        if entry is not None:
+            loop, queue = entry
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+            except RuntimeError:  # the loop is closed
+                pass
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            self._inbox.popleft()()
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._wake.clear()
+            self._drain_inbox()
+            if not engine.has_work():
+                self._wake.wait()
+                continue
+            try:
+                outputs, stats = engine.step()
+            except Exception as exc:  # the forward failed: fail in-flight requests, keep serving
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                self.last_error_time = time.time()
+                log.error("engine step failed: %s\n%s", self.last_error, traceback.format_exc())
+                for out in engine.fail_all(f"engine error: {self.last_error}"):
+                    self._emit(out)
+                continue
+            for out in outputs:
+                self._emit(out)
+            if stats is not None:
+                self.stats.append(stats)
+                for listener in list(self.stats_listeners):
+                    listener(stats)
+            elif not outputs:
+                # Nothing ran: wait for news or the static batch deadline.
+                wakeup = engine.scheduler.next_wakeup()
+                timeout = None if wakeup is None else max(0.0, wakeup - engine.clock())
+                self._wake.wait(timeout)

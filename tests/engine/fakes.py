@@ -1,0 +1,55 @@
+"""Fakes for one-part tests: a runner that needs no model and a character tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class FakeRunnerOutput:
+    sampled: dict[str, int]
+
+
+class FakeRunner:
+    """Checks what a real runner relies on, and 'samples' a token from the request's own history.
+
+    The token depends only on the request's tokens, so a request gets the same
+    output alone, in a batch, and after preemption and recompute.
+    """
+
+    def __init__(self, block_size: int, vocab: int = 50) -> None:
+        self.block_size, self.vocab = block_size, vocab
+        self.steps: list = []
+
+    def execute(self, out):
+        self.steps.append(out)
+        sampled = {}
+        for req, n in zip(out.requests, out.num_new_tokens):
+            end = req.num_computed_tokens + n
+            assert 1 <= n and end <= req.num_tokens
+            assert len(req.block_ids) * self.block_size >= end, "blocks do not cover the chunk"
+            assert 0 not in req.block_ids, "the null block was handed out"
+            if end == req.num_tokens:
+                sampled[req.request_id] = self.next_token(req.tokens(0, end))
+        return FakeRunnerOutput(sampled)
+
+    def next_token(self, tokens: list[int]) -> int:
+        return (sum(tokens) * 31 + len(tokens)) % self.vocab + 3
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+class CharTokenizer:
+    """Token id i decodes to one letter; ids below 3 are special (skipped)."""
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + (i - 3) % 26) for i in ids if i >= 3 or not skip_special_tokens)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
