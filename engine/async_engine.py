@@ -45,6 +45,7 @@ class AsyncEngine:
         self.last_error: str | None = None
         self.last_error_time: float | None = None
         self.started_at = time.time()
+        self.loop_iterations = 0  # engine-thread wakeups; stays flat while idle (no busy-wait)
         self._thread = threading.Thread(target=self._run, name="minibatch-engine", daemon=True)
 
     # -- lifecycle --------------------------------------------------------
@@ -139,6 +140,7 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
+            self.loop_iterations += 1
             self._wake.clear()
             self._drain_inbox()
             if not engine.has_work():

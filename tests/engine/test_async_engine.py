@@ -1,0 +1,133 @@
+"""AsyncEngine with a fake runner: streaming across threads, aborts, rejection, faults, idle sleep."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from minibatch.engine.async_engine import AsyncEngine
+from minibatch.engine.block_manager import BlockManager
+from minibatch.engine.engine import LLMEngine
+from minibatch.engine.sampling_params import SamplingParams
+from minibatch.engine.scheduler import QueueFull, RequestRejected, SchedulerConfig
+
+from .fakes import CharTokenizer, FakeRunner
+
+
+class SlowRunner(FakeRunner):
+    def __init__(self, block_size, delay=0.002, fail_at=None):
+        super().__init__(block_size)
+        self.delay, self.fail_at = delay, fail_at
+
+    def execute(self, out):
+        time.sleep(self.delay)
+        if self.fail_at is not None and len(self.steps) + 1 == self.fail_at:
+            self.steps.append(out)
+            raise RuntimeError("injected fault")
+        return super().execute(out)
+
+
+def make_async(runner=None, queue=None, num_blocks=64, mode="continuous"):
+    runner = runner or SlowRunner(4)
+    engine = LLMEngine(runner, CharTokenizer(), BlockManager(num_blocks, 4), SchedulerConfig(4, 32, 256, 10.0, queue), (2,), mode)
+    a = AsyncEngine(engine)
+    a.start()
+    return a
+
+
+def greedy(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+async def collect(a, prompt, n, **kw):
+    outs = [o async for o in a.generate(prompt, greedy(n), **kw)]
+    return outs
+
+
+@pytest.mark.parametrize("mode", ["continuous", "static"])
+def test_concurrent_streams_complete(mode):
+    a = make_async(mode=mode)
+
+    async def main():
+        return await asyncio.gather(*(collect(a, [5 + i, 6, 7], 6 + i) for i in range(6)))
+
+    try:
+        results = asyncio.run(main())
+        for i, outs in enumerate(results):
+            assert outs[-1].finished and outs[-1].finish_reason == "length"
+            assert sum(len(o.token_ids) for o in outs) == 6 + i
+            assert outs[-1].metrics.output_tokens == 6 + i and outs[-1].metrics.ttft is not None
+        assert a.stats and a.stats[-1].mode == mode
+        assert a.engine.scheduler.blocks.num_used_blocks == 0
+    finally:
+        a.shutdown()
+
+
+def test_leaving_the_stream_aborts_and_frees_blocks():
+    a = make_async(SlowRunner(4, delay=0.01))
+
+    async def main():
+        gen = a.generate([5, 6, 7], greedy(200))
+        async for out in gen:
+            if out.token_ids:
+                break
+        await gen.aclose()
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if not a.engine.has_work():
+                break
+
+    try:
+        asyncio.run(main())
+        assert not a.engine.has_work() and a.engine.scheduler.blocks.num_used_blocks == 0
+    finally:
+        a.shutdown()
+
+
+def test_rejection_and_queue_cap_are_immediate():
+    a = make_async(SlowRunner(4, delay=0.05), queue=1)
+
+    async def main():
+        with pytest.raises(RequestRejected, match="context limit"):
+            a.submit([5] * 300, greedy(4))
+        a.submit([5, 6], greedy(50))
+        # the first is still in the inbox (not yet admitted): it counts against the cap
+        a.submit([5, 6], greedy(50))
+
+    try:
+        with pytest.raises(QueueFull):
+            asyncio.run(main())
+    finally:
+        a.shutdown()
+
+
+def test_forward_fault_ends_streams_with_an_error_and_engine_keeps_serving():
+    a = make_async(SlowRunner(4, fail_at=3))
+
+    async def main():
+        first = await asyncio.gather(collect(a, [5, 6], 20), collect(a, [7, 8], 20))
+        after = await collect(a, [9, 10], 5)
+        return first, after
+
+    try:
+        first, after = asyncio.run(main())
+        for outs in first:
+            assert outs[-1].finished and outs[-1].finish_reason == "abort" and "injected fault" in outs[-1].error
+        assert after[-1].finish_reason == "length" and a.last_error and "injected fault" in a.last_error
+        assert a.engine.scheduler.blocks.num_used_blocks == 0
+    finally:
+        a.shutdown()
+
+
+def test_idle_engine_sleeps():
+    a = make_async()
+    try:
+        asyncio.run(collect(a, [5, 6], 3))
+        time.sleep(0.05)
+        before = a.loop_iterations
+        time.sleep(0.3)
+        assert a.loop_iterations == before
+    finally:
+        a.shutdown()
