@@ -150,13 +150,15 @@ class Scheduler:
         self.requests[req.request_id] = req
 
     # -- the step ---------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def _switch_if_at_boundary(self) -> None:
         policy = self.policies[self.mode]
         if self.pending_mode is not None and policy.at_boundary():
             policy.end()
             self.mode, self.pending_mode = self.pending_mode, None
-            policy = self.policies[self.mode]
-        out = policy.schedule(admit=self.pending_mode is None)
+
+    def schedule(self) -> SchedulerOutput:
+        self._switch_if_at_boundary()
+        out = self.policies[self.mode].schedule(admit=self.pending_mode is None)
         self.num_preemptions += len(out.preempted)
         self.wasted_row_steps += len(out.padding)
         return out
@@ -188,6 +190,7 @@ class Scheduler:
         req.finished_time = self.clock()
         if req in self.running:
             self.policies[self.mode].on_finish(req)
+        self._switch_if_at_boundary()
 
     def release(self, req: Request) -> None:
         """Drop a finished request from the running set and free its blocks."""
@@ -224,6 +227,7 @@ class Scheduler:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.pending_mode = None if mode == self.mode else mode
+        self._switch_if_at_boundary()
 
     @property
     def num_unfinished(self) -> int:

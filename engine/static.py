@@ -61,7 +61,9 @@ class StaticScheduler:
             out.add(req, req.num_tokens - req.num_computed_tokens)
 
     def on_finish(self, req: Request) -> None:
-        pass  # keeps its slot and blocks until the batch ends
+        # It keeps its slot and blocks until the batch ends: when its last member finishes.
+        if all(r.status.finished for r in self.s.running):
+            self.end()
 
     def at_boundary(self) -> bool:
         return all(r.status.finished for r in self.s.running)

@@ -133,6 +133,7 @@ class LlamaForCausalLM(nn.Module):
         self.config, self.backend = cfg, backend
         self.model = LlamaBody(cfg, backend)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.logits_proj: nn.Module | None = None  # a packed output projection, when the CPU path made one
 
     def forward(
         self,
@@ -148,5 +149,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+        if self.logits_proj is not None:
+            return self.logits_proj(hidden)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight)

@@ -9,6 +9,7 @@ from safetensors import safe_open
 
 from ..attention import AttentionBackend
 from .config import ModelConfig
+from .cpu_linear import PackedLinear, pack_linears, packed_linear_available
 from .llama import LlamaForCausalLM
 
 # Hugging Face keeps these projections apart; we stack them: (our name, shard index).
@@ -32,6 +33,7 @@ def load_model(
     backend: AttentionBackend,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    packed: bool = True,
 ) -> LlamaForCausalLM:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
@@ -40,7 +42,14 @@ def load_model(
     model = model.to_empty(device=device).to(dtype)
     load_weights(model, sorted(model_dir.glob("*.safetensors")))
     model.model.rotary.build_tables(torch.device(device))
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if packed and torch.device(device).type == "cpu" and dtype == torch.float32 and packed_linear_available():
+        out_weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        model.logits_proj = PackedLinear(out_weight, None)
+        if model.lm_head is not None:
+            model.lm_head = None  # its packed copy is all the forward uses
+        pack_linears(model.model)
+    return model
 
 
 def _shard_bounds(model: LlamaForCausalLM, stacked: str) -> list[int]:
