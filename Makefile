@@ -18,7 +18,7 @@ TORCH_SPEC ?= torch==2.13.0
 endif
 TORCH_PIP_ARGS ?=
 
-.PHONY: install test clean-venv
+.PHONY: install test chat clean-venv
 
 install: $(STAMP)
 
@@ -36,6 +36,10 @@ $(STAMP): pyproject.toml Makefile
 
 test: install
 	$(PY) -m pytest -q
+
+# Start the daemon with the built-in model if it is not running, then open the chat.
+chat: install
+	$(VENV)/bin/minibatch-chat --start
 
 clean-venv:
 	rm -rf $(VENV)

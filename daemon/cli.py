@@ -1,13 +1,234 @@
-"""`minibatchd`: the daemon's command line."""
+"""`minibatchd`: start, stop and inspect the daemon.
+
+Every option also reads an environment variable MINIBATCH_<NAME> (for example
+MINIBATCH_MAX_NUM_SEQS=16); a flag given on the command line wins.
+"""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
+
+from .client import request_json
+from .lifecycle import LifecycleError, ensure_private_dir, running_pid
+from .paths import default_log_file, default_socket
+
+OPTIONS = [
+    # flag, type, default, help
+    ("--model", str, "smollm2-135m-instruct", "model alias, HF directory, .gguf file or hub id"),
+    ("--mode", str, "continuous", "batching mode at start: continuous or static"),
+    ("--max-num-seqs", int, 32, "running requests at most (static: the batch size)"),
+    ("--max-num-batched-tokens", int, 512, "tokens per forward step"),
+    ("--max-model-len", int, None, "context limit (default: the model's)"),
+    ("--max-queue", int, 256, "waiting requests at most; beyond it requests get 429"),
+    ("--max-wait-ms", float, 50.0, "static mode: longest wait for a batch to fill"),
+    ("--kv-cache-gb", float, None, "KV cache size (default: 10%% of available memory)"),
+    ("--block-size", int, 16, "tokens per KV block"),
+    ("--device", str, "auto", "auto, cpu or cuda"),
+    ("--dtype", str, "auto", "auto (fp32 on CPU, bf16 on GPU), float32, float16, bfloat16"),
+    ("--threads", int, None, "PyTorch CPU threads (default: all cores)"),
+    ("--host", str, None, "also listen on TCP at this host (default 127.0.0.1 when --port is set)"),
+    ("--port", int, None, "also listen on TCP at this port (off by default)"),
+    ("--shutdown-timeout", float, 30.0, "seconds to drain in-flight requests on stop"),
+    ("--request-timeout", float, 600.0, "wall-clock limit per request, seconds"),
+    ("--log-file", str, None, "log file for the background daemon (default: user state dir)"),
+]
+
+
+def env_name(flag: str) -> str:
+    return "MINIBATCH_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", type=Path, default=None, help=f"Unix socket path (env MINIBATCH_SOCKET; default {default_socket()})")
+
+
+def add_server_options(p: argparse.ArgumentParser) -> None:
+    for flag, typ, default, help_ in OPTIONS:
+        env = os.environ.get(env_name(flag))
+        value = typ(env) if env not in (None, "") else default
+        p.add_argument(flag, type=typ, default=value, help=f"{help_} (env {env_name(flag)})")
+    p.add_argument("--foreground", action="store_true", help="run attached to this terminal instead of in the background")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the daemon to become ready")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="minibatchd", description="minibatch inference daemon on a Unix socket")
+    sub = ap.add_subparsers(dest="command", required=True)
+    start = sub.add_parser("start", help="start the daemon (in the background unless --foreground)")
+    add_common(start)
+    add_server_options(start)
+    for name, help_ in (("stop", "stop the daemon: drain in-flight requests, then exit"), ("status", "show what the daemon is doing")):
+        p = sub.add_parser(name, help=help_)
+        add_common(p)
+        if name == "stop":
+            p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it to exit")
+    logs = sub.add_parser("logs", help="print the daemon's log")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
+    logs.add_argument("--log-file", type=Path, default=None)
+    sub.add_parser("models", help="list the models this machine can serve without a network")
+    return ap
+
+
+def socket_of(args) -> Path:
+    return Path(args.socket) if args.socket else default_socket()
+
+
+def engine_config(args):
+    from minibatch.engine.factory import EngineConfig
+
+    return EngineConfig(
+        model=args.model, mode=args.mode, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, block_size=args.block_size,
+        kv_cache_gb=args.kv_cache_gb, device=args.device, dtype=args.dtype, threads=args.threads,
+    )
+
+
+def cmd_start(args) -> int:
+    sock = socket_of(args)
+    try:
+        ensure_private_dir(sock.parent)
+        cfg = engine_config(args)
+    except (LifecycleError, ValueError) as exc:
+        print(f"minibatchd: {exc}", file=sys.stderr)
+        return 2
+    pid = running_pid(sock)
+    if pid:
+        print(f"minibatchd: already running (pid {pid}) on {sock}", file=sys.stderr)
+        return 1
+    if args.foreground:
+        from .server import DaemonConfig, serve
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        conf = DaemonConfig(cfg, sock, args.host, args.port, args.shutdown_timeout, args.request_timeout)
+        return asyncio.run(serve(conf))
+    return start_background(args, sock)
+
+
+def start_background(args, sock: Path) -> int:
+    log_file = Path(args.log_file) if args.log_file else default_log_file()
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "minibatch.daemon.cli", *sys.argv[1:], "--foreground", "--socket", str(sock)]
+    offset = log_file.stat().st_size if log_file.exists() else 0
+    with open(log_file, "ab") as log:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    print(f"minibatchd: starting (pid {proc.pid}), log {log_file}", file=sys.stderr)
+    deadline = time.monotonic() + args.start_timeout
+    with open(log_file, "rb") as f:
+        f.seek(offset)
+        while time.monotonic() < deadline:
+            chunk = f.read()
+            if chunk:  # show conversion and loading progress as it happens
+                sys.stderr.write(chunk.decode(errors="replace"))
+                sys.stderr.flush()
+            if proc.poll() is not None:
+                print(f"minibatchd: the daemon exited with status {proc.returncode} before it was ready (see above)", file=sys.stderr)
+                return 1
+            try:
+                status, body = request_json(str(sock), "GET", "/health", timeout=2)
+                if status == 200:
+                    print(f"minibatchd: ready (pid {proc.pid}) on {sock}")
+                    print(str(sock))
+                    return 0
+            except OSError:
+                pass
+            time.sleep(0.25)
+    print(f"minibatchd: not ready after {args.start_timeout:.0f} s; still starting (pid {proc.pid}), see {log_file}", file=sys.stderr)
+    return 1
+
+
+def cmd_stop(args) -> int:
+    sock = socket_of(args)
+    pid = running_pid(sock)
+    if not pid or pid < 0:
+        print(f"minibatchd: not running on {sock}", file=sys.stderr)
+        return 1
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        if running_pid(sock) is None:
+            print(f"minibatchd: stopped (pid {pid})")
+            return 0
+        time.sleep(0.1)
+    print(f"minibatchd: pid {pid} did not exit within {args.timeout:.0f} s", file=sys.stderr)
+    return 1
+
+
+def cmd_status(args) -> int:
+    sock = socket_of(args)
+    pid = running_pid(sock)
+    if not pid:
+        print(f"minibatchd: not running on {sock}")
+        return 3
+    try:
+        hstatus, health = request_json(str(sock), "GET", "/health")
+    except OSError as exc:
+        print(f"minibatchd: pid {pid} holds the lock but the socket does not answer: {exc}")
+        return 1
+    lines = [
+        ("pid", pid), ("socket", sock), ("status", health.get("status")), ("uptime", f"{health.get('uptime_s', 0):.0f} s"),
+        ("model", health.get("model")), ("device", f"{health.get('device', '?')} ({health.get('dtype', '?')})"),
+    ]
+    if hstatus == 200:
+        _, s = request_json(str(sock), "GET", "/v1/engine/stats?steps=0")
+        mode = s["mode"] + (f" (switching to {s['pending_mode']})" if s.get("pending_mode") else "")
+        lines += [
+            ("mode", mode), ("running", f"{s['running']} / {s['max_num_seqs']}"), ("waiting", s["waiting"]),
+            ("kv cache", f"{s['kv_blocks_used']} / {s['kv_blocks_total']} blocks ({s['kv_usage_percent']:.1f}%)"),
+            ("tokens/s", f"{s['decode_tokens_per_s']:.1f} decode, {s['prefill_tokens_per_s']:.1f} prefill (last 2 s)"),
+            ("prefix hits", f"{100 * s['prefix_cache_hit_rate']:.1f}% of prompt tokens"),
+            ("preemptions", s["preemptions"]),
+        ]
+    if health.get("last_error"):
+        lines.append(("last error", health["last_error"]))
+    for k, v in lines:
+        print(f"{k:>12}: {v}")
+    return 0 if hstatus == 200 else 1
+
+
+def cmd_logs(args) -> int:
+    path = Path(args.log_file) if args.log_file else default_log_file()
+    if not path.exists():
+        print(f"minibatchd: no log at {path}", file=sys.stderr)
+        return 1
+    with open(path, "rb") as f:
+        sys.stdout.write(f.read().decode(errors="replace"))
+        sys.stdout.flush()
+        while args.follow:
+            chunk = f.read()
+            if chunk:
+                sys.stdout.write(chunk.decode(errors="replace"))
+                sys.stdout.flush()
+            else:
+                time.sleep(0.25)
+    return 0
+
+
+def cmd_models(args) -> int:
+    from minibatch.engine.model_store import list_models
+
+    for m in list_models():
+        state = "ready" if m.ready else "converts on first use" if m.kind == "builtin" and m.note else "-"
+        print(f"{m.name:<28} {m.kind:<10} {state:<22} {m.note}")
+    print("\nAlso accepted by --model: a Hugging Face model directory, a .gguf file, or a hub id when online.")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("minibatchd: the daemon is not part of this build yet", file=sys.stderr)
-    return 2
+    args = build_parser().parse_args(argv)
+    handler = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "logs": cmd_logs, "models": cmd_models}
+    try:
+        return handler[args.command](args)
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

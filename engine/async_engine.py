@@ -46,6 +46,8 @@ class AsyncEngine:
         self.last_error_time: float | None = None
         self.started_at = time.time()
         self.loop_iterations = 0  # engine-thread wakeups; stays flat while idle (no busy-wait)
+        self.block_map: dict = {"total": 0, "owners": {}, "shared": []}  # refreshed on the engine thread
+        self._block_map_at = 0.0
         self._thread = threading.Thread(target=self._run, name="minibatch-engine", daemon=True)
 
     # -- lifecycle --------------------------------------------------------
@@ -117,6 +119,20 @@ class AsyncEngine:
         self._inbox.append(lambda: self.engine.abort(request_id))
         self._wake.set()
 
+    def abort_all(self, error: str) -> None:
+        """End every request with `error` (shutdown after the drain timeout)."""
+
+        def fail() -> None:
+            for out in self.engine.fail_all(error):
+                self._emit(out)
+
+        self._inbox.append(fail)
+        self._wake.set()
+
+    @property
+    def idle(self) -> bool:
+        return not self._inbox and self._queued == 0 and not self.engine.has_work()
+
     def set_mode(self, mode: str) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -124,6 +140,15 @@ class AsyncEngine:
         self._wake.set()
 
     # -- the engine thread ------------------------------------------------
+    def _refresh_block_map(self) -> None:
+        """Which request holds which KV blocks (read by the daemon for the TUI's block map)."""
+        bm = self.engine.scheduler.blocks
+        owners = {rid: [b.block_id for b in blocks] for rid, blocks in bm.req_blocks.items()}
+        shared = sorted({b.block_id for blocks in bm.req_blocks.values() for b in blocks if b.ref_count > 1})
+        self.block_map = {"total": bm.num_usable_blocks, "block_size": bm.block_size, "owners": owners, "shared": shared,
+                          "cached_free": sum(1 for b in bm.free_queue.values() if b.block_hash is not None)}
+        self._block_map_at = time.monotonic()
+
     def _emit(self, out: RequestOutput) -> None:
         entry = self._streams.get(out.request_id)
         if entry is not None:
@@ -157,6 +182,8 @@ class AsyncEngine:
                 continue
             for out in outputs:
                 self._emit(out)
+            if time.monotonic() - self._block_map_at > 0.2 or not engine.has_work():
+                self._refresh_block_map()
             if stats is not None:
                 self.stats.append(stats)
                 for listener in list(self.stats_listeners):

@@ -57,12 +57,12 @@ def available_memory_bytes() -> int:
 
 def build_engine(config: EngineConfig) -> LLMEngine:
     import torch
-    from transformers import AutoTokenizer
 
     from .attention import TorchAttentionBackend
     from .kv_cache import allocate_kv_cache, num_blocks_for_budget
     from .model_runner import ModelRunner
     from .models import load_model
+    from .tokenizer import TextTokenizer
 
     device = config.device
     if device == "auto":
@@ -76,7 +76,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 
     model_dir = resolve_model(config.model)
     model = load_model(model_dir, TorchAttentionBackend(), device=device, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = TextTokenizer(model_dir)
     cfg = model.config
     max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
 
@@ -97,6 +97,9 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         raise ValueError(f"the KV-cache budget gives {num_blocks} blocks; need at least 2")
     caches = allocate_kv_cache(cfg, num_blocks, config.block_size, dtype, device)
     runner = ModelRunner(model, caches, config.block_size)
+    fault = os.environ.get("MINIBATCH_FAULT_AT_STEP")  # test-only: make one forward raise
+    if fault:
+        runner.fault_at_step = int(fault)
 
     eos = set(cfg.eos_token_ids)
     if tokenizer.eos_token_id is not None:

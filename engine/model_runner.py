@@ -30,13 +30,13 @@ class ModelRunner:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.device = next(model.parameters()).device
         self.sampler = Sampler(self.device)
-        self.fault_at_step: int | None = None  # test hook: raise in the forward of this step
+        self.fault_at_step: int | None = None  # test hook: the forward of this step raises (once)
         self.steps = 0
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.steps += 1
-        if self.fault_at_step is not None and self.steps >= self.fault_at_step:
+        if self.fault_at_step == self.steps:
             raise RuntimeError(f"injected forward fault at step {self.steps}")
         chunks, starts, tables, samplers = [], [], [], []
         for req, n in zip(out.requests, out.num_new_tokens):

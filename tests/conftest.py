@@ -74,3 +74,25 @@ def short_tmp():
     with tempfile.TemporaryDirectory(prefix="mb-", dir="/tmp") as d:
         os.chmod(d, 0o700)
         yield Path(d)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json", "generation_config.json")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory, builtin_model_dir) -> Path:
+    """A tiny random Llama with the built-in model's tokenizer and chat template: fast, but speaks our protocol."""
+    import shutil
+
+    import torch
+    import transformers
+
+    path = tmp_path_factory.mktemp("tiny-chat")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**TINY_COMMON, "vocab_size": 49152, "max_position_embeddings": 1024},
+                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        if (builtin_model_dir / name).exists():
+            shutil.copy(builtin_model_dir / name, path / name)
+    return path

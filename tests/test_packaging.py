@@ -6,7 +6,10 @@ import shutil
 import subprocess
 import sys
 
-SUBPACKAGES = ["minibatch.engine", "minibatch.engine.models", "minibatch.kernels", "minibatch.daemon", "minibatch.tui"]
+SUBPACKAGES = [
+    "minibatch.engine", "minibatch.engine.models", "minibatch.kernels", "minibatch.daemon",
+    "minibatch.tui", "minibatch.tui.widgets", "minibatch.tui.screens",
+]
 
 
 def test_subpackages_import_and_no_top_level_names_leak(tmp_path):
@@ -26,6 +29,17 @@ def test_console_scripts_are_installed():
     bindir = __import__("pathlib").Path(sys.executable).parent
     for script in ("minibatchd", "minibatch-chat"):
         assert (bindir / script).exists() or shutil.which(script), script
+
+
+def test_tui_speaks_only_the_socket_protocol(tmp_path):
+    code = (
+        "import sys\n"
+        "import minibatch.tui.app, minibatch.tui.cli\n"
+        "bad = [m for m in sys.modules if m.startswith('minibatch.engine') or m in ('torch', 'transformers')]\n"
+        "assert not bad, bad\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
 
 
 def test_engine_core_imports_no_web_or_ui_framework(tmp_path):

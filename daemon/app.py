@@ -1,0 +1,310 @@
+"""The HTTP API on the socket: thin handlers (validate -> engine -> respond or stream)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from minibatch.engine.outputs import RequestOutput
+from minibatch.engine.request import RequestMetrics
+from minibatch.engine.scheduler import MODES, QueueFull, RequestRejected
+
+from .protocol import ApiError, ChatRequest, CompletionRequest, parse_body
+
+log = logging.getLogger("minibatch.daemon")
+DEFAULT_MAX_TOKENS = 1024
+
+
+@dataclass
+class DaemonState:
+    model_name: str
+    request_timeout: float = 600.0  # wall-clock limit per request, seconds
+    body_timeout: float = 30.0  # seconds to receive a request body
+    engine: object | None = None  # AsyncEngine once loaded
+    monitor: object | None = None
+    tokenizer: object | None = None
+    info: dict = field(default_factory=dict)
+    started_at: float = field(default_factory=time.time)
+    status: str = "loading"  # loading | ready | draining | failed
+    load_error: str | None = None
+
+    def ready_engine(self):
+        if self.status == "draining":
+            raise ApiError(503, "the daemon is shutting down", None, "shutting_down", "unavailable")
+        if self.status != "ready" or self.engine is None:
+            msg = "the model is still loading" if self.status == "loading" else f"the engine is not available: {self.load_error}"
+            raise ApiError(503, msg, None, "not_ready", "unavailable", {"Retry-After": "2"})
+        if not self.engine.alive:
+            raise ApiError(503, "the engine thread has stopped; see the log", None, "engine_dead", "unavailable")
+        return self.engine
+
+
+STATE = web.AppKey("state", DaemonState)
+
+
+def timings(m: RequestMetrics | None) -> dict:
+    def ms(v):
+        return None if v is None else round(v * 1000, 3)
+
+    if m is None:
+        return {}
+    return {
+        "queue_wait_ms": ms(m.queue_wait), "ttft_ms": ms(m.ttft), "decode_ms": ms(m.decode_time),
+        "tpot_ms": ms(m.tpot), "e2e_ms": ms(m.e2e), "preemptions": m.preemptions,
+        "cached_prompt_tokens": m.cached_prompt_tokens,
+    }
+
+
+def usage(m: RequestMetrics | None, prompt_tokens: int, completion_tokens: int) -> dict:
+    cached = m.cached_prompt_tokens if m else 0
+    return {
+        "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+@web.middleware
+async def errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        body = ApiError(exc.status, exc.reason, None, exc.reason.lower().replace(" ", "_")).body()
+        return web.json_response(body, status=exc.status, headers={k: v for k, v in exc.headers.items() if k == "Allow"})
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return web.json_response(ApiError(500, "internal error; see the daemon log", None, "internal", "server_error").body(), status=500)
+
+
+async def read_body(request: web.Request, state: DaemonState, model):
+    try:
+        raw = await asyncio.wait_for(request.read(), state.body_timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"request body not received within {state.body_timeout:g} s", None, "timeout") from None
+    return parse_body(raw, model)
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    eng = state.engine
+    ok = state.status == "ready" and eng is not None and eng.alive
+    body = {
+        "status": "ok" if ok else state.status if state.status != "ready" else "failed",
+        "model": state.model_name, "uptime_s": round(time.time() - state.started_at, 1),
+        "last_error": eng.last_error if eng else state.load_error,
+        "last_error_time": eng.last_error_time if eng else None, **state.info,
+    }
+    return web.json_response(body, status=200 if ok else 503)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    data = [{"id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "minibatch",
+             "max_model_len": state.info.get("max_model_len")}]
+    return web.json_response({"object": "list", "data": data})
+
+
+def check_model(state: DaemonState, name: str | None) -> None:
+    if name is not None and name not in (state.model_name, "default"):
+        raise ApiError(404, f"model {name!r} does not exist; this daemon serves {state.model_name!r}", "model", "model_not_found")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body: ChatRequest = await read_body(request, state, ChatRequest)
+    check_model(state, body.model)
+    engine = state.ready_engine()
+    try:
+        ids = state.tokenizer.chat([{"role": m.role, "content": m.text()} for m in body.messages])
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "messages", "no_chat_template") from None
+    if body.max_completion_tokens and not body.max_tokens:
+        body.max_tokens = body.max_completion_tokens
+    return await run_request(request, state, engine, body, ids, "chat.completion", f"chatcmpl-{uuid.uuid4().hex}")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body: CompletionRequest = await read_body(request, state, CompletionRequest)
+    check_model(state, body.model)
+    engine = state.ready_engine()
+    ids = list(body.prompt) if isinstance(body.prompt, list) else state.tokenizer.encode(body.prompt)
+    vocab = state.info.get("vocab_size")
+    if vocab and any(t >= vocab for t in ids):
+        raise ApiError(400, f"prompt: token ids must be below the vocabulary size {vocab}", "prompt", "invalid_value")
+    return await run_request(request, state, engine, body, ids, "text_completion", f"cmpl-{uuid.uuid4().hex}")
+
+
+def submit(state: DaemonState, engine, body, ids: list[int], request_id: str) -> None:
+    limit = state.info.get("max_model_len") or 0
+    if not ids:
+        raise ApiError(400, "the prompt is empty", "messages" if isinstance(body, ChatRequest) else "prompt", "empty_prompt")
+    if limit and len(ids) >= limit:
+        raise ApiError(400, f"the prompt has {len(ids)} tokens; the context limit is {limit}", "messages", "context_length_exceeded")
+    params = body.sampling_params(min(DEFAULT_MAX_TOKENS, limit - len(ids)) if limit else DEFAULT_MAX_TOKENS)
+    try:
+        engine.submit(ids, params, request_id)
+    except QueueFull as exc:
+        raise ApiError(429, str(exc), None, "queue_full", "rate_limit_error", {"Retry-After": "1"}) from None
+    except RequestRejected as exc:
+        raise ApiError(exc.status, str(exc), exc.field, "context_length_exceeded" if "context" in str(exc) else "rejected") from None
+
+
+async def run_request(request, state: DaemonState, engine, body, ids, kind: str, request_id: str):
+    submit(state, engine, body, ids, request_id)
+    created = int(time.time())
+    base = {"id": request_id, "created": created, "model": state.model_name}
+    chat = kind == "chat.completion"
+    outputs = engine.stream(request_id)
+    try:
+        async with asyncio.timeout(state.request_timeout):
+            if body.stream:
+                return await stream_response(request, state, outputs, base, chat, len(ids), body.include_usage)
+            return await full_response(state, outputs, base, chat, len(ids))
+    except TimeoutError:
+        engine.abort(request_id)
+        raise ApiError(504, f"the request ran past its limit of {state.request_timeout:g} s and was aborted", None, "timeout") from None
+    finally:
+        await outputs.aclose()
+
+
+async def full_response(state, outputs, base, chat: bool, prompt_tokens: int) -> web.Response:
+    text, n, last = [], 0, None
+    async for out in outputs:
+        text.append(out.text)
+        n += len(out.token_ids)
+        last = out
+    state.monitor.on_request_done(last.metrics, last.finish_reason if not last.error else None)
+    if last.error:
+        raise ApiError(500, last.error, None, "engine_error", "server_error")
+    content = "".join(text)
+    choice = {"index": 0, "finish_reason": last.finish_reason}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": content}
+    else:
+        choice.update(text=content, logprobs=None)
+    return web.json_response({
+        **base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+        "usage": usage(last.metrics, prompt_tokens, n), "minibatch": timings(last.metrics),
+    })
+
+
+async def stream_response(request, state, outputs, base, chat: bool, prompt_tokens: int, include_usage: bool):
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": base["id"]})
+    await resp.prepare(request)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+
+    async def send(payload: dict) -> None:
+        await resp.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+    def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> dict:
+        if chat:
+            delta = {"role": "assistant", "content": ""} if role else ({} if delta_text is None else {"content": delta_text})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
+        return {**base, "object": obj, "choices": [choice]}
+
+    if chat:
+        await send(chunk(None, None, role=True))
+    n = 0
+    last: RequestOutput | None = None
+    async for out in outputs:
+        last = out
+        n += len(out.token_ids)
+        if out.error:
+            state.monitor.on_request_done(out.metrics, None)
+            await send(ApiError(500, out.error, None, "engine_error", "server_error").body())
+            break
+        if out.text:
+            await send(chunk(out.text, None))
+        if out.finished:
+            state.monitor.on_request_done(out.metrics, out.finish_reason)
+            final = chunk(None, out.finish_reason)
+            final["minibatch"] = timings(out.metrics)
+            await send(final)
+            if include_usage:
+                await send({**base, "object": obj, "choices": [], "usage": usage(out.metrics, prompt_tokens, n)})
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def engine_stats(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    engine = state.ready_engine()
+    n = request.query.get("steps", "20")
+    if not n.isdigit() or int(n) > 600:
+        raise ApiError(400, "steps: must be an integer in [0, 600]", "steps", "invalid_value")
+    return web.json_response(state.monitor.snapshot(engine, int(n)))
+
+
+async def engine_events(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    engine = state.ready_engine()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    async for event in state.monitor.events(engine):
+        await resp.write(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
+    return resp
+
+
+async def engine_blocks(request: web.Request) -> web.Response:
+    """KV blocks by owning request (ids as returned in responses), blocks shared by several, cached free blocks."""
+    engine = request.app[STATE].ready_engine()
+    return web.json_response(engine.block_map)
+
+
+async def get_mode(request: web.Request) -> web.Response:
+    engine = request.app[STATE].ready_engine()
+    sched = engine.engine.scheduler
+    return web.json_response({"mode": sched.mode, "pending_mode": sched.pending_mode})
+
+
+async def put_mode(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    engine = state.ready_engine()
+    try:
+        data = json.loads(await asyncio.wait_for(request.read(), state.body_timeout))
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "body is not valid JSON", None, "invalid_json") from None
+    mode = data.get("mode") if isinstance(data, dict) else None
+    if mode not in MODES or set(data) != {"mode"}:
+        raise ApiError(400, f"mode: must be one of {', '.join(MODES)} (body: {{\"mode\": ...}})", "mode", "invalid_value")
+    engine.set_mode(mode)
+    sched = engine.engine.scheduler
+    # The switch is applied on the engine thread at the next batch boundary.
+    return web.json_response({"mode": sched.mode, "requested_mode": mode}, status=202)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = state.monitor.prometheus() if state.monitor else b""
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def create_app(state: DaemonState) -> web.Application:
+    app = web.Application(middlewares=[errors], client_max_size=8 * 2**20)
+    app[STATE] = state
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/engine/stats", engine_stats)
+    app.router.add_get("/v1/engine/events", engine_events)
+    app.router.add_get("/v1/engine/blocks", engine_blocks)
+    app.router.add_get("/v1/engine/mode", get_mode)
+    app.router.add_put("/v1/engine/mode", put_mode)
+    app.router.add_get("/metrics", metrics)
+    return app

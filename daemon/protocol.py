@@ -1,0 +1,135 @@
+"""Request bodies of the OpenAI-compatible API, validated with pydantic.
+
+Unknown fields are refused (a typo must not be silently ignored); types are
+strict (no "1" for 1); NaN and Infinity are refused. Each error names its field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from minibatch.engine.sampling_params import SamplingParams
+
+MAX_BODY_BYTES = 4 * 2**20
+
+Float = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class ApiError(Exception):
+    """An error answered with the one JSON error shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(_Body):
+    role: Literal["system", "user", "assistant"]
+    content: StrictStr | list[TextPart]
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+
+
+class _Sampling(_Body):
+    model: StrictStr | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(default=-1, ge=-1)
+    min_p: Float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: Float = Field(default=1.0, gt=0.0, le=2.0)
+    presence_penalty: Float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: Float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: StrictInt | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    ignore_eos: StrictBool = False
+    n: StrictInt = Field(default=1, ge=1, le=1)
+    user: StrictStr | None = None
+    logprobs: Literal[False] | None = None
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stop):
+            raise ApiError(400, "stop: stop strings must not be empty", "stop", "invalid_value")
+        if len(stop) > 16:
+            raise ApiError(400, f"stop: at most 16 stop strings, got {len(stop)}", "stop", "invalid_value")
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, seed=self.seed,
+            max_tokens=self.max_tokens or default_max_tokens, stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1, max_length=1000)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: StrictStr | list[Annotated[StrictInt, Field(ge=0)]]
+    echo: Literal[False] | None = None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_body(raw: bytes, model: type[BaseModel]):
+    """Parse and validate a JSON body, raising ApiError(400) that names the field."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise ApiError(413, f"body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}", None, "body_too_large")
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ApiError(400, f"body is not valid JSON: {exc}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "body must be a JSON object", None, "invalid_type")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        value = err.get("input")
+        shown = "" if err["type"] in ("missing", "extra_forbidden") or isinstance(value, (dict, list)) else f" (got {_short(value)})"
+        raise ApiError(400, f"{param}: {msg}{shown}", param, err["type"]) from None
+
+
+def _short(value) -> str:
+    text = repr(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
+    return text if len(text) <= 40 else text[:37] + "..."

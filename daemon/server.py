@@ -1,0 +1,116 @@
+"""Run the daemon in this process: lock, socket, load the engine, serve, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+
+from minibatch.engine.factory import EngineConfig
+
+from .app import DaemonState, create_app
+from .lifecycle import InstanceLock, LifecycleError, private_umask
+
+log = logging.getLogger("minibatch.daemon")
+
+
+@dataclass
+class DaemonConfig:
+    engine: EngineConfig
+    socket: Path
+    host: str | None = None
+    port: int | None = None
+    shutdown_timeout: float = 30.0
+    request_timeout: float = 600.0
+
+
+def load_engine(config: EngineConfig):
+    """Build the engine (in a worker thread: it takes seconds, longer on a first conversion)."""
+    from minibatch.engine.async_engine import AsyncEngine
+    from minibatch.engine.factory import build_engine
+
+    engine = build_engine(config)
+    return AsyncEngine(engine), engine.tokenizer
+
+
+async def serve(config: DaemonConfig) -> int:
+    loop = asyncio.get_running_loop()
+    lock = InstanceLock(config.socket)
+    try:
+        lock.acquire()
+    except LifecycleError as exc:
+        log.error("%s", exc)
+        return 1
+    state = DaemonState(model_name=config.engine.model, request_timeout=config.request_timeout)
+    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    stop = asyncio.Event()
+    try:
+        await runner.setup()
+        with private_umask():
+            await web.UnixSite(runner, str(config.socket)).start()
+        os.chmod(config.socket, 0o600)
+        if config.port is not None:
+            await web.TCPSite(runner, config.host or "127.0.0.1", config.port).start()
+            log.info("also listening on http://%s:%d", config.host or "127.0.0.1", config.port)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        log.info("listening on %s (pid %d); loading model %s", config.socket, os.getpid(), config.engine.model)
+
+        started = time.perf_counter()
+        try:
+            engine, tokenizer = await loop.run_in_executor(None, load_engine, config.engine)
+        except Exception as exc:
+            state.status, state.load_error = "failed", f"{type(exc).__name__}: {exc}"
+            log.error("could not load the model: %s", state.load_error)
+            return 1
+        from .monitor import EngineMonitor
+
+        state.monitor = EngineMonitor(loop)
+        engine.stats_listeners.append(state.monitor.on_step_threadsafe)
+        state.engine, state.tokenizer = engine, tokenizer
+        info = engine.engine.info
+        state.info = {k: info[k] for k in ("device", "dtype", "block_size", "num_kv_blocks", "max_model_len") if k in info}
+        state.info["vocab_size"] = engine.engine.runner.model.config.vocab_size
+        state.info["mode"] = engine.engine.mode
+        state.info["pid"] = os.getpid()
+        engine.start()
+        state.status = "ready"
+        log.info("ready in %.1f s: %s on %s (%s), %d KV blocks of %d tokens, mode %s",
+                 time.perf_counter() - started, config.engine.model, info.get("device"), info.get("dtype"),
+                 info.get("num_kv_blocks"), info.get("block_size"), engine.engine.mode)
+        await stop.wait()
+        await drain(state, config.shutdown_timeout)
+        return 0
+    finally:
+        await runner.cleanup()
+        if state.engine is not None:
+            state.engine.shutdown()
+        lock.release()
+        log.info("stopped")
+
+
+async def drain(state: DaemonState, timeout: float) -> None:
+    """Refuse new requests, let in-flight ones finish for up to `timeout` s, then end the rest with an error."""
+    state.status = "draining"
+    engine = state.engine
+    if engine is None:
+        return
+    log.info("draining: %d running, %d waiting (up to %.0f s)", len(engine.engine.scheduler.running),
+             len(engine.engine.scheduler.waiting), timeout)
+    deadline = time.monotonic() + timeout
+    while not engine.idle and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if not engine.idle:
+        log.warning("drain timeout: aborting the requests still in flight")
+        engine.abort_all("the daemon is shutting down; the request was aborted after the drain timeout")
+        for _ in range(100):
+            if engine.idle:
+                break
+            await asyncio.sleep(0.02)
+    await asyncio.sleep(0.1)  # let the last chunks reach their clients

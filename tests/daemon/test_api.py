@@ -1,0 +1,277 @@
+"""The real daemon over its real socket: the OpenAI-compatible API, native endpoints, errors, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from .helpers import Daemon, chat_body, read_sse, session
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_chat_model_dir, tmp_path_factory):
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="mbd-", dir="/tmp")
+    sock = __import__("pathlib").Path(d) / "d.sock"
+    daemon = Daemon(sock, tiny_chat_model_dir, "--max-num-seqs", "4", "--max-queue", "6", "--kv-cache-gb", "0.05")
+    daemon.wait_ready()
+    yield daemon
+    assert daemon.stop() == 0, daemon.log_text()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_health_and_models(daemon, tiny_chat_model_dir):
+    status, health = daemon.get("/health")
+    assert status == 200 and health["status"] == "ok" and health["device"] == "cpu"
+    assert health["model"] == str(tiny_chat_model_dir) and health["max_model_len"] == 1024
+    status, models = daemon.get("/v1/models")
+    assert status == 200 and models["object"] == "list"
+    assert [(m["id"], m["object"]) for m in models["data"]] == [(str(tiny_chat_model_dir), "model")]
+
+
+def test_chat_completion_non_streaming(daemon):
+    async def go():
+        async with session(daemon.socket) as s:
+            async with s.post("/v1/chat/completions", json=chat_body(max_tokens=8, temperature=0, ignore_eos=True)) as r:
+                return r.status, await r.json()
+
+    status, body = run(go())
+    assert status == 200 and body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    assert choice["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 8 and body["usage"]["prompt_tokens"] > 5
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 8
+    t = body["minibatch"]
+    assert {"queue_wait_ms", "ttft_ms", "decode_ms", "e2e_ms", "preemptions", "cached_prompt_tokens"} <= set(t)
+    assert 0 <= t["queue_wait_ms"] <= t["ttft_ms"] <= t["e2e_ms"]
+
+
+def test_chat_streaming_sse_format(daemon):
+    async def go():
+        async with session(daemon.socket) as s:
+            body = chat_body(max_tokens=6, temperature=0, ignore_eos=True, stream=True, stream_options={"include_usage": True})
+            async with s.post("/v1/chat/completions", json=body) as r:
+                assert r.headers["Content-Type"].startswith("text/event-stream")
+                return await read_sse(r)
+
+    events, raw = run(go())
+    assert raw.endswith(b"data: [DONE]\n\n") and events[-1] == "[DONE]"
+    assert raw.startswith(b"data: {") and b"\n\n\n" not in raw
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == "length" and "ttft_ms" in finals[0]["minibatch"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_completions_text_and_token_prompt(daemon):
+    async def go():
+        async with session(daemon.socket) as s:
+            async with s.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0, "ignore_eos": True}) as r:
+                a = r.status, await r.json()
+            async with s.post("/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": 3, "stream": True, "ignore_eos": True}) as r:
+                b = r.status, await read_sse(r)
+            return a, b
+
+    (sa, a), (sb, (events, _)) = run(go())
+    assert sa == 200 and a["object"] == "text_completion" and a["choices"][0]["finish_reason"] == "length"
+    assert isinstance(a["choices"][0]["text"], str) and a["usage"]["completion_tokens"] == 5
+    assert sb == 200 and events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    "body,status,param,text",
+    [
+        (chat_body(temperature=3), 400, "temperature", "less than or equal to 2"),
+        (chat_body(top_p=0), 400, "top_p", "greater than 0"),
+        (chat_body(max_tokens=0), 400, "max_tokens", "greater than or equal to 1"),
+        (chat_body(top_k=-2), 400, "top_k", "greater than or equal to -1"),
+        (chat_body(presence_penalty=2.5), 400, "presence_penalty", "less than or equal to 2"),
+        (chat_body(max_tokens="5"), 400, "max_tokens", "valid integer"),
+        (chat_body(bogus=1), 400, "bogus", "unknown field"),
+        ({"messages": []}, 400, "messages", "at least 1"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", "'system', 'user' or 'assistant'"),
+        (chat_body(n=2), 400, "n", "less than or equal to 1"),
+        (chat_body(model="gpt-4"), 404, "model", "does not exist"),
+        (chat_body(max_tokens=5000), 400, "max_tokens", "exceeds the context limit of 1024"),
+    ],
+)
+def test_validation_errors_name_the_field(daemon, body, status, param, text):
+    async def go():
+        async with session(daemon.socket) as s:
+            async with s.post("/v1/chat/completions", json=body) as r:
+                return r.status, await r.json()
+
+    got_status, err = run(go())
+    assert got_status == status, err
+    assert set(err) == {"error"} and set(err["error"]) == {"message", "type", "param", "code"}
+    assert err["error"]["param"] == param and text in err["error"]["message"], err
+
+
+def test_context_error_names_both_numbers_and_runs_no_prefill(daemon):
+    before = daemon.stats()["requests_finished"]
+    steps_before = len(daemon.get("/v1/engine/stats?steps=600")[1]["recent_steps"])
+
+    async def go():
+        async with session(daemon.socket) as s:
+            async with s.post("/v1/completions", json={"prompt": [5] * 1000, "max_tokens": 25}) as r:
+                return r.status, await r.json()
+
+    status, err = run(go())
+    assert status == 400 and "1000 tokens" in err["error"]["message"] and "max_tokens (25)" in err["error"]["message"]
+    assert "1024" in err["error"]["message"]
+    assert daemon.stats()["requests_finished"] == before
+    assert len(daemon.get("/v1/engine/stats?steps=600")[1]["recent_steps"]) == steps_before
+
+
+def test_bad_json_and_wrong_method_use_the_error_shape(daemon):
+    async def go():
+        async with session(daemon.socket) as s:
+            async with s.post("/v1/chat/completions", data=b"{not json") as r:
+                a = r.status, await r.json()
+            async with s.get("/v1/chat/completions") as r:
+                b = r.status, await r.json()
+            async with s.get("/nope") as r:
+                c = r.status, await r.json()
+            return a, b, c
+
+    (sa, a), (sb, b), (sc, c) = run(go())
+    assert sa == 400 and a["error"]["code"] == "invalid_json"
+    assert sb == 405 and "error" in b and sc == 404 and "error" in c
+
+
+def test_queue_overflow_gets_429_with_retry_after_and_the_rest_complete(daemon):
+    async def one(s):
+        async with s.post("/v1/chat/completions", json=chat_body(max_tokens=40, ignore_eos=True)) as r:
+            return r.status, dict(r.headers), await r.json()
+
+    async def go():
+        async with session(daemon.socket) as s:
+            return await asyncio.gather(*(one(s) for _ in range(20)))
+
+    results = run(go())
+    codes = [r[0] for r in results]
+    assert set(codes) <= {200, 429} and codes.count(429) >= 20 - 4 - 6 - 4 and codes.count(200) >= 6
+    for status, headers, body in results:
+        if status == 429:
+            assert headers["Retry-After"] == "1" and body["error"]["code"] == "queue_full"
+        else:
+            assert body["usage"]["completion_tokens"] == 40
+    daemon.wait_idle()
+
+
+def test_stats_and_events_move_while_requests_run(daemon):
+    async def go():
+        async with session(daemon.socket) as s:
+            events = []
+
+            async def listen():
+                async with s.get("/v1/engine/events") as r:
+                    async for line in r.content:
+                        if line.startswith(b"data: "):
+                            events.append(json.loads(line[6:]))
+                            if len(events) >= 5:
+                                return
+
+            listener = asyncio.create_task(listen())
+            await asyncio.sleep(0.2)
+            jobs = [s.post("/v1/chat/completions", json=chat_body(max_tokens=60, ignore_eos=True)) for _ in range(3)]
+            responses = await asyncio.gather(*jobs)
+            await asyncio.wait_for(listener, 30)
+            for r in responses:
+                await r.json()
+            return events
+
+    events = run(go())
+    assert max(e["running"] for e in events) >= 1 and max(e["kv_blocks_used"] for e in events) > 0
+    assert all({"mode", "waiting", "decode_tokens", "step_time", "decode_tokens_per_s"} <= set(e) for e in events)
+    assert len({e["step"] for e in events}) == len(events)  # each event a newer step
+    stats = daemon.wait_idle()
+    assert stats["requests_finished"] >= 3 and stats["kv_blocks_used"] == 0
+
+
+def test_mode_switch_under_load(daemon):
+    async def go():
+        async with session(daemon.socket) as s:
+            jobs = [asyncio.ensure_future(s.post("/v1/chat/completions", json=chat_body(max_tokens=50, ignore_eos=True))) for _ in range(4)]
+            await asyncio.sleep(0.3)
+            async with s.put("/v1/engine/mode", json={"mode": "static"}) as r:
+                put = r.status, await r.json()
+            async with s.put("/v1/engine/mode", json={"mode": "sideways"}) as r:
+                bad = r.status, await r.json()
+            results = [await (await j).json() for j in jobs]
+            for _ in range(100):
+                async with s.get("/v1/engine/mode") as r:
+                    mode = await r.json()
+                if mode["mode"] == "static":
+                    break
+                await asyncio.sleep(0.05)
+            async with s.post("/v1/chat/completions", json=chat_body(max_tokens=5, ignore_eos=True)) as r:
+                static_answer = await r.json()
+            async with s.put("/v1/engine/mode", json={"mode": "continuous"}) as r:
+                await r.json()
+            return put, bad, results, mode, static_answer
+
+    put, bad, results, mode, static_answer = run(go())
+    assert put[0] == 202 and put[1]["requested_mode"] == "static"
+    assert bad[0] == 400 and bad[1]["error"]["param"] == "mode"
+    assert all(r["usage"]["completion_tokens"] == 50 for r in results)  # nothing dropped or restarted
+    assert mode["mode"] == "static" and static_answer["usage"]["completion_tokens"] == 5
+    daemon.wait_idle()
+
+
+def test_disconnect_mid_stream_frees_kv(daemon):
+    async def go():
+        async with session(daemon.socket) as s:
+            r = await s.post("/v1/chat/completions", json=chat_body(max_tokens=500, ignore_eos=True, stream=True))
+            got = 0
+            async for line in r.content:
+                if line.startswith(b"data: "):
+                    got += 1
+                    if got == 4:
+                        break
+            r.close()  # drop the connection mid-stream
+            return got
+
+    assert run(go()) == 4
+    stats = daemon.wait_idle(10)
+    assert stats["kv_blocks_used"] == 0
+
+
+def test_metrics_prometheus_text(daemon):
+    conn_status, _ = daemon.get("/health")
+
+    async def go():
+        async with session(daemon.socket) as s:
+            async with s.get("/metrics") as r:
+                return r.status, r.headers["Content-Type"], await r.text()
+
+    status, ctype, text = run(go())
+    assert status == 200 and ctype.startswith("text/plain")
+    for name in ("minibatch_running_requests", "minibatch_kv_cache_usage_ratio", "minibatch_time_to_first_token_seconds_bucket",
+                 "minibatch_preemptions_total", "minibatch_mode{mode=\"continuous\"}"):
+        assert name in text, name
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_over_the_unix_socket(daemon):
+    body = json.dumps(chat_body(max_tokens=4, ignore_eos=True, stream=True))
+    out = subprocess.run(
+        ["curl", "-sN", "--unix-socket", str(daemon.socket), "http://localhost/v1/chat/completions",
+         "-H", "Content-Type: application/json", "-d", body],
+        capture_output=True, timeout=60,
+    )
+    assert out.returncode == 0 and out.stdout.endswith(b"data: [DONE]\n\n") and b"chat.completion.chunk" in out.stdout

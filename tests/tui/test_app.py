@@ -1,0 +1,258 @@
+"""minibatch-chat driven with Textual's pilot against a fake client (the real daemon is in test_tmux.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from minibatch.tui.app import MinibatchChat
+from minibatch.tui.history import History, PaneSettings
+from minibatch.tui.screens.settings import SettingsScreen, parse_settings
+from minibatch.tui.widgets.chat_pane import ChatPane, format_status
+from minibatch.tui.widgets.engine_panel import EnginePanel, block_map_cells
+
+from .fakes import FakeClient, event
+
+
+async def wait_until(pilot, cond, timeout=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await pilot.pause(0.02)
+
+
+def transcript_texts(pane: ChatPane) -> list[str]:
+    return [m.source for m in pane.query(".msg")]
+
+
+@pytest.fixture
+def history(tmp_path):
+    h = History(tmp_path / "chat.sqlite3")
+    yield h
+    h.close()
+
+
+async def type_and_send(pilot, text):
+    for ch in text:
+        await pilot.press(ch if ch != " " else "space")
+    await pilot.press("enter")
+
+
+def test_send_streams_the_answer_and_saves_history(history):
+    client = FakeClient("Paris is the capital.")
+
+    async def go():
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await type_and_send(pilot, "capital of France?")
+            pane = app.panes()[0]
+            await wait_until(pilot, lambda: not pane.busy and len(pane.messages) == 2)
+            texts = transcript_texts(pane)
+            status = str(pane.query_one(".pane-status").render())
+            return texts, status
+
+    texts, status = asyncio.run(go())
+    assert texts[0] == "capital of France?" and texts[1].strip() == "Paris is the capital."
+    assert "TTFT 12 ms" in status and "stop" in status and "cached 16" in status
+    assert client.chats[0][-1] == {"role": "user", "content": "capital of France?"}
+    stored = history.panes()[0].messages
+    assert stored == [{"role": "user", "content": "capital of France?"}, {"role": "assistant", "content": "Paris is the capital. "}]
+
+
+def test_multi_turn_history_is_sent_each_turn_and_restored(history):
+    client = FakeClient("ok")
+
+    async def go():
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 36)) as pilot:
+            pane = app.panes()[0]
+            await type_and_send(pilot, "one")
+            await wait_until(pilot, lambda: len(pane.messages) == 2 and not pane.busy)
+            await type_and_send(pilot, "two")
+            await wait_until(pilot, lambda: len(pane.messages) == 4 and not pane.busy)
+
+    asyncio.run(go())
+    assert [m["content"] for m in client.chats[1]] == ["one", "ok ", "two"]
+
+    async def reopen():
+        app = MinibatchChat(FakeClient(), history)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await pilot.pause()
+            return transcript_texts(app.panes()[0])
+
+    assert [t.strip() for t in asyncio.run(reopen())] == ["one", "ok", "two", "ok"]
+
+
+def test_escape_cancels_the_generation(history):
+    client = FakeClient("a long answer", hold=True)
+
+    async def go():
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 36)) as pilot:
+            pane = app.panes()[0]
+            await type_and_send(pilot, "talk")
+            await wait_until(pilot, lambda: "long" in "".join(transcript_texts(pane)))
+            await pilot.press("escape")
+            await wait_until(pilot, lambda: not pane.busy)
+            return str(pane.query_one(".pane-status").render())
+
+    status = asyncio.run(go())
+    assert client.cancelled == 1 and "stopped" in status
+
+
+def test_panes_open_close_and_broadcast(history):
+    client = FakeClient("hi")
+
+    async def go():
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(140, 40)) as pilot:
+            for _ in range(6):
+                await pilot.press("ctrl+n")
+            await pilot.pause()
+            assert len(app.panes()) == 6  # capped at six
+            await pilot.press("ctrl+w")
+            await pilot.press("ctrl+w")
+            await pilot.pause()
+            assert len(app.panes()) == 4
+            for ch in "all":
+                await pilot.press(ch)
+            await pilot.press("ctrl+b")
+            await wait_until(pilot, lambda: all(len(p.messages) == 2 and not p.busy for p in app.panes()))
+            return len(client.chats)
+
+    assert asyncio.run(go()) == 4
+    assert len(history.panes()) == 4
+
+
+def test_focus_moves_between_panes(history):
+    async def go():
+        app = MinibatchChat(FakeClient(), history)
+        async with app.run_test(size=(140, 40)) as pilot:
+            await pilot.press("ctrl+n")
+            await pilot.press("ctrl+n")
+            await pilot.pause()
+            order = [app.focused_pane().index]
+            await pilot.press("tab")
+            order.append(app.focused_pane().index)
+            await pilot.press("shift+tab")
+            order.append(app.focused_pane().index)
+            await pilot.press("alt+right")
+            order.append(app.focused_pane().index)
+            return order
+
+    assert asyncio.run(go()) == [2, 0, 2, 2]  # alt+right from the last pane stays put
+
+
+def test_mode_toggle_is_shown_only_when_the_daemon_confirms(history):
+    client = FakeClient()
+
+    async def go():
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await wait_until(pilot, lambda: client.events_queue is not None)
+            client.events_queue.put_nowait(event(mode="continuous", running=2, used=8))
+            panel = app.query_one(EnginePanel)
+            await wait_until(pilot, lambda: panel.last is not None)
+            await pilot.press("ctrl+t")
+            await wait_until(pilot, lambda: client.modes == ["static"])
+            still = str(app.query_one("#engine-mode").render())
+            client.events_queue.put_nowait(event(mode="static", running=2, used=8, step=2))
+            await wait_until(pilot, lambda: panel.last["mode"] == "static")
+            after = str(app.query_one("#engine-mode").render())
+            batch = str(app.query_one("#engine-batch").render())
+            return still, after, batch
+
+    still, after, batch = asyncio.run(go())
+    assert "continuous" in still and "static" in after and "batch  2/8" in batch
+
+
+def test_disconnect_shows_reconnecting_then_recovers(history):
+    client = FakeClient()
+
+    async def go():
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await wait_until(pilot, lambda: client.events_queue is not None)
+            client.connected = False
+            from minibatch.tui.client import DaemonUnavailable
+
+            client.events_queue.put_nowait(DaemonUnavailable("connection reset"))
+            await wait_until(pilot, lambda: "reconnecting" in str(app.query_one("#engine-mode").render()))
+            pane_status = str(app.panes()[0].query_one(".pane-status").render())
+            client.connected = True
+            client.events_queue = None
+            await wait_until(pilot, lambda: client.events_queue is not None, timeout=5)
+            client.events_queue.put_nowait(event())
+            await wait_until(pilot, lambda: "reconnecting" not in str(app.query_one("#engine-mode").render()))
+            return pane_status, str(app.panes()[0].query_one(".pane-status").render())
+
+    during, after = asyncio.run(go())
+    assert "reconnecting" in during and after == "ready"
+
+
+def test_settings_modal_applies_and_persists(history):
+    client = FakeClient("x")
+
+    async def go():
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await pilot.press("ctrl+s")
+            await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen))
+            screen = app.screen
+            screen.query_one("#set-temperature").value = "0"
+            screen.query_one("#set-max_tokens").value = "64"
+            screen.query_one("#set-seed").value = "7"
+            screen.query_one("#set-system_prompt").value = "Be brief."
+            await pilot.click("#save")
+            await wait_until(pilot, lambda: not isinstance(app.screen, SettingsScreen))
+            app.panes()[0].focus_input()
+            await type_and_send(pilot, "q")
+            await wait_until(pilot, lambda: client.params and not app.panes()[0].busy)
+
+    asyncio.run(go())
+    assert client.params[0] == {"temperature": 0.0, "top_p": 0.95, "max_tokens": 64, "seed": 7}
+    assert client.chats[0][0] == {"role": "system", "content": "Be brief."}
+    assert history.panes()[0].settings == PaneSettings("Be brief.", 0.0, 0.95, 64, 7)
+
+
+def test_settings_validation_names_the_field():
+    with pytest.raises(ValueError, match="temperature.*between 0 and 2"):
+        parse_settings({"system_prompt": "", "temperature": "3", "top_p": "1", "max_tokens": "5", "seed": ""})
+    with pytest.raises(ValueError, match="max tokens: not a valid int"):
+        parse_settings({"system_prompt": "", "temperature": "1", "top_p": "1", "max_tokens": "lots", "seed": ""})
+
+
+def test_help_screen_and_clear(history):
+    client = FakeClient("y")
+
+    async def go():
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(100, 30)) as pilot:
+            await type_and_send(pilot, "x")
+            pane = app.panes()[0]
+            await wait_until(pilot, lambda: not pane.busy and pane.messages)
+            await pilot.press("f1")
+            await pilot.pause()
+            shown = type(app.screen).__name__
+            await pilot.press("escape")
+            await pilot.press("ctrl+l")
+            await pilot.pause()
+            return shown, transcript_texts(pane)
+
+    shown, texts = asyncio.run(go())
+    assert shown == "HelpScreen" and texts == [] and history.panes()[0].messages == []
+
+
+def test_block_map_colours_cells_by_pane():
+    blocks = {"total": 8, "owners": {"a": [1, 2], "b": [3]}, "shared": [2]}
+    cells = block_map_cells(blocks, {"a": 0, "b": 4}, cells=8)
+    assert cells[:4] == [("used", 0, False), ("used", 0, True), ("used", 4, False), ("free", None, False)]
+    grouped = block_map_cells({"total": 8, "owners": {"a": [1, 2, 3]}, "shared": []}, {"a": 1}, cells=4)
+    assert grouped == [("used", 1, False), ("used", 1, False), ("free", None, False), ("free", None, False)]
+
+
+def test_status_line_numbers():
+    s = format_status({"ttft_ms": 250.0, "decode_ms": 1000.0, "queue_wait_ms": 5.0, "cached_prompt_tokens": 32}, 21, 1.3, "length")
+    assert s == "TTFT 250 ms · 20.0 tok/s · 21 tok · length · queue 5 ms · cached 32"

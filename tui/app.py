@@ -1,0 +1,227 @@
+"""minibatch-chat: several chat panes at once beside a live view of the engine's batch."""
+
+from __future__ import annotations
+
+import asyncio
+
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal
+from textual.widgets import Footer
+
+from .client import DaemonUnavailable
+from .history import History, PaneSettings
+from .messages import PaneSubmitted, RequestOwner, TurnFinished
+from .screens.help import HelpScreen
+from .screens.settings import SettingsScreen
+from .widgets.chat_pane import PANE_COLORS, ChatPane
+from .widgets.engine_panel import EnginePanel
+
+MAX_PANES = 6
+NARROW = 100  # below this many columns the engine panel moves under the panes
+
+
+class MinibatchChat(App):
+    CSS_PATH = "app.tcss"
+    TITLE = "minibatch-chat"
+    BINDINGS = [
+        Binding("ctrl+b", "broadcast", "broadcast", priority=True),
+        Binding("ctrl+n", "new_pane", "new pane", priority=True),
+        Binding("ctrl+w", "close_pane", "close pane", priority=True),
+        Binding("ctrl+t", "toggle_mode", "static⇄continuous", priority=True),
+        Binding("ctrl+s", "settings", "settings", priority=True),
+        Binding("ctrl+l", "clear_pane", "clear", priority=True),
+        Binding("escape", "cancel", "stop answer"),
+        Binding("f1,question_mark", "help", "help"),
+        Binding("tab", "cycle(1)", "next pane", show=False, priority=True),
+        Binding("shift+tab", "cycle(-1)", "previous pane", show=False, priority=True),
+        Binding("alt+left", "move(-1, 0)", show=False),
+        Binding("alt+right", "move(1, 0)", show=False),
+        Binding("alt+up", "move(0, -1)", show=False),
+        Binding("alt+down", "move(0, 1)", show=False),
+        Binding("ctrl+q", "quit", "quit", priority=True),
+    ]
+
+    def __init__(self, client, history: History, poll_interval: float = 0.3) -> None:
+        super().__init__()
+        self.client, self.history, self.poll_interval = client, history, poll_interval
+        self.owners: dict[str, int] = {}  # request id -> pane index, for the block map
+        self.mode: str | None = None
+
+    # -- layout -----------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="main"):
+            yield Grid(id="panes")
+            yield EnginePanel(PANE_COLORS, id="engine")
+        yield Footer()
+
+    async def on_mount(self) -> None:
+        stored = self.history.panes()
+        if not stored:
+            await self._add_pane(self.history.new_pane(0), PaneSettings(), [])
+        for p in stored[:MAX_PANES]:
+            await self._add_pane(p.id, p.settings, p.messages)
+        self.panes()[0].focus_input()
+        self.watch_events()
+        self.poll_blocks()
+
+    def panes(self) -> list[ChatPane]:
+        return list(self.query(ChatPane))
+
+    async def _add_pane(self, pane_id: int, settings: PaneSettings, messages: list[dict]) -> ChatPane:
+        pane = ChatPane(pane_id, len(self.panes()), settings, messages)
+        await self.query_one("#panes", Grid).mount(pane)
+        self._relayout()
+        return pane
+
+    def _columns(self) -> int:
+        n = len(self.panes())
+        narrow = self.size.width < NARROW
+        return 1 if n == 1 else 2 if n <= 4 or narrow else 3
+
+    def _relayout(self) -> None:
+        grid = self.query_one("#panes", Grid)
+        cols = self._columns()
+        grid.styles.grid_size_columns = cols
+        grid.styles.grid_size_rows = -(-len(self.panes()) // cols)
+
+    def on_resize(self) -> None:
+        self.screen.set_class(self.size.width < NARROW, "narrow")
+        self._relayout()
+
+    def focused_pane(self) -> ChatPane:
+        node = self.focused
+        while node is not None and not isinstance(node, ChatPane):
+            node = node.parent
+        return node if isinstance(node, ChatPane) else self.panes()[0]
+
+    # -- chatting ---------------------------------------------------------
+    @on(PaneSubmitted)
+    def _submitted(self, event: PaneSubmitted) -> None:
+        pane = self.query_one(f"#pane-{event.pane_id}", ChatPane)
+        pane.ask(self.client, event.text)
+
+    @on(TurnFinished)
+    def _turn_finished(self, event: TurnFinished) -> None:
+        self.history.add_message(event.pane_id, "user", event.user)
+        self.history.add_message(event.pane_id, "assistant", event.assistant)
+
+    @on(RequestOwner)
+    def _owner(self, event: RequestOwner) -> None:
+        pane = self.query_one(f"#pane-{event.pane_id}", ChatPane)
+        for rid, idx in list(self.owners.items()):
+            if idx == pane.index:
+                del self.owners[rid]
+        if event.request_id:
+            self.owners[event.request_id] = pane.index
+
+    def action_broadcast(self) -> None:
+        """Every pane asks at once: its own pending input, else the focused pane's."""
+        shared = self.focused_pane().pending_input()
+        for pane in self.panes():
+            text = pane.take_input() or shared
+            if text and not pane.busy:
+                pane.ask(self.client, text)
+
+    def action_cancel(self) -> None:
+        self.focused_pane().cancel()
+
+    def action_clear_pane(self) -> None:
+        pane = self.focused_pane()
+        pane.clear()
+        self.history.clear(pane.pane_id)
+
+    async def action_new_pane(self) -> None:
+        if len(self.panes()) >= MAX_PANES:
+            self.notify(f"at most {MAX_PANES} panes", severity="warning")
+            return
+        pane = await self._add_pane(self.history.new_pane(len(self.panes())), PaneSettings(), [])
+        pane.focus_input()
+
+    async def action_close_pane(self) -> None:
+        panes = self.panes()
+        if len(panes) == 1:
+            self.notify("the last pane stays open", severity="warning")
+            return
+        pane = self.focused_pane()
+        pane.cancel()
+        self.history.delete_pane(pane.pane_id)
+        await pane.remove()
+        for i, p in enumerate(self.panes()):
+            p.index, p.color = i, PANE_COLORS[i % len(PANE_COLORS)]
+            p.refresh_title()
+        self._relayout()
+        self.panes()[0].focus_input()
+
+    def action_cycle(self, step: int) -> None:
+        panes = self.panes()
+        i = panes.index(self.focused_pane())
+        panes[(i + step) % len(panes)].focus_input()
+
+    def action_move(self, dx: int, dy: int) -> None:
+        panes, cols = self.panes(), self._columns()
+        i = panes.index(self.focused_pane()) + dx + dy * cols
+        if 0 <= i < len(panes):
+            panes[i].focus_input()
+
+    def action_settings(self) -> None:
+        pane = self.focused_pane()
+
+        def apply(settings: PaneSettings | None) -> None:
+            if settings is not None:
+                pane.settings = settings
+                pane.refresh_title()
+                self.history.save_settings(pane.pane_id, settings)
+
+        self.push_screen(SettingsScreen(pane.settings, f"pane {pane.index + 1} settings"), apply)
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    @work(group="mode")
+    async def action_toggle_mode(self) -> None:
+        if self.mode is None:
+            self.notify("not connected to the daemon yet", severity="warning")
+            return
+        target = "static" if self.mode == "continuous" else "continuous"
+        try:
+            await self.client.set_mode(target)
+        except DaemonUnavailable as exc:
+            self.notify(f"mode switch failed: {exc}", severity="error")
+            return
+        # The panel shows the new mode only when the daemon's events confirm it.
+        self.notify(f"switching to {target} at the next batch boundary")
+
+    # -- the engine view --------------------------------------------------
+    @work(exclusive=True, group="events")
+    async def watch_events(self) -> None:
+        panel = self.query_one(EnginePanel)
+        while True:
+            try:
+                async for event in self.client.events():
+                    if not panel.connected:
+                        for pane in self.panes():
+                            if not pane.busy:
+                                pane.set_status("ready")
+                    self.mode = event["mode"]
+                    panel.update_stats(event)
+            except DaemonUnavailable as exc:
+                panel.set_disconnected(str(exc))
+                for pane in self.panes():
+                    if not pane.busy:
+                        pane.set_status("[yellow]reconnecting…[/]")
+            await asyncio.sleep(1.0)
+
+    @work(exclusive=True, group="blocks")
+    async def poll_blocks(self) -> None:
+        panel = self.query_one(EnginePanel)
+        while True:
+            try:
+                panel.update_blocks(await self.client.blocks(), self.owners)
+            except DaemonUnavailable:
+                pass
+            await asyncio.sleep(self.poll_interval)
+
+    async def on_unmount(self) -> None:
+        await self.client.close()

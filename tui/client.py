@@ -1,0 +1,103 @@
+"""The TUI's only way to the engine: HTTP over the daemon's Unix socket (no engine imports)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+
+
+class DaemonUnavailable(ConnectionError):
+    """Nothing answers on the socket (daemon not running, restarting, or still loading)."""
+
+
+@dataclass(slots=True)
+class Delta:
+    """One piece of a streamed answer."""
+
+    text: str = ""
+    request_id: str | None = None
+    finish_reason: str | None = None
+    timings: dict = field(default_factory=dict)
+    usage: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+class DaemonClient:
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        self._session: aiohttp.ClientSession | None = None
+
+    def _s(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.UnixConnector(path=self.socket_path), base_url="http://localhost",
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def _json(self, method: str, url: str, body: dict | None = None) -> dict:
+        try:
+            async with self._s().request(method, url, json=body) as r:
+                data = await r.json(content_type=None)
+                if r.status >= 400:
+                    raise DaemonUnavailable(data.get("error", {}).get("message", f"HTTP {r.status}"))
+                return data
+        except (aiohttp.ClientConnectionError, OSError) as exc:
+            raise DaemonUnavailable(str(exc)) from exc
+
+    async def health(self) -> dict:
+        return await self._json("GET", "/health")
+
+    async def set_mode(self, mode: str) -> dict:
+        return await self._json("PUT", "/v1/engine/mode", {"mode": mode})
+
+    async def blocks(self) -> dict:
+        return await self._json("GET", "/v1/engine/blocks")
+
+    async def events(self) -> AsyncIterator[dict]:
+        """Engine step events until the connection drops (then DaemonUnavailable)."""
+        try:
+            async with self._s().get("/v1/engine/events") as r:
+                if r.status != 200:
+                    raise DaemonUnavailable(f"events: HTTP {r.status}")
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        yield json.loads(line[6:])
+        except (aiohttp.ClientConnectionError, OSError) as exc:
+            raise DaemonUnavailable(str(exc)) from exc
+        raise DaemonUnavailable("the event stream ended")
+
+    async def chat(self, messages: list[dict], **params) -> AsyncIterator[Delta]:
+        """Stream an answer. Leaving the iteration early closes the connection, which aborts the request."""
+        body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}, **params}
+        try:
+            async with self._s().post("/v1/chat/completions", json=body) as r:
+                if r.status != 200:
+                    data = await r.json(content_type=None)
+                    yield Delta(error=data.get("error", {}).get("message", f"HTTP {r.status}"))
+                    return
+                rid = r.headers.get("X-Request-Id")
+                yield Delta(request_id=rid)
+                async for line in r.content:
+                    if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        yield Delta(error=chunk["error"]["message"])
+                        return
+                    if not chunk["choices"]:
+                        yield Delta(usage=chunk.get("usage", {}))
+                        continue
+                    choice = chunk["choices"][0]
+                    text = choice["delta"].get("content") or ""
+                    if text or choice["finish_reason"]:
+                        yield Delta(text=text, finish_reason=choice["finish_reason"], timings=chunk.get("minibatch", {}))
+        except (aiohttp.ClientConnectionError, OSError) as exc:
+            raise DaemonUnavailable(str(exc)) from exc

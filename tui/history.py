@@ -1,0 +1,105 @@
+"""Chat history in SQLite: panes (with their settings) and their messages, restored at start."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS panes (
+    id INTEGER PRIMARY KEY,
+    position INTEGER NOT NULL,
+    system_prompt TEXT NOT NULL DEFAULT '',
+    temperature REAL NOT NULL DEFAULT 0.7,
+    top_p REAL NOT NULL DEFAULT 0.95,
+    max_tokens INTEGER NOT NULL DEFAULT 512,
+    seed INTEGER
+);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY,
+    pane_id INTEGER NOT NULL REFERENCES panes(id) ON DELETE CASCADE,
+    role TEXT NOT NULL,
+    content TEXT NOT NULL,
+    created REAL NOT NULL
+);
+"""
+
+
+@dataclass(slots=True)
+class PaneSettings:
+    system_prompt: str = ""
+    temperature: float = 0.7
+    top_p: float = 0.95
+    max_tokens: int = 512
+    seed: int | None = None
+
+    def request_params(self) -> dict:
+        params = {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens}
+        if self.seed is not None:
+            params["seed"] = self.seed
+        return params
+
+
+@dataclass(slots=True)
+class StoredPane:
+    id: int
+    settings: PaneSettings
+    messages: list[dict] = field(default_factory=list)  # {"role", "content"}
+
+
+class History:
+    def __init__(self, path: Path | str) -> None:
+        if str(path) != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(path))
+        self.db.execute("PRAGMA foreign_keys = ON")
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def panes(self) -> list[StoredPane]:
+        rows = self.db.execute(
+            "SELECT id, system_prompt, temperature, top_p, max_tokens, seed FROM panes ORDER BY position, id"
+        ).fetchall()
+        out = []
+        for pid, sp, t, p, m, seed in rows:
+            msgs = self.db.execute("SELECT role, content FROM messages WHERE pane_id = ? ORDER BY id", (pid,)).fetchall()
+            out.append(StoredPane(pid, PaneSettings(sp, t, p, m, seed), [{"role": r, "content": c} for r, c in msgs]))
+        return out
+
+    def new_pane(self, position: int, settings: PaneSettings | None = None) -> int:
+        s = asdict(settings or PaneSettings())
+        with self.db:
+            cur = self.db.execute(
+                "INSERT INTO panes (position, system_prompt, temperature, top_p, max_tokens, seed) VALUES (?, ?, ?, ?, ?, ?)",
+                (position, s["system_prompt"], s["temperature"], s["top_p"], s["max_tokens"], s["seed"]),
+            )
+        return int(cur.lastrowid)
+
+    def save_settings(self, pane_id: int, settings: PaneSettings) -> None:
+        with self.db:
+            self.db.execute(
+                "UPDATE panes SET system_prompt = ?, temperature = ?, top_p = ?, max_tokens = ?, seed = ? WHERE id = ?",
+                (settings.system_prompt, settings.temperature, settings.top_p, settings.max_tokens, settings.seed, pane_id),
+            )
+
+    def add_message(self, pane_id: int, role: str, content: str) -> None:
+        with self.db:
+            self.db.execute("INSERT INTO messages (pane_id, role, content, created) VALUES (?, ?, ?, ?)",
+                            (pane_id, role, content, time.time()))
+
+    def clear(self, pane_id: int) -> None:
+        with self.db:
+            self.db.execute("DELETE FROM messages WHERE pane_id = ?", (pane_id,))
+
+    def delete_pane(self, pane_id: int) -> None:
+        with self.db:
+            self.db.execute("DELETE FROM panes WHERE id = ?", (pane_id,))
+
+    def reset(self) -> None:
+        with self.db:
+            self.db.execute("DELETE FROM messages")
+            self.db.execute("DELETE FROM panes")

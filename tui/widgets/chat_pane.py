@@ -1,0 +1,142 @@
+"""One conversation: a streaming Markdown transcript, an input box, and the last answer's numbers."""
+
+from __future__ import annotations
+
+import time
+
+from textual import work
+from textual.app import ComposeResult
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import Input, Markdown, Static
+
+from ..client import DaemonUnavailable
+from ..history import PaneSettings
+from ..messages import PaneSubmitted, RequestOwner, TurnFinished
+
+PANE_COLORS = ["#e06c75", "#61afef", "#98c379", "#e5c07b", "#c678dd", "#56b6c2"]
+
+
+def format_status(timings: dict, tokens: int, seconds: float, finish: str | None) -> str:
+    ttft = timings.get("ttft_ms")
+    parts = [f"TTFT {ttft:.0f} ms" if ttft is not None else "TTFT -"]
+    decode = (timings.get("decode_ms") or 0) / 1000
+    rate = (tokens - 1) / decode if tokens > 1 and decode > 0 else (tokens / seconds if seconds > 0 else 0)
+    parts += [f"{rate:.1f} tok/s", f"{tokens} tok", finish or "-"]
+    if timings.get("queue_wait_ms") is not None:
+        parts.append(f"queue {timings['queue_wait_ms']:.0f} ms")
+    parts.append(f"cached {timings.get('cached_prompt_tokens', 0)}")
+    return " · ".join(parts)
+
+
+class ChatPane(Vertical):
+    """A chat pane. The app owns the client and history; the pane streams into its transcript."""
+
+    DEFAULT_CLASSES = "pane"
+
+    def __init__(self, pane_id: int, index: int, settings: PaneSettings | None = None, messages: list[dict] | None = None) -> None:
+        super().__init__(id=f"pane-{pane_id}")
+        self.pane_id, self.index = pane_id, index
+        self.settings = settings or PaneSettings()
+        self.messages: list[dict] = list(messages or [])
+        self.busy = False
+        self.color = PANE_COLORS[index % len(PANE_COLORS)]
+
+    def compose(self) -> ComposeResult:
+        yield Static(self._title(), classes="pane-title")
+        with VerticalScroll(classes="transcript"):
+            for m in self.messages:
+                yield Markdown(m["content"], classes=f"msg {m['role']}")
+        yield Static("ready", classes="pane-status")
+        yield Input(placeholder="Message (enter to send, esc to stop)", classes="pane-input")
+
+    def _title(self) -> str:
+        return f"[b {self.color}]■[/] pane {self.index + 1}  [dim]t={self.settings.temperature:g} max={self.settings.max_tokens}[/]"
+
+    def refresh_title(self) -> None:
+        self.query_one(".pane-title", Static).update(self._title())
+
+    def set_status(self, text: str) -> None:
+        self.query_one(".pane-status", Static).update(text)
+
+    def focus_input(self) -> None:
+        self.query_one(Input).focus()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        text = event.value.strip()
+        if text and not self.busy:
+            event.input.value = ""
+            self.post_message(PaneSubmitted(self.pane_id, text))
+
+    def pending_input(self) -> str:
+        return self.query_one(Input).value.strip()
+
+    def take_input(self) -> str:
+        inp = self.query_one(Input)
+        text, inp.value = inp.value.strip(), ""
+        return text
+
+    def clear(self) -> None:
+        self.cancel()
+        self.messages.clear()
+        self.query_one(".transcript").remove_children()
+        self.set_status("cleared")
+
+    def cancel(self) -> bool:
+        """Stop this pane's generation (the daemon aborts the request when the stream closes)."""
+        if not self.busy:
+            return False
+        self.workers.cancel_group(self, "generate")
+        return True
+
+    def ask(self, client, text: str) -> None:
+        if self.busy:
+            return
+        self.busy = True
+        self.generate(client, text)
+
+    @work(exclusive=True, group="generate")
+    async def generate(self, client, text: str) -> None:
+        transcript = self.query_one(".transcript", VerticalScroll)
+        await transcript.mount(Markdown(text, classes="msg user"))
+        answer = Markdown("", classes="msg assistant")
+        await transcript.mount(answer)
+        transcript.anchor()
+        convo = ([{"role": "system", "content": self.settings.system_prompt}] if self.settings.system_prompt else [])
+        convo += self.messages + [{"role": "user", "content": text}]
+        stream = Markdown.get_stream(answer)
+        parts: list[str] = []
+        tokens, timings, finish, started = 0, {}, None, time.monotonic()
+        self.set_status("waiting for the engine…")
+        complete = False
+        try:
+            async for delta in client.chat(convo, **self.settings.request_params()):
+                if delta.error:
+                    self.set_status(f"[red]error:[/] {delta.error}")
+                    break
+                if delta.request_id:
+                    self.post_message(RequestOwner(self.pane_id, delta.request_id))
+                if delta.text:
+                    parts.append(delta.text)
+                    tokens += 1
+                    await stream.write(delta.text)
+                    self.set_status(f"generating… {tokens} chunks")
+                if delta.usage:
+                    tokens = delta.usage.get("completion_tokens", tokens)
+                if delta.finish_reason:
+                    finish, timings, complete = delta.finish_reason, delta.timings, True
+            if complete:
+                self.set_status(format_status(timings, tokens, time.monotonic() - started, finish))
+        except DaemonUnavailable:
+            self.set_status("[yellow]connection lost — reconnecting…[/]")
+        finally:
+            await stream.stop()
+            if not complete and not parts:
+                await answer.update("_(stopped)_")
+            elif not complete:
+                self.set_status("[yellow]stopped[/] (esc)") if self.busy else None
+            answer_text = "".join(parts)
+            self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer_text}]
+            self.post_message(TurnFinished(self.pane_id, text, answer_text, complete))
+            self.post_message(RequestOwner(self.pane_id, None))
+            self.busy = False
