@@ -1,0 +1,340 @@
+"""Benchmark minibatchd over its socket: static vs continuous on the same recorded trace.
+
+  .venv/bin/python scripts/bench.py                         # 64 synthetic requests at once, both modes, 3 repeats
+  .venv/bin/python scripts/bench.py --workload chat --arrivals poisson:2
+  .venv/bin/python scripts/bench.py --sweep concurrency:1,4,16,32,64 --hf-baseline
+  .venv/bin/python scripts/bench.py --sweep rate:0.5,1,2,4 --requests 48
+  .venv/bin/python scripts/bench.py --sweep variance --requests 48
+
+Every variant replays the same trace (prompts, output lengths forced with
+ignore_eos, arrival times); each point is the median of --repeats runs after
+--warmup requests that are not counted. The daemon's mode is switched between
+runs. Writes JSON per run, summary.json, table.md and PNG plots to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import CHAT_SET, TraceItem, chat_trace, median_summary, summarize, synthetic_trace  # noqa: E402
+from loadgen import Result, env_socket, session, stream_request  # noqa: E402
+
+
+async def wait_mode(s, mode: str, timeout: float = 600) -> None:
+    async with s.put("/v1/engine/mode", json={"mode": mode}) as r:
+        if r.status >= 400:
+            raise RuntimeError(f"mode switch: {await r.text()}")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        async with s.get("/v1/engine/stats?steps=0") as r:
+            st = await r.json()
+        if st["mode"] == mode and st["running"] == 0 and st["waiting"] == 0:
+            return
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"the daemon did not switch to {mode} within {timeout} s")
+
+
+def body_of(item: TraceItem) -> tuple[dict, bool]:
+    common = {"max_tokens": item.max_tokens, "temperature": 0.0, "ignore_eos": True}
+    if item.messages is not None:
+        return {"messages": item.messages, **common}, True
+    return {"prompt": item.prompt_ids, **common}, False
+
+
+async def replay(s, trace: list[TraceItem], concurrency: int | None, progress=None) -> tuple[list[Result], float, dict]:
+    """Send the trace on its schedule (at most `concurrency` in flight); sample the engine meanwhile."""
+    sem = asyncio.Semaphore(concurrency) if concurrency else None
+    samples: list[dict] = []
+    done = asyncio.Event()
+
+    async def sample():
+        while not done.is_set():
+            async with s.get("/v1/engine/stats?steps=0") as r:
+                samples.append(await r.json())
+            await asyncio.sleep(0.25)
+
+    async def one(i: int, item: TraceItem) -> Result:
+        await asyncio.sleep(max(0.0, start + item.at - time.monotonic()))
+        body, chat = body_of(item)
+        if sem is None:
+            res = await stream_request(s, i, body, chat)
+        else:
+            async with sem:
+                res = await stream_request(s, i, body, chat)
+        if progress is not None:
+            progress.update(1)
+        return res
+
+    async with s.get("/v1/engine/stats?steps=0") as r:
+        before = await r.json()
+    start = time.monotonic()
+    sampler = asyncio.create_task(sample())
+    results = await asyncio.gather(*(one(i, it) for i, it in enumerate(trace)))
+    wall = time.monotonic() - start
+    done.set()
+    await sampler
+    async with s.get("/v1/engine/stats?steps=0") as r:
+        after = await r.json()
+    engine = {
+        "mean_running": statistics.fmean(x["running"] for x in samples) if samples else 0.0,
+        "kv_usage_peak_percent": max((x["kv_usage_percent"] for x in samples), default=0.0),
+        "preemptions": after["preemptions"] - before["preemptions"],
+        "wasted_row_steps": after["wasted_row_steps"] - before["wasted_row_steps"],
+    }
+    return results, wall, engine
+
+
+def hf_static(model_dir: str, trace: list[TraceItem], batch: int, tokenizer) -> dict:
+    """HF transformers generate in left-padded batches of `batch`, in arrival order, all queued at t=0."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    prompts = [it.prompt_ids if it.prompt_ids is not None else
+               list(tokenizer.apply_chat_template(it.messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+               for it in trace]
+    t0 = time.monotonic()
+    results = []
+    for s in range(0, len(trace), batch):
+        group = list(range(s, min(len(trace), s + batch)))
+        width = max(len(prompts[i]) for i in group)
+        ids = torch.tensor([[0] * (width - len(prompts[i])) + prompts[i] for i in group])
+        mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(prompts[i]) for i in group])[:, None]).long()
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(trace[i].max_tokens for i in group), pad_token_id=0)
+        end = time.monotonic() - t0
+        for i in group:  # a padded batch returns everything at its end
+            r = Result(i, t0, ok=True, e2e=end, output_tokens=trace[i].max_tokens, finish_reason="length")
+            results.append(r)
+    return summarize(results, time.monotonic() - t0)
+
+
+def machine_ceilings(num_params: int) -> dict:
+    """Measured memory bandwidth and matmul speed, and the decode limits they imply for this model."""
+    import torch
+
+    a = torch.empty(128 * 2**20 // 4)
+    a.fill_(1.0)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t)
+    bandwidth = 2 * a.numel() * 4 / best  # read + write
+    x = torch.randn(1024, 1024)
+    y = torch.randn(1024, 1024)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x @ y
+        best = min(best, time.perf_counter() - t)
+    flops = 2 * 1024**3 / best
+    weight_bytes = 4 * num_params
+    return {
+        "memory_bandwidth_gb_s": bandwidth / 1e9,
+        "matmul_gflop_s": flops / 1e9,
+        "model_params": num_params,
+        "batch1_bandwidth_bound_tok_s": bandwidth / weight_bytes,
+        "compute_bound_tok_s": flops / (2 * num_params),
+    }
+
+
+def count_params(model_dir: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in model_dir.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                n = 1
+                for d in st.get_slice(k).get_shape():
+                    n *= d
+                total += n
+    return total
+
+
+def table(rows: list[dict]) -> str:
+    head = "| point | variant | out tok/s | req/s | TTFT p50 / p95 (s) | TPOT p50 (ms) | e2e p50 / p95 (s) | mean running | wasted rows | preempt | failed |"
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        s, e = r["summary"], r.get("engine", {})
+        f = lambda v, k=1: "-" if v is None else f"{v:.{k}f}"  # noqa: E731
+        lines.append(
+            f"| {r['point']} | {r['variant']} | {f(s['output_throughput'])} | {f(s['request_throughput'], 2)} | "
+            f"{f(s['ttft']['p50'], 2)} / {f(s['ttft']['p95'], 2)} | {f(s['tpot']['p50'] and 1000 * s['tpot']['p50'])} | "
+            f"{f(s['e2e']['p50'])} / {f(s['e2e']['p95'])} | {f(e.get('mean_running'))} | {e.get('wasted_row_steps', '-')} | "
+            f"{e.get('preemptions', '-')} | {s['failed']} |"
+        )
+    return "\n".join(lines)
+
+
+def plots(rows: list[dict], ttft: dict[str, list[float]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    colors = {"continuous": "tab:blue", "static": "tab:orange", "hf-static": "tab:gray"}
+    for kind, xlabel, ylabel, key, fname in (
+        ("concurrency", "concurrent requests", "output tokens/s", "output_throughput", "throughput_vs_concurrency.png"),
+        ("rate", "request rate (req/s)", "normalized latency (s / output token)", "normalized_latency", "latency_vs_rate.png"),
+        ("variance", "output-length standard deviation (tokens)", "output tokens/s", "output_throughput", "throughput_vs_variance.png"),
+    ):
+        pts = [r for r in rows if r["kind"] == kind]
+        if not pts:
+            continue
+        fig, ax = plt.subplots(figsize=(6.4, 4))
+        for variant in sorted({r["variant"] for r in pts}):
+            vs = sorted((r for r in pts if r["variant"] == variant), key=lambda r: r["x"])
+            xs = [r["x"] for r in vs]
+            if key == "normalized_latency":
+                ax.plot(xs, [r["summary"][key]["p50"] for r in vs], "o-", color=colors.get(variant), label=f"{variant} p50")
+                ax.plot(xs, [r["summary"][key]["p95"] for r in vs], "o--", color=colors.get(variant), label=f"{variant} p95")
+            else:
+                ax.plot(xs, [r["summary"][key] for r in vs], "o-", color=colors.get(variant), label=variant)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=110)
+        plt.close(fig)
+        made.append(out / fname)
+    if ttft:
+        fig, ax = plt.subplots(figsize=(6.4, 4))
+        for variant, vals in ttft.items():
+            vals = sorted(vals)
+            ax.plot(vals, [(i + 1) / len(vals) for i in range(len(vals))], color=colors.get(variant), label=variant)
+        ax.set_xlabel("time to first token (s)")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "ttft_cdf.png", dpi=110)
+        plt.close(fig)
+        made.append(out / "ttft_cdf.png")
+    return made
+
+
+def points(args) -> list[tuple[str, float, dict]]:
+    """(kind, x, overrides) for every sweep point."""
+    if not args.sweep:
+        return [("main", 0, {})]
+    kind, _, values = args.sweep.partition(":")
+    if kind == "concurrency":
+        return [("concurrency", int(v), {"concurrency": int(v), "arrivals": "all"}) for v in values.split(",")]
+    if kind == "rate":
+        return [("rate", float(v), {"arrivals": f"poisson:{v}", "concurrency": None}) for v in values.split(",")]
+    if kind == "variance":
+        mean = sum(args.output_len) // 2
+        spreads = [0, mean // 4, mean // 2, 3 * mean // 4, mean - 8]
+        return [("variance", 0, {"output_len": (mean - d, mean + d), "arrivals": "all"}) for d in spreads]
+    raise SystemExit(f"unknown sweep {args.sweep!r}: concurrency:…, rate:… or variance")
+
+
+async def run(args) -> int:
+    from minibatch.engine.model_store import resolve_model
+    from transformers import AutoTokenizer
+    from tqdm import tqdm
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    async with session(args.socket) as s:
+        async with s.get("/health") as r:
+            health = await r.json()
+            if r.status != 200:
+                raise SystemExit(f"bench: daemon not ready: {health}")
+    model_dir = resolve_model(health["model"]) if args.model is None else resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    corpus = tokenizer.encode(" ".join(json.loads(l)["prompt"] for l in CHAT_SET.read_text().splitlines()))
+    modes = args.modes.split(",")
+    pts = points(args)
+    total = len(pts) * args.repeats * len(modes) * args.requests
+    rows, ttft = [], {}
+    progress = tqdm(total=total, desc="requests", unit="req", file=sys.stderr)
+    async with session(args.socket) as s:
+        for kind, x, over in pts:
+            arrivals = over.get("arrivals", args.arrivals)
+            concurrency = over.get("concurrency", args.concurrency)
+            olen = over.get("output_len", args.output_len)
+            if args.workload == "chat":
+                trace = chat_trace(args.requests, arrivals, args.seed)
+            else:
+                trace = synthetic_trace(args.requests, args.prompt_len, olen, arrivals, args.seed, corpus)
+            if kind == "variance":
+                x = statistics.pstdev(it.max_tokens for it in trace)
+            label = {"main": "main", "concurrency": f"c={x}", "rate": f"{x} req/s", "variance": f"sd={x:.0f}"}[kind]
+            warm = trace[: args.warmup]
+            for mode in modes:
+                runs, engines = [], []
+                for rep in range(args.repeats):
+                    await wait_mode(s, mode)
+                    if warm:
+                        await replay(s, [TraceItem(0.0, w.prompt_ids, w.messages, min(8, w.max_tokens)) for w in warm], None)
+                    results, wall, engine = await replay(s, trace, concurrency, progress)
+                    summary = summarize(results, wall, args.slo_ttft, args.slo_tpot)
+                    runs.append(summary)
+                    engines.append(engine)
+                    if kind == "main":
+                        ttft.setdefault(mode, []).extend(r.ttft for r in results if r.ok)
+                    (out / f"run-{kind}-{label.replace(' ', '').replace('/', '')}-{mode}-{rep}.json").write_text(
+                        json.dumps({"point": label, "mode": mode, "summary": summary, "engine": engine,
+                                    "requests": [asdict(r) | {"itl": r.itl} for r in results]}, default=str))
+                engine = {k: statistics.median(e[k] for e in engines) for k in engines[0]}
+                rows.append({"kind": kind, "x": x, "point": label, "variant": mode, "summary": median_summary(runs), "engine": engine})
+            if args.hf_baseline:
+                rows.append({"kind": kind, "x": x, "point": label, "variant": "hf-static",
+                             "summary": hf_static(str(model_dir), trace, concurrency or args.max_batch, tokenizer), "engine": {}})
+    progress.close()
+    ceilings = machine_ceilings(count_params(Path(model_dir)))
+    md = table(rows)
+    (out / "table.md").write_text(md + "\n")
+    (out / "summary.json").write_text(json.dumps({"args": vars(args), "daemon": health, "ceilings": ceilings, "rows": rows}, indent=2, default=str))
+    made = plots(rows, ttft, out)
+    print(md)
+    print("\nmachine: memory {memory_bandwidth_gb_s:.1f} GB/s, matmul {matmul_gflop_s:.0f} GFLOP/s -> batch-1 bandwidth bound "
+          "{batch1_bandwidth_bound_tok_s:.1f} tok/s, compute bound {compute_bound_tok_s:.0f} tok/s".format(**ceilings))
+    for m in made:
+        print(f"plot: {m}")
+    fails = sum(r["summary"]["failed"] for r in rows)
+    return 0 if fails == 0 else 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--socket", default=None)
+    ap.add_argument("--model", default=None, help="model for the tokenizer and HF baseline (default: the daemon's)")
+    ap.add_argument("--workload", choices=["synthetic", "chat"], default="synthetic")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=lambda v: tuple(map(int, v.split(","))), default=(32, 256))
+    ap.add_argument("--output-len", type=lambda v: tuple(map(int, v.split(","))), default=(16, 256))
+    ap.add_argument("--arrivals", default="all", help="all, poisson:RATE or gamma:RATE:CV")
+    ap.add_argument("--concurrency", type=int, default=None, help="at most this many in flight (default: unlimited)")
+    ap.add_argument("--modes", default="continuous,static")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO: TTFT at most this many seconds")
+    ap.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO: TPOT at most this many seconds")
+    ap.add_argument("--sweep", default=None, help="concurrency:1,4,16 | rate:0.5,1,2 | variance")
+    ap.add_argument("--hf-baseline", action="store_true", help="also run HF generate in padded static batches (in-process)")
+    ap.add_argument("--max-batch", type=int, default=32, help="HF baseline batch size when no concurrency is set")
+    ap.add_argument("--out", default="results/bench")
+    args = ap.parse_args()
+    args.socket = env_socket(args.socket)
+    return asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Shared by the load scripts: stream one request over the daemon's socket and time every token."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+
+def default_socket() -> str:
+    from minibatch.daemon.paths import default_socket as ds
+
+    return str(ds())
+
+
+@dataclass(slots=True)
+class Result:
+    """One request as the client saw it (times in seconds, relative to its own send)."""
+
+    index: int
+    sent_at: float  # wall clock (monotonic) when sent
+    ok: bool = False
+    status: int | None = None
+    error: str | None = None
+    ttft: float | None = None
+    token_times: list[float] = field(default_factory=list)  # arrival of each text chunk after the first
+    e2e: float | None = None
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    finish_reason: str | None = None
+    text: str = ""
+    server: dict = field(default_factory=dict)  # the daemon's own timings ("minibatch")
+
+    @property
+    def itl(self) -> list[float]:
+        times = ([self.ttft] if self.ttft is not None else []) + self.token_times
+        return [b - a for a, b in zip(times, times[1:])]
+
+    @property
+    def tpot(self) -> float | None:
+        if self.e2e is None or self.ttft is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def session(socket: str) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=aiohttp.UnixConnector(path=socket, limit=0), base_url="http://localhost",
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+    )
+
+
+async def stream_request(s: aiohttp.ClientSession, index: int, body: dict, chat: bool = True) -> Result:
+    url = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.monotonic()
+    res = Result(index, start)
+    parts = []
+    try:
+        async with s.post(url, json=body) as r:
+            res.status = r.status
+            if r.status != 200:
+                res.error = (await r.json(content_type=None)).get("error", {}).get("message", f"HTTP {r.status}")
+                return res
+            async for line in r.content:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    res.error = chunk["error"]["message"]
+                    return res
+                if not chunk["choices"]:
+                    usage = chunk.get("usage", {})
+                    res.output_tokens = usage.get("completion_tokens", res.output_tokens)
+                    res.prompt_tokens = usage.get("prompt_tokens", 0)
+                    continue
+                choice = chunk["choices"][0]
+                text = choice["delta"].get("content") if chat else choice.get("text")
+                if text:
+                    now = time.monotonic() - start
+                    if res.ttft is None:
+                        res.ttft = now
+                    else:
+                        res.token_times.append(now)
+                    parts.append(text)
+                if choice["finish_reason"]:
+                    res.finish_reason = choice["finish_reason"]
+                    res.server = chunk.get("minibatch", {})
+        res.e2e = time.monotonic() - start
+        res.text = "".join(parts)
+        res.ok = res.finish_reason is not None
+    except (aiohttp.ClientError, OSError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+def percentile(values: list[float], p: float) -> float | None:
+    """Linear-interpolated percentile (p in [0, 100]); None for no values."""
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return None
+    k = (len(vals) - 1) * p / 100
+    lo = int(k)
+    hi = min(lo + 1, len(vals) - 1)
+    return vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
+
+
+def env_socket(arg: str | None) -> str:
+    return arg or os.environ.get("MINIBATCH_SOCKET") or default_socket()
