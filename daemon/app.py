@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from minibatch.engine.outputs import RequestOutput
 from minibatch.engine.request import RequestMetrics
 from minibatch.engine.scheduler import MODES, QueueFull, RequestRejected
 
@@ -163,20 +162,24 @@ def submit(state: DaemonState, engine, body, ids: list[int], request_id: str) ->
 
 async def run_request(request, state: DaemonState, engine, body, ids, kind: str, request_id: str):
     submit(state, engine, body, ids, request_id)
-    created = int(time.time())
-    base = {"id": request_id, "created": created, "model": state.model_name}
+    base = {"id": request_id, "created": int(time.time()), "model": state.model_name}
     chat = kind == "chat.completion"
+    # Leaving this iterator early (timeout, client gone) aborts the request and frees its blocks.
     outputs = engine.stream(request_id)
     try:
-        async with asyncio.timeout(state.request_timeout):
-            if body.stream:
-                return await stream_response(request, state, outputs, base, chat, len(ids), body.include_usage)
-            return await full_response(state, outputs, base, chat, len(ids))
-    except TimeoutError:
-        engine.abort(request_id)
-        raise ApiError(504, f"the request ran past its limit of {state.request_timeout:g} s and was aborted", None, "timeout") from None
+        if body.stream:
+            return await stream_response(request, state, outputs, base, chat, len(ids), body.include_usage)
+        try:
+            async with asyncio.timeout(state.request_timeout):
+                return await full_response(state, outputs, base, chat, len(ids))
+        except TimeoutError:
+            raise ApiError(504, timeout_message(state), None, "timeout") from None
     finally:
         await outputs.aclose()
+
+
+def timeout_message(state: DaemonState) -> str:
+    return f"the request ran past its limit of {state.request_timeout:g} s and was aborted"
 
 
 async def full_response(state, outputs, base, chat: bool, prompt_tokens: int) -> web.Response:
@@ -219,23 +222,25 @@ async def stream_response(request, state, outputs, base, chat: bool, prompt_toke
     if chat:
         await send(chunk(None, None, role=True))
     n = 0
-    last: RequestOutput | None = None
-    async for out in outputs:
-        last = out
-        n += len(out.token_ids)
-        if out.error:
-            state.monitor.on_request_done(out.metrics, None)
-            await send(ApiError(500, out.error, None, "engine_error", "server_error").body())
-            break
-        if out.text:
-            await send(chunk(out.text, None))
-        if out.finished:
-            state.monitor.on_request_done(out.metrics, out.finish_reason)
-            final = chunk(None, out.finish_reason)
-            final["minibatch"] = timings(out.metrics)
-            await send(final)
-            if include_usage:
-                await send({**base, "object": obj, "choices": [], "usage": usage(out.metrics, prompt_tokens, n)})
+    try:
+        async with asyncio.timeout(state.request_timeout):
+            async for out in outputs:
+                n += len(out.token_ids)
+                if out.error:
+                    state.monitor.on_request_done(out.metrics, None)
+                    await send(ApiError(500, out.error, None, "engine_error", "server_error").body())
+                    break
+                if out.text:
+                    await send(chunk(out.text, None))
+                if out.finished:
+                    state.monitor.on_request_done(out.metrics, out.finish_reason)
+                    final = chunk(None, out.finish_reason)
+                    final["minibatch"] = timings(out.metrics)
+                    await send(final)
+                    if include_usage:
+                        await send({**base, "object": obj, "choices": [], "usage": usage(out.metrics, prompt_tokens, n)})
+    except TimeoutError:
+        await send(ApiError(504, timeout_message(state), None, "timeout").body())
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp

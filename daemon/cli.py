@@ -27,7 +27,7 @@ OPTIONS = [
     ("--max-num-seqs", int, 32, "running requests at most (static: the batch size)"),
     ("--max-num-batched-tokens", int, 512, "tokens per forward step"),
     ("--max-model-len", int, None, "context limit (default: the model's)"),
-    ("--max-queue", int, 256, "waiting requests at most; beyond it requests get 429"),
+    ("--max-queue", int, 256, "requests that may wait behind a full batch; more get 429"),
     ("--max-wait-ms", float, 50.0, "static mode: longest wait for a batch to fill"),
     ("--kv-cache-gb", float, None, "KV cache size (default: 10%% of available memory)"),
     ("--block-size", int, 16, "tokens per KV block"),
@@ -38,6 +38,7 @@ OPTIONS = [
     ("--port", int, None, "also listen on TCP at this port (off by default)"),
     ("--shutdown-timeout", float, 30.0, "seconds to drain in-flight requests on stop"),
     ("--request-timeout", float, 600.0, "wall-clock limit per request, seconds"),
+    ("--read-timeout", float, 30.0, "seconds a client may take to send its request (headers and body)"),
     ("--log-file", str, None, "log file for the background daemon (default: user state dir)"),
 ]
 
@@ -108,7 +109,7 @@ def cmd_start(args) -> int:
         from .server import DaemonConfig, serve
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        conf = DaemonConfig(cfg, sock, args.host, args.port, args.shutdown_timeout, args.request_timeout)
+        conf = DaemonConfig(cfg, sock, args.host, args.port, args.shutdown_timeout, args.request_timeout, args.read_timeout)
         return asyncio.run(serve(conf))
     return start_background(args, sock)
 

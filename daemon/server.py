@@ -28,6 +28,7 @@ class DaemonConfig:
     port: int | None = None
     shutdown_timeout: float = 30.0
     request_timeout: float = 600.0
+    read_timeout: float = 30.0
 
 
 def load_engine(config: EngineConfig):
@@ -36,7 +37,7 @@ def load_engine(config: EngineConfig):
     from minibatch.engine.factory import build_engine
 
     engine = build_engine(config)
-    return AsyncEngine(engine), engine.tokenizer
+    return AsyncEngine(engine, max_queue=config.max_queue), engine.tokenizer
 
 
 async def serve(config: DaemonConfig) -> int:
@@ -47,8 +48,10 @@ async def serve(config: DaemonConfig) -> int:
     except LifecycleError as exc:
         log.error("%s", exc)
         return 1
-    state = DaemonState(model_name=config.engine.model, request_timeout=config.request_timeout)
-    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    state = DaemonState(model_name=config.engine.model, request_timeout=config.request_timeout, body_timeout=config.read_timeout)
+    # keepalive_timeout also drops a connection whose request headers stall (none arrive in time).
+    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+                           keepalive_timeout=config.read_timeout)
     stop = asyncio.Event()
     try:
         await runner.setup()

@@ -32,8 +32,12 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, stats_ring: int = 600) -> None:
+    def __init__(self, engine: LLMEngine, max_queue: int | None = None, stats_ring: int = 600) -> None:
+        """max_queue: requests allowed to wait beyond a full batch; more get QueueFull at once."""
         self.engine = engine
+        self.max_queue = max_queue
+        self._inflight = 0  # submitted and not yet given their final output
+        self._count_lock = threading.Lock()
         self._inbox: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -72,9 +76,15 @@ class AsyncEngine:
         sched = self.engine.scheduler
         probe = Request(request_id, list(prompt_token_ids), params)
         sched.check(probe)
-        cap = sched.config.max_queue
-        if cap is not None and len(sched.waiting) + self._queued >= cap:
-            raise QueueFull(f"the waiting queue is full ({cap} requests); retry later")
+        with self._count_lock:
+            # The cap counts every request in flight (running + waiting), so it is exact
+            # however fast the engine admits: a full batch plus max_queue waiting.
+            if self.max_queue is not None and self._inflight >= sched.config.max_num_seqs + self.max_queue:
+                raise QueueFull(
+                    f"the waiting queue is full ({self.max_queue} requests waiting behind "
+                    f"{sched.config.max_num_seqs} running); retry later"
+                )
+            self._inflight += 1
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, queue)
@@ -149,7 +159,14 @@ class AsyncEngine:
                           "cached_free": sum(1 for b in bm.free_queue.values() if b.block_hash is not None)}
         self._block_map_at = time.monotonic()
 
+    @property
+    def in_flight(self) -> int:
+        return self._inflight
+
     def _emit(self, out: RequestOutput) -> None:
+        if out.finished:
+            with self._count_lock:
+                self._inflight -= 1
         entry = self._streams.get(out.request_id)
         if entry is not None:
             loop, queue = entry

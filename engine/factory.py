@@ -21,7 +21,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's own context length
     max_wait_ms: float = 50.0
-    max_queue: int | None = None
+    max_queue: int | None = None  # waiting requests beyond a full batch (enforced by AsyncEngine)
     block_size: int = 16
     kv_cache_gb: float | None = None  # None: kv_cache_fraction of the memory available now
     kv_cache_fraction: float = 0.1
@@ -113,7 +113,6 @@ def build_engine(config: EngineConfig) -> LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
             max_wait_ms=config.max_wait_ms,
-            max_queue=config.max_queue,
         ),
         eos_token_ids=tuple(sorted(eos)),
         mode=config.mode,
