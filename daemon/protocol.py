@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from minibatch.engine.sampling_params import SamplingParams
+from minibatch.engine.sampling_params import MAX_TOP_K, SamplingParams
 
 MAX_BODY_BYTES = 4 * 2**20
 
@@ -61,7 +61,7 @@ class _Sampling(_Body):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(default=-1, ge=-1)
+    top_k: StrictInt = Field(default=-1, ge=-1, le=MAX_TOP_K)
     min_p: Float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: Float = Field(default=1.0, gt=0.0, le=2.0)
     presence_penalty: Float = Field(default=0.0, ge=-2.0, le=2.0)

@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass, field
 
 
+MAX_TOP_K = 1_000_000  # far above any vocabulary; bounds the tensor the sampler builds
+
+
 class InvalidParameterError(ValueError):
     """A sampling parameter is out of range; `field` names it."""
 
@@ -45,7 +48,7 @@ class SamplingParams:
     def validate(self) -> None:
         _number("temperature", self.temperature, lo=0.0, hi=100.0)
         _number("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
-        _integer("top_k", self.top_k, lo=-1)
+        _integer("top_k", self.top_k, lo=-1, hi=MAX_TOP_K)
         _number("min_p", self.min_p, lo=0.0, hi=1.0)
         _number("repetition_penalty", self.repetition_penalty, lo=0.0, hi=10.0, lo_open=True)
         _number("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)

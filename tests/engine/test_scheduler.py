@@ -236,3 +236,10 @@ def test_stop_strings_token_ids_and_eos():
     finals, texts = run(engine)
     assert texts["s"] == text[: text.index(stop)] and finals["s"].finish_reason == "stop"
     assert texts["t"] == tok.decode(full[: full.index(full[3])]) and finals["t"].finish_reason == "stop"
+
+
+def test_sampling_params_bound_top_k():
+    from minibatch.engine.sampling_params import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError, match=r"top_k: must be in \[-1, 1000000\]"):
+        SamplingParams(top_k=2**64)
