@@ -6,7 +6,6 @@ import asyncio
 import json
 import shutil
 import subprocess
-import time
 
 import pytest
 
