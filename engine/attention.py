@@ -116,19 +116,29 @@ class AttentionBackend(Protocol):
 
 @dataclass(slots=True)
 class _TorchPlan:
-    # Sequences with one new token attend together in one padded call.
+    # Sequences with one new token attend together: in the C++ kernel (through block tables,
+    # no copy) when it is available, else in one padded SDPA call over gathered contexts.
     decode_tokens: torch.Tensor | None  # [num_decode] flat token index
     decode_slots: torch.Tensor | None  # [num_decode * max_ctx] cache slot per context position (0 = pad)
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_ctx] True where a real context position
     decode_ctx: int
+    decode_tables: torch.Tensor | None  # [num_decode, max_blocks] int32, padded with the null block
+    decode_lens: torch.Tensor | None  # [num_decode] int32
     # Longer chunks attend one sequence at a time: (token start, query len, slots, mask or None).
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
 
 
 class TorchAttentionBackend:
-    """Attention in plain PyTorch (scaled_dot_product_attention); the CPU path."""
+    """Attention in PyTorch (scaled_dot_product_attention); the CPU path.
+
+    With `decode_kernel` (the CPU paged decode kernel from minibatch.kernels),
+    single-token queries read K/V in place through their block tables.
+    """
 
     name = "torch"
+
+    def __init__(self, decode_kernel=None) -> None:
+        self.decode_kernel = decode_kernel
 
     def prepare(self, meta: AttentionMetadata) -> None:
         device = meta.slot_mapping.device
@@ -151,15 +161,23 @@ class TorchAttentionBackend:
                     mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
                 prefills.append((start, qlen, slots, mask))
             start += qlen
-        plan = _TorchPlan(None, None, None, 0, prefills)
+        plan = _TorchPlan(None, None, None, 0, None, None, prefills)
         if decode_rows:
-            max_ctx = max(decode_lens)
-            lens = torch.tensor(decode_lens, device=device)
-            slots = torch.stack([_context_slots(t, max_ctx, bs, device, valid=n) for t, n in zip(decode_tables, decode_lens)])
             plan.decode_tokens = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            plan.decode_slots = slots.reshape(-1)
-            plan.decode_mask = (torch.arange(max_ctx, device=device)[None, :] < lens[:, None])[:, None, None, :]
-            plan.decode_ctx = max_ctx
+            if self.decode_kernel is not None:
+                width = max(-(-n // bs) for n in decode_lens)
+                plan.decode_tables = torch.tensor(
+                    [t[: -(-n // bs)] + [0] * (width - -(-n // bs)) for t, n in zip(decode_tables, decode_lens)],
+                    dtype=torch.int32, device=device,
+                )
+                plan.decode_lens = torch.tensor(decode_lens, dtype=torch.int32, device=device)
+            else:
+                max_ctx = max(decode_lens)
+                lens = torch.tensor(decode_lens, device=device)
+                slots = torch.stack([_context_slots(t, max_ctx, bs, device, valid=n) for t, n in zip(decode_tables, decode_lens)])
+                plan.decode_slots = slots.reshape(-1)
+                plan.decode_mask = (torch.arange(max_ctx, device=device)[None, :] < lens[:, None])[:, None, None, :]
+                plan.decode_ctx = max_ctx
         meta.plan = plan
 
     def forward(self, q, k, v, kv_cache, meta, scale):
@@ -170,7 +188,10 @@ class TorchAttentionBackend:
         v_flat.index_copy_(0, meta.slot_mapping, v)
         plan: _TorchPlan = meta.plan
         out = torch.empty_like(q)
-        if plan.decode_tokens is not None:
+        if plan.decode_tables is not None:
+            qd = q.index_select(0, plan.decode_tokens)  # [n, heads, head_dim]
+            out.index_copy_(0, plan.decode_tokens, self.decode_kernel(qd, kv_cache, plan.decode_tables, plan.decode_lens, scale))
+        elif plan.decode_tokens is not None:
             n = plan.decode_tokens.numel()
             kd = k_flat.index_select(0, plan.decode_slots).view(n, plan.decode_ctx, num_kv_heads, head_dim)
             vd = v_flat.index_select(0, plan.decode_slots).view(n, plan.decode_ctx, num_kv_heads, head_dim)

@@ -75,7 +75,13 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         torch.set_num_threads(config.threads)
 
     model_dir = resolve_model(config.model)
-    model = load_model(model_dir, TorchAttentionBackend(), device=device, dtype=dtype)
+    decode_kernel = None
+    if device == "cpu" and dtype == torch.float32:
+        from minibatch.kernels.cpu_paged_attention import load_extension, paged_decode_attention
+
+        if load_extension() is not None:  # compiled on first use, then cached
+            decode_kernel = paged_decode_attention
+    model = load_model(model_dir, TorchAttentionBackend(decode_kernel), device=device, dtype=dtype)
     tokenizer = TextTokenizer(model_dir)
     cfg = model.config
     max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
@@ -120,5 +126,6 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     engine.info.update(
         model=config.model, model_dir=str(model_dir), device=device, dtype=dtype_name,
         block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_model_len,
+        attention="cpu-kernel" if decode_kernel is not None else "torch-sdpa",
     )
     return engine

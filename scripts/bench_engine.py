@@ -128,7 +128,10 @@ def efficiency(engine, rows=64, context=192, steps=8):
         _, st = engine.step()
         if st is not None and st.decode_tokens == rows and st.prefill_tokens == 0:
             decode_times.append(st.step_time)
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    from minibatch.engine.models.cpu_linear import PackedLinear
+
+    # Every projection of every layer, exactly as the forward runs them (packed or plain), plus the logits.
+    linears = [m for m in model.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
     x = {m: torch.randn(rows, m.in_features) for m in linears}
     h = torch.randn(rows, model.config.hidden_size)
     lin_times = []
@@ -138,6 +141,7 @@ def efficiency(engine, rows=64, context=192, steps=8):
             m(x[m])
         model.compute_logits(h)
         lin_times.append(time.perf_counter() - t0)
+    assert len(linears) == 4 * model.config.num_layers, len(linears)
     step, lin = statistics.median(decode_times), statistics.median(lin_times)
     return {"rows": rows, "context": context, "decode_step_ms": step * 1e3, "linears_ms": lin * 1e3, "efficiency": lin / step}
 

@@ -74,3 +74,26 @@ def test_chunked_prefill_over_cached_context_matches_hf(tiny_llama_dir):
         with torch.no_grad():
             outs.append(ours.compute_logits(ours(b.input_ids, b.positions, caches, b.attn)))
     torch.testing.assert_close(torch.cat(outs), _hf_logits(hf, ids), atol=1e-4, rtol=0)
+
+
+def test_decode_with_the_cpu_kernel_matches_hf(tiny_llama_dir):
+    from minibatch.kernels.cpu_paged_attention import load_extension, paged_decode_attention
+
+    if load_extension() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    ours = load_model(tiny_llama_dir, TorchAttentionBackend(paged_decode_attention))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    seqs = [list(range(3, 3 + n)) for n in (9, 21, 4)]
+    tables = [[5, 1, 9, 12], [2, 7, 11, 3, 8, 0 + 13, 14], [4, 6, 10]]
+    caches = allocate_kv_cache(ours.config, 16, BLOCK_SIZE)
+    batch = build_flat_batch(seqs, [0, 0, 0], tables, BLOCK_SIZE)
+    with torch.no_grad():
+        ours(batch.input_ids, batch.positions, caches, batch.attn)
+    for _ in range(5):
+        nxt = [int(_hf_logits(hf, s)[-1].argmax()) for s in seqs]
+        batch = build_flat_batch([[t] for t in nxt], [len(s) for s in seqs], tables, BLOCK_SIZE)
+        with torch.no_grad():
+            logits = ours.compute_logits(ours(batch.input_ids, batch.positions, caches, batch.attn))
+        for i, t in enumerate(nxt):
+            seqs[i].append(t)
+            torch.testing.assert_close(logits[i], _hf_logits(hf, seqs[i])[-1], atol=1e-4, rtol=0)
