@@ -26,7 +26,7 @@ class RequestStatus(IntEnum):
         return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity equality: the queues test membership often
 class Request:
     request_id: str
     prompt_token_ids: list[int]

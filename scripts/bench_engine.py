@@ -154,6 +154,7 @@ def main() -> None:
     ap.add_argument("--output", default="16,256", help="min,max output tokens")
     ap.add_argument("--max-running", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hf-repeats", type=int, default=None, help="repeats for the HF variants (default: --repeats)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default="continuous,static,hf-static,hf-cb")
     ap.add_argument("--quick", action="store_true", help="16 requests, short lengths, 1 repeat")
@@ -178,8 +179,11 @@ def main() -> None:
     hf.generation_config.eos_token_id = None
     results: dict[str, list[dict]] = {v: [] for v in variants}
     errors = {}
+    hf_repeats = args.repeats if args.hf_repeats is None else args.hf_repeats
     for rep in range(args.repeats):
         for v in variants:
+            if v.startswith("hf") and rep >= hf_repeats:
+                continue
             try:
                 if v in ("continuous", "static"):
                     res, _ = run_ours(engine, trace, v)
@@ -203,9 +207,9 @@ def main() -> None:
     eff = efficiency(engine, context=64 if args.quick else 192)
 
     med = {v: {k: statistics.median(r[k] for r in rs) for k in ("output_tok_s", "p50_e2e_s", "p95_e2e_s")} for v, rs in results.items() if rs}
-    print("\n| variant | output tok/s | p50 e2e (s) | p95 e2e (s) |\n|---|---:|---:|---:|")
+    print("\n| variant | runs | output tok/s | p50 e2e (s) | p95 e2e (s) |\n|---|---:|---:|---:|---:|")
     for v, m in med.items():
-        print(f"| {v} | {m['output_tok_s']:.1f} | {m['p50_e2e_s']:.1f} | {m['p95_e2e_s']:.1f} |")
+        print(f"| {v} | {len(results[v])} | {m['output_tok_s']:.1f} | {m['p50_e2e_s']:.1f} | {m['p95_e2e_s']:.1f} |")
     for v, e in errors.items():
         print(f"| {v} | failed: {e} | | |")
     ours_b1 = statistics.median(b for b, _ in b1)
