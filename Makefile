@@ -18,7 +18,7 @@ TORCH_SPEC ?= torch==2.13.0
 endif
 TORCH_PIP_ARGS ?=
 
-.PHONY: install test chat clean-venv
+.PHONY: install test chat gpu-check clean-venv
 
 install: $(STAMP)
 
@@ -40,6 +40,11 @@ test: install
 # Start the daemon with the built-in model if it is not running, then open the chat.
 chat: install
 	$(VENV)/bin/minibatch-chat --start
+
+# On a machine with an NVIDIA GPU: the kernel tests compiled, GPU parity and a short benchmark.
+gpu-check: install
+	$(PY) -m pytest -q tests/kernels tests/engine/test_cuda_graphs.py
+	$(PY) scripts/gpu_check.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -58,11 +58,11 @@ def available_memory_bytes() -> int:
 def build_engine(config: EngineConfig) -> LLMEngine:
     import torch
 
-    from .attention import TorchAttentionBackend
     from .kv_cache import allocate_kv_cache, num_blocks_for_budget
     from .model_runner import ModelRunner
     from .models import load_model
     from .tokenizer import TextTokenizer
+    from .triton_backend import select_backend
 
     device = config.device
     if device == "auto":
@@ -75,13 +75,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         torch.set_num_threads(config.threads)
 
     model_dir = resolve_model(config.model)
-    decode_kernel = None
-    if device == "cpu" and dtype == torch.float32:
-        from minibatch.kernels.cpu_paged_attention import load_extension, paged_decode_attention
-
-        if load_extension() is not None:  # compiled on first use, then cached
-            decode_kernel = paged_decode_attention
-    model = load_model(model_dir, TorchAttentionBackend(decode_kernel), device=device, dtype=dtype)
+    backend, ops = select_backend(device, dtype)
+    model = load_model(model_dir, backend, device=device, dtype=dtype, ops=ops)
     tokenizer = TextTokenizer(model_dir)
     cfg = model.config
     max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
@@ -103,6 +98,11 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         raise ValueError(f"the KV-cache budget gives {num_blocks} blocks; need at least 2")
     caches = allocate_kv_cache(cfg, num_blocks, config.block_size, dtype, device)
     runner = ModelRunner(model, caches, config.block_size)
+    if device == "cuda" and backend.name == "triton" and os.environ.get("MINIBATCH_CUDA_GRAPHS", "1") != "0":
+        from .cuda_graphs import DecodeGraphs
+
+        runner.graphs = DecodeGraphs(model, caches, config.block_size, max_model_len, config.max_num_seqs)
+        runner.graphs.capture()
     fault = os.environ.get("MINIBATCH_FAULT_AT_STEP")  # test-only: make one forward raise
     if fault:
         runner.fault_at_step = int(fault)
@@ -126,6 +126,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     engine.info.update(
         model=config.model, model_dir=str(model_dir), device=device, dtype=dtype_name,
         block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_model_len,
-        attention="cpu-kernel" if decode_kernel is not None else "torch-sdpa",
+        attention=backend.name if getattr(backend, "decode_kernel", None) is None else "torch+cpu-decode-kernel",
+        ops=ops.name,
     )
     return engine

@@ -30,6 +30,7 @@ class ModelRunner:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.device = next(model.parameters()).device
         self.sampler = Sampler(self.device)
+        self.graphs = None  # DecodeGraphs on CUDA: pure-decode steps replay a captured forward
         self.fault_at_step: int | None = None  # test hook: the forward of this step raises (once)
         self.steps = 0
 
@@ -56,12 +57,16 @@ class ModelRunner:
         if not chunks:
             return RunnerOutput({})
         batch = build_flat_batch(chunks, starts, tables, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         rows = [i for i, s in enumerate(samplers) if s]
-        if not rows:
-            return RunnerOutput({})
+        logits = None
+        if self.graphs is not None and len(rows) == len(chunks):
+            logits = self.graphs.run(batch)  # None unless a pure decode step that a graph fits
+        if logits is None:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+            if not rows:
+                return RunnerOutput({})
+            logits = self.model.compute_logits(hidden[batch.logits_indices[rows]])
         reqs: list[Request] = [out.requests[i] for i in rows]
-        logits = self.model.compute_logits(hidden[batch.logits_indices[rows]])
         tokens = self.sampler(logits, reqs)
         return RunnerOutput({r.request_id: t for r, t in zip(reqs, tokens)})
 

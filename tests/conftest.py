@@ -8,6 +8,16 @@ from pathlib import Path
 
 import pytest
 
+# Triton kernels run in the interpreter on a machine without a GPU; it must be chosen
+# before any kernel is defined, so before any test module imports one.
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass
+
 TINY_COMMON = dict(
     vocab_size=256,
     hidden_size=64,

@@ -16,19 +16,16 @@ from torch import nn
 
 from ..attention import AttentionBackend, AttentionMetadata
 from .config import ModelConfig, RopeConfig
+from .ops import TorchOps
 
 
 class RMSNorm(nn.Module):
+    """Holds the norm's weight; the computation is the ops' rms_norm / add_rms_norm."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, dim]
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -62,17 +59,12 @@ class RotaryEmbedding(nn.Module):
         freqs = t[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
         self.cos, self.sin = freqs.cos(), freqs.sin()
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        # positions: [num_tokens]; x: [num_tokens, heads, head_dim]
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [num_tokens, 1, head_dim // 2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: TorchOps) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -84,54 +76,51 @@ class Attention(nn.Module):
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rotary(positions, q.view(n, self.num_heads, self.head_dim))
-        k = self.rotary(positions, k.view(n, self.num_kv_heads, self.head_dim))
+        q, k = self.ops.rotary(positions, q.view(n, self.num_heads, self.head_dim),
+                               k.view(n, self.num_kv_heads, self.head_dim), self.rotary.cos, self.rotary.sin)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ops: TorchOps) -> None:
         super().__init__()
+        self.ops = ops
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: TorchOps) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, backend)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, rotary, backend, ops)
+        self.mlp = MLP(cfg, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, kv_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
 
 class LlamaBody(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchOps) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, backend, ops) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """The model: `forward` runs a flat batch into the cache, `compute_logits` scores hidden states."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchOps | None = None) -> None:
         super().__init__()
         self.config, self.backend = cfg, backend
-        self.model = LlamaBody(cfg, backend)
+        self.ops = ops or TorchOps()
+        self.model = LlamaBody(cfg, backend, self.ops)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.logits_proj: nn.Module | None = None  # a packed output projection, when the CPU path made one
 
@@ -143,10 +132,20 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm
         self.backend.prepare(meta)
-        x = self.model.embed_tokens(input_ids)
-        for layer, cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(positions, x, cache, meta)
-        return self.model.norm(x)
+        return self.forward_planned(input_ids, positions, kv_caches, meta)
+
+    def forward_planned(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        """The forward once `meta.plan` is built (CUDA graphs capture this part with static buffers)."""
+        ops, eps, layers = self.ops, self.config.rms_norm_eps, self.model.layers
+        residual = self.model.embed_tokens(input_ids)
+        h = ops.rms_norm(residual, layers[0].input_layernorm.weight, eps)
+        # Each residual add is fused with the norm that follows it (the next layer's, or the final one).
+        for i, (layer, cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            attn = layer.self_attn(positions, h, cache, meta)
+            h, residual = ops.add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, eps)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, residual = ops.add_rms_norm(layer.mlp(h), residual, nxt.weight, eps)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         if self.logits_proj is not None:

@@ -11,6 +11,7 @@ from ..attention import AttentionBackend
 from .config import ModelConfig
 from .cpu_linear import PackedLinear, pack_linears, packed_linear_available
 from .llama import LlamaForCausalLM
+from .ops import TorchOps
 
 # Hugging Face keeps these projections apart; we stack them: (our name, shard index).
 _STACKED = {
@@ -34,11 +35,12 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     packed: bool = True,
+    ops: TorchOps | None = None,
 ) -> LlamaForCausalLM:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend)
+        model = LlamaForCausalLM(cfg, backend, ops)
     model = model.to_empty(device=device).to(dtype)
     load_weights(model, sorted(model_dir.glob("*.safetensors")))
     model.model.rotary.build_tables(torch.device(device))

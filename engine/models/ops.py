@@ -1,0 +1,73 @@
+"""The model's elementwise pieces behind one small interface: PyTorch twins (CPU) or Triton kernels (GPU)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class TorchOps:
+    """Plain PyTorch; the CPU path and the reference the Triton kernels are tested against."""
+
+    name = "torch"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [tokens, hidden]
+        x32 = x.float()
+        return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+    @classmethod
+    def add_rms_norm(cls, x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(residual + x), residual + x)"""
+        h = residual + x
+        return cls.rms_norm(h, weight, eps), h
+
+    @staticmethod
+    def rotary(positions, q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [tokens, heads, head_dim]; k: [tokens, kv_heads, head_dim]; cos/sin: [max_position, head_dim // 2]
+        c = cos[positions].unsqueeze(1)
+        s = sin[positions].unsqueeze(1)
+        out = []
+        for x in (q, k):
+            x1, x2 = x.chunk(2, dim=-1)
+            cx, sx = c.to(x.dtype), s.to(x.dtype)
+            out.append(torch.cat((x1 * cx - x2 * sx, x2 * cx + x1 * sx), dim=-1))
+        return out[0], out[1]
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [tokens, 2 * n] -> [tokens, n]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class TritonOps(TorchOps):
+    """The same operations as fused Triton kernels (GPU, or the interpreter in tests)."""
+
+    name = "triton"
+
+    @staticmethod
+    def rms_norm(x, weight, eps):
+        from minibatch.kernels.rmsnorm import fused_add_rmsnorm
+
+        return fused_add_rmsnorm(x, torch.zeros_like(x), weight, eps)
+
+    @staticmethod
+    def add_rms_norm(x, residual, weight, eps):
+        from minibatch.kernels.rmsnorm import fused_add_rmsnorm
+
+        residual = residual.contiguous()
+        out = fused_add_rmsnorm(x.contiguous(), residual, weight, eps)  # residual becomes residual + x
+        return out, residual
+
+    @staticmethod
+    def rotary(positions, q, k, cos, sin):
+        from minibatch.kernels.rotary import rotary_inplace
+
+        rotary_inplace(q, k, positions, cos, sin)
+        return q, k
+
+    @staticmethod
+    def silu_mul(gate_up):
+        from minibatch.kernels.activation import silu_and_mul
+
+        return silu_and_mul(gate_up.contiguous())

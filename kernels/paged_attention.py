@@ -1,0 +1,146 @@
+"""Paged attention for a mixed batch: prefill chunks and single decode tokens in one launch.
+
+Each sequence has `query_len` new tokens (the last `query_len` positions of its
+`seq_len`-token context); each attends causally to its whole context, read from
+the paged cache through the sequence's block table. Grouped-query heads share a
+KV head. Online softmax in fp32. Any block size that is a power of two >= 8:
+keys are processed in tiles of BLOCK_N >= 16 positions, each position finding
+its block through the table.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    query_start_ptr,  # [num_seqs + 1] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    scale,
+    stride_qt, stride_qh,
+    stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    qblock = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if qblock * BLOCK_M < q_len:
+        ctx = tl.load(seq_lens_ptr + seq)
+        kv_head = head // GROUP
+        offs_m = qblock * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        m_valid = offs_m < q_len
+        q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=m_valid[:, None], other=0.0)
+        q_pos = ctx - q_len + offs_m  # absolute position of each query token
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        last = tl.minimum(ctx, ctx - q_len + (qblock + 1) * BLOCK_M)  # keys past this are masked for all rows
+        for start in range(0, last, BLOCK_N):
+            k_pos = start + tl.arange(0, BLOCK_N)
+            k_valid = k_pos < last
+            block = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_valid, other=0)
+            within = k_pos % BLOCK_SIZE
+            k = tl.load(k_cache_ptr + block[:, None] * stride_kb + within[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+                        mask=k_valid[:, None], other=0.0)
+            if FP32_DOT:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = s * scale
+            allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_cache_ptr + block[:, None] * stride_vb + within[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+                        mask=k_valid[:, None], other=0.0)
+            if FP32_DOT:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new tokens
+    scale: float,
+    max_query_len: int,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    _, num_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, kv_dim = kv_cache.shape
+    if kv_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"heads {num_heads}x{head_dim} do not fit KV heads {num_kv_heads}x{kv_dim}")
+    if block_size < 8 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 8, got {block_size}")
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("the last dimension of q and the cache must be contiguous")
+    if block_tables.dtype != torch.int32 or query_start_loc.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("block_tables, query_start_loc and seq_lens must be int32")
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"q is {q.dtype} but the cache is {kv_cache.dtype}")
+    out = torch.empty_like(q)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    block_m = 16
+    block_n = max(16, block_size)
+    grid = (seq_lens.numel(), num_heads, triton.cdiv(max_query_len, block_m))
+    _paged_attention_kernel[grid](
+        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        FP32_DOT=q.dtype == torch.float32,
+    )
+    return out
+
+
+def paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len):
+    """The PyTorch twin: gather each sequence's context through its table, attend causally."""
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for i, ctx in enumerate(seq_lens.tolist()):
+        a, b = starts[i], starts[i + 1]
+        pos = torch.arange(ctx, device=q.device)
+        slots = block_tables[i].long()[pos // block_size] * block_size + pos % block_size
+        k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)[slots].transpose(0, 1).float()  # [kv_heads, ctx, head_dim]
+        v = kv_cache[1].reshape(-1, num_kv_heads, head_dim)[slots].transpose(0, 1).float()
+        qi = q[a:b].transpose(0, 1).float()  # [heads, q_len, head_dim]
+        q_pos = torch.arange(ctx - (b - a), ctx, device=q.device)
+        mask = pos[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(qi[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True)[0]
+        out[a:b] = o.transpose(0, 1).to(q.dtype)
+    return out

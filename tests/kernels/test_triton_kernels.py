@@ -1,0 +1,168 @@
+"""Every Triton kernel against its PyTorch twin (interpreter on CPU, compiled on a GPU).
+
+Tolerances: fp32 1e-5 (the same math in the same precision, different summation
+order); fp16 2e-3 absolute / 1e-2 relative (inputs rounded to 10 mantissa bits,
+accumulation in fp32 on both sides); bf16 only on a GPU (2e-2): Triton's
+interpreter computes bf16 wrongly on CPU (triton 3.7), so those cases skip there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from minibatch.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from minibatch.kernels.kv_store import store_kv, store_kv_ref  # noqa: E402
+from minibatch.kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
+from minibatch.kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref  # noqa: E402
+from minibatch.kernels.rotary import rotary_inplace, rotary_inplace_ref  # noqa: E402
+
+from .conftest import DEVICE  # noqa: E402
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=1e-2), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(DEVICE == "cpu", reason="the Triton interpreter computes bf16 wrongly on CPU")),
+]
+
+
+def mixed_batch(heads, kv_heads, block_size, dtype, seed):
+    """Decode tokens and prefill chunks (some over cached context) in one batch, random block tables."""
+    g = torch.Generator().manual_seed(seed)
+    head_dim = 16
+    query_lens = [1, 1, 5, 12, 3]
+    seq_lens = [1, 21, 9, 12, 40]  # context after this step; q_len <= seq_len
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    num_blocks = len(seq_lens) * max_blocks + 3
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
+    tables = perm[: len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks).int()
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=g).to(dtype)
+    qsl = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    return to(q), to(cache), to(tables), to(qsl), to(torch.tensor(seq_lens, dtype=torch.int32)), max(query_lens)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (5, 1)])
+def test_paged_attention_mixed_batch(heads, kv_heads, block_size, dtype):
+    q, cache, tables, qsl, lens, max_q = mixed_batch(heads, kv_heads, block_size, dtype, seed=heads + block_size)
+    got = paged_attention(q, cache, tables, qsl, lens, 0.25, max_q)
+    ref = paged_attention_ref(q, cache, tables, qsl, lens, 0.25, max_q)
+    torch.testing.assert_close(got.float(), ref.float(), **TOL[dtype])
+
+
+def test_paged_attention_rejects_bad_inputs():
+    q, cache, tables, qsl, lens, max_q = mixed_batch(4, 2, 8, torch.float32, 0)
+    with pytest.raises(ValueError, match="int32"):
+        paged_attention(q, cache, tables.long(), qsl, lens, 0.25, max_q)
+    with pytest.raises(ValueError, match="do not fit"):
+        paged_attention(q[:, :3], cache, tables, qsl, lens, 0.25, max_q)
+    with pytest.raises(ValueError, match="is torch.float16 but the cache"):
+        paged_attention(q.half(), cache, tables, qsl, lens, 0.25, max_q)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv(dtype):
+    g = torch.Generator().manual_seed(1)
+    cache = torch.zeros(2, 6, 8, 2, 16, dtype=dtype, device=DEVICE)
+    k = torch.randn(5, 2, 16, generator=g).to(dtype).to(DEVICE)
+    v = torch.randn(5, 2, 16, generator=g).to(dtype).to(DEVICE)
+    slots = torch.tensor([9, 40, 3, -1, 17], device=DEVICE)  # -1: a padding row, skipped
+    ref = cache.clone()
+    store_kv(k, v, cache, slots)
+    store_kv_ref(k, v, ref, slots)
+    assert torch.equal(cache, ref)
+    assert cache[0].reshape(-1, 2, 16)[40].equal(k[1]) and cache[1].reshape(-1, 2, 16)[17].equal(v[4])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 96])
+def test_fused_add_rmsnorm(dtype, hidden):
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(7, hidden, generator=g).to(dtype).to(DEVICE)
+    res = torch.randn(7, hidden, generator=g).to(dtype).to(DEVICE)
+    w = torch.randn(hidden, generator=g).to(dtype).to(DEVICE)
+    res_ref = res.clone()
+    out = fused_add_rmsnorm(x, res, w, 1e-6)
+    ref = fused_add_rmsnorm_ref(x, res_ref, w, 1e-6)
+    torch.testing.assert_close(res, res_ref, **TOL[dtype])
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (5, 1)])
+def test_rotary_inplace(dtype, heads, kv_heads):
+    g = torch.Generator().manual_seed(heads)
+    half = 8
+    inv = 1.0 / (10000 ** (torch.arange(half).float() / half))
+    freqs = torch.arange(64).float()[:, None] * inv[None, :]
+    cos, sin = freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
+    q = torch.randn(6, heads, 2 * half, generator=g).to(dtype).to(DEVICE)
+    k = torch.randn(6, kv_heads, 2 * half, generator=g).to(dtype).to(DEVICE)
+    pos = torch.tensor([0, 5, 63, 1, 17, 2], device=DEVICE)
+    q2, k2 = q.clone(), k.clone()
+    rotary_inplace(q, k, pos, cos, sin)
+    rotary_inplace_ref(q2, k2, pos, cos, sin)
+    torch.testing.assert_close(q.float(), q2.float(), **TOL[dtype])
+    torch.testing.assert_close(k.float(), k2.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [32, 1536])
+def test_silu_and_mul(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(3, 2 * n, generator=g).to(dtype).to(DEVICE)
+    torch.testing.assert_close(silu_and_mul(x).float(), silu_and_mul_ref(x).float(), **TOL[dtype])
+
+
+def test_whole_model_on_the_triton_path_matches_hf(tiny_llama_dir):
+    """The tiny Llama forward with Triton attention, KV store, fused norms, rotary and SiLU (interpreter on CPU)."""
+    import transformers
+
+    from minibatch.engine.attention import build_flat_batch
+    from minibatch.engine.kv_cache import allocate_kv_cache
+    from minibatch.engine.models import load_model
+    from minibatch.engine.models.ops import TritonOps
+    from minibatch.engine.triton_backend import TritonAttentionBackend
+
+    ours = load_model(tiny_llama_dir, TritonAttentionBackend(), device=DEVICE, packed=False, ops=TritonOps())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    seqs = [list(range(3, 3 + n)) for n in (6, 13)]
+    tables = [[3, 1], [2, 5, 4, 6]]
+    caches = allocate_kv_cache(ours.config, 8, 8, device=DEVICE)
+
+    def hf_last(ids):
+        with torch.no_grad():
+            return hf(torch.tensor([ids])).logits[0].float()
+
+    b = build_flat_batch(seqs, [0, 0], tables, 8, DEVICE)
+    with torch.no_grad():
+        logits = ours.compute_logits(ours(b.input_ids, b.positions, caches, b.attn)).cpu()
+    torch.testing.assert_close(logits[:6], hf_last(seqs[0]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits[6:], hf_last(seqs[1]), atol=1e-4, rtol=0)
+    for _ in range(3):  # decode steps: one token each, over the cached context
+        nxt = [int(hf_last(s)[-1].argmax()) for s in seqs]
+        b = build_flat_batch([[t] for t in nxt], [len(s) for s in seqs], tables, 8, DEVICE)
+        with torch.no_grad():
+            step = ours.compute_logits(ours(b.input_ids, b.positions, caches, b.attn)).cpu()
+        for i, t in enumerate(nxt):
+            seqs[i].append(t)
+            torch.testing.assert_close(step[i], hf_last(seqs[i])[-1], atol=1e-4, rtol=0)
+
+
+def test_backend_selection():
+    from minibatch.engine.attention import TorchAttentionBackend
+    from minibatch.engine.models.ops import TorchOps, TritonOps
+    from minibatch.engine.triton_backend import TritonAttentionBackend, select_backend
+
+    backend, ops = select_backend("cuda", torch.bfloat16)
+    assert isinstance(backend, TritonAttentionBackend) and isinstance(ops, TritonOps)
+    backend, ops = select_backend("cpu", torch.float32)
+    assert isinstance(backend, TorchAttentionBackend) and type(ops) is TorchOps
+    backend, ops = select_backend("cpu", torch.float16)
+    assert isinstance(backend, TorchAttentionBackend) and backend.decode_kernel is None
