@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from minibatch.engine.request import RequestMetrics
 from minibatch.engine.scheduler import MODES, QueueFull, RequestRejected
 
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse_body
+from .responses import full_response, stream_response, timeout_message
 
 log = logging.getLogger("minibatch.daemon")
 DEFAULT_MAX_TOKENS = 1024
@@ -45,27 +45,6 @@ class DaemonState:
 
 
 STATE = web.AppKey("state", DaemonState)
-
-
-def timings(m: RequestMetrics | None) -> dict:
-    def ms(v):
-        return None if v is None else round(v * 1000, 3)
-
-    if m is None:
-        return {}
-    return {
-        "queue_wait_ms": ms(m.queue_wait), "ttft_ms": ms(m.ttft), "decode_ms": ms(m.decode_time),
-        "tpot_ms": ms(m.tpot), "e2e_ms": ms(m.e2e), "preemptions": m.preemptions,
-        "cached_prompt_tokens": m.cached_prompt_tokens,
-    }
-
-
-def usage(m: RequestMetrics | None, prompt_tokens: int, completion_tokens: int) -> dict:
-    cached = m.cached_prompt_tokens if m else 0
-    return {
-        "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached},
-    }
 
 
 @web.middleware
@@ -176,74 +155,6 @@ async def run_request(request, state: DaemonState, engine, body, ids, kind: str,
             raise ApiError(504, timeout_message(state), None, "timeout") from None
     finally:
         await outputs.aclose()
-
-
-def timeout_message(state: DaemonState) -> str:
-    return f"the request ran past its limit of {state.request_timeout:g} s and was aborted"
-
-
-async def full_response(state, outputs, base, chat: bool, prompt_tokens: int) -> web.Response:
-    text, n, last = [], 0, None
-    async for out in outputs:
-        text.append(out.text)
-        n += len(out.token_ids)
-        last = out
-    state.monitor.on_request_done(last.metrics, last.finish_reason if not last.error else None)
-    if last.error:
-        raise ApiError(500, last.error, None, "engine_error", "server_error")
-    content = "".join(text)
-    choice = {"index": 0, "finish_reason": last.finish_reason}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": content}
-    else:
-        choice.update(text=content, logprobs=None)
-    return web.json_response({
-        **base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-        "usage": usage(last.metrics, prompt_tokens, n), "minibatch": timings(last.metrics),
-    })
-
-
-async def stream_response(request, state, outputs, base, chat: bool, prompt_tokens: int, include_usage: bool):
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": base["id"]})
-    await resp.prepare(request)
-    obj = "chat.completion.chunk" if chat else "text_completion"
-
-    async def send(payload: dict) -> None:
-        await resp.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
-
-    def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> dict:
-        if chat:
-            delta = {"role": "assistant", "content": ""} if role else ({} if delta_text is None else {"content": delta_text})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
-        return {**base, "object": obj, "choices": [choice]}
-
-    if chat:
-        await send(chunk(None, None, role=True))
-    n = 0
-    try:
-        async with asyncio.timeout(state.request_timeout):
-            async for out in outputs:
-                n += len(out.token_ids)
-                if out.error:
-                    state.monitor.on_request_done(out.metrics, None)
-                    await send(ApiError(500, out.error, None, "engine_error", "server_error").body())
-                    break
-                if out.text:
-                    await send(chunk(out.text, None))
-                if out.finished:
-                    state.monitor.on_request_done(out.metrics, out.finish_reason)
-                    final = chunk(None, out.finish_reason)
-                    final["minibatch"] = timings(out.metrics)
-                    await send(final)
-                    if include_usage:
-                        await send({**base, "object": obj, "choices": [], "usage": usage(out.metrics, prompt_tokens, n)})
-    except TimeoutError:
-        await send(ApiError(504, timeout_message(state), None, "timeout").body())
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
 
 
 async def engine_stats(request: web.Request) -> web.Response:

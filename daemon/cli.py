@@ -56,6 +56,8 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         env = os.environ.get(env_name(flag))
         value = typ(env) if env not in (None, "") else default
         p.add_argument(flag, type=typ, default=value, help=f"{help_} (env {env_name(flag)})")
+    p.add_argument("--no-prefix-caching", action="store_true", default=os.environ.get("MINIBATCH_NO_PREFIX_CACHING") == "1",
+                   help="do not share KV blocks between requests with a common prefix (benchmarks replaying one trace)")
     p.add_argument("--foreground", action="store_true", help="run attached to this terminal instead of in the background")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the daemon to become ready")
 
@@ -90,6 +92,7 @@ def engine_config(args):
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, block_size=args.block_size,
         kv_cache_gb=args.kv_cache_gb, device=args.device, dtype=args.dtype, threads=args.threads,
+        enable_prefix_caching=not args.no_prefix_caching,
     )
 
 

@@ -286,8 +286,8 @@ async def run(args) -> int:
                     summary = summarize(results, wall, args.slo_ttft, args.slo_tpot)
                     runs.append(summary)
                     engines.append(engine)
-                    if kind == "main":
-                        ttft.setdefault(mode, []).extend(r.ttft for r in results if r.ok)
+                    if kind in ("main", "concurrency") and x == max(p[1] for p in pts):
+                        ttft.setdefault(mode, []).extend(r.ttft for r in results if r.ok)  # main run, or the largest point
                     (out / f"run-{kind}-{label.replace(' ', '').replace('/', '')}-{mode}-{rep}.json").write_text(
                         json.dumps({"point": label, "mode": mode, "summary": summary, "engine": engine,
                                     "requests": [asdict(r) | {"itl": r.itl} for r in results]}, default=str))

@@ -170,8 +170,11 @@ def main() -> None:
           f"({sum(n for _, n in trace)} output tokens), max running {args.max_running}, "
           f"threads {torch.get_num_threads()}", file=sys.stderr)
 
+    # Prefix caching off: replaying one trace would otherwise hit the previous run's cached prompts,
+    # a head start the HF baseline does not get.
     engine = build_engine(EngineConfig(model=args.model, max_num_seqs=max(64, args.max_running),
-                                       max_num_batched_tokens=1024, kv_cache_gb=3.0, max_wait_ms=0))
+                                       max_num_batched_tokens=1024, kv_cache_gb=3.0, max_wait_ms=0,
+                                       enable_prefix_caching=False))
     engine.scheduler.config.max_num_seqs = args.max_running
     import transformers
 
