@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is no
 
 
 def tmux(*args: str, check=True) -> str:
-    out = subprocess.run(["tmux", "-L", "mbtest", *args], capture_output=True, text=True, timeout=30)
+    # -f /dev/null: no user config (a changed prefix or size would change what the test sees)
+    out = subprocess.run(["tmux", "-L", "mbtest", "-f", "/dev/null", *args], capture_output=True, text=True, timeout=30)
     if check and out.returncode != 0:
         raise RuntimeError(out.stderr)
     return out.stdout
@@ -49,6 +50,7 @@ def test_two_panes_broadcast_in_a_real_terminal(tiny_chat_model_dir, short_tmp):
         tmux("send-keys", "-t", "chat", "C-n")
         wait_for(lambda s: s.count("pane 2") >= 1, what="a second pane")
         tmux("send-keys", "-t", "chat", "-l", "hello there")
+        wait_for(lambda s: "hello there" in s, what="the typed text")  # the app has taken the keys in
         tmux("send-keys", "-t", "chat", "C-b")
         saw_two = False
         deadline = time.monotonic() + 90
