@@ -20,9 +20,15 @@ json_scalar = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20),
 )
 json_value = st.recursive(json_scalar, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3), max_leaves=6)
+ROLES = ["system", "user", "assistant"]
+# Every one of these is an invalid message (an empty string content is valid, as in the OpenAI API, so it is not here).
 hostile_message = st.one_of(
-    st.just({}), st.just({"role": "user"}), st.just({"role": "user", "content": ""}),
-    st.fixed_dictionaries({"role": st.text(max_size=8), "content": json_value}),
+    st.just({}), st.just({"role": "user"}), st.just({"content": "hi"}), st.just({"role": "user", "content": None}),
+    st.fixed_dictionaries({"role": st.text(max_size=8).filter(lambda r: r not in ROLES), "content": json_value}),
+    st.fixed_dictionaries({"role": st.sampled_from(ROLES),
+                           "content": st.one_of(st.booleans(), st.integers(), st.floats(),
+                                                st.lists(json_scalar, min_size=1, max_size=3),
+                                                st.dictionaries(st.text(max_size=8), json_scalar, max_size=3))}),
 )
 # At least one violation per body, so every body is truly invalid; the rest is random junk around it.
 violation = st.one_of(
