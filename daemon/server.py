@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,12 +33,36 @@ class DaemonConfig:
 
 
 def load_engine(config: EngineConfig):
-    """Build the engine (in a worker thread: it takes seconds, longer on a first conversion)."""
+    """Build the engine (it takes seconds, longer on a first conversion)."""
     from minibatch.engine.async_engine import AsyncEngine
     from minibatch.engine.factory import build_engine
 
     engine = build_engine(config)
     return AsyncEngine(engine, max_queue=config.max_queue), engine.tokenizer
+
+
+def start_engine_thread(config: EngineConfig, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    """Load the model and run the step loop on one thread of their own; the future gets (engine, tokenizer).
+
+    One thread does all tensor work, so the process keeps one OpenMP thread
+    pool (see AsyncEngine.run_on_this_thread); the event loop's thread never
+    runs any.
+    """
+    fut = loop.create_future()
+
+    def post(fn, *args) -> None:
+        loop.call_soon_threadsafe(lambda: fut.done() or fn(*args))
+
+    def main() -> None:
+        try:
+            engine, tokenizer = load_engine(config)
+        except BaseException as exc:  # noqa: BLE001 - reported to the event loop
+            post(fut.set_exception, exc)
+            return
+        engine.run_on_this_thread(ready=lambda: post(fut.set_result, (engine, tokenizer)))
+
+    threading.Thread(target=main, name="minibatch-engine", daemon=True).start()
+    return fut
 
 
 async def serve(config: DaemonConfig) -> int:
@@ -67,7 +92,7 @@ async def serve(config: DaemonConfig) -> int:
 
         started = time.perf_counter()
         try:
-            engine, tokenizer = await loop.run_in_executor(None, load_engine, config.engine)
+            engine, tokenizer = await start_engine_thread(config.engine, loop)
         except Exception as exc:
             state.status, state.load_error = "failed", f"{type(exc).__name__}: {exc}"
             log.error("could not load the model: %s", state.load_error)
@@ -82,7 +107,6 @@ async def serve(config: DaemonConfig) -> int:
         state.info["vocab_size"] = engine.engine.runner.model.config.vocab_size
         state.info["mode"] = engine.engine.mode
         state.info["pid"] = os.getpid()
-        engine.start()
         state.status = "ready"
         log.info("ready in %.1f s: %s on %s (%s), %d KV blocks of %d tokens, mode %s",
                  time.perf_counter() - started, config.engine.model, info.get("device"), info.get("dtype"),

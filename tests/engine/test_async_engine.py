@@ -132,3 +132,26 @@ def test_idle_engine_sleeps():
         assert a.loop_iterations == before
     finally:
         a.shutdown()
+
+
+def test_run_on_this_thread_serves_on_the_callers_thread_and_shuts_down():
+    import threading
+
+    runner = SlowRunner(4)
+    engine = LLMEngine(runner, CharTokenizer(), BlockManager(64, 4), SchedulerConfig(4, 32, 256, 10.0), (2,), "continuous")
+    a = AsyncEngine(engine)
+    step_threads: set[str] = set()
+    a.stats_listeners.append(lambda s: step_threads.add(threading.current_thread().name))
+    ready = threading.Event()
+    seen_alive = []
+    t = threading.Thread(target=lambda: a.run_on_this_thread(ready=lambda: (seen_alive.append(a.alive), ready.set())),
+                         name="builder-and-engine", daemon=True)
+    t.start()
+    assert ready.wait(5) and seen_alive == [True]
+    try:
+        outs = asyncio.run(collect(a, [5, 6, 7], 5))
+        assert outs[-1].finished and sum(len(o.token_ids) for o in outs) == 5
+        assert step_threads == {"builder-and-engine"}  # every step ran on the thread that called run_on_this_thread
+    finally:
+        a.shutdown()
+    assert not t.is_alive() and not a.alive
