@@ -260,6 +260,7 @@ async def run(args) -> int:
     corpus = tokenizer.encode(" ".join(json.loads(l)["prompt"] for l in CHAT_SET.read_text().splitlines()))
     modes = args.modes.split(",")
     pts = points(args)
+    largest = max(p[1] for p in pts)  # the point whose TTFT distribution is plotted
     total = len(pts) * args.repeats * len(modes) * args.requests
     rows, ttft = [], {}
     progress = tqdm(total=total, desc="requests", unit="req", file=sys.stderr)
@@ -286,7 +287,7 @@ async def run(args) -> int:
                     summary = summarize(results, wall, args.slo_ttft, args.slo_tpot)
                     runs.append(summary)
                     engines.append(engine)
-                    if kind in ("main", "concurrency") and x == max(p[1] for p in pts):
+                    if kind in ("main", "concurrency") and x == largest:
                         ttft.setdefault(mode, []).extend(r.ttft for r in results if r.ok)  # main run, or the largest point
                     (out / f"run-{kind}-{label.replace(' ', '').replace('/', '')}-{mode}-{rep}.json").write_text(
                         json.dumps({"point": label, "mode": mode, "summary": summary, "engine": engine,

@@ -69,24 +69,14 @@ def main() -> int:
     print(f"in-process: {local:.1f} output tok/s", flush=True)
     with tempfile.TemporaryDirectory(prefix="mbo-", dir="/tmp") as d:
         sock = str(Path(d) / "d.sock")
-        log = open(Path(d) / "d.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "minibatch.daemon.cli", "start", "--foreground", "--socket", sock,
-                                 "--max-num-seqs", str(args.requests), "--max-num-batched-tokens", str(args.budget),
-                                 "--kv-cache-gb", "2.0"], stdout=log, stderr=subprocess.STDOUT)
+        cli = [sys.executable, "-m", "minibatch.daemon.cli"]
+        # `minibatchd start` returns once the daemon answers /health (or fails with the reason)
+        subprocess.run([*cli, "start", "--socket", sock, "--log-file", str(Path(d) / "d.log"), "--max-num-seqs", str(args.requests),
+                        "--max-num-batched-tokens", str(args.budget), "--kv-cache-gb", "2.0"], check=True, stdout=subprocess.DEVNULL)
         try:
-            from minibatch.daemon.client import request_json
-
-            for _ in range(600):
-                try:
-                    if request_json(sock, "GET", "/health", timeout=2)[0] == 200:
-                        break
-                except OSError:
-                    pass
-                time.sleep(0.2)
             remote = asyncio.run(over_socket(items, args, sock))
         finally:
-            proc.terminate()
-            proc.wait(60)
+            subprocess.run([*cli, "stop", "--socket", sock], stdout=subprocess.DEVNULL)
     print(f"through the socket ({args.requests} concurrent SSE streams): {remote:.1f} output tok/s")
     print(f"socket / in-process: {remote / local:.3f} (overhead {100 * (1 - remote / local):.1f}%)")
     return 0
