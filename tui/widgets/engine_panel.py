@@ -93,6 +93,9 @@ class EnginePanel(Vertical):
         self.query_one("#engine-numbers", Static).update("\n".join(lines))
 
     def update_blocks(self, blocks: dict, owners: dict[str, int]) -> None:
+        target = next(self.query("#engine-map").results(Static), None)
+        if target is None:  # a poll that returns while the app shuts down finds its children gone
+            return
         cells = block_map_cells(blocks, owners)
         text = Text("KV block map\n", style="bold")
         per = max(1, -(-blocks.get("total", 0) // MAP_CELLS)) if blocks.get("total") else 1
@@ -106,4 +109,4 @@ class EnginePanel(Vertical):
                 text.append("◆" if shared else "■", style=color)
             if (i + 1) % width == 0:
                 text.append("\n")
-        self.query_one("#engine-map", Static).update(text)
+        target.update(text)
