@@ -33,6 +33,8 @@ OPTIONS = [
     ("--block-size", int, 16, "tokens per KV block"),
     ("--device", str, "auto", "auto, cpu or cuda"),
     ("--dtype", str, "auto", "auto (fp32 on CPU, bf16 on GPU), float32, float16, bfloat16"),
+    ("--weights", str, "auto", "auto (native on CPU), native (GGUF blocks as they are), float32 (dequantised), "
+     "q8_0 (quantize a safetensors model at load)"),
     ("--threads", int, None, "PyTorch CPU threads (default: all cores)"),
     ("--host", str, None, "also listen on TCP at this host (default 127.0.0.1 when --port is set)"),
     ("--port", int, None, "also listen on TCP at this port (off by default)"),
@@ -92,6 +94,7 @@ def engine_config(args):
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, block_size=args.block_size,
         kv_cache_gb=args.kv_cache_gb, device=args.device, dtype=args.dtype, threads=args.threads,
+        weights=args.weights,
         enable_prefix_caching=not args.no_prefix_caching,
     )
 
@@ -179,7 +182,7 @@ def cmd_status(args) -> int:
         return 1
     lines = [
         ("pid", pid), ("socket", sock), ("status", health.get("status")), ("uptime", f"{health.get('uptime_s', 0):.0f} s"),
-        ("model", health.get("model")), ("device", f"{health.get('device', '?')} ({health.get('dtype', '?')})"),
+        ("model", health.get("model")), ("device", f"{health.get('device', '?')} ({health.get('dtype', '?')})"), ("weights", health.get("weights", "?")),
     ]
     if hstatus == 200:
         _, s = request_json(str(sock), "GET", "/v1/engine/stats?steps=0")

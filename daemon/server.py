@@ -103,13 +103,13 @@ async def serve(config: DaemonConfig) -> int:
         engine.stats_listeners.append(state.monitor.on_step_threadsafe)
         state.engine, state.tokenizer = engine, tokenizer
         info = engine.engine.info
-        state.info = {k: info[k] for k in ("device", "dtype", "block_size", "num_kv_blocks", "max_model_len") if k in info}
+        state.info = {k: info[k] for k in ("device", "dtype", "weights", "block_size", "num_kv_blocks", "max_model_len") if k in info}
         state.info["vocab_size"] = engine.engine.runner.model.config.vocab_size
         state.info["mode"] = engine.engine.mode
         state.info["pid"] = os.getpid()
         state.status = "ready"
-        log.info("ready in %.1f s: %s on %s (%s), %d KV blocks of %d tokens, mode %s",
-                 time.perf_counter() - started, config.engine.model, info.get("device"), info.get("dtype"),
+        log.info("ready in %.1f s: %s (%s) on %s (%s), %d KV blocks of %d tokens, mode %s",
+                 time.perf_counter() - started, config.engine.model, info.get("weights"), info.get("device"), info.get("dtype"),
                  info.get("num_kv_blocks"), info.get("block_size"), engine.engine.mode)
         await stop.wait()
         await drain(state, config.shutdown_timeout)

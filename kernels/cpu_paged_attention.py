@@ -8,42 +8,16 @@ table. `paged_decode_attention_ref` is its PyTorch twin and the test reference.
 
 from __future__ import annotations
 
-import logging
-import os
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger("minibatch.kernels")
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
-_ext = None
-_tried = False
+from .cpu_ext import load_cpu_extension
+
 
 
 def load_extension():
-    """The compiled extension, or None when it cannot be built here (then the PyTorch path runs)."""
-    global _ext, _tried
-    if _tried:
-        return _ext
-    _tried = True
-    if os.environ.get("MINIBATCH_CPU_KERNELS", "1") == "0":
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        log.info("building the CPU attention kernel (first use only)")
-        _ext = load(
-            name="minibatch_cpu_attention",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, unsupported platform: fall back
-        log.warning("CPU attention kernel unavailable (%s: %s); using the PyTorch path", type(exc).__name__, exc)
-        _ext = None
-    return _ext
+    """The compiled CPU extension, or None (then the PyTorch twin runs)."""
+    return load_cpu_extension()
 
 
 def paged_decode_attention(

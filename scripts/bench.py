@@ -97,7 +97,9 @@ def hf_static(model_dir: str, trace: list[TraceItem], batch: int, tokenizer) -> 
     import torch
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from minibatch.engine.models.reference import load_hf_reference
+
+    hf = load_hf_reference(model_dir)
     hf.generation_config.eos_token_id = None
     prompts = [it.prompt_ids if it.prompt_ids is not None else
                list(tokenizer.apply_chat_template(it.messages, add_generation_prompt=True, tokenize=True)["input_ids"])

@@ -178,7 +178,9 @@ def main() -> None:
     engine.scheduler.config.max_num_seqs = args.max_running
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(engine.info["model_dir"], dtype=torch.float32).eval()
+    from minibatch.engine.models.reference import load_hf_reference
+
+    hf = load_hf_reference(engine.info["model_dir"])
     hf.generation_config.eos_token_id = None
     results: dict[str, list[dict]] = {v: [] for v in variants}
     errors = {}

@@ -201,6 +201,7 @@ class MinibatchChat(App):
             try:
                 async for event in self.client.events():
                     if not panel.connected:
+                        await self.show_model(panel)
                         for pane in self.panes():
                             if not pane.busy:
                                 pane.set_status("ready")
@@ -212,6 +213,14 @@ class MinibatchChat(App):
                     if not pane.busy:
                         pane.set_status("[yellow]reconnecting…[/]")
             await asyncio.sleep(1.0)
+
+    async def show_model(self, panel: EnginePanel) -> None:
+        """What the chat is talking to (model, weight type, device), under the panel's title."""
+        try:
+            h = await self.client.health()
+        except DaemonUnavailable:
+            return
+        panel.border_subtitle = " · ".join(str(h[k]) for k in ("model", "weights", "device") if h.get(k))
 
     @work(exclusive=True, group="blocks")
     async def poll_blocks(self) -> None:

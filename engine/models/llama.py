@@ -108,7 +108,9 @@ class LlamaBody(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchOps) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # An explicit (uninitialised) weight skips the random init, whose first use on the meta
+        # device imports torch._refs (~3 s of every start).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, backend, ops) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -122,7 +124,8 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops or TorchOps()
         self.model = LlamaBody(cfg, backend, self.ops)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.logits_proj: nn.Module | None = None  # a packed output projection, when the CPU path made one
+        self.logits_proj: nn.Module | None = None  # a packed or quantized output projection (CPU paths)
+        self.weights_desc = "float32"  # what the matrices run as, for /health and the panel
 
     def forward(
         self,

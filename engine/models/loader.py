@@ -1,4 +1,13 @@
-"""Build a model and fill its parameters from safetensors files, tensor by tensor, by name."""
+"""Build a model and fill its parameters, by name, from safetensors files or straight from a GGUF file.
+
+Weight modes:
+- `native`: GGUF matrices stay block-quantized and run on the C++ kernels
+  (CPU only); a safetensors model stays fp32 (packed for oneDNN).
+- `float32`: everything dequantised to fp32 (the reference path).
+- `q8_0`: a safetensors model's matrices quantized at load, round-to-nearest
+  per block of 32, then run as `native` runs a Q8_0 file.
+- `auto`: `native` on CPU, `float32` elsewhere (GPUs run bf16/fp16 copies).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +21,9 @@ from .config import ModelConfig
 from .cpu_linear import PackedLinear, pack_linears, packed_linear_available
 from .llama import LlamaForCausalLM
 from .ops import TorchOps
+
+WEIGHT_MODES = ("auto", "native", "float32", "q8_0")
+GGUF_SOURCE_FILE = "minibatch-source.json"  # written by the model store beside a GGUF's config
 
 # Hugging Face keeps these projections apart; we stack them: (our name, shard index).
 _STACKED = {
@@ -36,22 +48,75 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     packed: bool = True,
     ops: TorchOps | None = None,
+    weights: str = "auto",
 ) -> LlamaForCausalLM:
+    """The model of `model_dir` (config.json, and safetensors or the GGUF its source file names).
+
+    `model.weights_desc` says what runs, e.g. "Q4_1 (+Q8_0 embedding) native" or "float32".
+    """
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {weights!r}")
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
+    on_cpu = torch.device(device).type == "cpu"
+    if weights == "auto":
+        weights = "native" if on_cpu and dtype == torch.float32 else "float32"
+    if weights in ("native", "q8_0") and not (on_cpu and dtype == torch.float32):
+        raise ValueError(f"--weights {weights} runs on the CPU in float32 only; use --weights float32 on {device}")
+    gguf_path = gguf_source(model_dir)
+    if weights == "q8_0" and gguf_path is not None:
+        raise ValueError("--weights q8_0 quantizes a safetensors model; a GGUF file runs natively (--weights native)")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, ops)
-    model = model.to_empty(device=device).to(dtype)
-    load_weights(model, sorted(model_dir.glob("*.safetensors")))
+    if gguf_path is not None and weights == "native":
+        from .gguf_file import GGUFWeights
+        from .native import install_gguf_weights
+
+        gw = GGUFWeights(gguf_path, cfg)
+        install_gguf_weights(model, gw, packed=packed)
+        model.weights_desc = f"{gw.summary()} native"
+    else:
+        model = model.to_empty(device=device).to(dtype)
+        if gguf_path is not None:
+            from .gguf_file import GGUFWeights
+
+            gw = GGUFWeights(gguf_path, cfg)
+            fill_parameters(model, ((name, t.dequantized()) for name, t in gw.tensors.items()))
+            model.weights_desc = f"{gw.summary()} dequantised to {str(dtype).removeprefix('torch.')}"
+        else:
+            load_weights(model, sorted(model_dir.glob("*.safetensors")))
+            model.weights_desc = str(dtype).removeprefix("torch.")
     model.model.rotary.build_tables(torch.device(device))
     model = model.eval().requires_grad_(False)
-    if packed and torch.device(device).type == "cpu" and dtype == torch.float32 and packed_linear_available():
-        out_weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        model.logits_proj = PackedLinear(out_weight, None)
-        if model.lm_head is not None:
-            model.lm_head = None  # its packed copy is all the forward uses
-        pack_linears(model.model)
+    if weights == "q8_0":
+        from .native import quantize_linears
+
+        quantize_linears(model, "Q8_0")
+        model.weights_desc = "Q8_0 native (quantized at load)"
+    elif weights == "float32" or gguf_path is None:
+        if packed and on_cpu and dtype == torch.float32 and packed_linear_available():
+            out_weight = model.model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+            model.logits_proj = PackedLinear(out_weight, None)
+            if model.lm_head is not None:
+                model.lm_head = None  # its packed copy is all the forward uses
+            pack_linears(model.model)
     return model
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file whose weights `model_dir` stands for, or None for a safetensors directory."""
+    import json
+
+    marker = Path(model_dir) / GGUF_SOURCE_FILE
+    if not marker.is_file():
+        return None
+    info = json.loads(marker.read_text())
+    if not info.get("weights_from_gguf"):
+        return None
+    source = info.get("gguf")
+    if not source or not Path(source).is_file():
+        raise WeightLoadError(f"{model_dir} stands for the GGUF file {source}, which no longer exists")
+    return Path(source)
 
 
 def _shard_bounds(model: LlamaForCausalLM, stacked: str) -> list[int]:
@@ -66,6 +131,18 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
     """Copy every checkpoint tensor into its parameter; name any missing or unexpected one."""
     if not files:
         raise WeightLoadError("no *.safetensors files found")
+
+    def tensors():
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+
+    fill_parameters(model, tensors())
+
+
+def fill_parameters(model: LlamaForCausalLM, tensors) -> None:
+    """Copy (Hugging Face name, tensor) pairs into the model's (stacked) parameters."""
     params = dict(model.named_parameters())
     pending: dict[str, set[int]] = {}  # parameter -> shard indices still unfilled
     for name in params:
@@ -74,19 +151,17 @@ def load_weights(model: LlamaForCausalLM, files: list[Path]) -> None:
         pending[name] = set(range(3 if parts[-2] == "qkv_proj" else 2)) if stacked else {0}
     unexpected: list[str] = []
     with torch.no_grad():
-        for path in files:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    if key.endswith(_IGNORED_SUFFIXES):
-                        continue
-                    if key == "lm_head.weight" and model.lm_head is None:
-                        continue  # tied embeddings: the checkpoint may still store a copy
-                    target, shard = _target(key)
-                    if target not in params:
-                        unexpected.append(key)
-                        continue
-                    _copy(model, params[target], target, shard, f.get_tensor(key), key)
-                    pending[target].discard(shard)
+        for key, tensor in tensors:
+            if key.endswith(_IGNORED_SUFFIXES):
+                continue
+            if key == "lm_head.weight" and model.lm_head is None:
+                continue  # tied embeddings: the checkpoint may still store a copy
+            target, shard = _target(key)
+            if target not in params:
+                unexpected.append(key)
+                continue
+            _copy(model, params[target], target, shard, tensor, key)
+            pending[target].discard(shard)
     missing = sorted(n for n, shards in pending.items() if shards)
     if missing or unexpected:
         msg = []

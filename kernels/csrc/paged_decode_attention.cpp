@@ -92,6 +92,6 @@ torch::Tensor paged_decode_attention(
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void register_attention(pybind11::module& m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32)");
 }

@@ -9,6 +9,7 @@ import transformers
 from minibatch.engine.attention import TorchAttentionBackend
 from minibatch.engine.greedy import greedy_generate
 from minibatch.engine.models import load_model
+from minibatch.engine.models.reference import load_hf_reference
 
 pytestmark = pytest.mark.model
 
@@ -34,7 +35,7 @@ def test_batched_greedy_equals_hf_generate_one_by_one(builtin_model_dir):
     lengths = [len(p) for p in prompts]
     assert lengths == sorted(lengths) and lengths[-1] > 2 * lengths[0], lengths
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(builtin_model_dir, dtype=torch.float32).eval()
+    hf = load_hf_reference(builtin_model_dir)
     # No EOS stop on either side, so every prompt yields all 64 tokens (past an
     # end-of-turn token the model simply goes on).
     config = transformers.GenerationConfig(

@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from minibatch.engine.factory import EngineConfig, build_engine
+from minibatch.engine.models.reference import load_hf_reference
 from minibatch.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -52,7 +53,7 @@ def prompts(tokenizer) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def hf_reference(builtin_model_dir, prompts) -> list[list[int]]:
     """HF generate(do_sample=False) for each prompt alone, EOS not stopping (as ignore_eos)."""
-    hf = transformers.AutoModelForCausalLM.from_pretrained(builtin_model_dir, dtype=torch.float32).eval()
+    hf = load_hf_reference(builtin_model_dir)
     hf.generation_config.eos_token_id = None
     out = []
     for p, n in zip(prompts, MAX_TOKENS):

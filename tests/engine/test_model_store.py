@@ -1,4 +1,4 @@
-"""Model store: built-in alias, HF directory, .gguf path, crash-safe conversion, clear errors."""
+"""Model store: built-in alias, HF directory, .gguf path, crash-safe preparation, clear errors."""
 
 from __future__ import annotations
 
@@ -26,33 +26,36 @@ def fresh_cache(tmp_path_factory) -> Path:
 
 
 @pytest.mark.model
-def test_alias_converts_once_into_an_empty_cache(fresh_cache, monkeypatch):
+def test_alias_prepares_config_and_tokenizer_once_into_an_empty_cache(fresh_cache, monkeypatch):
     path = resolve_model("smollm2-135m-instruct", cache_dir=fresh_cache)
     assert path.parent == fresh_cache
-    for name in ("config.json", "model.safetensors", "tokenizer.json", model_store.SOURCE_FILE):
+    for name in ("config.json", "tokenizer.json", model_store.SOURCE_FILE):
         assert (path / name).is_file(), name
+    assert not list(path.glob("*.safetensors"))  # the weights stay in the GGUF file
+    source = json.loads((path / model_store.SOURCE_FILE).read_text())
+    assert source["weights_from_gguf"] and Path(source["gguf"]).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert "quantization_config" not in json.loads((path / "config.json").read_text())
     assert ModelConfig.from_dir(path).num_layers == 30
     assert not list(fresh_cache.glob(".*.tmp-*"))
 
     def must_not_convert(*_):
-        raise AssertionError("converted again")
+        raise AssertionError("prepared again")
 
-    monkeypatch.setattr(model_store, "write_converted", must_not_convert)
+    monkeypatch.setattr(model_store, "write_config_and_tokenizer", must_not_convert)
     assert resolve_model("smollm2-135m-instruct", cache_dir=fresh_cache) == path
 
 
 @pytest.mark.model
-def test_gguf_path_is_converted_and_cached_by_content(fresh_cache, tmp_path):
+def test_gguf_path_is_prepared_and_cached_by_content(fresh_cache, tmp_path):
     builtin = model_store.builtin_gguf_path(model_store.BUILTIN_MODELS["smollm2-135m-instruct"])
     copy = tmp_path / "my-model.gguf"
     shutil.copyfile(builtin, copy)
     path = resolve_model(str(copy), cache_dir=fresh_cache)
-    assert path.name.startswith("my-model-") and (path / "model.safetensors").is_file()
+    assert path.name.startswith("my-model-") and (path / "config.json").is_file()
     # Same content under the built-in name shares the hash part of the key.
     assert path.name.split("-")[-1] == resolve_model("smollm2-135m-instruct", cache_dir=fresh_cache).name.split("-")[-1]
     model = load_model(path, TorchAttentionBackend())
-    assert model.config.vocab_size == 49152
+    assert model.config.vocab_size == 49152 and model.weights_desc == "Q4_1 (+Q8_0 embedding) native"
 
 
 def test_hf_directory_resolves_to_itself(tiny_llama_dir, tmp_path):
@@ -87,8 +90,8 @@ def test_interrupted_conversion_leaves_no_half_model(tiny_llama_dir, tmp_path, m
         def crash_mid_write(gguf, out):
             (out / "model.safetensors").write_bytes(b"half a tensor")
             os.kill(os.getpid(), signal.SIGKILL)
-        model_store.write_converted = crash_mid_write
-        model_store.convert_gguf(Path({str(gguf)!r}), Path({str(cache)!r}))
+        model_store.write_config_and_tokenizer = crash_mid_write
+        model_store.prepare_gguf(Path({str(gguf)!r}), Path({str(cache)!r}))
         """
     )
     proc = subprocess.run([sys.executable, "-c", crash], capture_output=True, timeout=120)
@@ -98,10 +101,10 @@ def test_interrupted_conversion_leaves_no_half_model(tiny_llama_dir, tmp_path, m
 
     namespace: dict = {}
     exec(_fake_converter_source(tiny_llama_dir), namespace)
-    monkeypatch.setattr(model_store, "write_converted", namespace["fake_write"])
-    path = model_store.convert_gguf(gguf, cache)
+    monkeypatch.setattr(model_store, "write_config_and_tokenizer", namespace["fake_write"])
+    path = model_store.prepare_gguf(gguf, cache)
     assert not list(cache.glob(".tiny-*.tmp-*"))
-    assert load_model(path, TorchAttentionBackend()).config.hidden_size == 64
+    assert ModelConfig.from_dir(path).hidden_size == 64
 
 
 def test_exception_during_conversion_cleans_up(tmp_path, monkeypatch):
@@ -112,7 +115,7 @@ def test_exception_during_conversion_cleans_up(tmp_path, monkeypatch):
         (out / "model.safetensors").write_bytes(b"partial")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(model_store, "write_converted", boom)
+    monkeypatch.setattr(model_store, "write_config_and_tokenizer", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         resolve_model(str(gguf), cache_dir=tmp_path / "c")
     assert [p.name for p in (tmp_path / "c").iterdir()] == [f".{'x-' + model_store.file_digest(gguf)[:16]}.lock"]

@@ -31,6 +31,9 @@ class FakeClient:
     async def close(self) -> None:
         pass
 
+    async def health(self) -> dict:
+        return {"status": "ok", "model": "fake-model", "weights": "Q4_1 native", "device": "cpu"}
+
     async def set_mode(self, mode: str) -> dict:
         self.modes.append(mode)
         return {"mode": "continuous", "requested_mode": mode}

@@ -256,3 +256,18 @@ def test_block_map_colours_cells_by_pane():
 def test_status_line_numbers():
     s = format_status({"ttft_ms": 250.0, "decode_ms": 1000.0, "queue_wait_ms": 5.0, "cached_prompt_tokens": 32}, 21, 1.3, "length")
     assert s == "TTFT 250 ms · 20.0 tok/s · 21 tok · length · queue 5 ms · cached 32"
+
+
+def test_panel_names_the_model_its_weights_and_device(history):
+    client = FakeClient()
+
+    async def go():
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await wait_until(pilot, lambda: client.events_queue is not None)
+            client.events_queue.put_nowait(event(mode="continuous", running=1, used=4))
+            panel = app.query_one(EnginePanel)
+            await wait_until(pilot, lambda: bool(panel.border_subtitle))
+            return str(panel.border_subtitle)
+
+    assert asyncio.run(go()) == "fake-model · Q4_1 native · cpu"

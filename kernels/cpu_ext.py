@@ -1,0 +1,52 @@
+"""The CPU kernels' C++ extension: one module built from csrc/ on first use, then loaded from cache.
+
+torch's extension builder keys its cache on the sources and flags, so a changed
+source rebuilds once and every later start only loads the shared library.
+Where it cannot be built (no compiler, no ninja) the PyTorch twins run and the
+log says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+log = logging.getLogger("minibatch.kernels")
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("module.cpp", "paged_decode_attention.cpp", "quant_matmul.cpp")
+# No -ffast-math: the dequantisers must reproduce gguf.quants bit for bit.
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+_ext = None
+_tried = False
+
+
+def load_cpu_extension():
+    """The compiled extension, or None when it cannot be built here (then the PyTorch twins run)."""
+    global _ext, _tried
+    if _tried:
+        return _ext
+    _tried = True
+    if os.environ.get("MINIBATCH_CPU_KERNELS", "1") == "0":
+        log.info("CPU kernels disabled by MINIBATCH_CPU_KERNELS=0; using the PyTorch twins")
+        return None
+    started = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import load
+
+        _ext = load(
+            name="minibatch_cpu_kernels",
+            sources=[str(_CSRC / s) for s in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, unsupported platform: fall back
+        log.warning("CPU kernels unavailable (%s: %s); using the PyTorch twins", type(exc).__name__, exc)
+        _ext = None
+        return None
+    took = time.perf_counter() - started
+    if took > 2.0:
+        log.info("compiled the CPU kernels in %.0f s (cached for later starts)", took)
+    return _ext

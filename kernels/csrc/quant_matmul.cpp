@@ -1,0 +1,569 @@
+// Matrix multiplies, embedding lookups and dequantisation straight from GGUF's block-quantized
+// weights on the CPU. Activations and accumulation are fp32.
+//
+// A weight matrix [N, K] is stored as GGUF stores it: row n is K/block_elems blocks of
+// block_bytes each, back to back ([N, row_bytes] uint8). Every block is dequantised with the
+// same operations, in the same order, as gguf.quants' numpy reference, so the dequantised values
+// are bit-identical to it (compiled with -ffp-contract=off; the products that are fused below
+// are exact in fp32, so fusing cannot change a bit).
+//
+// Two paths for y = x W^T:
+//   few rows  - each weight block is dequantised into registers once and multiplied into every
+//               row's accumulator: the weights are streamed exactly once per call;
+//   many rows - a cache-sized tile of output columns is dequantised into a thread-local fp32
+//               buffer once, then a register-blocked fp32 kernel multiplies every row by it.
+// Threads split the output columns in both paths.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define MB_AVX2 1
+#endif
+
+namespace {
+
+// GGML's type numbers, as GGUF files store them.
+enum QType : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
+
+struct Layout {
+  int64_t elems;  // values per block
+  int64_t bytes;  // bytes per block
+};
+
+Layout layout_of(int64_t type) {
+  switch (type) {
+    case F32: return {1, 4};
+    case F16: return {1, 2};
+    case BF16: return {1, 2};
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q5_K: return {256, 176};
+    case Q6_K: return {256, 210};
+    default: TORCH_CHECK(false, "unsupported GGML type ", type);
+  }
+}
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#endif
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal half: normalise
+      exp = 127 - 15 + 1;
+      while (!(mant & 0x400)) { mant <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline float bf16_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t bits = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// ---- one block -> fp32, portable (the exact operation order of gguf.quants) ----
+
+void deq_q4_0(const uint8_t* b, float* y) {
+  const float d = half_to_float(b);
+  const uint8_t* qs = b + 2;
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * (float)((int)(qs[j] & 0x0f) - 8);
+    y[j + 16] = d * (float)((int)(qs[j] >> 4) - 8);
+  }
+}
+
+void deq_q4_1(const uint8_t* b, float* y) {
+  const float d = half_to_float(b), m = half_to_float(b + 2);
+  const uint8_t* qs = b + 4;
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * (float)(qs[j] & 0x0f) + m;
+    y[j + 16] = d * (float)(qs[j] >> 4) + m;
+  }
+}
+
+void deq_q8_0(const uint8_t* b, float* y) {
+  const float d = half_to_float(b);
+  const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+  for (int j = 0; j < 32; ++j) y[j] = (float)qs[j] * d;
+}
+
+inline void k_scale_min(int j, const uint8_t* s, uint8_t* sc, uint8_t* m) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// K-quants: 256 values in 8 sub-blocks of 32 (Q4_K, Q5_K) or 16 of 16 (Q6_K), written as
+// straight loops over 32 lanes so the compiler vectorises them.
+void deq_q4_k(const uint8_t* b, float* y) {
+  const float d = half_to_float(b), dmin = half_to_float(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qs = b + 16;
+  for (int j = 0; j < 8; j += 2) {  // sub-blocks j (low nibbles) and j+1 (high) share 32 bytes
+    uint8_t sc0, m0, sc1, m1;
+    k_scale_min(j, scales, &sc0, &m0);
+    k_scale_min(j + 1, scales, &sc1, &m1);
+    const float d0 = d * (float)sc0, min0 = dmin * (float)m0, d1 = d * (float)sc1, min1 = dmin * (float)m1;
+    const uint8_t* q = qs + 16 * j;
+    float* y0 = y + 32 * j;
+    for (int l = 0; l < 32; ++l) {
+      y0[l] = d0 * (float)(q[l] & 0x0f) - min0;
+      y0[l + 32] = d1 * (float)(q[l] >> 4) - min1;
+    }
+  }
+}
+
+void deq_q5_k(const uint8_t* b, float* y) {
+  const float d = half_to_float(b), dmin = half_to_float(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + 48;
+  for (int j = 0; j < 8; j += 2) {
+    uint8_t sc0, m0, sc1, m1;
+    k_scale_min(j, scales, &sc0, &m0);
+    k_scale_min(j + 1, scales, &sc1, &m1);
+    const float d0 = d * (float)sc0, min0 = dmin * (float)m0, d1 = d * (float)sc1, min1 = dmin * (float)m1;
+    const uint8_t* q = qs + 16 * j;
+    float* y0 = y + 32 * j;
+    for (int l = 0; l < 32; ++l) {
+      const int lo = (q[l] & 0x0f) | (((qh[l] >> j) & 1) << 4);
+      const int hi = (q[l] >> 4) | (((qh[l] >> (j + 1)) & 1) << 4);
+      y0[l] = d0 * (float)lo - min0;
+      y0[l + 32] = d1 * (float)hi - min1;
+    }
+  }
+}
+
+void deq_q6_k(const uint8_t* b, float* y) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_to_float(b + 208);
+  for (int h = 0; h < 2; ++h) {  // two halves of 128 values: 64 bytes of ql, 32 of qh, 8 scales each
+    const uint8_t* l4 = ql + 64 * h;
+    const uint8_t* h2 = qh + 32 * h;
+    const int8_t* s = sc + 8 * h;
+    float* yh = y + 128 * h;
+    float dl[8];
+    for (int i = 0; i < 8; ++i) dl[i] = d * (float)s[i];
+    for (int l = 0; l < 32; ++l) {
+      const int q1 = ((l4[l] & 0x0f) | ((h2[l] & 3) << 4)) - 32;
+      const int q2 = ((l4[l + 32] & 0x0f) | (((h2[l] >> 2) & 3) << 4)) - 32;
+      const int q3 = ((l4[l] >> 4) | (((h2[l] >> 4) & 3) << 4)) - 32;
+      const int q4 = ((l4[l + 32] >> 4) | (((h2[l] >> 6) & 3) << 4)) - 32;
+      const int is = l / 16;
+      yh[l] = dl[is] * (float)q1;
+      yh[l + 32] = dl[is + 2] * (float)q2;
+      yh[l + 64] = dl[is + 4] * (float)q3;
+      yh[l + 96] = dl[is + 6] * (float)q4;
+    }
+  }
+}
+
+void deq_f16(const uint8_t* b, float* y) { *y = half_to_float(b); }
+void deq_bf16(const uint8_t* b, float* y) { *y = bf16_to_float(b); }
+void deq_f32(const uint8_t* b, float* y) { std::memcpy(y, b, 4); }
+
+using DeqFn = void (*)(const uint8_t*, float*);
+
+DeqFn deq_fn(int64_t type) {
+  switch (type) {
+    case F32: return deq_f32;
+    case F16: return deq_f16;
+    case BF16: return deq_bf16;
+    case Q4_0: return deq_q4_0;
+    case Q4_1: return deq_q4_1;
+    case Q8_0: return deq_q8_0;
+    case Q4_K: return deq_q4_k;
+    case Q5_K: return deq_q5_k;
+    case Q6_K: return deq_q6_k;
+    default: TORCH_CHECK(false, "unsupported GGML type ", type);
+  }
+}
+
+// One row of K values: dequantise every block into y.
+void dequant_row(int64_t type, const uint8_t* row, int64_t k, float* y) {
+  const Layout L = layout_of(type);
+  const DeqFn fn = deq_fn(type);
+  for (int64_t b = 0; b < k / L.elems; ++b) fn(row + b * L.bytes, y + b * L.elems);
+}
+
+#ifdef MB_AVX2
+// ---- 32-value blocks straight into four registers (same values as the portable versions) ----
+
+inline __m256 bcast_half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _mm256_cvtph_ps(_mm_set1_epi16((short)h));  // exact, subnormals included
+}
+
+inline void nibbles(const uint8_t* qs, __m256i* q) {  // 16 bytes -> 32 ints: low nibbles, then high
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0f);
+  const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+  q[0] = _mm256_cvtepu8_epi32(lo);
+  q[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+  q[2] = _mm256_cvtepu8_epi32(hi);
+  q[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+}
+
+// d * q + m: d*q is exact in fp32 (11-bit by 4-bit), so the fused form rounds exactly as numpy does.
+inline void reg_q4_1(const uint8_t* b, __m256* w) {
+  const __m256 d = bcast_half(b), m = bcast_half(b + 2);
+  __m256i q[4];
+  nibbles(b + 4, q);
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[i]), m);
+}
+
+inline void reg_q4_0(const uint8_t* b, __m256* w) {
+  const __m256 d = bcast_half(b);
+  const __m256i eight = _mm256_set1_epi32(8);
+  __m256i q[4];
+  nibbles(b + 2, q);
+  for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[i], eight)));
+}
+
+inline void reg_q8_0(const uint8_t* b, __m256* w) {
+  const __m256 d = bcast_half(b);
+  for (int i = 0; i < 4; ++i) {
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
+    w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d);
+  }
+}
+
+using RegFn = void (*)(const uint8_t*, __m256*);
+
+// Few rows: columns [n0, n1) of out[m, :] = x[m, :] . W[n, :]. Each block is dequantised once
+// into registers and multiplied into every row. M is a compile-time row count so that every
+// accumulator stays in a register; two per row (four for one row) break the FMA chain.
+template <RegFn DEQ, int BYTES, int M>
+void gemv_q32(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo,
+              int64_t n0, int64_t n1) {
+  constexpr int A = M == 1 ? 4 : 2;
+  const int64_t nb = k / 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[M][A];
+    for (int r = 0; r < M; ++r)
+      for (int a = 0; a < A; ++a) acc[r][a] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256 v[4];
+      DEQ(row + b * BYTES, v);
+      for (int r = 0; r < M; ++r) {
+        const float* xb = x + r * k + b * 32;
+        for (int i = 0; i < 4; ++i) acc[r][i % A] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xb + 8 * i), acc[r][i % A]);
+      }
+    }
+    for (int r = 0; r < M; ++r) {
+      __m256 s = acc[r][0];
+      for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, acc[r][a]);
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      out[r * ldo + n] = _mm_cvtss_f32(h);
+    }
+  }
+}
+
+template <RegFn DEQ, int BYTES>
+bool gemv_q32_rows(int64_t m, const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, float* out,
+                   int64_t ldo, int64_t n0, int64_t n1) {
+  switch (m) {
+    case 1: gemv_q32<DEQ, BYTES, 1>(x, k, w, row_bytes, out, ldo, n0, n1); return true;
+    case 2: gemv_q32<DEQ, BYTES, 2>(x, k, w, row_bytes, out, ldo, n0, n1); return true;
+    case 3: gemv_q32<DEQ, BYTES, 3>(x, k, w, row_bytes, out, ldo, n0, n1); return true;
+    case 4: gemv_q32<DEQ, BYTES, 4>(x, k, w, row_bytes, out, ldo, n0, n1); return true;
+    case 5: gemv_q32<DEQ, BYTES, 5>(x, k, w, row_bytes, out, ldo, n0, n1); return true;
+    case 6: gemv_q32<DEQ, BYTES, 6>(x, k, w, row_bytes, out, ldo, n0, n1); return true;
+    case 7: gemv_q32<DEQ, BYTES, 7>(x, k, w, row_bytes, out, ldo, n0, n1); return true;
+    case 8: gemv_q32<DEQ, BYTES, 8>(x, k, w, row_bytes, out, ldo, n0, n1); return true;
+    default: return false;
+  }
+}
+#endif
+
+// One row of K values into y, through the register dequantisers where there are some.
+void dequant_row_fast(int64_t type, const uint8_t* row, int64_t k, float* y) {
+#ifdef MB_AVX2
+  RegFn reg = type == Q4_1 ? reg_q4_1 : type == Q8_0 ? reg_q8_0 : type == Q4_0 ? reg_q4_0 : nullptr;
+  if (reg != nullptr) {
+    const int64_t bytes = layout_of(type).bytes;
+    for (int64_t b = 0; b < k / 32; ++b) {
+      __m256 v[4];
+      reg(row + b * bytes, v);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + 32 * b + 8 * i, v[i]);
+    }
+    return;
+  }
+  if (type == F16) {
+    int64_t e = 0;
+    for (; e + 8 <= k; e += 8)
+      _mm256_storeu_ps(y + e, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * e))));
+    for (; e < k; ++e) y[e] = half_to_float(row + 2 * e);
+    return;
+  }
+#endif
+  dequant_row(type, row, k, y);
+}
+
+// Few rows, any type: dequantise a chunk of 256 values (a K-quant block, or 256 16/32-bit values)
+// into an L1 buffer and multiply it into every row; M rows' accumulators stay in registers.
+template <int M>
+void gemv_buffered(int64_t type, const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, float* out,
+                   int64_t ldo, int64_t n0, int64_t n1) {
+  const Layout L = layout_of(type);
+  const DeqFn fn = deq_fn(type);
+  constexpr int64_t CH = 256;
+  alignas(32) float buf[CH];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    float sums[M];
+#ifdef MB_AVX2
+    __m256 acc[M][2];
+    for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+#else
+    for (int r = 0; r < M; ++r) sums[r] = 0.0f;
+#endif
+    for (int64_t e0 = 0; e0 < k; e0 += CH) {
+      const int64_t len = std::min(CH, k - e0);
+      if (L.elems == 1) {
+        if (type == F16 || type == BF16 || type == F32) dequant_row_fast(type, row + e0 * L.bytes, len, buf);
+      } else {
+        for (int64_t e = 0; e < len; e += L.elems) fn(row + (e0 + e) / L.elems * L.bytes, buf + e);
+      }
+      int64_t e = 0;
+#ifdef MB_AVX2
+      for (; e + 16 <= len; e += 16) {
+        const __m256 w0 = _mm256_load_ps(buf + e), w1 = _mm256_load_ps(buf + e + 8);
+        for (int r = 0; r < M; ++r) {
+          const float* xr = x + r * k + e0 + e;
+          acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[r][1]);
+        }
+      }
+#endif
+      for (; e < len; ++e)
+        for (int r = 0; r < M; ++r) {
+#ifdef MB_AVX2
+          // tail values (a row length that is not a multiple of 16): added into lane 0
+          alignas(32) float lane[8] = {buf[e] * x[r * k + e0 + e], 0, 0, 0, 0, 0, 0, 0};
+          acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_load_ps(lane));
+#else
+          sums[r] += buf[e] * x[r * k + e0 + e];
+#endif
+        }
+    }
+    for (int r = 0; r < M; ++r) {
+#ifdef MB_AVX2
+      const __m256 s = _mm256_add_ps(acc[r][0], acc[r][1]);
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      sums[r] = _mm_cvtss_f32(h);
+#endif
+      out[r * ldo + n] = sums[r];
+    }
+  }
+}
+
+void gemv_columns(int64_t type, const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t row_bytes,
+                  float* out, int64_t ldo, int64_t n0, int64_t n1) {
+#ifdef MB_AVX2
+  if (type == Q4_1 && gemv_q32_rows<reg_q4_1, 20>(m, x, k, w, row_bytes, out, ldo, n0, n1)) return;
+  if (type == Q8_0 && gemv_q32_rows<reg_q8_0, 34>(m, x, k, w, row_bytes, out, ldo, n0, n1)) return;
+  if (type == Q4_0 && gemv_q32_rows<reg_q4_0, 18>(m, x, k, w, row_bytes, out, ldo, n0, n1)) return;
+#endif
+  switch (m) {
+    case 1: return gemv_buffered<1>(type, x, k, w, row_bytes, out, ldo, n0, n1);
+    case 2: return gemv_buffered<2>(type, x, k, w, row_bytes, out, ldo, n0, n1);
+    case 3: return gemv_buffered<3>(type, x, k, w, row_bytes, out, ldo, n0, n1);
+    case 4: return gemv_buffered<4>(type, x, k, w, row_bytes, out, ldo, n0, n1);
+    case 5: return gemv_buffered<5>(type, x, k, w, row_bytes, out, ldo, n0, n1);
+    case 6: return gemv_buffered<6>(type, x, k, w, row_bytes, out, ldo, n0, n1);
+    case 7: return gemv_buffered<7>(type, x, k, w, row_bytes, out, ldo, n0, n1);
+    default: return gemv_buffered<8>(type, x, k, w, row_bytes, out, ldo, n0, n1);
+  }
+}
+
+// out[r, c] = x[r, :] . w[c, :] for r < m, c < cols; x is [m, k], w is [cols, k] (a dequantised
+// tile), out has row stride ldo. Blocks of 3 rows x 4 columns keep 12 accumulators in registers.
+void tile_gemm(const float* x, int64_t m, int64_t k, const float* w, int64_t cols, float* out, int64_t ldo) {
+  int64_t r = 0;
+#ifdef MB_AVX2
+  const int64_t k8 = k / 8 * 8;
+  auto hsum = [](__m256 s) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+  };
+  for (; r + 3 <= m; r += 3) {
+    const float* x0 = x + r * k;
+    const float* x1 = x0 + k;
+    const float* x2 = x1 + k;
+    int64_t c = 0;
+    for (; c + 4 <= cols; c += 4) {
+      const float* w0 = w + c * k;
+      __m256 a[3][4];
+      for (int i = 0; i < 3; ++i)
+        for (int j = 0; j < 4; ++j) a[i][j] = _mm256_setzero_ps();
+      for (int64_t e = 0; e < k8; e += 8) {
+        const __m256 v0 = _mm256_loadu_ps(x0 + e), v1 = _mm256_loadu_ps(x1 + e), v2 = _mm256_loadu_ps(x2 + e);
+        for (int j = 0; j < 4; ++j) {
+          const __m256 wj = _mm256_loadu_ps(w0 + j * k + e);
+          a[0][j] = _mm256_fmadd_ps(v0, wj, a[0][j]);
+          a[1][j] = _mm256_fmadd_ps(v1, wj, a[1][j]);
+          a[2][j] = _mm256_fmadd_ps(v2, wj, a[2][j]);
+        }
+      }
+      for (int i = 0; i < 3; ++i) {
+        const float* xi = x0 + i * k;
+        for (int j = 0; j < 4; ++j) {
+          float s = hsum(a[i][j]);
+          for (int64_t e = k8; e < k; ++e) s += xi[e] * w0[j * k + e];
+          out[(r + i) * ldo + c + j] = s;
+        }
+      }
+    }
+    for (; c < cols; ++c)
+      for (int i = 0; i < 3; ++i) {
+        const float* xi = x0 + i * k;
+        const float* wc = w + c * k;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t e = 0; e < k8; e += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(xi + e), _mm256_loadu_ps(wc + e), acc);
+        float s = hsum(acc);
+        for (int64_t e = k8; e < k; ++e) s += xi[e] * wc[e];
+        out[(r + i) * ldo + c] = s;
+      }
+  }
+#endif
+  for (; r < m; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float* xr = x + r * k;
+      const float* wc = w + c * k;
+      float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t e = 0;
+      for (; e + 8 <= k; e += 8)
+        for (int l = 0; l < 8; ++l) a[l] += xr[e + l] * wc[e + l];
+      for (; e < k; ++e) a[e % 8] += xr[e] * wc[e];
+      out[r * ldo + c] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+    }
+}
+
+void check_weight(const torch::Tensor& qweight, int64_t type, int64_t k) {
+  TORCH_CHECK(qweight.dtype() == torch::kUInt8 && qweight.dim() == 2 && qweight.is_contiguous(),
+              "qweight must be a contiguous uint8 [N, row_bytes] tensor");
+  const Layout L = layout_of(type);
+  TORCH_CHECK(k % L.elems == 0, "in_features ", k, " is not a multiple of the block size ", L.elems);
+  TORCH_CHECK(qweight.size(1) == k / L.elems * L.bytes, "qweight has ", qweight.size(1),
+              " bytes per row; type ", type, " with in_features ", k, " needs ", k / L.elems * L.bytes);
+}
+
+}  // namespace
+
+// Rows of x that use the register path; above this the tiled GEMM path runs.
+constexpr int64_t kGemvMaxRows = 4;
+
+torch::Tensor quant_linear(torch::Tensor x,        // [M, K] fp32
+                           torch::Tensor qweight,  // [N, row_bytes] uint8, GGUF blocks
+                           int64_t type, int64_t gemv_max_rows) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be fp32 [rows, in_features]");
+  x = x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
+  check_weight(qweight, type, k);
+  auto out = torch::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const int64_t row_bytes = qweight.size(1);
+  float* op = out.data_ptr<float>();
+  if (gemv_max_rows < 0) gemv_max_rows = kGemvMaxRows;
+  if (m <= gemv_max_rows && m <= 8) {
+    at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) { gemv_columns(type, xp, m, k, wp, row_bytes, op, n, n0, n1); });
+    return out;
+  }
+  // Tile of columns whose fp32 copy stays in L2 (~256 KB), a multiple of 8 columns.
+  const int64_t tile = std::max<int64_t>(8, std::min<int64_t>(n, (65536 / k) / 8 * 8));
+  const int64_t tiles = (n + tile - 1) / tile;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(tile * k);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t c0 = t * tile, cols = std::min(tile, n - c0);
+      for (int64_t c = 0; c < cols; ++c) dequant_row_fast(type, wp + (c0 + c) * row_bytes, k, buf.data() + c * k);
+      tile_gemm(xp, m, k, buf.data(), cols, op + c0, n);
+    }
+  });
+  return out;
+}
+
+torch::Tensor dequantize(torch::Tensor qweight, int64_t type, int64_t k) {  // -> [N, K] fp32
+  check_weight(qweight, type, k);
+  const int64_t n = qweight.size(0), row_bytes = qweight.size(1);
+  auto out = torch::empty({n, k}, torch::kFloat32);
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) dequant_row_fast(type, wp + r * row_bytes, k, op + r * k);
+  });
+  return out;
+}
+
+torch::Tensor embedding(torch::Tensor qweight, int64_t type, int64_t k, torch::Tensor ids) {  // ids [T] int64
+  check_weight(qweight, type, k);
+  TORCH_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1, "ids must be int64 [num_tokens]");
+  ids = ids.contiguous();
+  const int64_t t = ids.size(0), n = qweight.size(0), row_bytes = qweight.size(1);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "token id ", ip[i], " out of range [0, ", n, ")");
+  auto out = torch::empty({t, k}, torch::kFloat32);
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, t, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) dequant_row_fast(type, wp + ip[r] * row_bytes, k, op + r * k);
+  });
+  return out;
+}
+
+bool has_avx2() {
+#ifdef MB_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+void register_quant(pybind11::module& m) {
+  m.def("quant_linear", &quant_linear, "y = x W^T with W in GGUF blocks (CPU, fp32 activations)",
+        pybind11::arg("x"), pybind11::arg("qweight"), pybind11::arg("type"), pybind11::arg("gemv_max_rows") = -1);
+  m.def("dequantize", &dequantize, "GGUF blocks -> fp32 [N, K]");
+  m.def("embedding", &embedding, "dequantise only the rows of the given token ids");
+  m.def("has_avx2", &has_avx2, "compiled with the AVX2+FMA paths");
+}

@@ -1,0 +1,113 @@
+"""Matrix multiplies and lookups straight from GGUF block-quantized weights (CPU, fp32 activations).
+
+A quantized weight [N, K] is kept as GGUF stores it: a uint8 tensor
+[N, row_bytes], each row K / block_elems blocks. The C++ kernels (csrc/
+quant_matmul.cpp) dequantise each block exactly as `gguf.quants` does and
+accumulate in fp32; the `*_ref` functions here are their PyTorch twins
+(`gguf.quants.dequantize` + `F.linear`) and the test reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .cpu_ext import load_cpu_extension
+
+
+@dataclass(slots=True, frozen=True)
+class QuantType:
+    name: str
+    ggml_id: int  # GGML's number for the type, as GGUF files store it
+    block_elems: int
+    block_bytes: int
+
+    def row_bytes(self, k: int) -> int:
+        return k // self.block_elems * self.block_bytes
+
+
+# The weight types the CPU kernels run natively.
+QUANT_TYPES = {
+    t.name: t
+    for t in (
+        QuantType("F32", 0, 1, 4),
+        QuantType("F16", 1, 1, 2),
+        QuantType("BF16", 30, 1, 2),
+        QuantType("Q4_0", 2, 32, 18),
+        QuantType("Q4_1", 3, 32, 20),
+        QuantType("Q8_0", 8, 32, 34),
+        QuantType("Q4_K", 12, 256, 144),
+        QuantType("Q5_K", 13, 256, 176),
+        QuantType("Q6_K", 14, 256, 210),
+    )
+}
+QUANT_BY_ID = {t.ggml_id: t for t in QUANT_TYPES.values()}
+
+
+def check_shape(qweight: torch.Tensor, qtype: QuantType, k: int) -> None:
+    """Raise ValueError unless `qweight` is [N, row_bytes] uint8 for K = `k` values per row."""
+    if k % qtype.block_elems:
+        raise ValueError(f"{k} values per row is not a multiple of {qtype.name}'s block of {qtype.block_elems}")
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] != qtype.row_bytes(k):
+        raise ValueError(
+            f"a {qtype.name} weight with {k} values per row needs uint8 [N, {qtype.row_bytes(k)}], "
+            f"got {qweight.dtype} {tuple(qweight.shape)}"
+        )
+
+
+def quant_linear(
+    x: torch.Tensor,  # [rows, K] fp32
+    qweight: torch.Tensor,  # [N, row_bytes] uint8
+    qtype: QuantType,
+    gemv_max_rows: int = -1,  # rows at most on the register path (-1: the kernel's default)
+) -> torch.Tensor:  # [rows, N] fp32
+    ext = load_cpu_extension()
+    if ext is None:
+        return quant_linear_ref(x, qweight, qtype)
+    return ext.quant_linear(x, qweight, qtype.ggml_id, gemv_max_rows)
+
+
+def dequantize(qweight: torch.Tensor, qtype: QuantType, k: int) -> torch.Tensor:  # -> [N, K] fp32
+    ext = load_cpu_extension()
+    if ext is None:
+        return dequantize_ref(qweight, qtype, k)
+    return ext.dequantize(qweight, qtype.ggml_id, k)
+
+
+def embedding(qweight: torch.Tensor, qtype: QuantType, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` ([T] int64) of the quantized table, dequantised: [T, K] fp32."""
+    ext = load_cpu_extension()
+    if ext is None:
+        return embedding_ref(qweight, qtype, k, ids)
+    return ext.embedding(qweight, qtype.ggml_id, k, ids)
+
+
+# ---- PyTorch twins: gguf's numpy dequantiser, then plain PyTorch ----
+
+
+def dequantize_ref(qweight: torch.Tensor, qtype: QuantType, k: int) -> torch.Tensor:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    check_shape(qweight, qtype, k)
+    raw = qweight.numpy()
+    if qtype.name == "F32":
+        values = raw.view(np.float32)
+    elif qtype.name == "F16":
+        values = raw.view(np.float16).astype(np.float32)
+    elif qtype.name == "BF16":
+        values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        values = gguf_dequantize(raw, GGMLQuantizationType(qtype.ggml_id))
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(qweight.shape[0], k))
+
+
+def quant_linear_ref(x: torch.Tensor, qweight: torch.Tensor, qtype: QuantType) -> torch.Tensor:
+    return F.linear(x, dequantize_ref(qweight, qtype, x.shape[1]))
+
+
+def embedding_ref(qweight: torch.Tensor, qtype: QuantType, k: int, ids: torch.Tensor) -> torch.Tensor:
+    return dequantize_ref(qweight[ids], qtype, k)

@@ -1,0 +1,92 @@
+"""Tiny models written to GGUF by the tests, as llama.cpp's converter lays them out."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from minibatch.kernels.quant import QUANT_TYPES, dequantize_ref
+
+from ..kernels.quant_blocks import random_blocks
+
+# Hugging Face name pieces -> GGUF's, for one layer.
+LAYER_MAP = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    parts = hf.split(".")  # model.layers.N.<module...>.weight|bias
+    module = ".".join(parts[3:-1])
+    return f"blk.{parts[2]}.{LAYER_MAP[module]}.{parts[-1]}"
+
+
+def converter_permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's Q/K row permutation, applied to whole rows."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def write_gguf_model(hf_dir: Path, out_dir: Path, qtype_name: str, arch: str = "llama") -> dict[str, torch.Tensor]:
+    """Write hf_dir's model as a GGUF whose matrices are `qtype_name`, plus a model dir pointing at it.
+
+    Matrices are quantized by gguf's reference quantizer where it has one; K-quants (which
+    gguf.quants cannot quantize) get random blocks. Returns the dequantised weights by HF name:
+    the model the GGUF holds, for the reference.
+    """
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    weights = load_file(hf_dir / "model.safetensors")
+    qtype = QUANT_TYPES[qtype_name]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"model-{qtype_name}.gguf"
+    writer = GGUFWriter(str(path), arch)
+    reference: dict[str, torch.Tensor] = {}
+    for i, (name, w) in enumerate(sorted(weights.items())):
+        w = w.float()
+        if w.dim() == 1:  # norms and biases stay F32, as the converter writes them
+            raw, ref, t = w.numpy().view(np.uint8).reshape(1, -1), w, QUANT_TYPES["F32"]
+        else:
+            t = qtype
+            if qtype_name in ("Q4_K", "Q5_K", "Q6_K"):
+                raw = random_blocks(t, w.shape[0], w.shape[1], seed=i).numpy()
+            elif qtype_name == "F32":
+                raw = w.numpy().view(np.uint8)
+            else:
+                from gguf.quants import quantize
+
+                raw = quantize(w.numpy(), GGMLQuantizationType(t.ggml_id)).view(np.uint8)
+            ref = dequantize_ref(torch.from_numpy(np.ascontiguousarray(raw)), t, w.shape[1])
+        reference[name] = ref
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+            raw = converter_permute(raw, heads)
+        raw = np.ascontiguousarray(raw)
+        if t.name == "F32":
+            writer.add_tensor(gguf_name(name), raw.view(np.float32).reshape(tuple(w.shape)))
+        else:
+            writer.add_tensor(gguf_name(name), raw, raw_dtype=GGMLQuantizationType(t.ggml_id))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model_dir = out_dir / f"dir-{qtype_name}"
+    model_dir.mkdir(exist_ok=True)
+    for f in hf_dir.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, model_dir / f.name)
+    (model_dir / "minibatch-source.json").write_text(json.dumps({"gguf": str(path), "weights_from_gguf": True}))
+    return reference
