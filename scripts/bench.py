@@ -5,6 +5,8 @@
   .venv/bin/python scripts/bench.py --sweep concurrency:1,4,16,32,64 --hf-baseline
   .venv/bin/python scripts/bench.py --sweep rate:0.5,1,2,4 --requests 48
   .venv/bin/python scripts/bench.py --sweep variance --requests 48
+  .venv/bin/python scripts/bench.py --url http://127.0.0.1:8080 --model smollm2-135m-instruct   # any OpenAI server
+  .venv/bin/python scripts/bench.py --peers minibatch:native,llama.cpp:Q4_1,llama.cpp:Q8_0 --llama-server PATH
 
 Every variant replays the same trace (prompts, output lengths forced with
 ignore_eos, arrival times); each point is the median of --repeats runs after
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -46,17 +49,20 @@ def body_of(item: TraceItem) -> tuple[dict, bool]:
     common = {"max_tokens": item.max_tokens, "temperature": 0.0, "ignore_eos": True}
     if item.messages is not None:
         return {"messages": item.messages, **common}, True
+    if item.prompt_text is not None:
+        return {"prompt": item.prompt_text, **common}, False
     return {"prompt": item.prompt_ids, **common}, False
 
 
-async def replay(s, trace: list[TraceItem], concurrency: int | None, progress=None) -> tuple[list[Result], float, dict]:
-    """Send the trace on its schedule (at most `concurrency` in flight); sample the engine meanwhile."""
+async def replay(s, trace: list[TraceItem], concurrency: int | None, progress=None,
+                 native: bool = True) -> tuple[list[Result], float, dict]:
+    """Send the trace on its schedule (at most `concurrency` in flight); sample minibatchd's engine meanwhile."""
     sem = asyncio.Semaphore(concurrency) if concurrency else None
     samples: list[dict] = []
     done = asyncio.Event()
 
     async def sample():
-        while not done.is_set():
+        while native and not done.is_set():
             async with s.get("/v1/engine/stats?steps=0") as r:
                 samples.append(await r.json())
             await asyncio.sleep(0.25)
@@ -73,6 +79,10 @@ async def replay(s, trace: list[TraceItem], concurrency: int | None, progress=No
             progress.update(1)
         return res
 
+    if not native:
+        start = time.monotonic()
+        results = await asyncio.gather(*(one(i, it) for i, it in enumerate(trace)))
+        return list(results), time.monotonic() - start, {}
     async with s.get("/v1/engine/stats?steps=0") as r:
         before = await r.json()
     start = time.monotonic()
@@ -252,21 +262,27 @@ async def run(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    async with session(args.socket) as s:
+    if args.peers:
+        return await run_peers(args, out)
+    native = args.url is None
+    target = {"socket": args.socket} if native else {"url": args.url}
+    async with session(**target) as s:
         async with s.get("/health") as r:
-            health = await r.json()
+            health = await r.json(content_type=None)
             if r.status != 200:
-                raise SystemExit(f"bench: daemon not ready: {health}")
+                raise SystemExit(f"bench: server not ready: {health}")
+    if not native and args.model is None:
+        raise SystemExit("bench: --url needs --model (whose tokenizer makes the prompts)")
     model_dir = resolve_model(health["model"]) if args.model is None else resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     corpus = tokenizer.encode(" ".join(json.loads(l)["prompt"] for l in CHAT_SET.read_text().splitlines()))
-    modes = args.modes.split(",")
+    modes = args.modes.split(",") if native else ["server"]
     pts = points(args)
     largest = max(p[1] for p in pts)  # the point whose TTFT distribution is plotted
     total = len(pts) * args.repeats * len(modes) * args.requests
     rows, ttft = [], {}
     progress = tqdm(total=total, desc="requests", unit="req", file=sys.stderr)
-    async with session(args.socket) as s:
+    async with session(**target) as s:
         for kind, x, over in pts:
             arrivals = over.get("arrivals", args.arrivals)
             concurrency = over.get("concurrency", args.concurrency)
@@ -282,10 +298,12 @@ async def run(args) -> int:
             for mode in modes:
                 runs, engines = [], []
                 for rep in range(args.repeats):
-                    await wait_mode(s, mode)
+                    if native:
+                        await wait_mode(s, mode)
                     if warm:
-                        await replay(s, [TraceItem(0.0, w.prompt_ids, w.messages, min(8, w.max_tokens)) for w in warm], None)
-                    results, wall, engine = await replay(s, trace, concurrency, progress)
+                        await replay(s, [TraceItem(0.0, w.prompt_ids, w.messages, min(8, w.max_tokens)) for w in warm], None,
+                                     native=native)
+                    results, wall, engine = await replay(s, trace, concurrency, progress, native=native)
                     summary = summarize(results, wall, args.slo_ttft, args.slo_tpot)
                     runs.append(summary)
                     engines.append(engine)
@@ -294,7 +312,7 @@ async def run(args) -> int:
                     (out / f"run-{kind}-{label.replace(' ', '').replace('/', '')}-{mode}-{rep}.json").write_text(
                         json.dumps({"point": label, "mode": mode, "summary": summary, "engine": engine,
                                     "requests": [asdict(r) | {"itl": r.itl} for r in results]}, default=str))
-                engine = {k: statistics.median(e[k] for e in engines) for k in engines[0]}
+                engine = {k: statistics.median(e[k] for e in engines) for k in engines[0]} if native else {}
                 rows.append({"kind": kind, "x": x, "point": label, "variant": mode, "summary": median_summary(runs), "engine": engine})
             if args.hf_baseline:
                 rows.append({"kind": kind, "x": x, "point": label, "variant": "hf-static",
@@ -314,6 +332,28 @@ async def run(args) -> int:
     return 0 if fails == 0 else 1
 
 
+async def run_peers(args, out: Path) -> int:
+    from peers import compare
+    from peers.compare import WorkMismatch
+
+    from minibatch.engine.model_store import BUILTIN_MODELS, builtin_gguf_path, resolve_model
+
+    args.gguf = builtin_gguf_path(BUILTIN_MODELS["smollm2-135m-instruct"]) if args.gguf is None else Path(args.gguf)
+    args.hf_dir = str(resolve_model(args.peer_model))
+    try:
+        rows = await compare.compare(args, body_of)
+    except WorkMismatch as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 2
+    md = compare.table(rows)
+    (out / "peers.md").write_text(md + "\n")
+    print(md)
+    for line in compare.ratios(rows):
+        print(line)
+    print(f"plot: {compare.plot(rows, out / 'peers_throughput.png')}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--socket", default=None)
@@ -321,7 +361,8 @@ def main() -> int:
     ap.add_argument("--workload", choices=["synthetic", "chat"], default="synthetic")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=lambda v: tuple(map(int, v.split(","))), default=(32, 256))
-    ap.add_argument("--output-len", type=lambda v: tuple(map(int, v.split(","))), default=(16, 256))
+    ap.add_argument("--output-len", type=lambda v: tuple(map(int, v.split(","))), default=None,
+                    help="output tokens, min,max (default 16,256; with --peers 8,128)")
     ap.add_argument("--arrivals", default="all", help="all, poisson:RATE or gamma:RATE:CV")
     ap.add_argument("--concurrency", type=int, default=None, help="at most this many in flight (default: unlimited)")
     ap.add_argument("--modes", default="continuous,static")
@@ -334,8 +375,23 @@ def main() -> int:
     ap.add_argument("--hf-baseline", action="store_true", help="also run HF generate in padded static batches (in-process)")
     ap.add_argument("--max-batch", type=int, default=32, help="HF baseline batch size when no concurrency is set")
     ap.add_argument("--out", default="results/bench")
+    ap.add_argument("--url", default=None, help="benchmark any OpenAI-compatible server at this URL instead of the socket")
+    peers = ap.add_argument_group("peers (--peers): the same text trace against minibatchd and other servers, one at a time")
+    peers.add_argument("--peers", default=None,
+                       help="comma list of minibatch[:native|float32], llama.cpp[:Q4_1|Q8_0|F32], vllm, hf")
+    peers.add_argument("--concurrencies", default="1,4,16,64", help="closed-loop concurrency points")
+    peers.add_argument("--repeat-at", default="1,16", help="points measured --repeats times (median); others once")
+    peers.add_argument("--words", type=lambda v: tuple(map(int, v.split(","))), default=(16, 64), help="prompt words")
+    peers.add_argument("--llama-server", default=None, help="llama-server binary (else $LLAMA_SERVER or PATH)")
+    peers.add_argument("--gguf", default=None, help="the Q4_1 GGUF the llama.cpp variants start from (default: built-in)")
+    peers.add_argument("--peer-model", default="smollm2-135m-instruct", help="model minibatchd serves")
+    peers.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads of every server")
+    peers.add_argument("--port", type=int, default=18931, help="loopback port for TCP peers")
+    peers.add_argument("--ctx-per-slot", type=int, default=512, help="llama.cpp context per slot (>= longest request)")
     args = ap.parse_args()
     args.socket = env_socket(args.socket)
+    if args.output_len is None:
+        args.output_len = (8, 128) if args.peers else (16, 256)
     return asyncio.run(run(args))
 
 

@@ -21,6 +21,7 @@ class TraceItem:
     prompt_ids: list[int] | None  # synthetic: exact token ids (sent to /v1/completions)
     messages: list[dict] | None  # chat set: a conversation (sent to /v1/chat/completions)
     max_tokens: int
+    prompt_text: str | None = None  # peers: plain text (sent to /v1/completions of any server)
 
 
 def arrival_times(n: int, spec: str, seed: int) -> list[float]:
@@ -58,6 +59,20 @@ def synthetic_trace(n: int, prompt_len: tuple[int, int], output_len: tuple[int, 
         start = rng.randrange(0, max(1, len(corpus_ids) - length))
         ids = (corpus_ids * (1 + length // max(1, len(corpus_ids))))[start : start + length]
         items.append(TraceItem(times[i], ids, None, rng.randint(*output_len)))
+    return items
+
+
+def text_trace(n: int, words: tuple[int, int], output_len: tuple[int, int], seed: int,
+               path: Path = CHAT_SET) -> list[TraceItem]:
+    """Plain-text prompts of `words` words cut from the chat set, for servers with their own tokenizers."""
+    rows = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+    corpus = " ".join(rows).split()
+    rng = random.Random(seed)
+    items = []
+    for _ in range(n):
+        length = rng.randint(*words)
+        start = rng.randrange(0, len(corpus) - length)
+        items.append(TraceItem(0.0, None, None, rng.randint(*output_len), " ".join(corpus[start : start + length])))
     return items
 
 

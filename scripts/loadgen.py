@@ -50,10 +50,13 @@ class Result:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-def session(socket: str) -> aiohttp.ClientSession:
+def session(socket: str | None = None, url: str | None = None) -> aiohttp.ClientSession:
+    """A client session to the daemon's Unix socket, or to any HTTP server at `url`."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    if url is not None:
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), base_url=url, timeout=timeout)
     return aiohttp.ClientSession(
-        connector=aiohttp.UnixConnector(path=socket, limit=0), base_url="http://localhost",
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        connector=aiohttp.UnixConnector(path=socket, limit=0), base_url="http://localhost", timeout=timeout,
     )
 
 
@@ -74,12 +77,13 @@ async def stream_request(s: aiohttp.ClientSession, index: int, body: dict, chat:
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    res.error = chunk["error"]["message"]
+                    res.error = chunk["error"]["message"] if isinstance(chunk["error"], dict) else str(chunk["error"])
                     return res
-                if not chunk["choices"]:
-                    usage = chunk.get("usage", {})
+                usage = chunk.get("usage") or {}  # in a last chunk of its own (OpenAI), or beside the last choice
+                if usage:
                     res.output_tokens = usage.get("completion_tokens", res.output_tokens)
                     res.prompt_tokens = usage.get("prompt_tokens", 0)
+                if not chunk.get("choices"):
                     continue
                 choice = chunk["choices"][0]
                 text = choice["delta"].get("content") if chat else choice.get("text")
