@@ -126,6 +126,7 @@ class _TorchPlan:
     decode_lens: torch.Tensor | None  # [num_decode] int32
     # Longer chunks attend one sequence at a time: (token start, query len, slots, mask or None).
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
+    all_decode: bool = False  # every token is a decode: the kernel reads q and writes out whole
 
 
 class TorchAttentionBackend:
@@ -161,7 +162,7 @@ class TorchAttentionBackend:
                     mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
                 prefills.append((start, qlen, slots, mask))
             start += qlen
-        plan = _TorchPlan(None, None, None, 0, None, None, prefills)
+        plan = _TorchPlan(None, None, None, 0, None, None, prefills, all_decode=not prefills)
         if decode_rows:
             plan.decode_tokens = torch.tensor(decode_rows, dtype=torch.long, device=device)
             if self.decode_kernel is not None:
@@ -187,6 +188,8 @@ class TorchAttentionBackend:
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
         plan: _TorchPlan = meta.plan
+        if plan.all_decode and plan.decode_tables is not None:
+            return self.decode_kernel(q, kv_cache, plan.decode_tables, plan.decode_lens, scale)
         out = torch.empty_like(q)
         if plan.decode_tables is not None:
             qd = q.index_select(0, plan.decode_tokens)  # [n, heads, head_dim]

@@ -48,7 +48,7 @@ class TritonAttentionBackend:
 def select_backend(device: str, dtype: torch.dtype):
     """(attention backend, model ops): Triton on CUDA; on CPU, PyTorch (+ the C++ decode kernel for fp32)."""
     from .attention import TorchAttentionBackend
-    from .models.ops import TorchOps, TritonOps
+    from .models.ops import CpuOps, TorchOps, TritonOps
 
     if device == "cuda":
         try:
@@ -59,6 +59,7 @@ def select_backend(device: str, dtype: torch.dtype):
     if dtype == torch.float32:
         from minibatch.kernels.cpu_paged_attention import load_extension, paged_decode_attention
 
-        if load_extension() is not None:  # compiled on first use, then cached
-            return TorchAttentionBackend(paged_decode_attention), TorchOps()
+        ext = load_extension()  # compiled on first use, then cached
+        if ext is not None:
+            return TorchAttentionBackend(paged_decode_attention), CpuOps(ext)
     return TorchAttentionBackend(), TorchOps()

@@ -40,6 +40,29 @@ class TorchOps:
         return F.silu(gate) * up
 
 
+class CpuOps(TorchOps):
+    """The same operations as single-pass C++ kernels (fp32 CPU); TorchOps is their twin."""
+
+    name = "cpu-kernels"
+
+    def __init__(self, ext) -> None:
+        self.ext = ext
+
+    def rms_norm(self, x, weight, eps):
+        return self.ext.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        residual = residual.contiguous()
+        return self.ext.add_rms_norm(x, residual, weight, eps), residual
+
+    def rotary(self, positions, q, k, cos, sin):
+        self.ext.rotary_inplace(positions, q, k, cos, sin)
+        return q, k
+
+    def silu_mul(self, gate_up):
+        return self.ext.silu_mul(gate_up)
+
+
 class TritonOps(TorchOps):
     """The same operations as fused Triton kernels (GPU, or the interpreter in tests)."""
 

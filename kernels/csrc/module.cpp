@@ -3,8 +3,10 @@
 
 void register_attention(pybind11::module& m);
 void register_quant(pybind11::module& m);
+void register_ops(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_attention(m);
   register_quant(m);
+  register_ops(m);
 }

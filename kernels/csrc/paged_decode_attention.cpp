@@ -2,13 +2,134 @@
 // block-structured cache through each sequence's block table: no gathered copy of the context.
 //
 // One task per (sequence, KV head); it serves the group of query heads that share that KV head
-// (grouped-query attention), so each K/V vector is read once per group. Scores are exact fp32
-// with a max-subtracted softmax, as the PyTorch reference computes them.
+// (grouped-query attention), so each K/V vector is read once per group. The context is walked
+// one KV block at a time with an online softmax (running max and sum per query head, the
+// accumulator rescaled when the max grows), so K and V of a block are used while they are in
+// cache and no score array of the whole context is kept. Scores, exponentials and sums are fp32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <cmath>
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <vector>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MB_ATTN_AVX2 1
+#endif
+
+namespace {
+
+#ifdef MB_ATTN_AVX2
+inline float hsum(__m256 s) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+// exp(x) for 8 lanes: range reduction by ln 2 and a degree-5 polynomial (Cephes' expf), about
+// 1 ulp; inputs here are <= 0 (scores minus their running max).
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t d = 0;
+  float s = 0.0f;
+#ifdef MB_ATTN_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; d + 16 <= n; d += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), a1);
+  }
+  for (; d + 8 <= n; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), a0);
+  s = hsum(_mm256_add_ps(a0, a1));
+#endif
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void axpy(float p, const float* v, float* acc, int64_t n) {  // acc += p * v
+  int64_t d = 0;
+#ifdef MB_ATTN_AVX2
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; d + 8 <= n; d += 8) _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(acc + d)));
+#endif
+  for (; d < n; ++d) acc[d] += p * v[d];
+}
+
+// p[i] = exp(s[i] - m) for i < n; returns their sum
+inline float exp_shifted(float* s, int64_t n, float m) {
+  int64_t i = 0;
+  float sum = 0.0f;
+#ifdef MB_ATTN_AVX2
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+    _mm256_storeu_ps(s + i, p);
+    acc = _mm256_add_ps(acc, p);
+  }
+  sum = hsum(acc);
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - m);
+    sum += s[i];
+  }
+  return sum;
+}
+
+#ifdef MB_ATTN_AVX2
+// One query head against one KV block, with the head's accumulator in registers (head_dim = 8 * V):
+// scores of the block's n positions, the online-softmax update, then acc += p * v.
+template <int V>
+inline void block_head(const float* q, const float* kb, int64_t ks1, const float* vb, int64_t vs1, int64_t n,
+                       float* sc, float* mx, float* sum, float* acc) {
+  __m256 qv[V];
+  for (int j = 0; j < V; ++j) qv[j] = _mm256_loadu_ps(q + 8 * j);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* k = kb + i * ks1;
+    __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k)), a1 = _mm256_setzero_ps();
+    for (int j = 1; j < V; ++j) {
+      if (j % 2) a1 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + 8 * j), a1);
+      else a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + 8 * j), a0);
+    }
+    sc[i] = hsum(_mm256_add_ps(a0, a1));
+  }
+  const float bmax = *std::max_element(sc, sc + n);
+  __m256 av[V];
+  for (int j = 0; j < V; ++j) av[j] = _mm256_loadu_ps(acc + 8 * j);
+  if (bmax > *mx) {
+    const float corr = std::exp(*mx - bmax);  // 0 for the first block
+    *sum *= corr;
+    const __m256 c = _mm256_set1_ps(corr);
+    for (int j = 0; j < V; ++j) av[j] = _mm256_mul_ps(av[j], c);
+    *mx = bmax;
+  }
+  *sum += exp_shifted(sc, n, *mx);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 p = _mm256_set1_ps(sc[i]);
+    const float* v = vb + i * vs1;
+    for (int j = 0; j < V; ++j) av[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * j), av[j]);
+  }
+  for (int j = 0; j < V; ++j) _mm256_storeu_ps(acc + 8 * j, av[j]);
+}
+#endif
+
+}  // namespace
 
 torch::Tensor paged_decode_attention(
     torch::Tensor q,             // [num_seqs, num_heads, head_dim] fp32
@@ -38,55 +159,53 @@ torch::Tensor paged_decode_attention(
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> acc(group * head_dim);
+    std::vector<float> qsc(group * head_dim), acc(group * head_dim), scores(group * block_size), mx(group), sum(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / num_kv_heads, kvh = task % num_kv_heads;
       const int64_t len = lens[s];
-      scores.assign(group * len, 0.0f);
       const float* qs = qp + (s * num_heads + kvh * group) * head_dim;
-      // scores[g, t] = q_g . k_t * scale; one block of positions at a time
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const int64_t block = bt[s * max_blocks + t0 / block_size];
-        const int64_t n = std::min(block_size, len - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          const float* __restrict__ k = kp + block * ks0 + i * ks1 + kvh * ks2;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* __restrict__ qg = qs + g * head_dim;
-            float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
-            scores[g * len + t0 + i] = dot * fscale;
-          }
-        }
-      }
-      // softmax over t for each head of the group
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
-        float sum = 0.0f;
-        for (int64_t t = 0; t < len; ++t) { sg[t] = std::exp(sg[t] - mx); sum += sg[t]; }
-        const float inv = 1.0f / sum;
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-      }
-      // out_g = sum_t p[g, t] v_t
+      for (int64_t i = 0; i < group * head_dim; ++i) qsc[i] = qs[i] * fscale;
       std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
+      std::fill(sum.begin(), sum.end(), 0.0f);
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
         const int64_t block = bt[s * max_blocks + t0 / block_size];
         const int64_t n = std::min(block_size, len - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          const float* __restrict__ v = vp + block * vs0 + i * vs1 + kvh * vs2;
+        const float* kb = kp + block * ks0 + kvh * ks2;
+        const float* vb = vp + block * vs0 + kvh * vs2;
+#ifdef MB_ATTN_AVX2
+        if (head_dim == 64 || head_dim == 128) {
           for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * len + t0 + i];
-            float* __restrict__ a = acc.data() + g * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+            float* sg = scores.data() + g * block_size;
+            float* a = acc.data() + g * head_dim;
+            if (head_dim == 64) block_head<8>(qsc.data() + g * head_dim, kb, ks1, vb, vs1, n, sg, &mx[g], &sum[g], a);
+            else block_head<16>(qsc.data() + g * head_dim, kb, ks1, vb, vs1, n, sg, &mx[g], &sum[g], a);
           }
+          continue;
         }
+#endif
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t g = 0; g < group; ++g) scores[g * block_size + i] = dot(qsc.data() + g * head_dim, kb + i * ks1, head_dim);
+        for (int64_t g = 0; g < group; ++g) {  // online softmax: fold this block into the running max and sum
+          float* sg = scores.data() + g * block_size;
+          const float bmax = *std::max_element(sg, sg + n);
+          if (bmax > mx[g]) {
+            const float corr = std::exp(mx[g] - bmax);  // 0 for the first block
+            sum[g] *= corr;
+            float* a = acc.data() + g * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) a[d] *= corr;
+            mx[g] = bmax;
+          }
+          sum[g] += exp_shifted(sg, n, mx[g]);
+        }
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t g = 0; g < group; ++g) axpy(scores[g * block_size + i], vb + i * vs1, acc.data() + g * head_dim, head_dim);
       }
       float* os = op + (s * num_heads + kvh * group) * head_dim;
-      std::copy(acc.begin(), acc.end(), os);
+      for (int64_t g = 0; g < group; ++g) {
+        const float inv = 1.0f / sum[g];
+        for (int64_t d = 0; d < head_dim; ++d) os[g * head_dim + d] = acc[g * head_dim + d] * inv;
+      }
     }
   });
   return out;

@@ -157,12 +157,14 @@ def test_whole_model_on_the_triton_path_matches_hf(tiny_llama_dir):
 
 def test_backend_selection():
     from minibatch.engine.attention import TorchAttentionBackend
-    from minibatch.engine.models.ops import TorchOps, TritonOps
+    from minibatch.engine.models.ops import CpuOps, TorchOps, TritonOps
     from minibatch.engine.triton_backend import TritonAttentionBackend, select_backend
+    from minibatch.kernels.cpu_ext import load_cpu_extension
 
     backend, ops = select_backend("cuda", torch.bfloat16)
     assert isinstance(backend, TritonAttentionBackend) and isinstance(ops, TritonOps)
     backend, ops = select_backend("cpu", torch.float32)
-    assert isinstance(backend, TorchAttentionBackend) and type(ops) is TorchOps
+    cpu_ops = CpuOps if load_cpu_extension() is not None else TorchOps  # the C++ kernels, where they build
+    assert isinstance(backend, TorchAttentionBackend) and type(ops) is cpu_ops
     backend, ops = select_backend("cpu", torch.float16)
     assert isinstance(backend, TorchAttentionBackend) and backend.decode_kernel is None

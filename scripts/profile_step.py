@@ -1,0 +1,115 @@
+"""Where one engine step spends its time: a batch-1 and a batch-64 decode step, in-process.
+
+  .venv/bin/python scripts/profile_step.py [--weights native|float32] [--rows 1,64] [--context 200]
+
+For each batch size it fills the engine with that many greedy requests of
+--context prompt tokens, lets them reach decode, then times --steps decode
+steps: the whole step (schedule, forward, sample, update, detokenize) and,
+with wrappers around each part's entry point, the time of the matmuls, the
+attention, the small ops, the sampler, the scheduler and the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from minibatch.engine.factory import EngineConfig, build_engine  # noqa: E402
+from minibatch.engine.sampling_params import SamplingParams  # noqa: E402
+
+class Timers:
+    """Wall time per part of the step, from wrappers around the parts' entry points."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = defaultdict(float)
+
+    def wrap(self, owner, attr: str, group: str) -> None:
+        inner = getattr(owner, attr)
+        ms = self.ms
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                ms[group] += (time.perf_counter() - t) * 1e3
+
+        setattr(owner, attr, timed)
+
+
+def instrument(engine) -> Timers:
+    from minibatch.engine.models.cpu_linear import PackedLinear
+    from minibatch.engine.models.ops import CpuOps, TorchOps
+    from minibatch.engine.models.quant_linear import QuantEmbedding, QuantLinear
+
+    timers = Timers()
+    for cls, group in ((QuantLinear, "matmul"), (PackedLinear, "matmul"), (QuantEmbedding, "embedding")):
+        timers.wrap(cls, "forward", group)
+    timers.wrap(torch.nn.Linear, "forward", "matmul")
+    runner = engine.runner
+    timers.wrap(runner.model.backend, "forward", "attention (+KV store)")
+    timers.wrap(runner.model.backend, "prepare", "attention plan")
+    ops = runner.model.ops
+    for name in ("rms_norm", "add_rms_norm", "rotary", "silu_mul"):
+        timers.wrap(ops, name, "norms, rotary, SiLU")
+    timers.wrap(runner, "sampler", "sampler")
+    timers.wrap(runner, "execute", "runner (all of the above)")
+    timers.wrap(engine.scheduler, "schedule", "scheduler")
+    return timers
+
+
+def fill(engine, rows: int, context: int) -> None:
+    for i in range(rows):
+        prompt = [100 + (i * 37 + j) % 30000 for j in range(context)]
+        engine.add_request(f"p{i}", prompt, SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+
+
+def profile(engine, steps: int) -> tuple[float, dict[str, float]]:
+    for _ in range(3):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    timers = instrument(engine)
+    for _ in range(steps):
+        engine.step()
+    return statistics.median(times) * 1e3, {k: v / steps for k, v in timers.ms.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--weights", default="native")
+    ap.add_argument("--rows", default="1,64")
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    for rows in (int(r) for r in args.rows.split(",")):
+        engine = build_engine(EngineConfig(weights=args.weights, max_num_seqs=max(rows, 1), enable_prefix_caching=False,
+                                           max_num_batched_tokens=max(512, rows), kv_cache_gb=1.0))
+        fill(engine, rows, args.context)
+        step_ms, parts = profile(engine, args.steps)
+        print(f"\n{args.weights}, {rows} running, context ~{args.context}: step {step_ms:.1f} ms "
+              f"({rows / step_ms * 1e3:.1f} tok/s); per step, instrumented:")
+        inside = sum(v for k, v in parts.items() if k not in ("runner (all of the above)", "scheduler"))
+        for group, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
+            print(f"  {group:<28} {ms:7.2f} ms")
+        print(f"  {'rest of the runner':<28} {parts['runner (all of the above)'] - inside:7.2f} ms  (inputs, glue ops)")
+        print(f"  {'rest of the step':<28} {step_ms - parts['runner (all of the above)'] - parts['scheduler']:7.2f} ms  "
+              "(update, detokenize, stats; timed without the wrappers)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
