@@ -138,8 +138,9 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def __init__(self, decode_kernel=None) -> None:
+    def __init__(self, decode_kernel=None, store_decode_kernel=None) -> None:
         self.decode_kernel = decode_kernel
+        self.store_decode_kernel = store_decode_kernel  # KV store + decode attention in one call
 
     def prepare(self, meta: AttentionMetadata) -> None:
         device = meta.slot_mapping.device
@@ -182,12 +183,14 @@ class TorchAttentionBackend:
         meta.plan = plan
 
     def forward(self, q, k, v, kv_cache, meta, scale):
+        plan: _TorchPlan = meta.plan
+        if plan.all_decode and plan.decode_tables is not None and self.store_decode_kernel is not None:
+            return self.store_decode_kernel(q, k, v, kv_cache, meta.slot_mapping, plan.decode_tables, plan.decode_lens, scale)
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
-        plan: _TorchPlan = meta.plan
         if plan.all_decode and plan.decode_tables is not None:
             return self.decode_kernel(q, kv_cache, plan.decode_tables, plan.decode_lens, scale)
         out = torch.empty_like(q)

@@ -57,9 +57,9 @@ def select_backend(device: str, dtype: torch.dtype):
             return TorchAttentionBackend(), TorchOps()
         return TritonAttentionBackend(), TritonOps()
     if dtype == torch.float32:
-        from minibatch.kernels.cpu_paged_attention import load_extension, paged_decode_attention
+        from minibatch.kernels.cpu_paged_attention import load_extension, paged_decode_attention, store_and_decode_attention
 
         ext = load_extension()  # compiled on first use, then cached
         if ext is not None:
-            return TorchAttentionBackend(paged_decode_attention), CpuOps(ext)
+            return TorchAttentionBackend(paged_decode_attention, store_and_decode_attention), CpuOps(ext)
     return TorchAttentionBackend(), TorchOps()

@@ -33,6 +33,30 @@ def paged_decode_attention(
     return ext.paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], block_tables, seq_lens, scale)
 
 
+def store_and_decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim], one new token per sequence
+    k: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_seqs] int64
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """Write the new K/V into the cache, then attend: one kernel call per layer at decode."""
+    ext = load_extension()
+    if ext is None:
+        return store_and_decode_attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale)
+    return ext.store_and_decode_attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale)
+
+
+def store_and_decode_attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale):
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    return paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale)
+
+
 def paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale):
     """The PyTorch twin: gather each context through its block table, then attend."""
     num_seqs, _, head_dim = q.shape

@@ -10,41 +10,17 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "vec_math.h"
+#ifdef MB_VEC_AVX2
 #define MB_ATTN_AVX2 1
 #endif
 
 namespace {
 
-#ifdef MB_ATTN_AVX2
-inline float hsum(__m256 s) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
-}
 
-// exp(x) for 8 lanes: range reduction by ln 2 and a degree-5 polynomial (Cephes' expf), about
-// 1 ulp; inputs here are <= 0 (scores minus their running max).
-inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
-  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-#endif
 
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t d = 0;
@@ -211,6 +187,35 @@ torch::Tensor paged_decode_attention(
   return out;
 }
 
+// The new tokens' K and V written into their cache slots, then decode attention: one call per layer.
+torch::Tensor store_and_decode_attention(
+    torch::Tensor q,             // [num_seqs, num_heads, head_dim] fp32, one new token per sequence
+    torch::Tensor k,             // [num_seqs, num_kv_heads, head_dim] fp32
+    torch::Tensor v,             // [num_seqs, num_kv_heads, head_dim] fp32
+    torch::Tensor kv_cache,      // [2, num_blocks, block_size, num_kv_heads, head_dim] fp32, contiguous
+    torch::Tensor slot_mapping,  // [num_seqs] int64: block * block_size + offset of each new token
+    torch::Tensor block_tables,  // [num_seqs, max_blocks] int32
+    torch::Tensor seq_lens,      // [num_seqs] int32
+    double scale) {
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dtype() == torch::kFloat32 && kv_cache.dim() == 5, "kv_cache must be contiguous fp32 [2, blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(slot_mapping.dtype() == torch::kInt64 && slot_mapping.is_contiguous(), "slot_mapping must be contiguous int64");
+  const int64_t n = q.size(0), row = kv_cache.size(3) * kv_cache.size(4);
+  const int64_t slots = kv_cache.size(1) * kv_cache.size(2);
+  TORCH_CHECK(k.size(0) == n && v.size(0) == n && slot_mapping.numel() == n && k.size(1) * k.size(2) == row, "k, v, slots: one row per sequence");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2), "k and v rows must be contiguous");
+  const int64_t* sp = slot_mapping.data_ptr<int64_t>();
+  float* cache = kv_cache.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(sp[i] >= 0 && sp[i] < slots, "slot ", sp[i], " outside the cache");
+    std::memcpy(cache + sp[i] * row, kp + i * k.stride(0), row * sizeof(float));
+    std::memcpy(cache + (slots + sp[i]) * row, vp + i * v.stride(0), row * sizeof(float));
+  }
+  return paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], block_tables, seq_lens, scale);
+}
+
 void register_attention(pybind11::module& m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32)");
+  m.def("store_and_decode_attention", &store_and_decode_attention, "KV store, then paged decode attention (CPU, fp32)");
 }

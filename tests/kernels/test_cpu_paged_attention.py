@@ -36,3 +36,21 @@ def test_kernel_ignores_table_padding_and_other_blocks():
     cache[:, 3, 5:] = 1e6
     cache[:, 6, 4:] = 1e6
     torch.testing.assert_close(paged_decode_attention(q, cache, tables, lens, 0.25), before)
+
+
+def test_store_then_attend_matches_the_twin():
+    from minibatch.kernels.cpu_paged_attention import store_and_decode_attention, store_and_decode_attention_ref
+
+    g = torch.Generator().manual_seed(7)
+    cache = torch.randn(2, 40, 16, 3, 64, generator=g)
+    tables = torch.tensor([[5, 9, 0], [11, 12, 13]], dtype=torch.int32)
+    lens = torch.tensor([20, 37], dtype=torch.int32)
+    slots = torch.tensor([9 * 16 + 3, 13 * 16 + 4])  # the last position of each sequence
+    q, k, v = torch.randn(2, 9, 64, generator=g), torch.randn(2, 3, 64, generator=g), torch.randn(2, 3, 64, generator=g)
+    ref_cache = cache.clone()
+    got = store_and_decode_attention(q, k, v, cache, slots, tables, lens, 0.125)
+    ref = store_and_decode_attention_ref(q, k, v, ref_cache, slots, tables, lens, 0.125)
+    torch.testing.assert_close(cache, ref_cache, rtol=0, atol=0)  # the same slots written
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="slot 640 outside the cache"):
+        store_and_decode_attention(q, k, v, cache, torch.tensor([640, 1]), tables, lens, 0.125)
