@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstring>
 #include <vector>
+#include "vec_math.h"
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -445,7 +446,7 @@ torch::Tensor quant_linear(torch::Tensor x,        // [M, K] fp32
   float* op = out.data_ptr<float>();
   if (gemv_max_rows < 0) gemv_max_rows = kGemvMaxRows;
   if (m <= gemv_max_rows) {
-    at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    parallel_chunks(n, 64, [&](int64_t n0, int64_t n1) {
       for (int64_t c0 = n0; c0 < n1; c0 += 64)
         for (int64_t r0 = 0; r0 < m; r0 += 8)
           gemv_columns(type, xp + r0 * k, std::min<int64_t>(8, m - r0), k, wp, row_bytes, op + r0 * n, n, c0,
@@ -457,7 +458,7 @@ torch::Tensor quant_linear(torch::Tensor x,        // [M, K] fp32
   // multiplied by torch's own fp32 GEMM (single-threaded inside this parallel region).
   const int64_t tile = std::max<int64_t>(8, std::min<int64_t>(n, (65536 / k) / 8 * 8));
   const int64_t tiles = (n + tile - 1) / tile;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+  parallel_chunks(tiles, 1, [&](int64_t t0, int64_t t1) {
     c10::InferenceMode guard;  // worker threads do not inherit the caller's mode
     auto buf = torch::empty({tile, k}, x.options());
     auto part = torch::empty({m, tile}, x.options());

@@ -1,5 +1,26 @@
-// Small AVX2 helpers shared by the CPU kernels.
+// Small helpers shared by the CPU kernels: dynamic work sharing, AVX2 reductions and exp.
 #pragma once
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+// Run fn(begin, end) over [0, n) in chunks of `chunk`, claimed by torch's threads as they come
+// free. A static split waits for its slowest thread; in the daemon, a thread that loses its core
+// to the event loop for a moment would hold every other thread back.
+template <typename F>
+void parallel_chunks(int64_t n, int64_t chunk, const F& fn) {
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), chunks);
+  if (workers <= 1) {
+    fn(0, n);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) fn(c * chunk, std::min(n, (c + 1) * chunk));
+  });
+}
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MB_VEC_AVX2 1

@@ -34,6 +34,7 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)
     info: dict = field(default_factory=dict)  # version, commit, model file, threads ...
     stop_argv: list[str] | None = None  # a command that stops it (else SIGTERM to the pid)
+    model: str | None = None  # the "model" field its API wants, if any
 
 
 class Running:

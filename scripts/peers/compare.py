@@ -39,14 +39,15 @@ def check_counts(trace: list[TraceItem], results: list[Result], server: str) -> 
         raise WorkMismatch(f"{server}: {len(bad)} of {len(trace)} responses did not generate the tokens asked for:\n{lines}")
 
 
-async def replay_http(target: dict, trace: list[TraceItem], concurrency: int, body_of) -> tuple[list[Result], float]:
+async def replay_http(target: dict, trace: list[TraceItem], concurrency: int, body_of,
+                      model: str | None = None) -> tuple[list[Result], float]:
     """Closed loop: at most `concurrency` requests in flight, in trace order."""
     sem = asyncio.Semaphore(max(1, concurrency))
     async with session(**target) as s:
         async def one(i: int, item: TraceItem) -> Result:
             async with sem:
                 body, chat = body_of(item)
-                return await stream_request(s, i, {**body, "model": "model"}, chat)
+                return await stream_request(s, i, {**body, "model": model} if model else body, chat)
 
         start = time.monotonic()
         results = await asyncio.gather(*(one(i, it) for i, it in enumerate(trace)))
@@ -107,10 +108,10 @@ async def measure(launch: Launch, trace: list[TraceItem], concurrency: int, repe
         sampler = RssSampler(server_pid(running))
         task = asyncio.create_task(sampler.run())
         warm = [TraceItem(0.0, None, None, 4, "Hello there, how are you today?")] * 2
-        await replay_http(target, warm, 1, body_of)
+        await replay_http(target, warm, 1, body_of, launch.model)
         runs = []
         for _ in range(repeats):
-            results, wall = await replay_http(target, trace, concurrency, body_of)
+            results, wall = await replay_http(target, trace, concurrency, body_of, launch.model)
             check_counts(trace, results, launch.name)
             runs.append(summarize(results, wall))
         task.cancel()

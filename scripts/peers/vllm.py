@@ -33,4 +33,4 @@ def launch(model_dir: str, port: int, concurrency: int, max_model_len: int) -> L
     if not available():
         raise SystemExit("vLLM peer: needs vllm installed and an NVIDIA GPU")
     return Launch(name="vLLM", argv=command(model_dir, port, concurrency, max_model_len), url=f"http://127.0.0.1:{port}",
-                  info={"model_dir": model_dir})
+                  info={"model_dir": model_dir}, model="model")
