@@ -54,7 +54,9 @@ def session(socket: str | None = None, url: str | None = None) -> aiohttp.Client
     """A client session to the daemon's Unix socket, or to any HTTP server at `url`."""
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     if url is not None:
-        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), base_url=url, timeout=timeout)
+        # One connection per request: servers close idle keep-alive connections on their own
+        # schedule (llama-server does), and a request sent on one that is closing fails.
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True), base_url=url, timeout=timeout)
     return aiohttp.ClientSession(
         connector=aiohttp.UnixConnector(path=socket, limit=0), base_url="http://localhost", timeout=timeout,
     )

@@ -1,15 +1,20 @@
 // The model's small per-token operations on the CPU, each one pass over its data: the C++ twins
 // of the Triton kernels in kernels/ (rmsnorm.py, rotary.py, activation.py). At decode, PyTorch
 // spends more time dispatching the dozen small ops these replace than computing them.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include "kernels.h"
 #include <cmath>
 #include "vec_math.h"
 
 namespace {
 
-void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 2 && t.stride(1) == 1, name, " must be fp32 [tokens, dim] with contiguous rows");
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dtype() == at::kFloat && t.dim() == 2 && t.stride(1) == 1, name, " must be fp32 [tokens, dim] with contiguous rows");
 }
 
 inline void norm_row(const float* h, const float* w, float* out, int64_t d, float eps) {
@@ -24,13 +29,13 @@ inline void norm_row(const float* h, const float* w, float* out, int64_t d, floa
 }  // namespace
 
 // out = rms_norm(x) * weight
-torch::Tensor rms_norm(torch::Tensor x,       // [tokens, dim] fp32
-                       torch::Tensor weight,  // [dim] fp32
+at::Tensor rms_norm(at::Tensor x,       // [tokens, dim] fp32
+                       at::Tensor weight,  // [dim] fp32
                        double eps) {
   check_rows(x, "x");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must be [dim]");
   const int64_t n = x.size(0), d = x.size(1), ld = x.stride(0);
-  auto out = torch::empty({n, d}, x.options());
+  auto out = at::empty({n, d}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -41,16 +46,16 @@ torch::Tensor rms_norm(torch::Tensor x,       // [tokens, dim] fp32
 }
 
 // residual += x (in place); returns rms_norm(residual) * weight
-torch::Tensor add_rms_norm(torch::Tensor x,         // [tokens, dim] fp32
-                           torch::Tensor residual,  // [tokens, dim] fp32, contiguous; updated
-                           torch::Tensor weight,    // [dim] fp32
+at::Tensor add_rms_norm(at::Tensor x,         // [tokens, dim] fp32
+                           at::Tensor residual,  // [tokens, dim] fp32, contiguous; updated
+                           at::Tensor weight,    // [dim] fp32
                            double eps) {
   check_rows(x, "x");
-  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.dtype() == torch::kFloat32,
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.dtype() == at::kFloat,
               "residual must be contiguous fp32 with x's shape");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must be [dim]");
   const int64_t n = x.size(0), d = x.size(1), ld = x.stride(0);
-  auto out = torch::empty({n, d}, x.options());
+  auto out = at::empty({n, d}, x.options());
   const float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
@@ -68,13 +73,13 @@ torch::Tensor add_rms_norm(torch::Tensor x,         // [tokens, dim] fp32
 }
 
 // Rotate-half rotary embedding of q and k in place: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin.
-void rotary_inplace(torch::Tensor positions,  // [tokens] int64
-                    torch::Tensor q,          // [tokens, heads, head_dim] fp32, head_dim contiguous
-                    torch::Tensor k,          // [tokens, kv_heads, head_dim] fp32
-                    torch::Tensor cos,        // [max_position, head_dim / 2] fp32
-                    torch::Tensor sin) {
-  TORCH_CHECK(positions.dtype() == torch::kInt64 && positions.is_contiguous(), "positions must be contiguous int64");
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k.dtype() == torch::kFloat32 && q.stride(2) == 1 && k.stride(2) == 1,
+void rotary_inplace(at::Tensor positions,  // [tokens] int64
+                    at::Tensor q,          // [tokens, heads, head_dim] fp32, head_dim contiguous
+                    at::Tensor k,          // [tokens, kv_heads, head_dim] fp32
+                    at::Tensor cos,        // [max_position, head_dim / 2] fp32
+                    at::Tensor sin) {
+  TORCH_CHECK(positions.dtype() == at::kLong && positions.is_contiguous(), "positions must be contiguous int64");
+  TORCH_CHECK(q.dtype() == at::kFloat && k.dtype() == at::kFloat && q.stride(2) == 1 && k.stride(2) == 1,
               "q and k must be fp32 with contiguous head_dim");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous(), "cos/sin tables must be contiguous");
   const int64_t n = q.size(0), half = q.size(2) / 2, max_pos = cos.size(0);
@@ -82,7 +87,7 @@ void rotary_inplace(torch::Tensor positions,  // [tokens] int64
   for (int64_t t = 0; t < n; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " outside the rotary table");
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  auto rotate = [&](torch::Tensor x) {
+  auto rotate = [&](at::Tensor x) {
     const int64_t heads = x.size(1), s0 = x.stride(0), s1 = x.stride(1);
     float* xp = x.data_ptr<float>();
     at::parallel_for(0, n, 8, [&](int64_t b, int64_t e) {
@@ -107,10 +112,10 @@ void rotary_inplace(torch::Tensor positions,  // [tokens] int64
 }
 
 // [tokens, 2n] (gate, up) -> silu(gate) * up, [tokens, n]
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   check_rows(gate_up, "gate_up");
   const int64_t t = gate_up.size(0), n = gate_up.size(1) / 2, ld = gate_up.stride(0);
-  auto out = torch::empty({t, n}, gate_up.options());
+  auto out = at::empty({t, n}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, t, 4, [&](int64_t b, int64_t e) {
@@ -133,9 +138,3 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
-void register_ops(pybind11::module& m) {
-  m.def("rms_norm", &rms_norm, "rms_norm(x) * weight (fp32)");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x; rms_norm(residual) * weight (fp32)");
-  m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding of q and k, in place");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
-}

@@ -1,12 +1,18 @@
-// The one CPU extension: every C++ kernel registers its functions here.
+// The one CPU extension: binds every kernel declared in kernels.h.
 #include <torch/extension.h>
 
-void register_attention(pybind11::module& m);
-void register_quant(pybind11::module& m);
-void register_ops(pybind11::module& m);
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  register_attention(m);
-  register_quant(m);
-  register_ops(m);
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32)");
+  m.def("store_and_decode_attention", &store_and_decode_attention, "KV store, then paged decode attention (CPU, fp32)");
+  m.def("quant_linear", &quant_linear, "y = x W^T with W in GGUF blocks (CPU, fp32 activations)", pybind11::arg("x"),
+        pybind11::arg("qweight"), pybind11::arg("type"), pybind11::arg("gemv_max_rows") = -1);
+  m.def("dequantize", &dequantize, "GGUF blocks -> fp32 [N, K]");
+  m.def("embedding", &embedding, "dequantise only the rows of the given token ids");
+  m.def("has_avx2", &has_avx2, "compiled with the AVX2+FMA paths");
+  m.def("rms_norm", &rms_norm, "rms_norm(x) * weight (fp32)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x; rms_norm(residual) * weight (fp32)");
+  m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding of q and k, in place");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
 }

@@ -6,8 +6,13 @@
 // one KV block at a time with an online softmax (running max and sum per query head, the
 // accumulator rescaled when the max grows), so K and V of a block are used while they are in
 // cache and no score array of the whole context is kept. Scores, exponentials and sums are fp32.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include "kernels.h"
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -107,23 +112,23 @@ inline void block_head(const float* q, const float* kb, int64_t ks1, const float
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(
-    torch::Tensor q,             // [num_seqs, num_heads, head_dim] fp32
-    torch::Tensor k_cache,       // [num_blocks, block_size, num_kv_heads, head_dim] fp32
-    torch::Tensor v_cache,       // [num_blocks, block_size, num_kv_heads, head_dim] fp32
-    torch::Tensor block_tables,  // [num_seqs, max_blocks] int32
-    torch::Tensor seq_lens,      // [num_seqs] int32
+at::Tensor paged_decode_attention(
+    at::Tensor q,             // [num_seqs, num_heads, head_dim] fp32
+    at::Tensor k_cache,       // [num_blocks, block_size, num_kv_heads, head_dim] fp32
+    at::Tensor v_cache,       // [num_blocks, block_size, num_kv_heads, head_dim] fp32
+    at::Tensor block_tables,  // [num_seqs, max_blocks] int32
+    at::Tensor seq_lens,      // [num_seqs] int32
     double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 && v_cache.dtype() == torch::kFloat32,
+  TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == at::kFloat && v_cache.dtype() == at::kFloat,
               "paged_decode_attention: fp32 only");
-  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && seq_lens.dtype() == torch::kInt32, "int32 tables");
+  TORCH_CHECK(block_tables.dtype() == at::kInt && seq_lens.dtype() == at::kInt, "int32 tables");
   TORCH_CHECK(q.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous(), "contiguous inputs");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "head_dim must be contiguous in the cache");
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
@@ -188,17 +193,17 @@ torch::Tensor paged_decode_attention(
 }
 
 // The new tokens' K and V written into their cache slots, then decode attention: one call per layer.
-torch::Tensor store_and_decode_attention(
-    torch::Tensor q,             // [num_seqs, num_heads, head_dim] fp32, one new token per sequence
-    torch::Tensor k,             // [num_seqs, num_kv_heads, head_dim] fp32
-    torch::Tensor v,             // [num_seqs, num_kv_heads, head_dim] fp32
-    torch::Tensor kv_cache,      // [2, num_blocks, block_size, num_kv_heads, head_dim] fp32, contiguous
-    torch::Tensor slot_mapping,  // [num_seqs] int64: block * block_size + offset of each new token
-    torch::Tensor block_tables,  // [num_seqs, max_blocks] int32
-    torch::Tensor seq_lens,      // [num_seqs] int32
+at::Tensor store_and_decode_attention(
+    at::Tensor q,             // [num_seqs, num_heads, head_dim] fp32, one new token per sequence
+    at::Tensor k,             // [num_seqs, num_kv_heads, head_dim] fp32
+    at::Tensor v,             // [num_seqs, num_kv_heads, head_dim] fp32
+    at::Tensor kv_cache,      // [2, num_blocks, block_size, num_kv_heads, head_dim] fp32, contiguous
+    at::Tensor slot_mapping,  // [num_seqs] int64: block * block_size + offset of each new token
+    at::Tensor block_tables,  // [num_seqs, max_blocks] int32
+    at::Tensor seq_lens,      // [num_seqs] int32
     double scale) {
-  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dtype() == torch::kFloat32 && kv_cache.dim() == 5, "kv_cache must be contiguous fp32 [2, blocks, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(slot_mapping.dtype() == torch::kInt64 && slot_mapping.is_contiguous(), "slot_mapping must be contiguous int64");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dtype() == at::kFloat && kv_cache.dim() == 5, "kv_cache must be contiguous fp32 [2, blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(slot_mapping.dtype() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping must be contiguous int64");
   const int64_t n = q.size(0), row = kv_cache.size(3) * kv_cache.size(4);
   const int64_t slots = kv_cache.size(1) * kv_cache.size(2);
   TORCH_CHECK(k.size(0) == n && v.size(0) == n && slot_mapping.numel() == n && k.size(1) * k.size(2) == row, "k, v, slots: one row per sequence");
@@ -215,7 +220,3 @@ torch::Tensor store_and_decode_attention(
   return paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], block_tables, seq_lens, scale);
 }
 
-void register_attention(pybind11::module& m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, fp32)");
-  m.def("store_and_decode_attention", &store_and_decode_attention, "KV store, then paged decode attention (CPU, fp32)");
-}

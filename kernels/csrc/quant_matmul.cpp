@@ -14,8 +14,13 @@
 //               buffer once, then torch's fp32 GEMM multiplies every row by it (one thread per
 //               tile: the call runs inside the parallel region).
 // Threads split the output columns in both paths.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include "kernels.h"
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -415,8 +420,8 @@ void gemv_columns(int64_t type, const float* x, int64_t m, int64_t k, const uint
   }
 }
 
-void check_weight(const torch::Tensor& qweight, int64_t type, int64_t k) {
-  TORCH_CHECK(qweight.dtype() == torch::kUInt8 && qweight.dim() == 2 && qweight.is_contiguous(),
+void check_weight(const at::Tensor& qweight, int64_t type, int64_t k) {
+  TORCH_CHECK(qweight.dtype() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
               "qweight must be a contiguous uint8 [N, row_bytes] tensor");
   const Layout L = layout_of(type);
   TORCH_CHECK(k % L.elems == 0, "in_features ", k, " is not a multiple of the block size ", L.elems);
@@ -431,14 +436,14 @@ void check_weight(const torch::Tensor& qweight, int64_t type, int64_t k) {
 // Measured on a 2-core AVX2 machine: the register path wins up to about 24 rows.
 constexpr int64_t kGemvMaxRows = 24;
 
-torch::Tensor quant_linear(torch::Tensor x,        // [M, K] fp32
-                           torch::Tensor qweight,  // [N, row_bytes] uint8, GGUF blocks
+at::Tensor quant_linear(at::Tensor x,        // [M, K] fp32
+                           at::Tensor qweight,  // [N, row_bytes] uint8, GGUF blocks
                            int64_t type, int64_t gemv_max_rows) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be fp32 [rows, in_features]");
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2, "x must be fp32 [rows, in_features]");
   x = x.contiguous();
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
   check_weight(qweight, type, k);
-  auto out = torch::empty({m, n}, x.options());
+  auto out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
@@ -460,8 +465,8 @@ torch::Tensor quant_linear(torch::Tensor x,        // [M, K] fp32
   const int64_t tiles = (n + tile - 1) / tile;
   parallel_chunks(tiles, 1, [&](int64_t t0, int64_t t1) {
     c10::InferenceMode guard;  // worker threads do not inherit the caller's mode
-    auto buf = torch::empty({tile, k}, x.options());
-    auto part = torch::empty({m, tile}, x.options());
+    auto buf = at::empty({tile, k}, x.options());
+    auto part = at::empty({m, tile}, x.options());
     float* bp = buf.data_ptr<float>();
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t c0 = t * tile, cols = std::min(tile, n - c0);
@@ -475,10 +480,10 @@ torch::Tensor quant_linear(torch::Tensor x,        // [M, K] fp32
   return out;
 }
 
-torch::Tensor dequantize(torch::Tensor qweight, int64_t type, int64_t k) {  // -> [N, K] fp32
+at::Tensor dequantize(at::Tensor qweight, int64_t type, int64_t k) {  // -> [N, K] fp32
   check_weight(qweight, type, k);
   const int64_t n = qweight.size(0), row_bytes = qweight.size(1);
-  auto out = torch::empty({n, k}, torch::kFloat32);
+  auto out = at::empty({n, k}, at::kFloat);
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
@@ -487,14 +492,14 @@ torch::Tensor dequantize(torch::Tensor qweight, int64_t type, int64_t k) {  // -
   return out;
 }
 
-torch::Tensor embedding(torch::Tensor qweight, int64_t type, int64_t k, torch::Tensor ids) {  // ids [T] int64
+at::Tensor embedding(at::Tensor qweight, int64_t type, int64_t k, at::Tensor ids) {  // ids [T] int64
   check_weight(qweight, type, k);
-  TORCH_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1, "ids must be int64 [num_tokens]");
+  TORCH_CHECK(ids.dtype() == at::kLong && ids.dim() == 1, "ids must be int64 [num_tokens]");
   ids = ids.contiguous();
   const int64_t t = ids.size(0), n = qweight.size(0), row_bytes = qweight.size(1);
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < t; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "token id ", ip[i], " out of range [0, ", n, ")");
-  auto out = torch::empty({t, k}, torch::kFloat32);
+  auto out = at::empty({t, k}, at::kFloat);
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, t, 64, [&](int64_t r0, int64_t r1) {
@@ -511,10 +516,3 @@ bool has_avx2() {
 #endif
 }
 
-void register_quant(pybind11::module& m) {
-  m.def("quant_linear", &quant_linear, "y = x W^T with W in GGUF blocks (CPU, fp32 activations)",
-        pybind11::arg("x"), pybind11::arg("qweight"), pybind11::arg("type"), pybind11::arg("gemv_max_rows") = -1);
-  m.def("dequantize", &dequantize, "GGUF blocks -> fp32 [N, K]");
-  m.def("embedding", &embedding, "dequantise only the rows of the given token ids");
-  m.def("has_avx2", &has_avx2, "compiled with the AVX2+FMA paths");
-}

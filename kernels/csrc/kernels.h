@@ -1,0 +1,20 @@
+// Every CPU kernel's entry point; module.cpp binds them to Python. The kernel files include only
+// ATen's core headers (not torch/extension.h), which keeps the first-use build short.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+// paged_decode_attention.cpp
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                                  at::Tensor seq_lens, double scale);
+at::Tensor store_and_decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor kv_cache,
+                                      at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens, double scale);
+// quant_matmul.cpp
+at::Tensor quant_linear(at::Tensor x, at::Tensor qweight, int64_t type, int64_t gemv_max_rows);
+at::Tensor dequantize(at::Tensor qweight, int64_t type, int64_t k);
+at::Tensor embedding(at::Tensor qweight, int64_t type, int64_t k, at::Tensor ids);
+bool has_avx2();
+// cpu_ops.cpp
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+void rotary_inplace(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
+at::Tensor silu_mul(at::Tensor gate_up);
