@@ -64,7 +64,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 
     from .kv_cache import allocate_kv_cache, num_blocks_for_budget
     from .model_runner import ModelRunner
-    from .models import load_model
+    from .weights import load_model
     from .tokenizer import TextTokenizer
     from .triton_backend import select_backend
 

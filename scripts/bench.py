@@ -107,7 +107,7 @@ def hf_static(model_dir: str, trace: list[TraceItem], batch: int, tokenizer) -> 
     import torch
     import transformers
 
-    from minibatch.engine.models.reference import load_hf_reference
+    from minibatch.engine.weights.reference import load_hf_reference
 
     hf = load_hf_reference(model_dir)
     hf.generation_config.eos_token_id = None

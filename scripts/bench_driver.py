@@ -18,7 +18,7 @@ import torch
 from minibatch.engine.attention import TorchAttentionBackend
 from minibatch.engine.greedy import greedy_generate
 from minibatch.engine.model_store import SOURCE_FILE, resolve_model
-from minibatch.engine.models import load_model
+from minibatch.engine.weights import load_model
 
 
 def main() -> None:

@@ -128,7 +128,7 @@ def efficiency(engine, rows=64, context=192, steps=8):
         _, st = engine.step()
         if st is not None and st.decode_tokens == rows and st.prefill_tokens == 0:
             decode_times.append(st.step_time)
-    from minibatch.engine.models.cpu_linear import PackedLinear
+    from minibatch.engine.weights.cpu_linear import PackedLinear
 
     # Every projection of every layer, exactly as the forward runs them (packed or plain), plus the logits.
     linears = [m for m in model.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
@@ -178,7 +178,7 @@ def main() -> None:
     engine.scheduler.config.max_num_seqs = args.max_running
     import transformers
 
-    from minibatch.engine.models.reference import load_hf_reference
+    from minibatch.engine.weights.reference import load_hf_reference
 
     hf = load_hf_reference(engine.info["model_dir"])
     hf.generation_config.eos_token_id = None

@@ -46,9 +46,9 @@ class Timers:
 
 
 def instrument(engine) -> Timers:
-    from minibatch.engine.models.cpu_linear import PackedLinear
+    from minibatch.engine.weights.cpu_linear import PackedLinear
     from minibatch.engine.models.ops import CpuOps, TorchOps
-    from minibatch.engine.models.quant_linear import QuantEmbedding, QuantLinear
+    from minibatch.engine.weights.quant_linear import QuantEmbedding, QuantLinear
 
     timers = Timers()
     for cls, group in ((QuantLinear, "matmul"), (PackedLinear, "matmul"), (QuantEmbedding, "embedding")):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 SUBPACKAGES = [
-    "minibatch.engine", "minibatch.engine.models", "minibatch.kernels", "minibatch.daemon",
+    "minibatch.engine", "minibatch.engine.models", "minibatch.engine.weights", "minibatch.kernels", "minibatch.daemon",
     "minibatch.tui", "minibatch.tui.widgets", "minibatch.tui.screens",
 ]
 

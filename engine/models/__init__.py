@@ -1,7 +1,6 @@
-"""Model definitions and weight loading."""
+"""The model forwards (Llama family) and their elementwise ops; weights load through minibatch.engine.weights."""
 
 from .config import ModelConfig, UnsupportedModelError
 from .llama import LlamaForCausalLM
-from .loader import WeightLoadError, load_model
 
-__all__ = ["LlamaForCausalLM", "ModelConfig", "UnsupportedModelError", "WeightLoadError", "load_model"]
+__all__ = ["LlamaForCausalLM", "ModelConfig", "UnsupportedModelError"]

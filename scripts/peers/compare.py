@@ -93,8 +93,9 @@ def launches(spec: str, args, concurrency: int, workdir: Path) -> Launch:
     if kind == "llama.cpp":
         return llamacpp.launch(variant or "Q4_1", args.gguf, args.port, concurrency, args.threads, ctx, args.llama_server)
     if kind == "minibatch":
+        kv_tokens = max(1, concurrency) * ctx if args.peer_model == "smollm2-135m-instruct" else None
         return minibatch.launch(str(workdir / f"mb-{variant or 'native'}.sock"), variant or "native", concurrency,
-                                args.threads, args.peer_model)
+                                args.threads, args.peer_model, kv_tokens)
     if kind == "vllm":
         return vllm.launch(args.hf_dir, args.port, concurrency, ctx)
     raise SystemExit(f"unknown peer {spec!r}: minibatch[:native|float32], llama.cpp[:Q4_1|Q8_0|F32], vllm, hf")

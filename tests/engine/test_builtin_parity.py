@@ -8,8 +8,8 @@ import transformers
 
 from minibatch.engine.attention import TorchAttentionBackend
 from minibatch.engine.greedy import greedy_generate
-from minibatch.engine.models import load_model
-from minibatch.engine.models.reference import load_hf_reference
+from minibatch.engine.weights import load_model
+from minibatch.engine.weights.reference import load_hf_reference
 
 pytestmark = pytest.mark.model
 

@@ -37,7 +37,7 @@ def test_decode_inputs_pad_with_the_null_block():
 def test_padding_rows_are_harmless_on_the_triton_path(tiny_llama_dir):
     """A padded decode batch through the real kernels (interpreter on CPU): real rows unchanged, cache untouched by padding."""
     from minibatch.engine.kv_cache import allocate_kv_cache
-    from minibatch.engine.models import load_model
+    from minibatch.engine.weights import load_model
     from minibatch.engine.models.ops import TritonOps
     from minibatch.engine.triton_backend import TritonAttentionBackend, _TritonPlan
     from minibatch.engine.attention import AttentionMetadata

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from minibatch.engine.factory import EngineConfig, build_engine
-from minibatch.engine.models.reference import load_hf_reference
+from minibatch.engine.weights.reference import load_hf_reference
 from minibatch.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model

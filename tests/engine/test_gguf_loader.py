@@ -12,8 +12,8 @@ import transformers
 
 from minibatch.engine.attention import TorchAttentionBackend, build_flat_batch
 from minibatch.engine.kv_cache import allocate_kv_cache
-from minibatch.engine.models import load_model
-from minibatch.engine.models.gguf_file import GGUFError
+from minibatch.engine.weights import load_model
+from minibatch.engine.weights.gguf_file import GGUFError
 from minibatch.kernels.cpu_ext import load_cpu_extension
 
 from ..conftest import TINY_COMMON

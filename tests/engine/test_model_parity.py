@@ -10,7 +10,7 @@ import transformers
 
 from minibatch.engine.attention import TorchAttentionBackend, build_flat_batch
 from minibatch.engine.kv_cache import allocate_kv_cache
-from minibatch.engine.models import load_model
+from minibatch.engine.weights import load_model
 
 BLOCK_SIZE = 4
 PROMPT_LENS = (5, 11, 2)

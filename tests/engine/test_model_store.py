@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from minibatch.engine import model_store
 from minibatch.engine.attention import TorchAttentionBackend
 from minibatch.engine.model_store import ModelNotFoundError, resolve_model
-from minibatch.engine.models import ModelConfig, WeightLoadError, load_model
+from minibatch.engine.models import ModelConfig
+from minibatch.engine.weights import WeightLoadError, load_model
 
 
 @pytest.fixture(scope="module")

@@ -126,7 +126,7 @@ def test_whole_model_on_the_triton_path_matches_hf(tiny_llama_dir):
 
     from minibatch.engine.attention import build_flat_batch
     from minibatch.engine.kv_cache import allocate_kv_cache
-    from minibatch.engine.models import load_model
+    from minibatch.engine.weights import load_model
     from minibatch.engine.models.ops import TritonOps
     from minibatch.engine.triton_backend import TritonAttentionBackend
 

@@ -18,7 +18,7 @@ import torch
 
 from minibatch.kernels.quant import QUANT_BY_ID, QUANT_TYPES, QuantType, dequantize_ref
 
-from .config import ModelConfig
+from ..models.config import ModelConfig
 from .gguf_reader import GGUFFile, GGUFFormatError, TensorInfo
 
 

@@ -11,7 +11,7 @@ from minibatch.kernels.quant import QUANT_TYPES, QuantType
 
 from .cpu_linear import PackedLinear, packed_linear_available
 from .gguf_file import GGUFTensor, GGUFWeights
-from .llama import LlamaForCausalLM
+from ..models.llama import LlamaForCausalLM
 from .quant_linear import QuantEmbedding, QuantLinear, StackedLinear
 
 _STACKS = {

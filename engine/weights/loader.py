@@ -17,10 +17,10 @@ import torch
 from safetensors import safe_open
 
 from ..attention import AttentionBackend
-from .config import ModelConfig
+from ..models.config import ModelConfig
 from .cpu_linear import PackedLinear, pack_linears, packed_linear_available
-from .llama import LlamaForCausalLM
-from .ops import TorchOps
+from ..models.llama import LlamaForCausalLM
+from ..models.ops import TorchOps
 
 WEIGHT_MODES = ("auto", "native", "float32", "q8_0")
 GGUF_SOURCE_FILE = "minibatch-source.json"  # written by the model store beside a GGUF's config

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig
+from ..models.config import ModelConfig
 from .loader import WeightLoadError, gguf_source
 
 
