@@ -11,6 +11,7 @@ Weight modes:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -105,8 +106,6 @@ def load_model(
 
 def gguf_source(model_dir: Path) -> Path | None:
     """The GGUF file whose weights `model_dir` stands for, or None for a safetensors directory."""
-    import json
-
     marker = Path(model_dir) / GGUF_SOURCE_FILE
     if not marker.is_file():
         return None

@@ -130,15 +130,20 @@ inline void k_scale_min(int j, const uint8_t* s, uint8_t* sc, uint8_t* m) {
 
 // K-quants: 256 values in 8 sub-blocks of 32 (Q4_K, Q5_K) or 16 of 16 (Q6_K), written as
 // straight loops over 32 lanes so the compiler vectorises them.
-void deq_q4_k(const uint8_t* b, float* y) {
+// Scales and mins of sub-blocks j and j+1 of a Q4_K/Q5_K block, as gguf.quants computes them.
+inline void k_pair(int j, const uint8_t* b, float* d0, float* min0, float* d1, float* min1) {
   const float d = half_to_float(b), dmin = half_to_float(b + 2);
-  const uint8_t* scales = b + 4;
+  uint8_t sc0, m0, sc1, m1;
+  k_scale_min(j, b + 4, &sc0, &m0);
+  k_scale_min(j + 1, b + 4, &sc1, &m1);
+  *d0 = d * (float)sc0, *min0 = dmin * (float)m0, *d1 = d * (float)sc1, *min1 = dmin * (float)m1;
+}
+
+void deq_q4_k(const uint8_t* b, float* y) {
   const uint8_t* qs = b + 16;
   for (int j = 0; j < 8; j += 2) {  // sub-blocks j (low nibbles) and j+1 (high) share 32 bytes
-    uint8_t sc0, m0, sc1, m1;
-    k_scale_min(j, scales, &sc0, &m0);
-    k_scale_min(j + 1, scales, &sc1, &m1);
-    const float d0 = d * (float)sc0, min0 = dmin * (float)m0, d1 = d * (float)sc1, min1 = dmin * (float)m1;
+    float d0, min0, d1, min1;
+    k_pair(j, b, &d0, &min0, &d1, &min1);
     const uint8_t* q = qs + 16 * j;
     float* y0 = y + 32 * j;
     for (int l = 0; l < 32; ++l) {
@@ -149,15 +154,11 @@ void deq_q4_k(const uint8_t* b, float* y) {
 }
 
 void deq_q5_k(const uint8_t* b, float* y) {
-  const float d = half_to_float(b), dmin = half_to_float(b + 2);
-  const uint8_t* scales = b + 4;
   const uint8_t* qh = b + 16;
   const uint8_t* qs = b + 48;
   for (int j = 0; j < 8; j += 2) {
-    uint8_t sc0, m0, sc1, m1;
-    k_scale_min(j, scales, &sc0, &m0);
-    k_scale_min(j + 1, scales, &sc1, &m1);
-    const float d0 = d * (float)sc0, min0 = dmin * (float)m0, d1 = d * (float)sc1, min1 = dmin * (float)m1;
+    float d0, min0, d1, min1;
+    k_pair(j, b, &d0, &min0, &d1, &min1);
     const uint8_t* q = qs + 16 * j;
     float* y0 = y + 32 * j;
     for (int l = 0; l < 32; ++l) {
@@ -347,25 +348,19 @@ template <int M>
 void gemv_buffered(int64_t type, const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, float* out,
                    int64_t ldo, int64_t n0, int64_t n1) {
   const Layout L = layout_of(type);
-  const DeqFn fn = deq_fn(type);
-  constexpr int64_t CH = 256;
+  constexpr int64_t CH = 256;  // a multiple of every block size
   alignas(32) float buf[CH];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     float sums[M];
+    for (int r = 0; r < M; ++r) sums[r] = 0.0f;  // the values past the last multiple of 16
 #ifdef MB_AVX2
     __m256 acc[M][2];
     for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-#else
-    for (int r = 0; r < M; ++r) sums[r] = 0.0f;
 #endif
     for (int64_t e0 = 0; e0 < k; e0 += CH) {
       const int64_t len = std::min(CH, k - e0);
-      if (L.elems == 1) {
-        if (type == F16 || type == BF16 || type == F32) dequant_row_fast(type, row + e0 * L.bytes, len, buf);
-      } else {
-        for (int64_t e = 0; e < len; e += L.elems) fn(row + (e0 + e) / L.elems * L.bytes, buf + e);
-      }
+      dequant_row_fast(type, row + e0 / L.elems * L.bytes, len, buf);
       int64_t e = 0;
 #ifdef MB_AVX2
       for (; e + 16 <= len; e += 16) {
@@ -378,23 +373,11 @@ void gemv_buffered(int64_t type, const float* x, int64_t k, const uint8_t* w, in
       }
 #endif
       for (; e < len; ++e)
-        for (int r = 0; r < M; ++r) {
-#ifdef MB_AVX2
-          // tail values (a row length that is not a multiple of 16): added into lane 0
-          alignas(32) float lane[8] = {buf[e] * x[r * k + e0 + e], 0, 0, 0, 0, 0, 0, 0};
-          acc[r][0] = _mm256_add_ps(acc[r][0], _mm256_load_ps(lane));
-#else
-          sums[r] += buf[e] * x[r * k + e0 + e];
-#endif
-        }
+        for (int r = 0; r < M; ++r) sums[r] += buf[e] * x[r * k + e0 + e];
     }
     for (int r = 0; r < M; ++r) {
 #ifdef MB_AVX2
-      const __m256 s = _mm256_add_ps(acc[r][0], acc[r][1]);
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      sums[r] = _mm_cvtss_f32(h);
+      sums[r] += hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 #endif
       out[r * ldo + n] = sums[r];
     }

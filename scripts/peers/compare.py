@@ -76,7 +76,6 @@ class RssSampler:
     def __init__(self, pid: int) -> None:
         self.proc = psutil.Process(pid)
         self.peak = 0
-        self.task: asyncio.Task | None = None
 
     async def run(self) -> None:
         while True:
@@ -87,7 +86,7 @@ class RssSampler:
             await asyncio.sleep(0.2)
 
 
-def launches(spec: str, args, concurrency: int, workdir: Path) -> Launch:
+def launch_for(spec: str, args, concurrency: int, workdir: Path) -> Launch:
     kind, _, variant = spec.partition(":")
     ctx = args.ctx_per_slot
     if kind == "llama.cpp":
@@ -150,7 +149,7 @@ async def compare(args, body_of) -> list[dict]:
                 if spec == "hf":
                     row = hf_point(args, trace, c)
                 else:
-                    row = await measure(launches(spec, args, c, workdir), trace, c, reps, body_of, workdir)
+                    row = await measure(launch_for(spec, args, c, workdir), trace, c, reps, body_of, workdir)
                 rows.append(row)
                 (out / "peers.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2, default=str))
     return rows
