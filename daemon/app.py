@@ -13,6 +13,7 @@ from aiohttp import web
 
 from minibatch.engine.scheduler import MODES, QueueFull, RequestRejected
 
+from .guard import Guard, guard_middleware
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse_body
 from .responses import full_response, stream_response, timeout_message
 
@@ -45,6 +46,7 @@ class DaemonState:
 
 
 STATE = web.AppKey("state", DaemonState)
+GUARD = web.AppKey("guard", Guard)
 
 
 @web.middleware
@@ -206,13 +208,19 @@ async def put_mode(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = state.monitor.prometheus() if state.monitor else b""
+    body = (state.monitor.prometheus() if state.monitor else b"") + request.app[GUARD].prometheus()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-def create_app(state: DaemonState) -> web.Application:
-    app = web.Application(middlewares=[errors], client_max_size=8 * 2**20)
-    app[STATE] = state
+def create_app(state: DaemonState, guard: Guard | None = None) -> web.Application:
+    guard = guard or Guard()
+    app = web.Application(middlewares=[errors, guard_middleware(guard)], client_max_size=8 * 2**20)
+    app[STATE], app[GUARD] = state, guard
+
+    async def cors(request: web.Request, response: web.StreamResponse) -> None:
+        guard.cors_headers(request, response)
+
+    app.on_response_prepare.append(cors)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)

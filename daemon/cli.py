@@ -38,6 +38,11 @@ OPTIONS = [
     ("--threads", int, None, "PyTorch CPU threads (default: all cores)"),
     ("--host", str, None, "also listen on TCP at this host (default 127.0.0.1 when --port is set)"),
     ("--port", int, None, "also listen on TCP at this port (off by default)"),
+    ("--api-key", str, None, "key every TCP request must send as 'Authorization: Bearer KEY' (prefer the env variable: "
+     "a flag shows in ps while it starts)"),
+    ("--api-key-file", str, None, "file of API keys, one per line; reread when it changes, so keys can be rotated"),
+    ("--allowed-hosts", str, None, "extra Host names TCP requests may use, comma-separated ('*': any)"),
+    ("--allowed-origins", str, None, "browser origins allowed over TCP, with CORS, comma-separated (default: none)"),
     ("--shutdown-timeout", float, 30.0, "seconds to drain in-flight requests on stop"),
     ("--request-timeout", float, 600.0, "wall-clock limit per request, seconds"),
     ("--read-timeout", float, 30.0, "seconds a client may take to send its request (headers and body)"),
@@ -60,6 +65,10 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=typ, default=value, help=f"{help_} (env {env_name(flag)})")
     p.add_argument("--no-prefix-caching", action="store_true", default=os.environ.get("MINIBATCH_NO_PREFIX_CACHING") == "1",
                    help="do not share KV blocks between requests with a common prefix (benchmarks replaying one trace)")
+    p.add_argument("--socket-requires-key", action="store_true", default=os.environ.get("MINIBATCH_SOCKET_REQUIRES_KEY") == "1",
+                   help="require the API key on the Unix socket too (default: its file permissions guard it)")
+    p.add_argument("--insecure-no-auth", action="store_true", default=os.environ.get("MINIBATCH_INSECURE_NO_AUTH") == "1",
+                   help="allow a non-loopback --host without an API key (anyone who can reach it may use the daemon)")
     p.add_argument("--foreground", action="store_true", help="run attached to this terminal instead of in the background")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the daemon to become ready")
 
@@ -99,11 +108,35 @@ def engine_config(args):
     )
 
 
+def guard_of(args):
+    from .guard import Guard
+
+    return Guard.from_options(args.api_key, args.api_key_file, args.socket_requires_key, args.host, args.port,
+                              args.allowed_hosts, args.allowed_origins, args.insecure_no_auth)
+
+
+def without_key(argv: list[str]) -> tuple[list[str], str | None]:
+    """argv with any --api-key value taken out (it goes to the child's environment, never its command line)."""
+    out, key, skip = [], None, False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == "--api-key":
+            key, skip = (argv[i + 1] if i + 1 < len(argv) else None), True
+        elif a.startswith("--api-key="):
+            key = a.split("=", 1)[1]
+        else:
+            out.append(a)
+    return out, key
+
+
 def cmd_start(args) -> int:
     sock = socket_of(args)
     try:
         ensure_private_dir(sock.parent)
         cfg = engine_config(args)
+        guard = guard_of(args)  # a refused bind is reported here, before anything listens
     except (LifecycleError, ValueError) as exc:
         print(f"minibatchd: {exc}", file=sys.stderr)
         return 2
@@ -112,21 +145,27 @@ def cmd_start(args) -> int:
         print(f"minibatchd: already running (pid {pid}) on {sock}", file=sys.stderr)
         return 1
     if args.foreground:
+        argv, key = without_key(args.argv)
+        if key is not None and args.own_command_line:
+            # Start again with the key in the environment, so `ps` and /proc/PID/cmdline never show it.
+            os.execve(sys.executable, [sys.executable, "-m", "minibatch.daemon.cli", *argv], {**os.environ, "MINIBATCH_API_KEY": key})
         from .server import DaemonConfig, serve
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        conf = DaemonConfig(cfg, sock, args.host, args.port, args.shutdown_timeout, args.request_timeout, args.read_timeout)
+        conf = DaemonConfig(cfg, sock, args.host, args.port, args.shutdown_timeout, args.request_timeout, args.read_timeout, guard)
         return asyncio.run(serve(conf))
-    return start_background(args, sock)
+    return start_background(args, sock, guard.api_keys[0] if guard.api_keys else None)
 
 
-def start_background(args, sock: Path) -> int:
+def start_background(args, sock: Path, api_key: str | None) -> int:
     log_file = Path(args.log_file) if args.log_file else default_log_file()
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "minibatch.daemon.cli", *sys.argv[1:], "--foreground", "--socket", str(sock)]
+    rest, key = without_key(args.argv)
+    argv = [sys.executable, "-m", "minibatch.daemon.cli", *rest, "--foreground", "--socket", str(sock)]
+    env = {**os.environ, **({"MINIBATCH_API_KEY": key} if key is not None else {})}
     offset = log_file.stat().st_size if log_file.exists() else 0
     with open(log_file, "ab") as log:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     print(f"minibatchd: starting (pid {proc.pid}), log {log_file}", file=sys.stderr)
     deadline = time.monotonic() + args.start_timeout
     with open(log_file, "rb") as f:
@@ -140,7 +179,7 @@ def start_background(args, sock: Path) -> int:
                 print(f"minibatchd: the daemon exited with status {proc.returncode} before it was ready (see above)", file=sys.stderr)
                 return 1
             try:
-                status, body = request_json(str(sock), "GET", "/health", timeout=2)
+                status, body = request_json(str(sock), "GET", "/health", timeout=2, api_key=api_key)
                 if status == 200:
                     print(f"minibatchd: ready (pid {proc.pid}) on {sock}")
                     print(str(sock))
@@ -171,12 +210,13 @@ def cmd_stop(args) -> int:
 
 def cmd_status(args) -> int:
     sock = socket_of(args)
+    key = os.environ.get("MINIBATCH_API_KEY")  # only needed with --socket-requires-key
     pid = running_pid(sock)
     if not pid:
         print(f"minibatchd: not running on {sock}")
         return 3
     try:
-        hstatus, health = request_json(str(sock), "GET", "/health")
+        hstatus, health = request_json(str(sock), "GET", "/health", api_key=key)
     except OSError as exc:
         print(f"minibatchd: pid {pid} holds the lock but the socket does not answer: {exc}")
         return 1
@@ -185,7 +225,7 @@ def cmd_status(args) -> int:
         ("model", health.get("model")), ("device", f"{health.get('device', '?')} ({health.get('dtype', '?')})"), ("weights", health.get("weights", "?")),
     ]
     if hstatus == 200:
-        _, s = request_json(str(sock), "GET", "/v1/engine/stats?steps=0")
+        _, s = request_json(str(sock), "GET", "/v1/engine/stats?steps=0", api_key=key)
         mode = s["mode"] + (f" (switching to {s['pending_mode']})" if s.get("pending_mode") else "")
         lines += [
             ("mode", mode), ("running", f"{s['running']} / {s['max_num_seqs']}"), ("waiting", s["waiting"]),
@@ -231,6 +271,8 @@ def cmd_models(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.own_command_line = argv is None  # the process's own argv, which `ps` shows
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     handler = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "logs": cmd_logs, "models": cmd_models}
     try:
         return handler[args.command](args)

@@ -1,10 +1,11 @@
-"""A small synchronous HTTP client over the Unix socket, for the CLI."""
+"""A small synchronous HTTP client for the CLI: over the Unix socket, or a TCP URL (http://HOST:PORT)."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import socket
+import urllib.parse
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -19,12 +20,24 @@ class UnixHTTPConnection(http.client.HTTPConnection):
         self.sock = sock
 
 
-def request_json(path: str, method: str, url: str, body: dict | None = None, timeout: float = 5.0) -> tuple[int, dict]:
-    """(status, parsed JSON body); raises OSError when nothing answers on the socket."""
-    conn = UnixHTTPConnection(path, timeout)
+def connection(target: str, timeout: float) -> http.client.HTTPConnection:
+    """`target` is a socket path or an http:// URL."""
+    if target.startswith("http://"):
+        parts = urllib.parse.urlsplit(target)
+        return http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+    return UnixHTTPConnection(target, timeout)
+
+
+def request_json(target: str, method: str, url: str, body: dict | None = None, timeout: float = 5.0,
+                 api_key: str | None = None) -> tuple[int, dict]:
+    """(status, parsed JSON body); raises OSError when nothing answers on the socket or URL."""
+    conn = connection(target, timeout)
     try:
         payload = None if body is None else json.dumps(body)
-        conn.request(method, url, body=payload, headers={"Content-Type": "application/json"} if payload else {})
+        headers = {"Content-Type": "application/json"} if payload else {}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        conn.request(method, url, body=payload, headers=headers)
         resp = conn.getresponse()
         raw = resp.read()
         try:

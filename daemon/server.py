@@ -16,6 +16,7 @@ from aiohttp import web
 from minibatch.engine.factory import EngineConfig
 
 from .app import DaemonState, create_app
+from .guard import Guard, is_loopback
 from .lifecycle import InstanceLock, LifecycleError, private_umask
 
 log = logging.getLogger("minibatch.daemon")
@@ -30,6 +31,7 @@ class DaemonConfig:
     shutdown_timeout: float = 30.0
     request_timeout: float = 600.0
     read_timeout: float = 30.0
+    guard: Guard | None = None
 
 
 def load_engine(config: EngineConfig):
@@ -75,7 +77,8 @@ async def serve(config: DaemonConfig) -> int:
         return 1
     state = DaemonState(model_name=config.engine.model, request_timeout=config.request_timeout, body_timeout=config.read_timeout)
     # keepalive_timeout also drops a connection whose request headers stall (none arrive in time).
-    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+    guard = config.guard or Guard()
+    runner = web.AppRunner(create_app(state, guard), handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
                            keepalive_timeout=config.read_timeout)
     stop = asyncio.Event()
     try:
@@ -86,6 +89,10 @@ async def serve(config: DaemonConfig) -> int:
         if config.port is not None:
             await web.TCPSite(runner, config.host or "127.0.0.1", config.port).start()
             log.info("also listening on http://%s:%d", config.host or "127.0.0.1", config.port)
+            if guard.insecure_no_auth and not guard.api_keys and not is_loopback(guard.listen_host):
+                log.warning("--insecure-no-auth: anyone who can reach %s:%d may use this daemon without a key",
+                            guard.listen_host, config.port)
+        log.info("access: %s", guard.describe())
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         log.info("listening on %s (pid %d); loading model %s", config.socket, os.getpid(), config.engine.model)

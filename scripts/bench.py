@@ -265,7 +265,7 @@ async def run(args) -> int:
     if args.peers:
         return await run_peers(args, out)
     native = args.url is None
-    target = {"socket": args.socket} if native else {"url": args.url}
+    target = ({"socket": args.socket} if native else {"url": args.url}) | {"api_key": args.api_key}
     async with session(**target) as s:
         async with s.get("/health") as r:
             health = await r.json(content_type=None)
@@ -376,6 +376,7 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=32, help="HF baseline batch size when no concurrency is set")
     ap.add_argument("--out", default="results/bench")
     ap.add_argument("--url", default=None, help="benchmark any OpenAI-compatible server at this URL instead of the socket")
+    ap.add_argument("--api-key", default=None, help="API key to send (default: $MINIBATCH_API_KEY)")
     peers = ap.add_argument_group("peers (--peers): the same text trace against minibatchd and other servers, one at a time")
     peers.add_argument("--peers", default=None,
                        help="comma list of minibatch[:native|float32], llama.cpp[:Q4_1|Q8_0|F32], vllm, hf")

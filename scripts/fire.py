@@ -52,7 +52,7 @@ async def run(args) -> int:
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     if args.ignore_eos:
         params["ignore_eos"] = True
-    async with session(args.socket) as s:
+    async with session(args.socket, args.url, args.api_key) as s:
         if args.mode:
             async with s.put("/v1/engine/mode", json={"mode": args.mode}) as r:
                 if r.status >= 400:
@@ -92,6 +92,8 @@ def main() -> int:
     ap.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens")
     ap.add_argument("--mode", choices=["static", "continuous"], help="switch the daemon to this mode first")
     ap.add_argument("--socket", default=None, help="daemon socket (default: minibatchd's)")
+    ap.add_argument("--url", default=None, help="the daemon's TCP listener instead, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--api-key", default=None, help="API key to send (default: $MINIBATCH_API_KEY)")
     args = ap.parse_args()
     args.socket = env_socket(args.socket)
     return asyncio.run(run(args))

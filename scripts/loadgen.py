@@ -50,15 +50,21 @@ class Result:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-def session(socket: str | None = None, url: str | None = None) -> aiohttp.ClientSession:
-    """A client session to the daemon's Unix socket, or to any HTTP server at `url`."""
+def session(socket: str | None = None, url: str | None = None, api_key: str | None = None) -> aiohttp.ClientSession:
+    """A client session to the daemon's Unix socket, or to any HTTP server at `url`.
+
+    The API key (`api_key`, else $MINIBATCH_API_KEY) goes with every request as a Bearer token.
+    """
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    key = api_key or os.environ.get("MINIBATCH_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else None
     if url is not None:
         # One connection per request: servers close idle keep-alive connections on their own
         # schedule (llama-server does), and a request sent on one that is closing fails.
-        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True), base_url=url, timeout=timeout)
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True), base_url=url, timeout=timeout,
+                                     headers=headers)
     return aiohttp.ClientSession(
-        connector=aiohttp.UnixConnector(path=socket, limit=0), base_url="http://localhost", timeout=timeout,
+        connector=aiohttp.UnixConnector(path=socket, limit=0), base_url="http://localhost", timeout=timeout, headers=headers,
     )
 
 

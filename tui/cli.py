@@ -1,4 +1,4 @@
-"""`minibatch-chat`: open the chat on the daemon's socket, starting the daemon if asked."""
+"""`minibatch-chat`: open the chat on the daemon's socket (or a TCP URL), starting the daemon if asked."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ def default_db() -> Path:
     return Path(env) if env else Path(platformdirs.user_data_dir("minibatch")) / "chat.sqlite3"
 
 
-def daemon_health(socket: Path) -> tuple[int | None, dict]:
+def daemon_health(target: str, api_key: str | None = None) -> tuple[int | None, dict]:
     try:
-        return request_json(str(socket), "GET", "/health", timeout=3)
+        return request_json(target, "GET", "/health", timeout=3, api_key=api_key)
     except OSError:
         return None, {}
 
@@ -36,13 +36,29 @@ def start_daemon(socket: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="minibatch-chat", description="Chat with several panes at once and watch the batch.")
     ap.add_argument("--socket", type=Path, default=None, help=f"daemon socket (env MINIBATCH_SOCKET; default {default_socket()})")
+    ap.add_argument("--url", default=os.environ.get("MINIBATCH_URL"),
+                    help="talk to a daemon's TCP listener instead, e.g. http://127.0.0.1:8000 (env MINIBATCH_URL)")
+    ap.add_argument("--api-key", default=os.environ.get("MINIBATCH_API_KEY"),
+                    help="API key to send (env MINIBATCH_API_KEY; needed over TCP when the daemon has one)")
     ap.add_argument("--start", action="store_true", help="start the daemon (built-in model) if it is not running, without asking")
     ap.add_argument("--new", action="store_true", help="start with empty history")
     ap.add_argument("--db", type=Path, default=None, help=f"chat history file (env MINIBATCH_CHAT_DB; default {default_db()})")
     args = ap.parse_args(argv)
     socket = args.socket or default_socket()
+    url = args.url.rstrip("/") if args.url else None
+    if url and not url.startswith("http://"):
+        print("minibatch-chat: --url must start with http:// (for https, use a reverse proxy's plain side)", file=sys.stderr)
+        return 2
+    target = url or str(socket)
 
-    status, health = daemon_health(socket)
+    status, health = daemon_health(target, args.api_key)
+    if status == 401:
+        print(f"minibatch-chat: {target} needs an API key: --api-key or MINIBATCH_API_KEY "
+              f"({health.get('error', {}).get('message', 'unauthorized')})", file=sys.stderr)
+        return 1
+    if status is None and url:
+        print(f"minibatch-chat: no daemon answers at {url}", file=sys.stderr)
+        return 1
     if status is None:
         if not args.start:
             if not sys.stdin.isatty():
@@ -58,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     elif status != 200:
         print(f"minibatch-chat: the daemon is {health.get('status', 'not ready')}; waiting…", file=sys.stderr)
         deadline = time.monotonic() + 600
-        while daemon_health(socket)[0] != 200 and time.monotonic() < deadline:
+        while daemon_health(target, args.api_key)[0] != 200 and time.monotonic() < deadline:
             time.sleep(0.5)
 
     from .app import MinibatchChat
@@ -69,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.new:
         history.reset()
     try:
-        MinibatchChat(DaemonClient(str(socket)), history).run()
+        MinibatchChat(DaemonClient(target, args.api_key), history).run()
     finally:
         history.close()
     return 0

@@ -1,4 +1,4 @@
-"""The TUI's only way to the engine: HTTP over the daemon's Unix socket (no engine imports)."""
+"""The TUI's only way to the engine: HTTP over the daemon's Unix socket or a TCP URL (no engine imports)."""
 
 from __future__ import annotations
 
@@ -26,14 +26,20 @@ class Delta:
 
 
 class DaemonClient:
-    def __init__(self, socket_path: str) -> None:
-        self.socket_path = socket_path
+    """`target` is the daemon's socket path or its http:// URL; `api_key` is sent as a Bearer token when given."""
+
+    def __init__(self, target: str, api_key: str | None = None) -> None:
+        self.target = target
+        self.api_key = api_key
         self._session: aiohttp.ClientSession | None = None
 
     def _s(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
+            tcp = self.target.startswith("http://")
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.UnixConnector(path=self.socket_path), base_url="http://localhost",
+                connector=aiohttp.TCPConnector() if tcp else aiohttp.UnixConnector(path=self.target),
+                base_url=self.target if tcp else "http://localhost", headers=headers,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
             )
         return self._session
