@@ -16,7 +16,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# stride_bt is the block table's width, which follows the batch's longest context from
+# step to step: specialising on it (== 1, % 16) would compile new variants mid-serving.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -59,7 +61,8 @@ def _paged_attention_kernel(
         for start in range(0, last, BLOCK_N):
             k_pos = start + tl.arange(0, BLOCK_N)
             k_valid = k_pos < last
-            block = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_valid, other=0)
+            # int64: block id x block stride passes 2**31 elements in a cache of 4+ GiB per layer (bf16)
+            block = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
             within = k_pos % BLOCK_SIZE
             k = tl.load(k_cache_ptr + block[:, None] * stride_kb + within[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
                         mask=k_valid[:, None], other=0.0)

@@ -56,6 +56,28 @@ def test_paged_attention_mixed_batch(heads, kv_heads, block_size, dtype):
     torch.testing.assert_close(got.float(), ref.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16])
+def test_paged_attention_reads_blocks_past_2_31_elements(dtype):
+    """A block whose offset (block id x block stride) passes 2**31 elements: int32 offsets would wrap.
+
+    The 8 GiB cache is allocated but only the blocks used are written (untouched
+    pages cost no memory), in the interpreter as on a GPU.
+    """
+    block_size, kv_heads, head_dim = 16, 1, 16
+    far = 2**31 // (block_size * kv_heads * head_dim) + 5  # its first element lies past 2**31
+    cache = torch.empty(2, far + 2, block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    g = torch.Generator().manual_seed(7)
+    for b in (1, far):
+        cache[:, b] = torch.randn(2, block_size, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    tables = torch.tensor([[1, far], [far, 1]], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 2, head_dim, generator=g).to(dtype).to(DEVICE)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([27, 32], dtype=torch.int32, device=DEVICE)
+    got = paged_attention(q, cache, tables, qsl, lens, 0.25, 1)
+    ref = paged_attention_ref(q, cache, tables, qsl, lens, 0.25, 1)
+    torch.testing.assert_close(got.float(), ref.float(), **TOL[dtype])
+
+
 def test_paged_attention_rejects_bad_inputs():
     q, cache, tables, qsl, lens, max_q = mixed_batch(4, 2, 8, torch.float32, 0)
     with pytest.raises(ValueError, match="int32"):
