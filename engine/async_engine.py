@@ -48,6 +48,7 @@ class AsyncEngine:
         self.stats_listeners: list[Callable[[StepStats], None]] = []  # called on the engine thread
         self.last_error: str | None = None
         self.last_error_time: float | None = None
+        self.fatal_error: str | None = None  # set when the device is lost: the loop ends, the daemon exits
         self.started_at = time.time()
         self.loop_iterations = 0  # engine-thread wakeups; stays flat while idle (no busy-wait)
         self.block_map: dict = {"total": 0, "owners": {}, "shared": []}  # refreshed on the engine thread
@@ -79,7 +80,7 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive()
+        return self.fatal_error is None and self._thread.is_alive()
 
     # -- requests ---------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -210,6 +211,15 @@ class AsyncEngine:
                 log.error("engine step failed: %s\n%s", self.last_error, traceback.format_exc())
                 for out in engine.fail_all(f"engine error: {self.last_error}"):
                     self._emit(out)
+                lost = getattr(engine.runner, "device_lost", None)
+                if lost is not None and lost():
+                    # A dead CUDA context fails every later step too: stop, so /health fails and the daemon exits.
+                    self.fatal_error = f"the device is lost after: {self.last_error}"
+                    log.critical("%s; the engine stops", self.fatal_error)
+                    self._drain_inbox()  # requests submitted meanwhile end too, never left waiting
+                    for out in engine.fail_all(f"engine error: {self.fatal_error}"):
+                        self._emit(out)
+                    break
                 continue
             for out in outputs:
                 self._emit(out)

@@ -78,20 +78,19 @@ def build_flat_batch(
         query_lens.append(len(chunk))
         seq_lens.append(end)
         last.append(len(ids) - 1)
-    as_long = dict(dtype=torch.long, device=device)
+    # One host tensor, one upload: on a GPU from pinned memory without waiting for it.
+    n = len(ids)
+    packed = torch.tensor(ids + positions + slots + last, dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
     attn = AttentionMetadata(
         query_lens=query_lens,
         seq_lens=seq_lens,
         block_size=block_size,
-        slot_mapping=torch.tensor(slots, **as_long),
+        slot_mapping=packed[2 * n : 3 * n],
         block_tables=block_tables,
     )
-    return FlatBatch(
-        input_ids=torch.tensor(ids, **as_long),
-        positions=torch.tensor(positions, **as_long),
-        attn=attn,
-        logits_indices=torch.tensor(last, **as_long),
-    )
+    return FlatBatch(input_ids=packed[:n], positions=packed[n : 2 * n], attn=attn, logits_indices=packed[3 * n :])
 
 
 class AttentionBackend(Protocol):

@@ -8,8 +8,6 @@ path; the size and padding bookkeeping is plain and tested on CPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from .attention import AttentionMetadata, FlatBatch
@@ -31,46 +29,91 @@ def padded_size(n: int, sizes: list[int]) -> int | None:
     return None
 
 
-@dataclass(slots=True)
 class DecodeInputs:
-    """Static buffers a captured graph reads; each replay copies the step's rows in and pads the rest."""
+    """Static buffers a captured graph reads; each replay copies the step's rows in and pads the rest.
 
-    input_ids: torch.Tensor  # [size] int64
-    positions: torch.Tensor  # [size] int64
-    slot_mapping: torch.Tensor  # [size] int64, -1 for padding rows
-    block_tables: torch.Tensor  # [size, max_blocks] int32, padding rows all null block
-    seq_lens: torch.Tensor  # [size] int32, 1 for padding rows
-    query_start_loc: torch.Tensor  # [size + 1] int32: 0, 1, 2, ...
+    Per step the token ids, positions and slots come from the flat batch
+    (already on the device: three device-to-device copies). The sequence
+    lengths and block tables live in one int32 host buffer (pinned on a GPU)
+    mirrored on the device: a row of the block table is rewritten only when
+    its request's block list changed (the block manager hands out a new list
+    whenever it allocates, so an unchanged list object means unchanged
+    contents), and the lengths plus the changed rows go up in at most two
+    non-blocking copies. Padding rows have length 1, slot -1 and read the
+    null block.
+    """
+
+    def __init__(self, size: int, max_blocks: int, device) -> None:
+        device = torch.device(device)
+        self.size, self.max_blocks, self.device = size, max_blocks, device
+        self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(size, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((size,), -1, dtype=torch.long, device=device)
+        self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
+        # [seq_lens (size) | block tables (size x max_blocks)]
+        host = torch.zeros(size + size * max_blocks, dtype=torch.int32)
+        host[:size] = 1
+        self._host = host.pin_memory() if device.type == "cuda" else host
+        self._dev = self._host.to(device, copy=True)
+        self.seq_lens = self._dev[:size]
+        self.block_tables = self._dev[size:].view(size, max_blocks)
+        self._host_tables = self._host[size:].view(size, max_blocks)
+        self._rows: list[list[int] | None] = [None] * size  # the block list each row holds now
+        self._lens = [0] * size
+        self._n = 0
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self.rows_written = 0  # table rows rewritten so far (what the incremental fill saves is visible)
 
     @classmethod
     def empty(cls, size: int, max_blocks: int, device) -> "DecodeInputs":
-        return cls(
-            torch.zeros(size, dtype=torch.long, device=device),
-            torch.zeros(size, dtype=torch.long, device=device),
-            torch.full((size,), -1, dtype=torch.long, device=device),
-            torch.zeros(size, max_blocks, dtype=torch.int32, device=device),
-            torch.ones(size, dtype=torch.int32, device=device),
-            torch.arange(size + 1, dtype=torch.int32, device=device),
-        )
+        return cls(size, max_blocks, device)
 
     def fill(self, batch: FlatBatch) -> int:
         """Copy a pure-decode batch in; the rows past it become padding. Returns the real row count."""
         n = batch.input_ids.numel()
         meta = batch.attn
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's upload has left the host buffer
         self.input_ids[:n].copy_(batch.input_ids)
-        self.input_ids[n:].zero_()
         self.positions[:n].copy_(batch.positions)
-        self.positions[n:].zero_()
         self.slot_mapping[:n].copy_(meta.slot_mapping)
-        self.slot_mapping[n:].fill_(-1)
-        width = self.block_tables.shape[1]
-        bs = meta.block_size
-        rows = [t[: -(-ln // bs)] for t, ln in zip(meta.block_tables, meta.seq_lens)]
-        tables = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
-        self.block_tables.zero_()
-        self.block_tables[:n].copy_(tables)
-        self.seq_lens.fill_(1)
-        self.seq_lens[:n].copy_(torch.tensor(meta.seq_lens, dtype=torch.int32))
+        if n < self._n:  # rows that were real last step become padding
+            self.input_ids[n : self._n].zero_()
+            self.positions[n : self._n].zero_()
+            self.slot_mapping[n : self._n].fill_(-1)
+        host, width = self._host, self.max_blocks
+        host[:n] = torch.tensor(meta.seq_lens, dtype=torch.int32)
+        host[n : max(n, self._n)] = 1
+        first = last = -1
+        for i, table in enumerate(meta.block_tables):
+            k = min(len(table), width)
+            prev, done = self._rows[i], self._lens[i]
+            if table is prev and k == done:
+                continue
+            # the same request with a block more: its list starts with what the row holds (a C-speed compare)
+            keep = done if prev is not None and 0 < done <= k and table[:done] == prev[:done] else 0
+            self._host_tables[i, keep:k] = torch.tensor(table[keep:k], dtype=torch.int32)
+            self._rows[i], self._lens[i] = table, k
+            first = i if first < 0 else first
+            last = i
+        for i in range(n, self._n):  # new padding rows read the null block
+            self._host_tables[i, 0] = 0
+            self._rows[i], self._lens[i] = None, 0
+            first = i if first < 0 else first
+            last = i
+        self.rows_written += 0 if first < 0 else last - first + 1
+        self._n = n
+        blocking = self.device.type != "cuda"
+        size = self.size
+        if first == 0:
+            self._dev[: size + (last + 1) * width].copy_(host[: size + (last + 1) * width], non_blocking=not blocking)
+        else:
+            self._dev[:size].copy_(host[:size], non_blocking=not blocking)
+            if first > 0:
+                lo, hi = size + first * width, size + (last + 1) * width
+                self._dev[lo:hi].copy_(host[lo:hi], non_blocking=not blocking)
+        if self._copied is not None:
+            self._copied.record()
         return n
 
 

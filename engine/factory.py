@@ -24,8 +24,9 @@ class EngineConfig:
     max_wait_ms: float = 50.0
     max_queue: int | None = None  # waiting requests beyond a full batch (enforced by AsyncEngine)
     block_size: int = 16
-    kv_cache_gb: float | None = None  # None: kv_cache_fraction of the memory available now
-    kv_cache_fraction: float = 0.1
+    kv_cache_gb: float | None = None  # None: kv_cache_fraction of the memory available once the model is loaded
+    kv_cache_fraction: float | None = None  # None: 0.1 on CPU, 0.8 on a GPU (see kv_budget)
+    cuda_graphs: bool = True  # capture decode graphs on a GPU (MINIBATCH_CUDA_GRAPHS=0 also turns them off)
     num_kv_blocks: int | None = None  # exact pool size (tests, experiments); overrides the budget
     enable_prefix_caching: bool = True
     device: str = "auto"  # auto | cpu | cuda
@@ -46,6 +47,8 @@ class EngineConfig:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
+        if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 0.95:
+            raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
 
 
 def available_memory_bytes() -> int:
@@ -57,6 +60,33 @@ def available_memory_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+DEFAULT_KV_FRACTION = {"cpu": 0.1, "cuda": 0.8}
+
+
+def kv_budget(config: EngineConfig, device: str) -> tuple[int, str]:
+    """The KV pool's byte budget and how it was chosen. One rule on every device:
+
+    --kv-cache-gb when given; else --kv-cache-fraction of the memory available
+    once the model is loaded and its temporary copies are freed: MemAvailable
+    on CPU (default 0.1: the machine runs other programs), the GPU's free
+    memory (default 0.8: the rest is for activations and CUDA graphs).
+    """
+    if config.kv_cache_gb is not None:
+        return int(config.kv_cache_gb * 2**30), f"--kv-cache-gb {config.kv_cache_gb:g}"
+    fraction = config.kv_cache_fraction if config.kv_cache_fraction is not None else DEFAULT_KV_FRACTION[device]
+    if device == "cuda":
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()  # the fp32 -> bf16 copies' memory is cached by the allocator, not free
+        available, what = torch.cuda.mem_get_info()[0], "free GPU memory"
+    else:
+        available, what = available_memory_bytes(), "available memory"
+    return int(available * fraction), f"{fraction:g} of {available / 2**30:.1f} GiB {what}"
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
@@ -80,21 +110,24 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 
     model_dir = resolve_model(config.model)
     backend, ops = select_backend(device, dtype)
+    if backend.name == "triton":  # refuse what the GPU kernels cannot run before loading anything
+        from .models.config import ModelConfig
+        from .triton_backend import gpu_shape_problems
+
+        mc = ModelConfig.from_dir(model_dir)
+        problems = gpu_shape_problems(mc.num_heads, mc.num_kv_heads, mc.head_dim, config.block_size)
+        if problems:
+            raise ValueError(f"{config.model} cannot run on the GPU kernels: {'; '.join(problems)}")
     model = load_model(model_dir, backend, device=device, dtype=dtype, ops=ops, weights=config.weights)
     tokenizer = TextTokenizer(model_dir)
     cfg = model.config
     max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
 
+    budget_rule = "--num-kv-blocks"
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     else:
-        if config.kv_cache_gb is not None:
-            budget = int(config.kv_cache_gb * 2**30)
-        elif device == "cuda":
-            free, _ = torch.cuda.mem_get_info()
-            budget = int(free * 0.8)
-        else:
-            budget = int(available_memory_bytes() * config.kv_cache_fraction)
+        budget, budget_rule = kv_budget(config, device)
         num_blocks = num_blocks_for_budget(cfg, config.block_size, dtype, budget)
         # Never more than every running request at full context could use (+ the null block).
         num_blocks = min(num_blocks, config.max_num_seqs * -(-max_model_len // config.block_size) + 1)
@@ -102,14 +135,15 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         raise ValueError(f"the KV-cache budget gives {num_blocks} blocks; need at least 2")
     caches = allocate_kv_cache(cfg, num_blocks, config.block_size, dtype, device)
     runner = ModelRunner(model, caches, config.block_size)
-    if device == "cuda" and backend.name == "triton" and os.environ.get("MINIBATCH_CUDA_GRAPHS", "1") != "0":
+    if device == "cuda" and backend.name == "triton" and config.cuda_graphs and os.environ.get("MINIBATCH_CUDA_GRAPHS", "1") != "0":
         from .cuda_graphs import DecodeGraphs
 
         runner.graphs = DecodeGraphs(model, caches, config.block_size, max_model_len, config.max_num_seqs)
         runner.graphs.capture()
     fault = os.environ.get("MINIBATCH_FAULT_AT_STEP")  # test-only: make one forward raise
-    if fault:
-        runner.fault_at_step = int(fault)
+    if fault:  # "N": step N's forward raises once; "N:fatal": and the device counts as lost
+        step, _, kind = fault.partition(":")
+        runner.fault_at_step, runner.fault_is_fatal = int(step), kind == "fatal"
 
     eos = set(cfg.eos_token_ids)
     if tokenizer.eos_token_id is not None:
@@ -131,6 +165,6 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         model=config.model, model_dir=str(model_dir), device=device, dtype=dtype_name, weights=model.weights_desc,
         block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_model_len,
         attention=backend.name if getattr(backend, "decode_kernel", None) is None else "torch+cpu-decode-kernel",
-        ops=ops.name,
+        ops=ops.name, kv_budget=budget_rule,
     )
     return engine

@@ -32,6 +32,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device)
         self.graphs = None  # DecodeGraphs on CUDA: pure-decode steps replay a captured forward
         self.fault_at_step: int | None = None  # test hook: the forward of this step raises (once)
+        self.fault_is_fatal = False  # test hook: ... and the device counts as lost afterwards
         self.steps = 0
 
     @torch.inference_mode()
@@ -59,8 +60,14 @@ class ModelRunner:
         batch = build_flat_batch(chunks, starts, tables, self.block_size, self.device)
         rows = [i for i, s in enumerate(samplers) if s]
         logits = None
-        if self.graphs is not None and len(rows) == len(chunks):
-            logits = self.graphs.run(batch)  # None unless a pure decode step that a graph fits
+        if self.graphs is not None:
+            # None unless a pure decode step that a graph fits; static mode's padding rows
+            # (finished members still computed) replay too, their logits dropped.
+            logits = self.graphs.run(batch)
+            if logits is not None and len(rows) != len(chunks):
+                if not rows:
+                    return RunnerOutput({})
+                logits = logits[rows]
         if logits is None:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
             if not rows:
@@ -69,6 +76,19 @@ class ModelRunner:
         reqs: list[Request] = [out.requests[i] for i in rows]
         tokens = self.sampler(logits, reqs)
         return RunnerOutput({r.request_id: t for r, t in zip(reqs, tokens)})
+
+    def device_lost(self) -> bool:
+        """After a failed step: whether the device is unusable (a CUDA error is sticky: every later call fails too)."""
+        if self.fault_is_fatal and self.fault_at_step is not None and self.steps >= self.fault_at_step:
+            return True
+        if self.device.type != "cuda":
+            return False
+        try:
+            torch.cuda.synchronize(self.device)
+            torch.zeros(1, device=self.device).add_(1).item()
+        except Exception:  # noqa: BLE001 - any failure here means the context is gone
+            return True
+        return False
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 
 
@@ -19,3 +20,21 @@ def interpreting() -> bool:
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def cuda_device_unusable() -> str | None:
+    """Why torch cannot use the NVIDIA GPU this machine has; None when there is none or torch can use it.
+
+    Kernel tests must not "pass" in the interpreter on such a machine: they would
+    prove nothing about the GPU.
+    """
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return f"this machine has an NVIDIA GPU but torch {torch.__version__} is a CPU build"
+    return (f"this machine has an NVIDIA GPU but torch {torch.__version__} (CUDA {torch.version.cuda}) cannot use it: "
+            "the driver may be older than that CUDA version (see nvidia-smi)")

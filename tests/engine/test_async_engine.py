@@ -122,6 +122,31 @@ def test_forward_fault_ends_streams_with_an_error_and_engine_keeps_serving():
         a.shutdown()
 
 
+class LostDeviceRunner(SlowRunner):
+    def device_lost(self):
+        return self.fail_at is not None and len(self.steps) >= self.fail_at
+
+
+def test_a_lost_device_stops_the_engine_and_ends_every_request():
+    from minibatch.engine.async_engine import EngineDeadError
+
+    a = make_async(LostDeviceRunner(4, fail_at=3))
+
+    async def main():
+        return await asyncio.gather(collect(a, [5, 6], 20), collect(a, [7, 8], 20))
+
+    try:
+        for outs in asyncio.run(main()):
+            assert outs[-1].finished and outs[-1].finish_reason == "abort" and "injected fault" in outs[-1].error
+        a._thread.join(5)
+        assert not a.alive and "the device is lost" in a.fatal_error
+        assert a.engine.scheduler.blocks.num_used_blocks == 0
+        with pytest.raises(EngineDeadError):
+            a.submit([1, 2], greedy(3))
+    finally:
+        a.shutdown()
+
+
 def test_idle_engine_sleeps():
     a = make_async()
     try:

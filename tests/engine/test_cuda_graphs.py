@@ -1,11 +1,21 @@
-"""CUDA-graph bookkeeping that needs no GPU: capture sizes, padding to them, static decode inputs."""
+"""CUDA-graph bookkeeping (capture sizes, padding, static decode inputs) and a padded batch through the Triton path.
+
+On a GPU everything runs on the device; without one, on CPU with Triton's interpreter.
+"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from minibatch.engine.attention import build_flat_batch
 from minibatch.engine.cuda_graphs import DecodeInputs, capture_sizes, padded_size
+
+from tests.kernels.conftest import skip_if_gpu_unusable
+
+# The Triton path runs where the GPU path would: on the GPU when there is one (on CPU, the interpreter).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+skip_if_gpu_unusable()
 
 
 def test_capture_sizes_cover_every_batch_with_less_than_8_rows_of_padding():
@@ -18,38 +28,50 @@ def test_capture_sizes_cover_every_batch_with_less_than_8_rows_of_padding():
     assert padded_size(65, sizes) is None  # larger batches run eagerly
 
 
-def test_decode_inputs_pad_with_the_null_block():
-    batch = build_flat_batch([[11], [12], [13]], [5, 17, 0], [[3, 4], [7, 8], [9]], 16)
-    inp = DecodeInputs.empty(8, max_blocks=4, device="cpu")
+def test_decode_inputs_pad_with_the_null_block_and_rewrite_only_changed_rows():
+    tables = [[3, 4], [7, 8], [9]]
+    batch = build_flat_batch([[11], [12], [13]], [5, 17, 0], tables, 16, DEVICE)
+    inp = DecodeInputs.empty(8, max_blocks=4, device=DEVICE)
     assert inp.fill(batch) == 3
     assert inp.input_ids.tolist() == [11, 12, 13, 0, 0, 0, 0, 0]
     assert inp.positions.tolist() == [5, 17, 0, 0, 0, 0, 0, 0]
     assert inp.slot_mapping.tolist() == [3 * 16 + 5, 8 * 16 + 1, 9 * 16, -1, -1, -1, -1, -1]
     assert inp.seq_lens.tolist() == [6, 18, 1, 1, 1, 1, 1, 1]
-    assert inp.block_tables[:3].tolist() == [[3, 0, 0, 0], [7, 8, 0, 0], [9, 0, 0, 0]]
-    assert inp.block_tables[3:].eq(0).all() and inp.query_start_loc.tolist() == list(range(9))
-    # refilling with fewer rows leaves no stale rows behind
-    inp.fill(build_flat_batch([[21]], [2], [[5]], 16))
-    assert inp.input_ids.tolist()[:2] == [21, 0] and inp.slot_mapping.tolist()[:2] == [5 * 16 + 2, -1]
-    assert inp.block_tables[1].eq(0).all() and inp.seq_lens.tolist()[:2] == [3, 1]
+    # each row holds its request's block list (entries past the context are never read)
+    assert [row[: len(t)] for row, t in zip(inp.block_tables[:3].tolist(), tables)] == tables
+    assert inp.block_tables[3:, 0].eq(0).all() and inp.query_start_loc.tolist() == list(range(9))
+    assert inp.rows_written == 3
+    # the next decode step of the same requests: same block lists, no row rewritten
+    inp.fill(build_flat_batch([[14], [15], [16]], [6, 18, 1], tables, 16, DEVICE))
+    assert inp.rows_written == 3 and inp.seq_lens.tolist()[:4] == [7, 19, 2, 1]
+    # the block manager hands out a new list when it allocates: only that row is rewritten
+    tables = [tables[0], [7, 8, 10], tables[2]]
+    inp.fill(build_flat_batch([[17], [18], [19]], [7, 32, 2], tables, 16, DEVICE))
+    assert inp.rows_written == 4 and inp.block_tables[1, :3].tolist() == [7, 8, 10]
+    assert inp.slot_mapping.tolist()[:3] == [3 * 16 + 7, 10 * 16, 9 * 16 + 2]
+    # refilling with fewer rows leaves no stale rows behind: they turn into padding
+    inp.fill(build_flat_batch([[21]], [2], [[5]], 16, DEVICE))
+    assert inp.input_ids.tolist()[:3] == [21, 0, 0] and inp.slot_mapping.tolist()[:3] == [5 * 16 + 2, -1, -1]
+    assert inp.block_tables[:3, 0].tolist() == [5, 0, 0] and inp.seq_lens.tolist()[:3] == [3, 1, 1]
 
 
 def test_padding_rows_are_harmless_on_the_triton_path(tiny_llama_dir):
-    """A padded decode batch through the real kernels (interpreter on CPU): real rows unchanged, cache untouched by padding."""
+    """A padded decode batch through the real kernels (compiled on a GPU, the interpreter on CPU): real rows
+    unchanged, cache untouched by padding."""
     from minibatch.engine.kv_cache import allocate_kv_cache
     from minibatch.engine.weights import load_model
     from minibatch.engine.models.ops import TritonOps
     from minibatch.engine.triton_backend import TritonAttentionBackend, _TritonPlan
     from minibatch.engine.attention import AttentionMetadata
 
-    model = load_model(tiny_llama_dir, TritonAttentionBackend(), packed=False, ops=TritonOps())
-    caches = allocate_kv_cache(model.config, 6, 8)
-    prompt = build_flat_batch([[5, 6, 7]], [0], [[2]], 8)
+    model = load_model(tiny_llama_dir, TritonAttentionBackend(), device=DEVICE, packed=False, ops=TritonOps())
+    caches = allocate_kv_cache(model.config, 6, 8, device=DEVICE)
+    prompt = build_flat_batch([[5, 6, 7]], [0], [[2]], 8, DEVICE)
     with torch.no_grad():
         model(prompt.input_ids, prompt.positions, caches, prompt.attn)
-        step = build_flat_batch([[9]], [3], [[2]], 8)
+        step = build_flat_batch([[9]], [3], [[2]], 8, DEVICE)
         eager = model.compute_logits(model(step.input_ids, step.positions, [c.clone() for c in caches], step.attn))
-        inp = DecodeInputs.empty(4, max_blocks=2, device="cpu")
+        inp = DecodeInputs.empty(4, max_blocks=2, device=DEVICE)
         inp.fill(step)
         meta = AttentionMetadata([1] * 4, [1] * 4, 8, inp.slot_mapping, [[0]] * 4)
         meta.plan = _TritonPlan(inp.block_tables, inp.query_start_loc, inp.seq_lens, 1)
@@ -57,3 +79,27 @@ def test_padding_rows_are_harmless_on_the_triton_path(tiny_llama_dir):
         padded = model.compute_logits(model.forward_planned(inp.input_ids, inp.positions, caches, meta))
     torch.testing.assert_close(padded[:1], eager, atol=1e-5, rtol=1e-5)
     assert torch.equal(caches[0][:, 0], before_null)  # padding rows wrote nothing (negative slots)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+def test_graph_replay_equals_eager_decode(tiny_llama_dir):
+    """Three sequences prefilled, then one decode step: by replay of the size-4 graph and eagerly."""
+    from minibatch.engine.cuda_graphs import DecodeGraphs
+    from minibatch.engine.kv_cache import allocate_kv_cache
+    from minibatch.engine.models.ops import TritonOps
+    from minibatch.engine.triton_backend import TritonAttentionBackend
+    from minibatch.engine.weights import load_model
+
+    model = load_model(tiny_llama_dir, TritonAttentionBackend(), device="cuda", packed=False, ops=TritonOps())
+    caches = allocate_kv_cache(model.config, 32, 8, device="cuda")
+    tables = [[1, 2], [3, 4], [5, 6]]
+    with torch.no_grad():
+        pre = build_flat_batch([[5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16, 17, 18]], [0, 0, 0], tables, 8, "cuda")
+        model(pre.input_ids, pre.positions, caches, pre.attn)
+        step = build_flat_batch([[20], [21], [22]], [3, 2, 9], tables, 8, "cuda")
+        eager = model.compute_logits(model(step.input_ids, step.positions, [c.clone() for c in caches], step.attn))
+        graphs = DecodeGraphs(model, caches, 8, max_model_len=16, max_num_seqs=4)
+        graphs.capture()
+        replayed = graphs.run(step)
+    assert replayed is not None and replayed.shape == eager.shape
+    torch.testing.assert_close(replayed, eager, atol=1e-5, rtol=1e-5)

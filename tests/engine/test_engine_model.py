@@ -92,7 +92,7 @@ def first_diff(a, b):
     ids=["continuous", "continuous-preempting", "static"],
 )
 def test_staggered_mixed_batch_equals_hf_alone(mode, num_blocks, prompts, hf_reference):
-    engine = build_engine(EngineConfig(mode=mode, max_num_seqs=8, max_num_batched_tokens=128, num_kv_blocks=num_blocks or 400, max_wait_ms=0))
+    engine = build_engine(EngineConfig(dtype="float32", mode=mode, max_num_seqs=8, max_num_batched_tokens=128, num_kv_blocks=num_blocks or 400, max_wait_ms=0))
     reqs = run_staggered(engine, prompts, MAX_TOKENS)
     for i, expected in enumerate(hf_reference):
         got = reqs[f"r{i}"].output_token_ids
@@ -104,7 +104,7 @@ def test_staggered_mixed_batch_equals_hf_alone(mode, num_blocks, prompts, hf_ref
 
 
 def test_second_turn_reuses_the_cached_history(builtin_model_dir, tokenizer):
-    engine = build_engine(EngineConfig(max_num_seqs=4, num_kv_blocks=200))
+    engine = build_engine(EngineConfig(dtype="float32", max_num_seqs=4, num_kv_blocks=200))
     turn1 = [{"role": "user", "content": "My name is Ada and I like chess. Please remember it."}]
     ids1 = tokenizer.apply_chat_template(turn1, add_generation_prompt=True, tokenize=True)
     ids1 = list(ids1["input_ids"]) if hasattr(ids1, "keys") else list(ids1)
@@ -120,7 +120,7 @@ def test_second_turn_reuses_the_cached_history(builtin_model_dir, tokenizer):
         engine.step()
     assert second.num_cached_tokens >= 32 and engine.scheduler.blocks.prefix_hits > 0
 
-    cold = build_engine(EngineConfig(max_num_seqs=4, num_kv_blocks=200, enable_prefix_caching=False))
+    cold = build_engine(EngineConfig(dtype="float32", max_num_seqs=4, num_kv_blocks=200, enable_prefix_caching=False))
     again = cold.add_request("t2", ids2, SamplingParams(temperature=0, max_tokens=16))
     while cold.has_work():
         cold.step()
@@ -129,7 +129,7 @@ def test_second_turn_reuses_the_cached_history(builtin_model_dir, tokenizer):
 
 
 def test_seeded_sampling_is_batch_invariant(prompts):
-    engine = build_engine(EngineConfig(max_num_seqs=8, num_kv_blocks=300))
+    engine = build_engine(EngineConfig(dtype="float32", max_num_seqs=8, num_kv_blocks=300))
     params = dict(temperature=0.9, top_p=0.9, top_k=50, max_tokens=20, ignore_eos=True, seed=1234)
     alone = engine.add_request("alone", prompts[3], SamplingParams(**params))
     while engine.has_work():
@@ -143,7 +143,7 @@ def test_seeded_sampling_is_batch_invariant(prompts):
 
 
 def test_stop_string_across_tokens_and_multibyte_text(tokenizer, prompts, hf_reference):
-    engine = build_engine(EngineConfig(max_num_seqs=4, num_kv_blocks=200))
+    engine = build_engine(EngineConfig(dtype="float32", max_num_seqs=4, num_kv_blocks=200))
     # A stop string that straddles a token boundary in the reference output.
     ref = hf_reference[4]
     text = tokenizer.decode(ref, skip_special_tokens=True)

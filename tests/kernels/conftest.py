@@ -17,6 +17,15 @@ if not torch.cuda.is_available():
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def skip_if_gpu_unusable() -> None:
+    """On a machine whose GPU torch cannot use, the Triton tests would pass in the interpreter and prove nothing: say so."""
+    from minibatch.kernels.triton_support import cuda_device_unusable
+
+    why = cuda_device_unusable()
+    if why:
+        pytest.skip(f"{why}; the Triton kernel tests need the GPU, not the interpreter", allow_module_level=True)
+
+
 @pytest.fixture
 def device() -> str:
     return DEVICE

@@ -19,7 +19,9 @@ from minibatch.kernels.paged_attention import paged_attention, paged_attention_r
 from minibatch.kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref  # noqa: E402
 from minibatch.kernels.rotary import rotary_inplace, rotary_inplace_ref  # noqa: E402
 
-from .conftest import DEVICE  # noqa: E402
+from .conftest import DEVICE, skip_if_gpu_unusable  # noqa: E402
+
+skip_if_gpu_unusable()
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=1e-2), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 DTYPES = [

@@ -49,3 +49,25 @@ def test_check10_engine_fault(tiny_chat_model_dir, short_tmp):
         assert_clean(d)
     finally:
         assert d.stop() == 0
+
+
+def test_check10_a_lost_device_fails_health_and_the_daemon_exits_non_zero(tiny_chat_model_dir, short_tmp):
+    """A fault after which the device cannot work (a dead CUDA context; injected as N:fatal): in-flight requests end
+    with the error, /health stops answering OK, and the daemon exits 3 so a supervisor restarts it."""
+    d = Daemon(short_tmp / "d.sock", tiny_chat_model_dir, "--kv-cache-gb", "0.05",
+               env={"MINIBATCH_FAULT_AT_STEP": "20:fatal"}).wait_ready()
+
+    async def go():
+        async with session(d.socket) as s:
+            async with s.post("/v1/chat/completions", json=chat_body(max_tokens=300, ignore_eos=True, stream=True)) as r:
+                return [line.strip() async for line in r.content if line.startswith(b"data: ")]
+
+    try:
+        events = asyncio.run(go())
+        errors = [e for e in events if b'"error"' in e]
+        assert errors and b"injected forward fault at step 20" in errors[0] and events[-1] == b"data: [DONE]", events[-3:]
+        assert d.proc.wait(30) == 3
+        log = d.log_text()
+        assert "the device is lost" in log and "exiting" in log
+    finally:
+        d.stop()

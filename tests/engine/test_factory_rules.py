@@ -1,0 +1,42 @@
+"""The engine factory's rules that need no model: the KV pool budget and the GPU kernels' shape limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minibatch.engine import factory
+from minibatch.engine.factory import EngineConfig, kv_budget
+from minibatch.engine.triton_backend import gpu_shape_problems
+
+
+def test_kv_budget_is_one_rule_on_every_device(monkeypatch):
+    monkeypatch.setattr(factory, "available_memory_bytes", lambda: 10 * 2**30)
+    assert kv_budget(EngineConfig(), "cpu") == (2**30, "0.1 of 10.0 GiB available memory")
+    assert kv_budget(EngineConfig(kv_cache_fraction=0.25), "cpu")[0] == int(2.5 * 2**30)
+    assert kv_budget(EngineConfig(kv_cache_gb=0.5, kv_cache_fraction=0.9), "cpu") == (2**29, "--kv-cache-gb 0.5")
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (calls.append("mem_get_info") or 40 * 2**30, 80 * 2**30))
+    budget, rule = kv_budget(EngineConfig(), "cuda")
+    # measured after the allocator hands back the load's temporary copies
+    assert calls == ["empty_cache", "mem_get_info"]
+    assert budget == int(0.8 * 40 * 2**30) and rule == "0.8 of 40.0 GiB free GPU memory"
+    assert kv_budget(EngineConfig(kv_cache_fraction=0.5), "cuda")[0] == 20 * 2**30
+
+
+def test_kv_fraction_out_of_range_is_refused_naming_it():
+    for bad in (0, -0.1, 0.99, 2):
+        with pytest.raises(ValueError, match="kv_cache_fraction must be in"):
+            EngineConfig(kv_cache_fraction=bad)
+
+
+def test_gpu_shape_limits_are_reported_with_the_reason():
+    assert gpu_shape_problems(9, 3, 64, 16) == []
+    assert gpu_shape_problems(32, 8, 128, 128) == []
+    problems = gpu_shape_problems(8, 8, 80, 4)
+    assert len(problems) == 2 and "block_size 4" in problems[0] and "head_dim 80" in problems[1]
+    assert "head_dim 8" in gpu_shape_problems(8, 8, 8, 16)[0]  # tl.dot needs 16
+    assert "block_size 256" in gpu_shape_problems(8, 8, 64, 256)[0]
+    assert "not a multiple" in gpu_shape_problems(6, 4, 64, 16)[0]
