@@ -179,6 +179,20 @@ async def engine_events(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def engine_steps(request: web.Request) -> web.Response:
+    """The timeline: step records after ?since=STEP (rows: [row, request id, tokens, state]; states p d x h)."""
+    engine = request.app[STATE].ready_engine()
+    since = request.query.get("since", "0")
+    if not since.isdigit():
+        raise ApiError(400, "since: must be a step number (a non-negative integer)", "since", "invalid_value")
+    timeline = engine.engine.timeline
+    records = timeline.since(int(since))
+    return web.json_response({"last_step": timeline.last_step, "capacity": timeline.capacity,
+                              "max_rows": engine.engine.scheduler.config.max_num_seqs,
+                              "states": {"p": "prefill", "d": "decode", "x": "padding", "h": "held"},
+                              "steps": [r.as_dict() for r in records]})
+
+
 async def engine_blocks(request: web.Request) -> web.Response:
     """KV blocks by owning request (ids as returned in responses), blocks shared by several, cached free blocks."""
     engine = request.app[STATE].ready_engine()
@@ -229,6 +243,7 @@ def create_app(state: DaemonState, guard: Guard | None = None) -> web.Applicatio
     app.router.add_get("/v1/engine/stats", engine_stats)
     app.router.add_get("/v1/engine/events", engine_events)
     app.router.add_get("/v1/engine/blocks", engine_blocks)
+    app.router.add_get("/v1/engine/steps", engine_steps)
     app.router.add_get("/v1/engine/mode", get_mode)
     app.router.add_put("/v1/engine/mode", put_mode)
     app.router.add_get("/metrics", metrics)

@@ -33,6 +33,7 @@ OPTIONS = [
     ("--kv-cache-fraction", float, None, "share of the memory available once the model is loaded that the KV cache takes "
      "(default 0.1 on CPU, 0.8 of free GPU memory)"),
     ("--block-size", int, 16, "tokens per KV block"),
+    ("--timeline-steps", int, 512, "engine steps the timeline keeps (GET /v1/engine/steps, the chat's timeline)"),
     ("--device", str, "auto", "auto, cpu or cuda"),
     ("--dtype", str, "auto", "auto (fp32 on CPU, bf16 on GPU), float32, float16, bfloat16"),
     ("--weights", str, "auto", "auto (native on CPU), native (GGUF blocks as they are), float32 (dequantised), "
@@ -105,7 +106,7 @@ def engine_config(args):
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, block_size=args.block_size,
         kv_cache_gb=args.kv_cache_gb, kv_cache_fraction=args.kv_cache_fraction, device=args.device, dtype=args.dtype, threads=args.threads,
-        weights=args.weights,
+        weights=args.weights, timeline_steps=args.timeline_steps,
         enable_prefix_caching=not args.no_prefix_caching,
     )
 

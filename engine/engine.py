@@ -17,6 +17,7 @@ from .outputs import RequestOutput, StepStats
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .timeline import Timeline
 
 
 class Runner(Protocol):
@@ -45,8 +46,10 @@ class LLMEngine:
         eos_token_ids: tuple[int, ...] = (),
         mode: str = "continuous",
         clock: Callable[[], float] = time.monotonic,
+        timeline_steps: int = 512,
     ) -> None:
         self.runner, self.tokenizer, self.clock = runner, tokenizer, clock
+        self.timeline = Timeline(timeline_steps)  # the last steps' rows, for the chat's timeline and the report
         self.scheduler = Scheduler(scheduler_config, block_manager, mode, clock)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.streams: dict[str, _Stream] = {}
@@ -86,6 +89,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs, None
+        computed = [(r.request_id, n, n == 1 and bool(r.output_token_ids) and r.num_computed_tokens + 1 == r.num_tokens)
+                    for r, n in zip(sched.requests, sched.num_new_tokens)]
         result = self.runner.execute(sched)
         now = self.clock()
         for req in self.scheduler.update(sched):
@@ -94,7 +99,17 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         self.num_steps += 1
-        return outputs, self._stats(sched, time.perf_counter() - started)
+        stats = self._stats(sched, time.perf_counter() - started)
+        self._record(sched, computed, stats)
+        return outputs, stats
+
+    def _record(self, sched: SchedulerOutput, computed: list[tuple[str, int, bool]], stats: StepStats) -> None:
+        padding = [r.request_id for r in sched.padding]
+        seen = {rid for rid, _, _ in computed}
+        seen.update(padding)
+        held = [r.request_id for r in self.scheduler.running if r.request_id not in seen and not r.status.finished]
+        self.timeline.record(stats.step, stats.timestamp, stats.step_time, stats.mode, stats.waiting, computed, padding, held,
+                             [r.request_id for r in sched.preempted])
 
     def _process(self, req: Request) -> RequestOutput | None:
         """Detokenize the new token, apply stop conditions, build the delta."""

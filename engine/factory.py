@@ -26,6 +26,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_gb: float | None = None  # None: kv_cache_fraction of the memory available once the model is loaded
     kv_cache_fraction: float | None = None  # None: 0.1 on CPU, 0.8 on a GPU (see kv_budget)
+    timeline_steps: int = 512  # steps the timeline ring keeps (GET /v1/engine/steps)
     cuda_graphs: bool = True  # capture decode graphs on a GPU (MINIBATCH_CUDA_GRAPHS=0 also turns them off)
     num_kv_blocks: int | None = None  # exact pool size (tests, experiments); overrides the budget
     enable_prefix_caching: bool = True
@@ -47,6 +48,8 @@ class EngineConfig:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
+        if self.timeline_steps < 1:
+            raise ValueError(f"timeline_steps must be at least 1, got {self.timeline_steps}")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 0.95:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
 
@@ -160,6 +163,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         ),
         eos_token_ids=tuple(sorted(eos)),
         mode=config.mode,
+        timeline_steps=config.timeline_steps,
     )
     engine.info.update(
         model=config.model, model_dir=str(model_dir), device=device, dtype=dtype_name, weights=model.weights_desc,

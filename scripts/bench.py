@@ -54,6 +54,11 @@ def body_of(item: TraceItem) -> tuple[dict, bool]:
     return {"prompt": item.prompt_ids, **common}, False
 
 
+async def steps_since(s, since: int) -> dict:
+    async with s.get(f"/v1/engine/steps?since={since}") as r:
+        return await r.json(content_type=None)
+
+
 async def replay(s, trace: list[TraceItem], concurrency: int | None, progress=None,
                  native: bool = True) -> tuple[list[Result], float, dict]:
     """Send the trace on its schedule (at most `concurrency` in flight); sample minibatchd's engine meanwhile."""
@@ -280,7 +285,7 @@ async def run(args) -> int:
     pts = points(args)
     largest = max(p[1] for p in pts)  # the point whose TTFT distribution is plotted
     total = len(pts) * args.repeats * len(modes) * args.requests
-    rows, ttft = [], {}
+    rows, ttft, timelines = [], {}, {}
     progress = tqdm(total=total, desc="requests", unit="req", file=sys.stderr)
     async with session(**target) as s:
         for kind, x, over in pts:
@@ -303,7 +308,13 @@ async def run(args) -> int:
                     if warm:
                         await replay(s, [TraceItem(0.0, w.prompt_ids, w.messages, min(8, w.max_tokens)) for w in warm], None,
                                      native=native)
+                    record = native and rep == 0 and x == largest
+                    before = (await steps_since(s, 1 << 62))["last_step"] if record else 0
                     results, wall, engine = await replay(s, trace, concurrency, progress, native=native)
+                    if record:  # the largest point's step records, both modes: scripts/timeline.py --json draws them
+                        data = await steps_since(s, before)
+                        data["truncated"] = bool(data["steps"]) and data["steps"][0]["step"] > before + 1
+                        timelines[mode] = data | {"point": label}
                     summary = summarize(results, wall, args.slo_ttft, args.slo_tpot)
                     runs.append(summary)
                     engines.append(engine)
@@ -321,7 +332,8 @@ async def run(args) -> int:
     ceilings = machine_ceilings(count_params(Path(model_dir)))
     md = table(rows)
     (out / "table.md").write_text(md + "\n")
-    (out / "summary.json").write_text(json.dumps({"args": vars(args), "daemon": health, "ceilings": ceilings, "rows": rows}, indent=2, default=str))
+    (out / "summary.json").write_text(json.dumps({"args": vars(args), "daemon": health, "ceilings": ceilings, "rows": rows,
+                                                        "timeline": timelines}, indent=2, default=str))
     made = plots(rows, ttft, out)
     print(md)
     print("\nmachine: memory {memory_bandwidth_gb_s:.1f} GB/s, matmul {matmul_gflop_s:.0f} GFLOP/s -> batch-1 bandwidth bound "

@@ -30,6 +30,7 @@ class MinibatchChat(App):
         Binding("ctrl+n", "new_pane", "new pane", priority=True),
         Binding("ctrl+w", "close_pane", "close pane", priority=True),
         Binding("ctrl+t", "toggle_mode", "static⇄continuous", priority=True),
+        Binding("ctrl+g", "toggle_timeline", "timeline", priority=True),
         Binding("ctrl+s", "settings", "settings", priority=True),
         Binding("ctrl+l", "clear_pane", "clear", priority=True),
         Binding("escape", "cancel", "stop answer"),
@@ -47,6 +48,7 @@ class MinibatchChat(App):
         super().__init__()
         self.client, self.history, self.poll_interval = client, history, poll_interval
         self.owners: dict[str, int] = {}  # request id -> pane index, for the block map
+        self.request_panes: dict[str, int] = {}  # every request id seen -> pane index, for the timeline (bounded)
         self.mode: str | None = None
 
     # -- layout -----------------------------------------------------------
@@ -115,6 +117,10 @@ class MinibatchChat(App):
                 del self.owners[rid]
         if event.request_id:
             self.owners[event.request_id] = pane.index
+            self.request_panes[event.request_id] = pane.index
+            if len(self.request_panes) > 4096:
+                for rid in list(self.request_panes)[:1024]:
+                    del self.request_panes[rid]
 
     def action_broadcast(self) -> None:
         """Every pane asks at once: its own pending input, else the focused pane's."""
@@ -193,6 +199,11 @@ class MinibatchChat(App):
         # The panel shows the new mode only when the daemon's events confirm it.
         self.notify(f"switching to {target} at the next batch boundary")
 
+    def action_toggle_timeline(self) -> None:
+        panel = self.query_one(EnginePanel)
+        if panel.toggle_timeline():
+            self.poll_steps()
+
     # -- the engine view --------------------------------------------------
     @work(exclusive=True, group="events")
     async def watch_events(self) -> None:
@@ -221,6 +232,7 @@ class MinibatchChat(App):
         except DaemonUnavailable:
             return
         panel.border_subtitle = " · ".join(str(h[k]) for k in ("model", "weights", "device") if h.get(k))
+        panel.set_target(getattr(self.client, "target", ""))
 
     @work(exclusive=True, group="blocks")
     async def poll_blocks(self) -> None:
@@ -228,6 +240,17 @@ class MinibatchChat(App):
         while True:
             try:
                 panel.update_blocks(await self.client.blocks(), self.owners)
+            except DaemonUnavailable:
+                pass
+            await asyncio.sleep(self.poll_interval)
+
+    @work(exclusive=True, group="steps")
+    async def poll_steps(self) -> None:
+        """While the timeline shows: fetch the step records since the last one drawn."""
+        panel = self.query_one(EnginePanel)
+        while panel.showing_timeline:
+            try:
+                panel.timeline.add(await self.client.steps(panel.timeline.last_step), self.request_panes)
             except DaemonUnavailable:
                 pass
             await asyncio.sleep(self.poll_interval)

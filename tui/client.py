@@ -67,6 +67,10 @@ class DaemonClient:
     async def blocks(self) -> dict:
         return await self._json("GET", "/v1/engine/blocks")
 
+    async def steps(self, since: int = 0) -> dict:
+        """The engine's step records after step `since` (the batch timeline)."""
+        return await self._json("GET", f"/v1/engine/steps?since={since}")
+
     async def events(self) -> AsyncIterator[dict]:
         """Engine step events until the connection drops (then DaemonUnavailable)."""
         try:

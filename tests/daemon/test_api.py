@@ -203,6 +203,37 @@ def test_stats_and_events_move_while_requests_run(daemon):
     assert stats["requests_finished"] >= 3 and stats["kv_blocks_used"] == 0
 
 
+def test_steps_endpoint_returns_the_rows_of_each_step(daemon):
+    """Three requests at once: their ids hold rows in the step records from prefill to their last decode."""
+    before = daemon.get("/v1/engine/steps?since=99999999")[1]["last_step"]
+
+    async def go():
+        async with session(daemon.socket) as s:
+            async def one(n):
+                async with s.post("/v1/chat/completions", json=chat_body(max_tokens=n, ignore_eos=True)) as r:
+                    body = await r.json()
+                    return body["id"], body
+
+            return await asyncio.gather(one(4), one(6), one(9))
+
+    done = run(go())
+    status, data = daemon.get(f"/v1/engine/steps?since={before}")
+    assert status == 200 and data["max_rows"] == 4 and data["capacity"] == 512
+    steps = data["steps"]
+    assert steps and steps[0]["step"] == before + 1 and [s["step"] for s in steps] == list(range(before + 1, data["last_step"] + 1))
+    for rid, body in done:
+        mine = [(s["step"], row) for s in steps for row in s["rows"] if row[1] == rid]
+        states = [row[3] for _, row in mine]
+        assert states[0] == "p" and states.count("d") == body["usage"]["completion_tokens"] - 1, states
+        assert len({row[0] for _, row in mine}) == 1  # one row for its whole life
+        cached = body["minibatch"]["cached_prompt_tokens"]  # served from the prefix cache: not computed
+        assert sum(row[2] for _, row in mine if row[3] == "p") == body["usage"]["prompt_tokens"] - cached
+    assert all({"step", "t", "ms", "mode", "waiting", "rows", "preempted"} <= set(s) for s in steps)
+    assert daemon.get(f"/v1/engine/steps?since={data['last_step']}")[1]["steps"] == []
+    status, err = daemon.get("/v1/engine/steps?since=-1")
+    assert status == 400 and err["error"]["param"] == "since"
+
+
 def test_mode_switch_under_load(daemon):
     async def go():
         async with session(daemon.socket) as s:

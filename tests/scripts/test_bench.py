@@ -88,6 +88,24 @@ def test_bench_end_to_end_against_the_tiny_daemon(tiny_chat_model_dir, short_tmp
         assert "| c=3 | continuous |" in (out / "table.md").read_text()
         assert (out / "throughput_vs_concurrency.png").stat().st_size > 1000
         assert summary["ceilings"]["memory_bandwidth_gb_s"] > 0 and summary["ceilings"]["model_params"] > 0
+        # the largest point's step records, both modes: each request's prefill, decodes and (static) padding
+        timeline = summary["timeline"]
+        assert set(timeline) == {"continuous", "static"} and timeline["static"]["point"] == "c=3"
+        for mode, rec in timeline.items():
+            states = [row[3] for s in rec["steps"] for row in s["rows"]]
+            decodes = states.count("d")
+            assert states.count("p") >= 6 and decodes >= 6 * 3 - 6, (mode, states)
+            assert all(s["mode"] == mode for s in rec["steps"])
+        drawn = subprocess.run([sys.executable, str(SCRIPTS / "timeline.py"), "--json", str(out / "summary.json"),
+                                "--out", str(tmp_path / "timeline.png")], capture_output=True, text=True, timeout=120)
+        assert drawn.returncode == 0 and (tmp_path / "timeline.png").stat().st_size > 1000, drawn.stderr[-2000:]
+        live = subprocess.run([sys.executable, str(SCRIPTS / "timeline.py"), "--socket", str(daemon.socket), "--run",
+                               "--requests", "6", "--out", str(tmp_path / "live.png")], capture_output=True, text=True, timeout=300)
+        assert live.returncode == 0 and (tmp_path / "live.png").stat().st_size > 1000, live.stderr[-2000:]
+        both = json.loads((tmp_path / "live.json").read_text())["timeline"]
+        assert set(both) == {"continuous", "static"}
+        assert any(row[3] == "x" for s in both["static"]["steps"] for row in s["rows"])  # padding shows in static
+        assert not any(row[3] == "x" for s in both["continuous"]["steps"] for row in s["rows"])
         fire = subprocess.run([sys.executable, str(SCRIPTS / "fire.py"), "--socket", str(daemon.socket), "-n", "3",
                                "--max-tokens", "5", "--ignore-eos"], capture_output=True, text=True, timeout=120)
         lines = [l for l in fire.stdout.splitlines() if l.startswith("#")]

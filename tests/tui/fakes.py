@@ -16,9 +16,17 @@ def event(mode="continuous", running=0, waiting=0, used=0, step=1, pending=None)
     }
 
 
+def step_record(step: int, rows: list[list], mode: str = "continuous", waiting: int = 0) -> dict:
+    return {"step": step, "t": 0.0, "ms": 20.0, "mode": mode, "waiting": waiting, "rows": rows, "preempted": []}
+
+
 class FakeClient:
+    target = "/run/user/1000/minibatch/minibatchd.sock"
+
     def __init__(self, answer: str = "Hello **there**, friend.", hold: bool = False) -> None:
         self.answer, self.hold = answer, hold
+        self.step_records: list[dict] = []  # what steps() serves
+        self.steps_calls = 0
         self.chats: list[list[dict]] = []
         self.params: list[dict] = []
         self.cancelled = 0
@@ -42,6 +50,13 @@ class FakeClient:
         if not self.connected:
             raise DaemonUnavailable("down")
         return {"total": 64, "owners": {f"req-{i}": [1 + 2 * i, 2 + 2 * i] for i in range(self.next_id)}, "shared": [1]}
+
+    async def steps(self, since: int = 0) -> dict:
+        self.steps_calls += 1
+        if not self.connected:
+            raise DaemonUnavailable("down")
+        return {"last_step": self.step_records[-1]["step"] if self.step_records else 0, "max_rows": 8,
+                "steps": [r for r in self.step_records if r["step"] > since][:200]}
 
     async def events(self):
         if self.events_queue is None:

@@ -12,7 +12,7 @@ from minibatch.tui.screens.settings import SettingsScreen, parse_settings
 from minibatch.tui.widgets.chat_pane import ChatPane, format_status
 from minibatch.tui.widgets.engine_panel import EnginePanel, block_map_cells
 
-from .fakes import FakeClient, event
+from .fakes import FakeClient, event, step_record
 
 
 async def wait_until(pilot, cond, timeout=5.0):
@@ -271,3 +271,82 @@ def test_panel_names_the_model_its_weights_and_device(history):
             return str(panel.border_subtitle)
 
     assert asyncio.run(go()) == "fake-model · Q4_1 native · cpu"
+
+
+def test_panel_names_the_daemon_it_talks_to(history):
+    client = FakeClient()
+
+    async def go():
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await wait_until(pilot, lambda: client.events_queue is not None)
+            client.events_queue.put_nowait(event(mode="continuous", running=1, used=4))
+            panel = app.query_one(EnginePanel)
+            await wait_until(pilot, lambda: "engine ·" in str(panel.border_title))
+            return str(panel.border_title)
+
+    assert asyncio.run(go()) == "engine · …tch/minibatchd.sock"  # the tail of a long path
+
+
+def scripted_steps(n: int) -> list[dict]:
+    """Four requests per batch in rows 0-3: continuous for the first half, then static with padding rows."""
+    out = []
+    for step in range(1, n + 1):
+        static = step > n // 2
+        rows = []
+        for row in range(4):
+            rid = f"req-{row}"
+            if static and (step % 20) > 5 + 3 * row:
+                rows.append([row, rid, 1, "x"])
+            else:
+                rows.append([row, rid, 5 if step % 20 == 1 else 1, "p" if step % 20 == 1 else "d"])
+        out.append(step_record(step, rows, "static" if static else "continuous", waiting=step % 3))
+    return out
+
+
+def test_timeline_keeps_up_with_1000_steps_without_blocking_input(history):
+    client = FakeClient()
+    client.step_records = scripted_steps(1000)
+
+    async def go():
+        app = MinibatchChat(client, history, poll_interval=0.01)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: client.events_queue is not None)
+            panel = app.query_one(EnginePanel)
+            assert not panel.showing_timeline and panel.query_one("#engine-map").display
+            await pilot.press("ctrl+g")
+            assert panel.showing_timeline and not panel.query_one("#engine-map").display
+            for ch in "still typing":  # input is handled while the timeline catches up
+                await pilot.press(ch if ch != " " else "space")
+            await wait_until(pilot, lambda: panel.timeline.last_step == 1000, timeout=20)
+            typed = app.panes()[0].pending_input()
+            rendered = str(panel.timeline.render())
+            drawn_cols = len(next(line for line in rendered.splitlines() if line.startswith("  0  "))) - 5
+            await pilot.press("ctrl+g")
+            back = panel.query_one("#engine-map").display and not panel.showing_timeline
+            return typed, rendered, back, client.steps_calls, drawn_cols
+
+    typed, rendered, back, calls, cols = asyncio.run(go())
+    assert cols >= 20  # the panel's width in steps
+    assert typed == "still typing" and back
+    assert calls >= 5  # 200 records per answer: the poll followed them in pages
+    lines = rendered.splitlines()
+    assert lines[0].startswith("batch timeline")
+    mode_line = next(line for line in lines if line.startswith("mode "))
+    assert set(mode_line[5:]) == {"s"}  # the last steps are all static
+    rows = [line for line in lines if line[:3].strip().isdigit()]
+    assert len(rows) == 4 and all("╳" in r for r in rows[:3]) and "█" in rows[0]
+    assert any(line.startswith("wait ") for line in lines)
+
+
+def test_timeline_shows_the_mode_switch_and_pane_colours():
+    from minibatch.tui.widgets.timeline import render_timeline
+
+    recs = [step_record(1, [[0, "a", 3, "p"], [1, "b", 2, "p"]]), step_record(2, [[0, "a", 1, "d"], [1, "b", 1, "d"]]),
+            step_record(3, [[0, "a", 1, "x"], [1, "b", 1, "d"]], mode="static", waiting=12)]
+    text = render_timeline(recs, {"a": 0}, ["red", "blue"], cols=30, height=20)
+    plain = str(text)
+    assert "mode ccs" in plain and "  0  ▒█╳" in plain and "  1  ▒██" in plain and "wait   +" in plain
+    cells = {(text.plain[s.start:s.end], str(s.style)) for s in text.spans if s.end - s.start == 1}
+    # a's cells in pane 0's colour, b (another client) grey, padding red
+    assert {("▒", "red"), ("█", "red"), ("▒", "grey62"), ("█", "grey62"), ("╳", "red")} <= cells

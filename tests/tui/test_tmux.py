@@ -52,19 +52,28 @@ def test_two_panes_broadcast_in_a_real_terminal(tiny_chat_model_dir, short_tmp):
         tmux("send-keys", "-t", "chat", "-l", "hello there")
         wait_for(lambda s: "hello there" in s, what="the typed text")  # the app has taken the keys in
         tmux("send-keys", "-t", "chat", "C-b")
-        saw_two = False
+        tmux("send-keys", "-t", "chat", "C-g")  # the timeline in place of the block map while both panes answer
+        saw_two = saw_rows = False
         deadline = time.monotonic() + 90
         final = ""
         while time.monotonic() < deadline:
             final = screen()
             if "batch  2/32" in final:
                 saw_two = True
+            if "batch timeline" in final:
+                below = final.split("batch timeline")[1].splitlines()
+                busy = [line for line in below if ("  0  " in line or "  1  " in line) and ("█" in line or "▒" in line)]
+                saw_rows = saw_rows or len(busy) >= 2
             if final.count("TTFT") >= 2:
                 break
             time.sleep(0.05)
         assert final.count("TTFT") >= 2, final  # both panes finished an answer
         assert saw_two, final  # the panel showed both requests in the batch at once
-        assert "Traceback" not in final
+        assert saw_rows, final  # the timeline showed both rows busy
+        assert "Traceback" not in final and "KV block map" not in final
+        tmux("send-keys", "-t", "chat", "C-g")
+        back = wait_for(lambda s: "batch timeline" not in s, what="the timeline hidden again")
+        assert "Traceback" not in back
     finally:
         tmux("kill-server", check=False)
         daemon.stop()

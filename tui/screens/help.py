@@ -16,6 +16,7 @@ KEYS = [
     ("tab / shift+tab", "next / previous pane"),
     ("alt+arrows", "move between panes"),
     ("ctrl+t", "toggle static ⇄ continuous batching (shown once the daemon confirms)"),
+    ("ctrl+g", "the batch timeline in place of the KV block map (and back): rows by step, coloured by pane"),
     ("ctrl+s", "settings of the focused pane (system prompt, temperature, top_p, max tokens, seed)"),
     ("ctrl+l", "clear the focused pane"),
     ("? / f1", "this help"),

@@ -1,4 +1,4 @@
-"""The live view of the engine: mode, batch occupancy, KV cache, queue, rates, and a KV block map."""
+"""The live view of the engine: mode, batch occupancy, KV cache, queue, rates, and a KV block map or the batch timeline."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
+
+from .timeline import Timeline
 
 HISTORY = 120  # occupancy samples kept (about a minute at ~2 samples a second)
 MAP_CELLS = 96  # cells in the block map; each stands for one block or a group of blocks
@@ -60,6 +62,24 @@ class EnginePanel(Vertical):
         yield Static("", id="engine-kv")
         yield Static("", id="engine-numbers")
         yield Static("", id="engine-map")
+        yield Timeline(self.pane_colors, id="engine-timeline")
+
+    @property
+    def timeline(self) -> Timeline:
+        return self.query_one(Timeline)
+
+    @property
+    def showing_timeline(self) -> bool:
+        return self.has_class("timeline")
+
+    def toggle_timeline(self) -> bool:
+        """Show the timeline in place of the block map (or back); returns whether it is shown now."""
+        self.toggle_class("timeline")
+        return self.showing_timeline
+
+    def set_target(self, target: str) -> None:
+        """The daemon's socket or URL, under the panel (its tail when it is long)."""
+        self.border_title = "engine · " + (target if len(target) <= 20 else "…" + target[-19:]) if target else "engine"
 
     def set_disconnected(self, reason: str) -> None:
         self.connected = False
@@ -97,7 +117,8 @@ class EnginePanel(Vertical):
         if target is None:  # a poll that returns while the app shuts down finds its children gone
             return
         cells = block_map_cells(blocks, owners)
-        text = Text("KV block map\n", style="bold")
+        text = Text("KV block map ", style="bold")
+        text.append("(ctrl+g: timeline)\n", style="dim")
         per = max(1, -(-blocks.get("total", 0) // MAP_CELLS)) if blocks.get("total") else 1
         text.append(f"■ = {per} block{'s' if per > 1 else ''}, by pane; ◆ shared\n", style="dim")
         width = 32
