@@ -133,7 +133,8 @@ def submit(state: DaemonState, engine, body, ids: list[int], request_id: str) ->
         raise ApiError(400, "the prompt is empty", "messages" if isinstance(body, ChatRequest) else "prompt", "empty_prompt")
     if limit and len(ids) >= limit:
         raise ApiError(400, f"the prompt has {len(ids)} tokens; the context limit is {limit}", "messages", "context_length_exceeded")
-    params = body.sampling_params(min(DEFAULT_MAX_TOKENS, limit - len(ids)) if limit else DEFAULT_MAX_TOKENS)
+    params = body.sampling_params(min(DEFAULT_MAX_TOKENS, limit - len(ids)) if limit else DEFAULT_MAX_TOKENS,
+                                  state.info.get("generation_defaults"))
     try:
         engine.submit(ids, params, request_id)
     except QueueFull as exc:

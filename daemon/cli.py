@@ -266,9 +266,13 @@ def cmd_models(args) -> int:
     from minibatch.engine.model_store import list_models
 
     for m in list_models():
-        state = "ready" if m.ready else "converts on first use" if m.kind == "builtin" and m.note else "-"
-        print(f"{m.name:<28} {m.kind:<10} {state:<22} {m.note}")
-    print("\nAlso accepted by --model: a Hugging Face model directory, a .gguf file, or a hub id when online.")
+        if m.kind == "builtin":
+            state = "ready" if m.ready else "converts on first use" if m.note else "-"
+        else:
+            state = "ready" if m.ready else "cannot run here"
+        print(f"{m.name:<32} {m.kind:<10} {state:<22} {m.note}")
+    print("\n--model takes any name above (a bare Ollama name works too: qwen2.5:0.5b), a Hugging Face model directory, "
+          "a .gguf file, or a hub id when online. Families: llama, mistral, qwen2, qwen3.")
     return 0
 
 

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from minibatch.engine.sampling_params import MAX_TOP_K, SamplingParams
 
 MAX_BODY_BYTES = 4 * 2**20
+# Sampling fields a model's generation_config.json may give defaults for (as vLLM reads them).
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -74,15 +76,20 @@ class _Sampling(_Body):
     user: StrictStr | None = None
     logprobs: Literal[False] | None = None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, model_defaults: dict | None = None) -> SamplingParams:
+        """The request's sampling; a field the request leaves out takes the model's default
+        (its generation_config.json), else the API's."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        given = self.model_fields_set
+        pick = {k: v for k, v in (model_defaults or {}).items() if k in SAMPLING_DEFAULT_FIELDS and k not in given}
         if any(not s for s in stop):
             raise ApiError(400, "stop: stop strings must not be empty", "stop", "invalid_value")
         if len(stop) > 16:
             raise ApiError(400, f"stop: at most 16 stop strings, got {len(stop)}", "stop", "invalid_value")
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            temperature=pick.get("temperature", self.temperature), top_p=pick.get("top_p", self.top_p),
+            top_k=pick.get("top_k", self.top_k), min_p=pick.get("min_p", self.min_p),
+            repetition_penalty=pick.get("repetition_penalty", self.repetition_penalty), presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=self.seed,
             max_tokens=self.max_tokens or default_max_tokens, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,

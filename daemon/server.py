@@ -116,6 +116,7 @@ async def serve(config: DaemonConfig) -> int:
         state.info = {k: info[k] for k in ("device", "dtype", "weights", "block_size", "num_kv_blocks", "max_model_len", "kv_budget")
                       if k in info}
         state.info["vocab_size"] = engine.engine.runner.model.config.vocab_size
+        state.info["generation_defaults"] = info.get("generation_defaults", {})
         state.info["mode"] = engine.engine.mode
         state.info["pid"] = os.getpid()
         state.status = "ready"

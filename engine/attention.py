@@ -30,6 +30,7 @@ class AttentionMetadata:
     block_tables: list[list[int]]  # block ids per sequence, in position order
     # Filled by the backend's prepare(), once per forward, shared by all layers.
     plan: object | None = field(default=None)
+    window: int = 0  # sliding window: a query attends to the last `window` positions only (0: all)
 
     @property
     def num_tokens(self) -> int:
@@ -157,9 +158,13 @@ class TorchAttentionBackend:
             else:
                 slots = _context_slots(table, ctx, bs, device)
                 mask = None
-                if ctx != qlen:  # a chunk after cached context: causal with an offset
-                    q_pos = torch.arange(ctx - qlen, ctx, device=device)
-                    mask = torch.arange(ctx, device=device)[None, :] <= q_pos[:, None]
+                window = meta.window if meta.window and ctx > meta.window else 0
+                if ctx != qlen or window:  # a chunk after cached context (causal with an offset), or a window
+                    q_pos = torch.arange(ctx - qlen, ctx, device=device)[:, None]
+                    k_pos = torch.arange(ctx, device=device)[None, :]
+                    mask = k_pos <= q_pos
+                    if window:
+                        mask &= k_pos > q_pos - window
                 prefills.append((start, qlen, slots, mask))
             start += qlen
         plan = _TorchPlan(None, None, None, 0, None, None, prefills, all_decode=not prefills)
@@ -177,25 +182,32 @@ class TorchAttentionBackend:
                 lens = torch.tensor(decode_lens, device=device)
                 slots = torch.stack([_context_slots(t, max_ctx, bs, device, valid=n) for t, n in zip(decode_tables, decode_lens)])
                 plan.decode_slots = slots.reshape(-1)
-                plan.decode_mask = (torch.arange(max_ctx, device=device)[None, :] < lens[:, None])[:, None, None, :]
+                pos = torch.arange(max_ctx, device=device)[None, :]
+                keep = pos < lens[:, None]
+                if meta.window:
+                    keep &= pos >= lens[:, None] - meta.window
+                plan.decode_mask = keep[:, None, None, :]
                 plan.decode_ctx = max_ctx
         meta.plan = plan
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         plan: _TorchPlan = meta.plan
+        window = meta.window
         if plan.all_decode and plan.decode_tables is not None and self.store_decode_kernel is not None:
-            return self.store_decode_kernel(q, k, v, kv_cache, meta.slot_mapping, plan.decode_tables, plan.decode_lens, scale)
+            return self.store_decode_kernel(q, k, v, kv_cache, meta.slot_mapping, plan.decode_tables, plan.decode_lens, scale,
+                                            window)
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
         if plan.all_decode and plan.decode_tables is not None:
-            return self.decode_kernel(q, kv_cache, plan.decode_tables, plan.decode_lens, scale)
+            return self.decode_kernel(q, kv_cache, plan.decode_tables, plan.decode_lens, scale, window)
         out = torch.empty_like(q)
         if plan.decode_tables is not None:
             qd = q.index_select(0, plan.decode_tokens)  # [n, heads, head_dim]
-            out.index_copy_(0, plan.decode_tokens, self.decode_kernel(qd, kv_cache, plan.decode_tables, plan.decode_lens, scale))
+            out.index_copy_(0, plan.decode_tokens,
+                            self.decode_kernel(qd, kv_cache, plan.decode_tables, plan.decode_lens, scale, window))
         elif plan.decode_tokens is not None:
             n = plan.decode_tokens.numel()
             kd = k_flat.index_select(0, plan.decode_slots).view(n, plan.decode_ctx, num_kv_heads, head_dim)

@@ -133,6 +133,7 @@ class DecodeGraphs:
     def _meta(self, inp: DecodeInputs, size: int) -> AttentionMetadata:
         meta = AttentionMetadata([1] * size, [1] * size, self.block_size, inp.slot_mapping, [[0]] * size)
         meta.plan = self._plan_cls(inp.block_tables, inp.query_start_loc, inp.seq_lens, 1)
+        meta.window = self.model.config.sliding_window or 0
         return meta
 
     @torch.inference_mode()

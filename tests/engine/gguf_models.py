@@ -19,6 +19,7 @@ LAYER_MAP = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -71,7 +72,7 @@ def write_gguf_model(hf_dir: Path, out_dir: Path, qtype_name: str, arch: str = "
                 raw = quantize(w.numpy(), GGMLQuantizationType(t.ggml_id)).view(np.uint8)
             ref = dequantize_ref(torch.from_numpy(np.ascontiguousarray(raw)), t, w.shape[1])
         reference[name] = ref
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             raw = converter_permute(raw, heads)
         raw = np.ascontiguousarray(raw)

@@ -40,3 +40,14 @@ def test_gpu_shape_limits_are_reported_with_the_reason():
     assert "head_dim 8" in gpu_shape_problems(8, 8, 8, 16)[0]  # tl.dot needs 16
     assert "block_size 256" in gpu_shape_problems(8, 8, 64, 256)[0]
     assert "not a multiple" in gpu_shape_problems(6, 4, 64, 16)[0]
+
+
+def test_generation_config_gives_stop_tokens_and_sampling_defaults(tmp_path):
+    from minibatch.engine.factory import generation_config
+
+    (tmp_path / "generation_config.json").write_text(
+        '{"eos_token_id": [128001, 128008, 128009], "temperature": 0.6, "top_p": 0.9, "do_sample": true, "max_length": 4096}')
+    assert generation_config(tmp_path) == ({128001, 128008, 128009}, {"temperature": 0.6, "top_p": 0.9})
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 2}')
+    assert generation_config(tmp_path) == ({2}, {})
+    assert generation_config(tmp_path / "nowhere") == (set(), {})

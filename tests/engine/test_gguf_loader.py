@@ -31,6 +31,16 @@ def _tiny_hf(path, kind: str, **overrides):
     if kind == "llama":
         cfg = transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_theta=10000.0)
         model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "mistral":  # a window (8) shorter than the test's 37 tokens
+        cfg = transformers.MistralConfig(**common, sliding_window=8, tie_word_embeddings=False, rope_theta=10000.0)
+        model = transformers.MistralForCausalLM(cfg)
+    elif kind == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True, attention_bias=False)
+        model = transformers.Qwen3ForCausalLM(cfg)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+                layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
     else:
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=False, rope_theta=10000.0)
         model = transformers.Qwen2ForCausalLM(cfg)
@@ -58,7 +68,7 @@ def _hf_logits(hf_dir, reference: dict[str, torch.Tensor], ids: list[int]) -> to
 
 
 CASES = [("llama", "F32"), ("llama", "Q8_0"), ("llama", "Q4_1"), ("llama", "Q4_0"), ("qwen2", "Q8_0"), ("qwen2", "Q4_1"),
-         ("llama", "Q4_K"), ("llama", "Q5_K"), ("llama", "Q6_K"), ("qwen2", "Q6_K")]
+         ("llama", "Q4_K"), ("llama", "Q5_K"), ("llama", "Q6_K"), ("qwen2", "Q6_K"), ("mistral", "Q8_0"), ("qwen3", "Q4_1")]
 
 
 @pytest.mark.parametrize("kind,qtype", CASES)

@@ -26,6 +26,26 @@ def test_kernel_matches_the_twin(heads, kv_heads, block_size):
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 48])  # the register path and the generic one
+@pytest.mark.parametrize("window", [1, 5, 8, 20, 1000])
+def test_sliding_window_matches_the_twin_and_ignores_what_lies_before_it(window, head_dim):
+    g = torch.Generator().manual_seed(window + head_dim)
+    block_size, num_blocks = 8, 80
+    lens = torch.tensor([1, 7, 8, 9, 23, 61], dtype=torch.int32)
+    max_blocks = -(-int(lens.max()) // block_size)
+    tables = (torch.randperm(num_blocks - 1, generator=g)[: len(lens) * max_blocks] + 1).view(len(lens), max_blocks).int()
+    cache = torch.randn(2, num_blocks, block_size, 2, head_dim, generator=g)
+    q = torch.randn(len(lens), 6, head_dim, generator=g)
+    got = paged_decode_attention(q, cache, tables, lens, 0.125, window)
+    torch.testing.assert_close(got, paged_decode_attention_ref(q, cache, tables, lens, 0.125, window), atol=1e-5, rtol=1e-5)
+    if window < int(lens.max()):
+        assert not torch.allclose(got, paged_decode_attention(q, cache, tables, lens, 0.125))  # the window matters
+    for s, n in enumerate(lens.tolist()):  # poison every position before each sequence's window
+        for pos in range(max(0, n - window)):
+            cache[:, tables[s, pos // block_size], pos % block_size] = 1e4
+    torch.testing.assert_close(paged_decode_attention(q, cache, tables, lens, 0.125, window), got, atol=1e-5, rtol=1e-5)
+
+
 def test_kernel_ignores_table_padding_and_other_blocks():
     cache = torch.randn(2, 10, 8, 2, 16)
     tables = torch.tensor([[3, 0, 0], [4, 5, 6]], dtype=torch.int32)

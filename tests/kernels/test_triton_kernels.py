@@ -80,6 +80,18 @@ def test_paged_attention_reads_blocks_past_2_31_elements(dtype):
     torch.testing.assert_close(got.float(), ref.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [1, 4, 13])
+def test_paged_attention_sliding_window(window, dtype):
+    """Decodes and prefill chunks over cached context, each query seeing only its last `window` positions."""
+    q, cache, tables, qsl, lens, max_q = mixed_batch(8, 2, 8, dtype, seed=window)
+    got = paged_attention(q, cache, tables, qsl, lens, 0.25, max_q, window)
+    ref = paged_attention_ref(q, cache, tables, qsl, lens, 0.25, max_q, window)
+    torch.testing.assert_close(got.float(), ref.float(), **TOL[dtype])
+    full = paged_attention_ref(q, cache, tables, qsl, lens, 0.25, max_q)
+    assert not torch.allclose(ref.float(), full.float())  # the window matters for these lengths
+
+
 def test_paged_attention_rejects_bad_inputs():
     q, cache, tables, qsl, lens, max_q = mixed_batch(4, 2, 8, torch.float32, 0)
     with pytest.raises(ValueError, match="int32"):
