@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from minibatch.engine.scheduler import MODES, QueueFull, RequestRejected
+from minibatch.engine.core.scheduler import MODES, QueueFull, RequestRejected
 
 from .guard import Guard, guard_middleware
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse_body

@@ -10,8 +10,8 @@ from dataclasses import asdict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from minibatch.engine.outputs import StepStats
-from minibatch.engine.request import RequestMetrics
+from minibatch.engine.core.outputs import StepStats
+from minibatch.engine.core.request import RequestMetrics
 
 EVENT_INTERVAL = 0.05  # at most ~20 events a second per subscriber
 RATE_WINDOW = 2.0  # seconds of steps behind the tokens/s figures

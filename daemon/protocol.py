@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from minibatch.engine.sampling_params import MAX_TOP_K, SamplingParams
+from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
 
 MAX_BODY_BYTES = 4 * 2**20
 # Sampling fields a model's generation_config.json may give defaults for (as vLLM reads them).

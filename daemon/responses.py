@@ -7,7 +7,7 @@ import json
 
 from aiohttp import web
 
-from minibatch.engine.request import RequestMetrics
+from minibatch.engine.core.request import RequestMetrics
 
 from .protocol import ApiError
 

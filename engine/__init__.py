@@ -1,1 +1,2 @@
-"""minibatch's engine: requests, KV blocks, schedulers, the model runner and the models."""
+"""minibatch's engine: core/ (torch-free: requests, KV blocks, schedulers, the step loop), the model runner,
+the model store and sources, models/ (the forwards) and weights/ (loading, quantized modules)."""

@@ -18,11 +18,11 @@ import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from .engine import LLMEngine
-from .outputs import RequestOutput, StepStats
-from .request import Request
-from .sampling_params import SamplingParams
-from .scheduler import MODES, QueueFull, RequestRejected
+from .core.engine import LLMEngine
+from .core.outputs import RequestOutput, StepStats
+from .core.request import Request
+from .core.sampling_params import SamplingParams
+from .core.scheduler import MODES, QueueFull, RequestRejected
 
 log = logging.getLogger("minibatch.engine")
 

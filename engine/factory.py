@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .block_manager import BlockManager
-from .engine import LLMEngine
+from .core.block_manager import BlockManager
+from .core.engine import LLMEngine
 from .model_store import DEFAULT_MODEL, resolve_model
-from .scheduler import MODES, SchedulerConfig
+from .core.scheduler import MODES, SchedulerConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 WEIGHT_MODES = ("auto", "native", "float32", "q8_0")

@@ -8,9 +8,9 @@ import torch
 
 from .attention import build_flat_batch
 from .models.llama import LlamaForCausalLM
-from .request import Request
+from .core.request import Request
 from .sampler import Sampler
-from .scheduler import SchedulerOutput
+from .core.scheduler import SchedulerOutput
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .request import Request
+from .core.request import Request
 
 
 class Sampler:

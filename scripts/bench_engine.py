@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from minibatch.engine.factory import EngineConfig, build_engine
-from minibatch.engine.sampling_params import SamplingParams
+from minibatch.engine.core.sampling_params import SamplingParams
 
 
 def make_trace(n, pmin, pmax, omin, omax, seed, vocab=(200, 40000)):

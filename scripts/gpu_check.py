@@ -213,7 +213,7 @@ def prompt_ids(engine) -> list[list[int]]:
 
 
 def greedy(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
-    from minibatch.engine.sampling_params import SamplingParams
+    from minibatch.engine.core.sampling_params import SamplingParams
 
     reqs = [engine.add_request(f"g{i}-{time.monotonic_ns()}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
             for i, p in enumerate(prompts)]
@@ -281,7 +281,7 @@ def compare_greedy(name: str, ref: list[list[int]], got: list[list[int]], prompt
 
 
 def decode_rate(engine, batch: int, steps: int, sync) -> float:
-    from minibatch.engine.sampling_params import SamplingParams
+    from minibatch.engine.core.sampling_params import SamplingParams
 
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}-{time.monotonic_ns()}", list(range(100, 164)),
@@ -306,7 +306,7 @@ def trace(n: int, prompt_len: int, vocab: int, seed: int = 1) -> list[list[int]]
 
 
 def run_trace_ours(engine, prompts, new_tokens: int, sync) -> dict:
-    from minibatch.engine.sampling_params import SamplingParams
+    from minibatch.engine.core.sampling_params import SamplingParams
 
     sync()
     t = time.perf_counter()

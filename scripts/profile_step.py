@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from minibatch.engine.factory import EngineConfig, build_engine  # noqa: E402
-from minibatch.engine.sampling_params import SamplingParams  # noqa: E402
+from minibatch.engine.core.sampling_params import SamplingParams  # noqa: E402
 
 class Timers:
     """Wall time per part of the step, from wrappers around the parts' entry points."""

@@ -8,10 +8,10 @@ import time
 import pytest
 
 from minibatch.engine.async_engine import AsyncEngine
-from minibatch.engine.block_manager import BlockManager
-from minibatch.engine.engine import LLMEngine
-from minibatch.engine.sampling_params import SamplingParams
-from minibatch.engine.scheduler import QueueFull, RequestRejected, SchedulerConfig
+from minibatch.engine.core.block_manager import BlockManager
+from minibatch.engine.core.engine import LLMEngine
+from minibatch.engine.core.sampling_params import SamplingParams
+from minibatch.engine.core.scheduler import QueueFull, RequestRejected, SchedulerConfig
 
 from .fakes import CharTokenizer, FakeRunner
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from minibatch.engine.block_manager import BlockManager
-from minibatch.engine.request import Request
-from minibatch.engine.sampling_params import SamplingParams
+from minibatch.engine.core.block_manager import BlockManager
+from minibatch.engine.core.request import Request
+from minibatch.engine.core.sampling_params import SamplingParams
 
 
 def req(rid: str, tokens: list[int], max_tokens: int = 4) -> Request:

@@ -8,7 +8,7 @@ import transformers
 
 from minibatch.engine.factory import EngineConfig, build_engine
 from minibatch.engine.weights.reference import load_hf_reference
-from minibatch.engine.sampling_params import SamplingParams
+from minibatch.engine.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
 

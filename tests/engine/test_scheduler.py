@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from minibatch.engine.block_manager import BlockManager
-from minibatch.engine.engine import LLMEngine
-from minibatch.engine.request import RequestStatus
-from minibatch.engine.sampling_params import SamplingParams
-from minibatch.engine.scheduler import QueueFull, RequestRejected, SchedulerConfig
+from minibatch.engine.core.block_manager import BlockManager
+from minibatch.engine.core.engine import LLMEngine
+from minibatch.engine.core.request import RequestStatus
+from minibatch.engine.core.sampling_params import SamplingParams
+from minibatch.engine.core.scheduler import QueueFull, RequestRejected, SchedulerConfig
 
 from .fakes import CharTokenizer, Clock, FakeRunner
 
@@ -63,8 +63,9 @@ def solo_output(prompt, n, **kw):
 def test_engine_core_imports_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import minibatch.engine.block_manager, minibatch.engine.scheduler, minibatch.engine.engine\n"
-        "import minibatch.engine.async_engine, minibatch.engine.continuous, minibatch.engine.static\n"
+        "import minibatch.engine.core.block_manager, minibatch.engine.core.scheduler, minibatch.engine.core.engine\n"
+        "import minibatch.engine.async_engine, minibatch.engine.core.continuous, minibatch.engine.core.static\n"
+        "import minibatch.engine.core.timeline, minibatch.engine.core.scheduler_output, minibatch.engine.core.detokenizer\n"
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -239,7 +240,7 @@ def test_stop_strings_token_ids_and_eos():
 
 
 def test_sampling_params_bound_top_k():
-    from minibatch.engine.sampling_params import InvalidParameterError
+    from minibatch.engine.core.sampling_params import InvalidParameterError
 
     with pytest.raises(InvalidParameterError, match=r"top_k: must be in \[-1, 1000000\]"):
         SamplingParams(top_k=2**64)

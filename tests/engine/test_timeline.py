@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from minibatch.engine.timeline import Timeline
+from minibatch.engine.core.timeline import Timeline
 
 from .test_scheduler import make, params, run
 

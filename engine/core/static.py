@@ -14,9 +14,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .request import Request
+from .scheduler_output import SchedulerOutput
 
 if TYPE_CHECKING:
-    from .scheduler import Scheduler, SchedulerOutput
+    from .scheduler import Scheduler
 
 
 class StaticScheduler:
@@ -24,7 +25,6 @@ class StaticScheduler:
         self.s = sched
 
     def schedule(self, admit: bool = True) -> "SchedulerOutput":
-        from .scheduler import SchedulerOutput
 
         s, out = self.s, SchedulerOutput()
         if s.running and all(r.status.finished for r in s.running):

@@ -16,7 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .continuous import ContinuousScheduler
 from .request import Request, RequestStatus
+from .scheduler_output import SchedulerOutput
+from .static import StaticScheduler
 
 MODES = ("continuous", "static")
 
@@ -58,41 +61,6 @@ class SchedulerConfig:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
 
 
-@dataclass(slots=True)
-class SchedulerOutput:
-    """What one forward computes. Lists are in batch order."""
-
-    requests: list[Request] = field(default_factory=list)  # requests computing tokens this step
-    num_new_tokens: list[int] = field(default_factory=list)  # tokens each computes: a prefill chunk, or 1
-    padding: list[Request] = field(default_factory=list)  # static: finished members whose rows still run
-    preempted: list[Request] = field(default_factory=list)  # sent back to the waiting queue this step
-    num_prefill_tokens: int = 0  # prompt (or recomputed) tokens in this forward
-    num_decode_tokens: int = 0  # one per request generating its next token
-    prefix_hit_blocks: int = 0  # blocks admitted requests took from the prefix cache
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.requests and not self.padding
-
-    def add(self, req: Request, n: int) -> None:
-        self.requests.append(req)
-        self.num_new_tokens.append(n)
-        if req.output_token_ids and req.num_computed_tokens + n == req.num_tokens and n == 1:
-            self.num_decode_tokens += 1
-        else:
-            self.num_prefill_tokens += n
-
-    def remove(self, req: Request) -> int:
-        i = self.requests.index(req)
-        n = self.num_new_tokens.pop(i)
-        self.requests.pop(i)
-        if req.output_token_ids and n == 1:
-            self.num_decode_tokens -= 1
-        else:
-            self.num_prefill_tokens -= n
-        return n
-
-
 class Scheduler:
     """Queues, admission checks, aborts and mode switching; `schedule()` defers to the mode's policy."""
 
@@ -103,8 +71,6 @@ class Scheduler:
         mode: str = "continuous",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        from .continuous import ContinuousScheduler
-        from .static import StaticScheduler
 
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .request import Request
+from .scheduler_output import SchedulerOutput
 
 if TYPE_CHECKING:
-    from .scheduler import Scheduler, SchedulerOutput
+    from .scheduler import Scheduler
 
 
 class ContinuousScheduler:
@@ -23,7 +24,6 @@ class ContinuousScheduler:
         self.s = sched
 
     def schedule(self, admit: bool = True) -> "SchedulerOutput":
-        from .scheduler import SchedulerOutput
 
         s, out = self.s, SchedulerOutput()
         budget = s.config.max_num_batched_tokens
