@@ -124,6 +124,10 @@ def parse_body(raw: bytes, model: type[BaseModel]):
         raise ApiError(400, f"body is not valid JSON: {exc}", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "body must be a JSON object", None, "invalid_type")
+    where = _lone_surrogate(data)
+    if where is not None:
+        raise ApiError(400, f"{where}: holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is not text",
+                       where, "invalid_unicode")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -135,6 +139,25 @@ def parse_body(raw: bytes, model: type[BaseModel]):
         value = err.get("input")
         shown = "" if err["type"] in ("missing", "extra_forbidden") or isinstance(value, (dict, list)) else f" (got {_short(value)})"
         raise ApiError(400, f"{param}: {msg}{shown}", param, err["type"]) from None
+
+
+def _lone_surrogate(value, path: str = "") -> str | None:
+    """The path of the first string (or key) holding an unpaired surrogate, which no tokenizer can encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        here = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and _lone_surrogate(key) is not None:
+            return here
+        found = _lone_surrogate(item, here)
+        if found is not None:
+            return found
+    return None
 
 
 def _short(value) -> str:

@@ -106,6 +106,8 @@ def test_completions_text_and_token_prompt(daemon):
         (chat_body(n=2), 400, "n", "less than or equal to 1"),
         (chat_body(model="gpt-4"), 404, "model", "does not exist"),
         (chat_body(max_tokens=5000), 400, "max_tokens", "exceeds the context limit of 1024"),
+        (chat_body("a lone \ud800 here"), 400, "messages.0.content", "lone UTF-16 surrogate"),
+        (chat_body(stop=["ok", "\udfff"]), 400, "stop.1", "lone UTF-16 surrogate"),
     ],
 )
 def test_validation_errors_name_the_field(daemon, body, status, param, text):
