@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
+from minibatch.engine.core.sampling_params import MAX_LOGPROBS, MAX_TOP_K, SamplingParams
 
 MAX_BODY_BYTES = 4 * 2**20
 # Sampling fields a model's generation_config.json may give defaults for (as vLLM reads them).
@@ -74,7 +74,6 @@ class _Sampling(_Body):
     ignore_eos: StrictBool = False
     n: StrictInt = Field(default=1, ge=1, le=1)
     user: StrictStr | None = None
-    logprobs: Literal[False] | None = None
 
     def sampling_params(self, default_max_tokens: int, model_defaults: dict | None = None) -> SamplingParams:
         """The request's sampling; a field the request leaves out takes the model's default
@@ -93,7 +92,11 @@ class _Sampling(_Body):
             frequency_penalty=self.frequency_penalty, seed=self.seed,
             max_tokens=self.max_tokens or default_max_tokens, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs_k(),
         )
+
+    def logprobs_k(self) -> int | None:
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -103,11 +106,22 @@ class _Sampling(_Body):
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1, max_length=1000)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False  # each output token's log-probability (of the model's logits, before sampling settings)
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def logprobs_k(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs: needs logprobs set to true", "top_logprobs", "invalid_value")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Sampling):
     prompt: StrictStr | list[Annotated[StrictInt, Field(ge=0)]]
     echo: Literal[False] | None = None
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # the legacy API: k alternatives per token
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
 
 
 def _reject_constant(name: str):

@@ -33,16 +33,45 @@ def usage(m: RequestMetrics | None, prompt_tokens: int, completion_tokens: int) 
     }
 
 
+def token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], entries: list) -> list[dict]:
+    """`choices[].logprobs.content` items: each token, its log-probability, its bytes, and the top alternatives."""
+    def item(tid: int, lp: float) -> dict:
+        text = token_text(tokenizer, tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return [{**item(tid, lp), "top_logprobs": [item(t, v) for t, v in top]} for tid, (lp, top) in zip(token_ids, entries)]
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], entries: list, offset: int = 0) -> dict:
+    """The legacy completions shape: tokens, token_logprobs, top_logprobs (token -> logprob), text_offset."""
+    tokens = [token_text(tokenizer, t) for t in token_ids]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
+            "top_logprobs": [{token_text(tokenizer, t): v for t, v in top} for _, top in entries], "text_offset": offsets}
+
+
 def timeout_message(state) -> str:
     return f"the request ran past its limit of {state.request_timeout:g} s and was aborted"
 
 
 async def full_response(state, outputs, base, chat: bool, prompt_tokens: int) -> web.Response:
     text, n, last = [], 0, None
+    token_ids, entries, want = [], [], False
     async for out in outputs:
         text.append(out.text)
         n += len(out.token_ids)
         last = out
+        if out.logprobs is not None:
+            want = True
+            token_ids += out.token_ids
+            entries += out.logprobs
     state.monitor.on_request_done(last.metrics, last.finish_reason if not last.error else None)
     if last.error:
         raise ApiError(500, last.error, None, "engine_error", "server_error")
@@ -50,8 +79,9 @@ async def full_response(state, outputs, base, chat: bool, prompt_tokens: int) ->
     choice = {"index": 0, "finish_reason": last.finish_reason}
     if chat:
         choice["message"] = {"role": "assistant", "content": content}
+        choice["logprobs"] = {"content": chat_logprobs(state.tokenizer, token_ids, entries)} if want else None
     else:
-        choice.update(text=content, logprobs=None)
+        choice.update(text=content, logprobs=completion_logprobs(state.tokenizer, token_ids, entries) if want else None)
     return web.json_response({
         **base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
         "usage": usage(last.metrics, prompt_tokens, n), "minibatch": timings(last.metrics),
@@ -66,12 +96,22 @@ async def stream_response(request, state, outputs, base, chat: bool, prompt_toke
     async def send(payload: dict) -> None:
         await resp.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
 
-    def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> dict:
+    offset = 0  # completions' text_offset runs across chunks
+
+    def chunk(delta_text: str | None, finish: str | None, role: bool = False, out=None) -> dict:
+        nonlocal offset
+        lp = None
+        if out is not None and out.logprobs is not None and out.token_ids:
+            if chat:
+                lp = {"content": chat_logprobs(state.tokenizer, out.token_ids, out.logprobs)}
+            else:
+                lp = completion_logprobs(state.tokenizer, out.token_ids, out.logprobs, offset)
+                offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
         if chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if delta_text is None else {"content": delta_text})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": delta_text or "", "logprobs": lp, "finish_reason": finish}
         return {**base, "object": obj, "choices": [choice]}
 
     if chat:
@@ -85,11 +125,12 @@ async def stream_response(request, state, outputs, base, chat: bool, prompt_toke
                     state.monitor.on_request_done(out.metrics, None)
                     await send(ApiError(500, out.error, None, "engine_error", "server_error").body())
                     break
-                if out.text:
-                    await send(chunk(out.text, None))
+                carries = out.logprobs is not None and bool(out.token_ids)
+                if out.text or (carries and not out.finished):
+                    await send(chunk(out.text, None, out=out))
                 if out.finished:
                     state.monitor.on_request_done(out.metrics, out.finish_reason)
-                    final = chunk(None, out.finish_reason)
+                    final = chunk(None, out.finish_reason, out=None if out.text else out)
                     final["minibatch"] = timings(out.metrics)
                     await send(final)
                     if include_usage:

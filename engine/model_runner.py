@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +16,18 @@ from .core.scheduler import SchedulerOutput
 @dataclass(slots=True)
 class RunnerOutput:
     sampled: dict[str, int]  # request id -> next token, for requests that reached their last token
+    # request id -> (the sampled token's log-probability, [(token, log-probability)] of the k most likely), if asked
+    logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+
+
+def token_logprobs(logprobs: torch.Tensor, tokens: list[int], reqs: list[Request]) -> dict:
+    """Per request: the chosen token's log-probability and its k most likely alternatives, from one topk."""
+    k = max(r.params.logprobs for r in reqs)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None]).squeeze(1).tolist()
+    top_vals, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long()))
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    return {r.request_id: (chosen[j], list(zip(top_ids[j][: r.params.logprobs], top_vals[j][: r.params.logprobs])))
+            for j, r in enumerate(reqs)}
 
 
 class ModelRunner:
@@ -74,8 +86,14 @@ class ModelRunner:
                 return RunnerOutput({})
             logits = self.model.compute_logits(hidden[batch.logits_indices[rows]])
         reqs: list[Request] = [out.requests[i] for i in rows]
+        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        # log-softmax of the model's logits, before penalties and temperature (the sampler may change them in place)
+        logprobs = torch.log_softmax(logits[want].float(), dim=-1) if want else None
         tokens = self.sampler(logits, reqs)
-        return RunnerOutput({r.request_id: t for r, t in zip(reqs, tokens)})
+        result = RunnerOutput({r.request_id: t for r, t in zip(reqs, tokens)})
+        if want:
+            result.logprobs = token_logprobs(logprobs, [tokens[i] for i in want], [reqs[i] for i in want])
+        return result
 
     def device_lost(self) -> bool:
         """After a failed step: whether the device is unusable (a CUDA error is sticky: every later call fails too)."""

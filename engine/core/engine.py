@@ -93,8 +93,11 @@ class LLMEngine:
                     for r, n in zip(sched.requests, sched.num_new_tokens)]
         result = self.runner.execute(sched)
         now = self.clock()
+        logprobs = getattr(result, "logprobs", None) or {}
         for req in self.scheduler.update(sched):
             req.append_token(result.sampled[req.request_id], now)
+            if req.request_id in logprobs:
+                req.output_logprobs.append(logprobs[req.request_id])
             out = self._process(req)
             if out is not None:
                 outputs.append(out)
@@ -140,9 +143,13 @@ class LLMEngine:
         tokens = req.output_token_ids[stream.sent_tokens :]
         if not text and not tokens:
             return None
+        start = stream.sent_tokens
         stream.sent_chars += len(text)
         stream.sent_tokens = len(req.output_token_ids)
-        return RequestOutput(req.request_id, text, tokens)
+        out = RequestOutput(req.request_id, text, tokens)
+        if req.params.logprobs is not None:
+            out.logprobs = req.output_logprobs[start : start + len(tokens)]
+        return out
 
     def _final(self, req: Request, error: str | None = None) -> RequestOutput:
         stream = self.streams.pop(req.request_id)

@@ -18,6 +18,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     metrics: RequestMetrics | None = None  # set on the final output
     error: str | None = None  # set when the request ended because the engine failed
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per token in token_ids, when asked for
 
 
 @dataclass(slots=True, frozen=True)

@@ -41,6 +41,8 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    # per output token (when params.logprobs is set): (its log-probability, [(token, log-probability)] of the top k)
+    output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     finished_time: float | None = None
     error: str | None = None
 

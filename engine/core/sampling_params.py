@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 
+MAX_LOGPROBS = 20  # alternatives per token at most, as OpenAI allows
 MAX_TOP_K = 1_000_000  # far above any vocabulary; bounds the tensor the sampler builds
 
 
@@ -33,6 +34,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, matched on the text, not included
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: each token's log-probability and the k most likely alternatives
 
     def __post_init__(self) -> None:
         self.validate()
@@ -66,6 +68,8 @@ class SamplingParams:
             raise InvalidParameterError("stop_token_ids", "must be a list of non-negative integers")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParameterError("ignore_eos", "must be a boolean")
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
 
 
 def _is_int(v) -> bool:

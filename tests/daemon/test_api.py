@@ -236,6 +236,45 @@ def test_steps_endpoint_returns_the_rows_of_each_step(daemon):
     assert status == 400 and err["error"]["param"] == "since"
 
 
+def test_logprobs_in_chat_stream_and_completions(daemon):
+    async def go():
+        async with session(daemon.socket) as s:
+            async with s.post("/v1/chat/completions", json=chat_body(max_tokens=6, ignore_eos=True, temperature=0,
+                                                                     logprobs=True, top_logprobs=3)) as r:
+                full = await r.json()
+            async with s.post("/v1/chat/completions", json=chat_body(max_tokens=6, ignore_eos=True, temperature=0,
+                                                                     logprobs=True, stream=True)) as r:
+                events, _ = await read_sse(r)
+            async with s.post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 5, "ignore_eos": True,
+                                                       "temperature": 0, "logprobs": 2}) as r:
+                legacy = await r.json()
+            async with s.post("/v1/chat/completions", json=chat_body(top_logprobs=2)) as r:
+                bad = r.status, await r.json()
+            async with s.post("/v1/chat/completions", json=chat_body(logprobs=True, top_logprobs=21)) as r:
+                too_many = r.status, await r.json()
+            async with s.post("/v1/chat/completions", json=chat_body(max_tokens=2)) as r:
+                plain = await r.json()
+            return full, events, legacy, bad, too_many, plain
+
+    full, events, legacy, bad, too_many, plain = run(go())
+    content = full["choices"][0]["logprobs"]["content"]
+    assert len(content) == full["usage"]["completion_tokens"] == 6
+    for item in content:
+        assert item["logprob"] <= 0 and item["bytes"] == list(item["token"].encode()) and len(item["top_logprobs"]) == 3
+        top = item["top_logprobs"]
+        assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
+        assert top[0]["token"] == item["token"] and top[0]["logprob"] == pytest.approx(item["logprob"])  # greedy
+    streamed = [c for e in events if isinstance(e, dict) and e.get("choices") for c in ((e["choices"][0].get("logprobs") or {}).get("content") or [])]
+    assert [c["token"] for c in streamed] == [c["token"] for c in content]  # the same greedy tokens, chunk by chunk
+    assert all(c["top_logprobs"] == [] for c in streamed)
+    lp = legacy["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 5
+    assert all(len(t) <= 2 for t in lp["top_logprobs"]) and lp["text_offset"] == sorted(lp["text_offset"])
+    assert bad[0] == 400 and bad[1]["error"]["param"] == "top_logprobs"
+    assert too_many[0] == 400 and too_many[1]["error"]["param"] == "top_logprobs"
+    assert plain["choices"][0]["logprobs"] is None
+
+
 def test_mode_switch_under_load(daemon):
     async def go():
         async with session(daemon.socket) as s:
