@@ -55,11 +55,13 @@ async def errors(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as exc:
-        return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+        body = {"error": exc.message} if request.path.startswith("/api/") else exc.body()  # Ollama's error shape
+        return web.json_response(body, status=exc.status, headers=exc.headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        body = ApiError(exc.status, exc.reason, None, exc.reason.lower().replace(" ", "_")).body()
+        err = ApiError(exc.status, exc.reason, None, exc.reason.lower().replace(" ", "_"))
+        body = {"error": err.message} if request.path.startswith("/api/") else err.body()
         return web.json_response(body, status=exc.status, headers={k: v for k, v in exc.headers.items() if k == "Allow"})
     except (asyncio.CancelledError, ConnectionResetError):
         raise
@@ -248,4 +250,7 @@ def create_app(state: DaemonState, guard: Guard | None = None) -> web.Applicatio
     app.router.add_get("/v1/engine/mode", get_mode)
     app.router.add_put("/v1/engine/mode", put_mode)
     app.router.add_get("/metrics", metrics)
+    from .ollama import add_routes
+
+    add_routes(app)
     return app

@@ -113,7 +113,7 @@ async def serve(config: DaemonConfig) -> int:
         engine.stats_listeners.append(state.monitor.on_step_threadsafe)
         state.engine, state.tokenizer = engine, tokenizer
         info = engine.engine.info
-        state.info = {k: info[k] for k in ("device", "dtype", "weights", "block_size", "num_kv_blocks", "max_model_len", "kv_budget")
+        state.info = {k: info[k] for k in ("device", "dtype", "weights", "block_size", "num_kv_blocks", "max_model_len", "kv_budget", "family")
                       if k in info}
         state.info["vocab_size"] = engine.engine.runner.model.config.vocab_size
         state.info["generation_defaults"] = info.get("generation_defaults", {})

@@ -189,6 +189,6 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         model=config.model, model_dir=str(model_dir), device=device, dtype=dtype_name, weights=model.weights_desc,
         block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_model_len,
         attention=backend.name if getattr(backend, "decode_kernel", None) is None else "torch+cpu-decode-kernel",
-        ops=ops.name, kv_budget=budget_rule, generation_defaults=gen_defaults, eos_token_ids=sorted(eos),
+        ops=ops.name, kv_budget=budget_rule, family=cfg.model_type, generation_defaults=gen_defaults, eos_token_ids=sorted(eos),
     )
     return engine

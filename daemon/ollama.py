@@ -1,0 +1,263 @@
+"""Ollama's API on the same listeners, for the clients that speak it (the ollama libraries, oterm, Open WebUI...).
+
+`POST /api/chat` and `POST /api/generate` stream newline-delimited JSON by
+default (`"stream": false` for one object), with Ollama's counters and
+durations (nanoseconds) on the last line; `GET /api/tags`, `POST /api/show`,
+`GET /api/ps` and `GET /api/version` describe what is served. Errors are
+Ollama's shape, `{"error": "..."}`, naming the field. Top-level fields and
+options we do not use (keep_alive, num_ctx, num_gpu...) are accepted and
+ignored, as Ollama does with options a model lacks; the ones we use are
+validated. The model name must be the served one (or left out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from datetime import datetime, timezone
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
+
+from .protocol import ApiError, Float, _lone_surrogate
+
+VERSION = "0.6.0"  # the Ollama API version whose shapes these follow
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class Options(_Lenient):
+    temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(default=None, ge=-1, le=MAX_TOP_K)
+    min_p: Float | None = Field(default=None, ge=0.0, le=1.0)
+    repeat_penalty: Float | None = Field(default=None, gt=0.0, le=2.0)
+    presence_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0)
+    seed: StrictInt | None = Field(default=None, ge=0, le=2**63 - 1)
+    num_predict: StrictInt | None = Field(default=None, ge=-2)  # -1: until the context is full
+    stop: list[StrictStr] | None = Field(default=None, max_length=16)
+
+
+class OllamaMessage(_Lenient):
+    role: StrictStr = Field(pattern="^(system|user|assistant|tool)$")
+    content: StrictStr = ""
+
+
+class _Request(_Lenient):
+    model: StrictStr | None = None
+    stream: StrictBool = True
+    options: Options = Field(default_factory=Options)
+
+    def sampling_params(self, default_max_tokens: int, model_defaults: dict | None = None) -> SamplingParams:
+        o = self.options
+        d = model_defaults or {}
+
+        def pick(value, key, api_default):
+            return value if value is not None else d.get(key, api_default)
+
+        if o.stop and any(not s for s in o.stop):
+            raise ApiError(400, "options.stop: stop strings must not be empty", "options.stop", "invalid_value")
+        # -1 / -2 (until the context is full) and 0 take the daemon's default; a count beyond the context is refused
+        max_tokens = o.num_predict if o.num_predict is not None and o.num_predict > 0 else default_max_tokens
+        return SamplingParams(
+            temperature=pick(o.temperature, "temperature", 0.8), top_p=pick(o.top_p, "top_p", 0.9),
+            top_k=pick(o.top_k, "top_k", 40), min_p=pick(o.min_p, "min_p", 0.0),
+            repetition_penalty=pick(o.repeat_penalty, "repetition_penalty", 1.1),
+            presence_penalty=o.presence_penalty or 0.0, frequency_penalty=o.frequency_penalty or 0.0,
+            seed=o.seed, max_tokens=max_tokens, stop=list(o.stop or []),
+        )
+
+
+class ChatBody(_Request):
+    messages: list[OllamaMessage] = Field(min_length=1, max_length=1000)
+
+
+class GenerateBody(_Request):
+    prompt: StrictStr = ""
+    system: StrictStr | None = None
+    raw: StrictBool = False
+
+
+def parse(raw: bytes, model: type[BaseModel]):
+    try:
+        data = json.loads(raw or b"{}")
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ApiError(400, f"body is not valid JSON: {exc}", None, "invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "body must be a JSON object", None, "invalid_type")
+    where = _lone_surrogate(data)
+    if where is not None:
+        raise ApiError(400, f"{where}: holds a lone UTF-16 surrogate, which is not text", where, "invalid_unicode")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise ApiError(400, f"{param}: {err['msg']}", param, err["type"]) from None
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def ns(seconds: float | None) -> int:
+    return int((seconds or 0.0) * 1e9)
+
+
+def final_counters(out, prompt_tokens: int, n: int, started: float) -> dict:
+    m = out.metrics
+    return {
+        "done": True, "done_reason": {"stop": "stop", "length": "length"}.get(out.finish_reason, out.finish_reason),
+        "total_duration": ns(time.perf_counter() - started), "load_duration": 0,
+        "prompt_eval_count": prompt_tokens, "prompt_eval_duration": ns(m.prefill_time if m else 0),
+        "eval_count": n, "eval_duration": ns(m.decode_time if m else 0),
+    }
+
+
+async def respond(request: web.Request, chat: bool):
+    from .app import STATE, check_model, submit
+
+    state = request.app[STATE]
+    started = time.perf_counter()
+    try:
+        raw = await asyncio.wait_for(request.read(), state.body_timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"request body not received within {state.body_timeout:g} s", None, "timeout") from None
+    body = parse(raw, ChatBody if chat else GenerateBody)
+    check_model(state, _strip_tag(body.model, state.model_name))
+    engine = state.ready_engine()
+    if chat:
+        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+    elif body.raw:
+        messages = None
+    else:
+        messages = ([{"role": "system", "content": body.system}] if body.system else []) + [{"role": "user", "content": body.prompt}]
+    try:
+        ids = state.tokenizer.encode(body.prompt) if messages is None else state.tokenizer.chat(messages)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "messages", "no_chat_template") from None
+    if not chat and not body.prompt:  # Ollama: an empty generate loads the model and answers done
+        return web.json_response({"model": state.model_name, "created_at": now_iso(), "response": "", "done": True,
+                                  "done_reason": "load"})
+    request_id = f"ollama-{uuid.uuid4().hex}"
+    submit(state, engine, body, ids, request_id)
+    outputs = engine.stream(request_id)
+
+    def line(text: str) -> dict:
+        head = {"model": state.model_name, "created_at": now_iso()}
+        return {**head, "message": {"role": "assistant", "content": text}, "done": False} if chat else \
+            {**head, "response": text, "done": False}
+
+    try:
+        async with asyncio.timeout(state.request_timeout):
+            if not body.stream:
+                text, n, last = [], 0, None
+                async for out in outputs:
+                    text.append(out.text)
+                    n += len(out.token_ids)
+                    last = out
+                state.monitor.on_request_done(last.metrics, None if last.error else last.finish_reason)
+                if last.error:
+                    raise ApiError(500, last.error, None, "engine_error", "server_error")
+                return web.json_response({**line("".join(text)), **final_counters(last, len(ids), n, started)})
+            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "X-Request-Id": request_id})
+            await resp.prepare(request)
+            n = 0
+            async for out in outputs:
+                n += len(out.token_ids)
+                if out.error:
+                    state.monitor.on_request_done(out.metrics, None)
+                    await resp.write(json.dumps({"error": out.error}).encode() + b"\n")
+                    break
+                if out.text and not out.finished:
+                    await resp.write(json.dumps(line(out.text)).encode() + b"\n")
+                if out.finished:
+                    state.monitor.on_request_done(out.metrics, out.finish_reason)
+                    await resp.write(json.dumps({**line(out.text), **final_counters(out, len(ids), n, started)}).encode() + b"\n")
+            await resp.write_eof()
+            return resp
+    except TimeoutError:
+        raise ApiError(504, f"the request ran past its limit of {state.request_timeout:g} s and was aborted", None,
+                       "timeout") from None
+    finally:
+        await outputs.aclose()
+
+
+def _strip_tag(name: str | None, served: str) -> str | None:
+    """Ollama clients add ':latest' to names; the served model answers to its name with or without it."""
+    if name is None:
+        return None
+    return served if name in (f"{served}:latest", served) else name
+
+
+async def chat(request: web.Request):
+    return await respond(request, chat=True)
+
+
+async def generate(request: web.Request):
+    return await respond(request, chat=False)
+
+
+def model_entry(state) -> dict:
+    info = state.info
+    return {
+        "name": f"{state.model_name}:latest", "model": f"{state.model_name}:latest",
+        "modified_at": datetime.fromtimestamp(state.started_at, timezone.utc).isoformat().replace("+00:00", "Z"),
+        "size": 0, "digest": "",
+        "details": {"format": "gguf" if "native" in str(info.get("weights", "")) else "safetensors",
+                    "family": info.get("family", ""), "families": [info.get("family", "")],
+                    "parameter_size": "", "quantization_level": str(info.get("weights", ""))},
+    }
+
+
+async def tags(request: web.Request) -> web.Response:
+    from .app import STATE
+
+    return web.json_response({"models": [model_entry(request.app[STATE])]})
+
+
+async def ps(request: web.Request) -> web.Response:
+    from .app import STATE
+
+    state = request.app[STATE]
+    return web.json_response({"models": [{**model_entry(state), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}]
+                              if state.status == "ready" else []})
+
+
+async def show(request: web.Request) -> web.Response:
+    from .app import STATE, check_model
+
+    state = request.app[STATE]
+    try:
+        data = json.loads(await request.read() or b"{}")
+    except ValueError:
+        raise ApiError(400, "body is not valid JSON", None, "invalid_json") from None
+    name = data.get("model") or data.get("name") if isinstance(data, dict) else None
+    if not isinstance(name, str):
+        raise ApiError(400, "model: the model name is required", "model", "missing")
+    check_model(state, _strip_tag(name, state.model_name))
+    entry = model_entry(state)
+    return web.json_response({"modelfile": "", "parameters": "", "template": "", "details": entry["details"],
+                              "model_info": {"general.architecture": state.info.get("family", ""),
+                                             "context_length": state.info.get("max_model_len")},
+                              "capabilities": ["completion"], "modified_at": entry["modified_at"]})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": VERSION})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/api/chat", chat)
+    app.router.add_post("/api/generate", generate)
+    app.router.add_get("/api/tags", tags)
+    app.router.add_get("/api/ps", ps)
+    app.router.add_post("/api/show", show)
+    app.router.add_get("/api/version", version)
