@@ -1,7 +1,7 @@
-"""Snapshot of the whole app at a fixed size: two panes mid-answer and the engine panel populated."""
+"""Snapshots of the whole app at a fixed size: two panes mid-answer with the engine panel populated, and the batch
+timeline in both modes."""
 
 from __future__ import annotations
-
 
 from textual.widgets import Input
 
@@ -11,23 +11,28 @@ from minibatch.tui.history import History
 from .fakes import FakeClient, event
 
 
+async def two_panes_asking(pilot, app, client, text: str) -> None:
+    """Open a second pane, broadcast `text`, wait until both requests are out; cursors still (for stable pictures)."""
+    for inp in app.query(Input):
+        inp.cursor_blink = False
+    await pilot.press("ctrl+n")
+    await pilot.pause()
+    for inp in app.query(Input):
+        inp.cursor_blink = False
+    for ch in text:
+        await pilot.press(ch)
+    await pilot.press("ctrl+b")
+    while client.events_queue is None or client.next_id < 2:
+        await pilot.pause(0.02)
+
+
 def test_two_panes_mid_answer_with_engine_panel(snap_compare, tmp_path):
     client = FakeClient("Continuous batching lets **new requests join** between steps.", hold=True)
     history = History(tmp_path / "chat.sqlite3")
     app = MinibatchChat(client, history, poll_interval=0.05)
 
     async def run_before(pilot) -> None:
-        for inp in app.query(Input):
-            inp.cursor_blink = False
-        await pilot.press("ctrl+n")
-        await pilot.pause()
-        for inp in app.query(Input):
-            inp.cursor_blink = False
-        for ch in "why":
-            await pilot.press(ch)
-        await pilot.press("ctrl+b")
-        while client.events_queue is None or client.next_id < 2:
-            await pilot.pause(0.02)
+        await two_panes_asking(pilot, app, client, "why")
         client.events_queue.put_nowait(event(mode="continuous", running=2, waiting=1, used=12, step=42))
         await pilot.pause(0.3)
         for pane in app.panes():
@@ -68,17 +73,7 @@ def _timeline_snapshot(snap_compare, tmp_path, static: bool):
     app = MinibatchChat(client, history, poll_interval=0.05)
 
     async def run_before(pilot) -> None:
-        for inp in app.query(Input):
-            inp.cursor_blink = False
-        await pilot.press("ctrl+n")
-        await pilot.pause()
-        for inp in app.query(Input):
-            inp.cursor_blink = False
-        for ch in "go":
-            await pilot.press(ch)
-        await pilot.press("ctrl+b")
-        while client.events_queue is None or client.next_id < 2:
-            await pilot.pause(0.02)
+        await two_panes_asking(pilot, app, client, "go")
         client.events_queue.put_nowait(event(mode="static" if static else "continuous", running=3, waiting=2, used=12, step=30))
         await pilot.press("ctrl+g")
         panel = app.query_one("EnginePanel")
