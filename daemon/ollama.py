@@ -19,11 +19,11 @@ import uuid
 from datetime import datetime, timezone
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
 
-from .protocol import ApiError, Float, _lone_surrogate
+from .protocol import ApiError, Float, parse_body
 
 VERSION = "0.6.0"  # the Ollama API version whose shapes these follow
 
@@ -85,24 +85,6 @@ class GenerateBody(_Request):
     raw: StrictBool = False
 
 
-def parse(raw: bytes, model: type[BaseModel]):
-    try:
-        data = json.loads(raw or b"{}")
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise ApiError(400, f"body is not valid JSON: {exc}", None, "invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "body must be a JSON object", None, "invalid_type")
-    where = _lone_surrogate(data)
-    if where is not None:
-        raise ApiError(400, f"{where}: holds a lone UTF-16 surrogate, which is not text", where, "invalid_unicode")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise ApiError(400, f"{param}: {err['msg']}", param, err["type"]) from None
-
-
 def now_iso() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
@@ -130,7 +112,7 @@ async def respond(request: web.Request, chat: bool):
         raw = await asyncio.wait_for(request.read(), state.body_timeout)
     except asyncio.TimeoutError:
         raise ApiError(408, f"request body not received within {state.body_timeout:g} s", None, "timeout") from None
-    body = parse(raw, ChatBody if chat else GenerateBody)
+    body = parse_body(raw, ChatBody if chat else GenerateBody)
     check_model(state, _strip_tag(body.model, state.model_name))
     engine = state.ready_engine()
     if chat:
