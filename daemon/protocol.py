@@ -12,11 +12,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from minibatch.engine.core.sampling_params import MAX_LOGPROBS, MAX_TOP_K, SamplingParams
+from minibatch.engine.core.sampling_params import MAX_LOGPROBS, MAX_TOP_K, SAMPLING_DEFAULT_FIELDS, SamplingParams
 
 MAX_BODY_BYTES = 4 * 2**20
-# Sampling fields a model's generation_config.json may give defaults for (as vLLM reads them).
-SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
 

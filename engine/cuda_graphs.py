@@ -64,10 +64,6 @@ class DecodeInputs:
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self.rows_written = 0  # table rows rewritten so far (what the incremental fill saves is visible)
 
-    @classmethod
-    def empty(cls, size: int, max_blocks: int, device) -> "DecodeInputs":
-        return cls(size, max_blocks, device)
-
     def fill(self, batch: FlatBatch) -> int:
         """Copy a pure-decode batch in; the rows past it become padding. Returns the real row count."""
         n = batch.input_ids.numel()
@@ -103,15 +99,15 @@ class DecodeInputs:
             last = i
         self.rows_written += 0 if first < 0 else last - first + 1
         self._n = n
-        blocking = self.device.type != "cuda"
+        non_blocking = self.device.type == "cuda"
         size = self.size
         if first == 0:
-            self._dev[: size + (last + 1) * width].copy_(host[: size + (last + 1) * width], non_blocking=not blocking)
+            self._dev[: size + (last + 1) * width].copy_(host[: size + (last + 1) * width], non_blocking=non_blocking)
         else:
-            self._dev[:size].copy_(host[:size], non_blocking=not blocking)
+            self._dev[:size].copy_(host[:size], non_blocking=non_blocking)
             if first > 0:
                 lo, hi = size + first * width, size + (last + 1) * width
-                self._dev[lo:hi].copy_(host[lo:hi], non_blocking=not blocking)
+                self._dev[lo:hi].copy_(host[lo:hi], non_blocking=non_blocking)
         if self._copied is not None:
             self._copied.record()
         return n
@@ -140,7 +136,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         pool = None
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            inp = DecodeInputs.empty(size, self.max_blocks, self.device)
+            inp = DecodeInputs(size, self.max_blocks, self.device)
             meta = self._meta(inp, size)
             for _ in range(2):  # warm up: Triton compiles, allocator settles
                 self.model.forward_planned(inp.input_ids, inp.positions, self.kv_caches, meta)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from .core.block_manager import BlockManager
 from .core.engine import LLMEngine
 from .model_store import DEFAULT_MODEL, resolve_model
+from .core.sampling_params import SAMPLING_DEFAULT_FIELDS
 from .core.scheduler import MODES, SchedulerConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -92,9 +93,6 @@ def kv_budget(config: EngineConfig, device: str) -> tuple[int, str]:
     return int(available * fraction), f"{fraction:g} of {available / 2**30:.1f} GiB {what}"
 
 
-SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
 def generation_config(model_dir) -> tuple[set[int], dict]:
     """(extra stop token ids, default sampling values) from the model's generation_config.json, when it has one."""
     import json
@@ -107,7 +105,7 @@ def generation_config(model_dir) -> tuple[set[int], dict]:
         return set(), {}
     eos = gen.get("eos_token_id")
     ids = set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())
-    defaults = {k: gen[k] for k in SAMPLING_DEFAULTS if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)}
+    defaults = {k: gen[k] for k in SAMPLING_DEFAULT_FIELDS if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)}
     return ids, defaults
 
 

@@ -28,21 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import CHAT_SET, TraceItem, chat_trace, median_summary, summarize, synthetic_trace  # noqa: E402
-from loadgen import Result, env_socket, session, stream_request  # noqa: E402
-
-
-async def wait_mode(s, mode: str, timeout: float = 600) -> None:
-    async with s.put("/v1/engine/mode", json={"mode": mode}) as r:
-        if r.status >= 400:
-            raise RuntimeError(f"mode switch: {await r.text()}")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        async with s.get("/v1/engine/stats?steps=0") as r:
-            st = await r.json()
-        if st["mode"] == mode and st["running"] == 0 and st["waiting"] == 0:
-            return
-        await asyncio.sleep(0.1)
-    raise RuntimeError(f"the daemon did not switch to {mode} within {timeout} s")
+from loadgen import Result, env_socket, session, steps_since, stream_request, wait_mode  # noqa: E402
 
 
 def body_of(item: TraceItem) -> tuple[dict, bool]:
@@ -52,11 +38,6 @@ def body_of(item: TraceItem) -> tuple[dict, bool]:
     if item.prompt_text is not None:
         return {"prompt": item.prompt_text, **common}, False
     return {"prompt": item.prompt_ids, **common}, False
-
-
-async def steps_since(s, since: int) -> dict:
-    async with s.get(f"/v1/engine/steps?since={since}") as r:
-        return await r.json(content_type=None)
 
 
 async def replay(s, trace: list[TraceItem], concurrency: int | None, progress=None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -66,6 +67,30 @@ def session(socket: str | None = None, url: str | None = None, api_key: str | No
     return aiohttp.ClientSession(
         connector=aiohttp.UnixConnector(path=socket, limit=0), base_url="http://localhost", timeout=timeout, headers=headers,
     )
+
+
+async def wait_mode(s: aiohttp.ClientSession, mode: str, timeout: float = 600) -> None:
+    """Ask the daemon for a batching mode and wait until it has switched and nothing runs or waits."""
+    async with s.put("/v1/engine/mode", json={"mode": mode}) as r:
+        if r.status >= 400:
+            raise RuntimeError(f"mode switch: {await r.text()}")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        async with s.get("/v1/engine/stats?steps=0") as r:
+            st = await r.json()
+        if st["mode"] == mode and st["running"] == 0 and st["waiting"] == 0:
+            return
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"the daemon did not switch to {mode} within {timeout} s")
+
+
+async def steps_since(s: aiohttp.ClientSession, since: int) -> dict:
+    """The daemon's step records after step `since` (GET /v1/engine/steps)."""
+    async with s.get(f"/v1/engine/steps?since={since}") as r:
+        data = await r.json(content_type=None)
+        if r.status != 200:
+            raise RuntimeError(f"/v1/engine/steps answered {r.status}: {data}")
+        return data
 
 
 async def stream_request(s: aiohttp.ClientSession, index: int, body: dict, chat: bool = True) -> Result:

@@ -20,35 +20,13 @@ import asyncio
 import json
 import random
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from loadgen import env_socket, session, stream_request  # noqa: E402
+from loadgen import env_socket, session, steps_since, stream_request, wait_mode  # noqa: E402
 
 STATE_NAMES = {"p": "prefill", "d": "decode", "x": "padding", "h": "held"}
-
-
-async def fetch_steps(s, since: int) -> dict:
-    async with s.get(f"/v1/engine/steps?since={since}") as r:
-        data = await r.json(content_type=None)
-        if r.status != 200:
-            raise SystemExit(f"timeline: /v1/engine/steps answered {r.status}: {data}")
-        return data
-
-
-async def set_mode(s, mode: str, timeout: float = 120.0) -> None:
-    async with s.put("/v1/engine/mode", json={"mode": mode}) as r:
-        if r.status >= 400:
-            raise SystemExit(f"timeline: mode switch failed: {await r.text()}")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        async with s.get("/v1/engine/mode") as r:
-            if (await r.json())["mode"] == mode:
-                return
-        await asyncio.sleep(0.05)
-    raise SystemExit(f"timeline: the daemon did not switch to {mode}")
 
 
 def trace(n: int, seed: int) -> list[dict]:
@@ -60,12 +38,12 @@ def trace(n: int, seed: int) -> list[dict]:
 
 
 async def replay(s, bodies: list[dict]) -> dict:
-    before = (await fetch_steps(s, 1 << 62))["last_step"]
+    before = (await steps_since(s, 1 << 62))["last_step"]
     results = await asyncio.gather(*(stream_request(s, i, b) for i, b in enumerate(bodies)))
     failed = [r for r in results if not r.ok]
     if failed:
         raise SystemExit(f"timeline: {len(failed)} requests failed: {failed[0].error}")
-    data = await fetch_steps(s, before)
+    data = await steps_since(s, before)
     data["truncated"] = bool(data["steps"]) and data["steps"][0]["step"] > before + 1
     return data
 
@@ -77,16 +55,16 @@ async def run_live(args) -> list[tuple[str, dict]]:
         panels = []
         try:
             for mode in ("continuous", "static"):
-                await set_mode(s, mode)
+                await wait_mode(s, mode)
                 panels.append((mode, await replay(s, trace(args.requests, args.seed))))
         finally:
-            await set_mode(s, original)
+            await wait_mode(s, original)
         return panels
 
 
 async def current(args) -> list[tuple[str, dict]]:
     async with session(args.socket, args.url) as s:
-        return [("the daemon's last steps", await fetch_steps(s, 0))]
+        return [("the daemon's last steps", await steps_since(s, 0))]
 
 
 def grid(payload: dict):

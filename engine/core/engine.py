@@ -89,8 +89,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs, None
-        computed = [(r.request_id, n, n == 1 and bool(r.output_token_ids) and r.num_computed_tokens + 1 == r.num_tokens)
-                    for r, n in zip(sched.requests, sched.num_new_tokens)]
+        computed = [(r.request_id, n, d) for r, n, d in zip(sched.requests, sched.num_new_tokens, sched.is_decode)]
         result = self.runner.execute(sched)
         now = self.clock()
         logprobs = getattr(result, "logprobs", None) or {}

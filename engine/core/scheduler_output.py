@@ -13,6 +13,7 @@ class SchedulerOutput:
 
     requests: list[Request] = field(default_factory=list)  # requests computing tokens this step
     num_new_tokens: list[int] = field(default_factory=list)  # tokens each computes: a prefill chunk, or 1
+    is_decode: list[bool] = field(default_factory=list)  # each computes its next token (not a prompt/recompute chunk)
     padding: list[Request] = field(default_factory=list)  # static: finished members whose rows still run
     preempted: list[Request] = field(default_factory=list)  # sent back to the waiting queue this step
     num_prefill_tokens: int = 0  # prompt (or recomputed) tokens in this forward
@@ -24,9 +25,11 @@ class SchedulerOutput:
         return not self.requests and not self.padding
 
     def add(self, req: Request, n: int) -> None:
+        decode = bool(req.output_token_ids) and req.num_computed_tokens + n == req.num_tokens and n == 1
         self.requests.append(req)
         self.num_new_tokens.append(n)
-        if req.output_token_ids and req.num_computed_tokens + n == req.num_tokens and n == 1:
+        self.is_decode.append(decode)
+        if decode:
             self.num_decode_tokens += 1
         else:
             self.num_prefill_tokens += n
@@ -35,7 +38,7 @@ class SchedulerOutput:
         i = self.requests.index(req)
         n = self.num_new_tokens.pop(i)
         self.requests.pop(i)
-        if req.output_token_ids and n == 1:
+        if self.is_decode.pop(i):
             self.num_decode_tokens -= 1
         else:
             self.num_prefill_tokens -= n

@@ -31,7 +31,7 @@ def test_capture_sizes_cover_every_batch_with_less_than_8_rows_of_padding():
 def test_decode_inputs_pad_with_the_null_block_and_rewrite_only_changed_rows():
     tables = [[3, 4], [7, 8], [9]]
     batch = build_flat_batch([[11], [12], [13]], [5, 17, 0], tables, 16, DEVICE)
-    inp = DecodeInputs.empty(8, max_blocks=4, device=DEVICE)
+    inp = DecodeInputs(8, max_blocks=4, device=DEVICE)
     assert inp.fill(batch) == 3
     assert inp.input_ids.tolist() == [11, 12, 13, 0, 0, 0, 0, 0]
     assert inp.positions.tolist() == [5, 17, 0, 0, 0, 0, 0, 0]
@@ -71,7 +71,7 @@ def test_padding_rows_are_harmless_on_the_triton_path(tiny_llama_dir):
         model(prompt.input_ids, prompt.positions, caches, prompt.attn)
         step = build_flat_batch([[9]], [3], [[2]], 8, DEVICE)
         eager = model.compute_logits(model(step.input_ids, step.positions, [c.clone() for c in caches], step.attn))
-        inp = DecodeInputs.empty(4, max_blocks=2, device=DEVICE)
+        inp = DecodeInputs(4, max_blocks=2, device=DEVICE)
         inp.fill(step)
         meta = AttentionMetadata([1] * 4, [1] * 4, 8, inp.slot_mapping, [[0]] * 4)
         meta.plan = _TritonPlan(inp.block_tables, inp.query_start_loc, inp.seq_lens, 1)
