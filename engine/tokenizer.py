@@ -1,43 +1,181 @@
-"""The text side of a model: encode, decode and render chat messages, without exposing transformers."""
+"""The text side of a model: encode, decode and render chat messages, without exposing transformers.
+
+A model whose tokenizer is a plain `tokenizer.json` (every GGUF we prepare, most hub models) is run on the
+`tokenizers` library directly, with the chat template rendered by jinja2 the way transformers renders it:
+importing transformers costs about a second and 100 MB at every start. Anything else (a tokenizer class with
+behaviour of its own, special tokens the file does not mark) goes through transformers' AutoTokenizer.
+"""
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
+from functools import lru_cache
 from pathlib import Path
 
-# Tokenizer classes that are exactly the `tokenizers` backend with no behaviour of their own: they
-# load through PreTrainedTokenizerFast directly. AutoTokenizer would first import transformers'
-# model and config machinery (with torch): ~4 s and ~240 MB more at every start.
+# Tokenizer classes that are exactly the `tokenizers` backend with no behaviour of their own.
 _PLAIN_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# The named special tokens transformers hands a chat template (its SPECIAL_TOKENS_ATTRIBUTES).
+_NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class TextTokenizer:
-    """Wraps the model's Hugging Face tokenizer; the daemon and scripts use only these methods."""
+    """The model's tokenizer; the daemon and scripts use only these methods and attributes."""
 
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
-        config = model_dir / "tokenizer_config.json"
-        cls = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
-        if cls in _PLAIN_FAST and (model_dir / "tokenizer.json").is_file():
-            from transformers import PreTrainedTokenizerFast
-
-            self.hf = PreTrainedTokenizerFast.from_pretrained(model_dir)
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self._tok = _plain_tokenizer(model_dir, config)
+        if self._tok is not None:
+            self.backend = "tokenizers"
+            self._special = {k: _token_text(config[k]) for k in _NAMED_SPECIAL if config.get(k) is not None}
+            eos = self._special.get("eos_token")
+            self.eos_token_id: int | None = self._tok.token_to_id(eos) if eos is not None else None
+            self.chat_template = _chat_template(model_dir, config)
         else:
             from transformers import AutoTokenizer
 
+            self.backend = "transformers"
             self.hf = AutoTokenizer.from_pretrained(model_dir)
-        self.eos_token_id: int | None = self.hf.eos_token_id
-        self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
+            self.eos_token_id = self.hf.eos_token_id
+            self.chat_template = getattr(self.hf, "chat_template", None)
+        self.has_chat_template = bool(self.chat_template)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=False))
+        if self._tok is None:
+            return list(self.hf.encode(text, add_special_tokens=False))
+        return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        if self._tok is None:
+            return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of the conversation rendered with the model's chat template."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The conversation as text, rendered with the model's chat template."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
-        ids = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+        import jinja2
+
+        try:
+            if self._tok is None:
+                return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            return _compiled(self.chat_template).render(
+                messages=[_with_reasoning_aliases(m) for m in messages], tools=None, documents=None,
+                add_generation_prompt=add_generation_prompt, **self._special,
+            )
+        except jinja2.TemplateError as exc:  # raise_exception() in the template, or a template bug
+            raise ValueError(f"the model's chat template refused these messages: {exc}") from exc
+
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the conversation rendered with the model's chat template (no special tokens added)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt))
+
+
+def _plain_tokenizer(model_dir: Path, config: dict):
+    """A `tokenizers.Tokenizer` when the model's tokenizer is exactly its tokenizer.json, else None.
+
+    Exactly means: a class with no behaviour of its own, and every named special token of the config already
+    an added special token of the file (transformers would otherwise add it, changing encode and decode).
+    """
+    path = model_dir / "tokenizer.json"
+    if config.get("tokenizer_class") not in _PLAIN_FAST or not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path))
+    special = {t.content for t in tok.get_added_tokens_decoder().values() if t.special}
+    named = [_token_text(config[k]) for k in _NAMED_SPECIAL if config.get(k) is not None]
+    extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    extra = list(extra.values()) if isinstance(extra, dict) else list(extra)
+    if not all(t in special for t in named + [_token_text(t) for t in extra]):
+        return None
+    return tok
+
+
+def _token_text(value) -> str:
+    return value["content"] if isinstance(value, dict) else str(value)
+
+
+def _chat_template(model_dir: Path, config: dict) -> str | None:
+    """The default chat template: chat_template.jinja, else the config's (a string or named templates)."""
+    path = model_dir / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        return named.get("default")
+    return template
+
+
+def _with_reasoning_aliases(message: dict) -> dict:
+    """Templates read a message's reasoning as reasoning_content (or thinking); fill both from whichever is set."""
+    reasoning = next((message[k] for k in ("reasoning_content", "thinking", "reasoning") if message.get(k) is not None), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+@lru_cache(maxsize=8)
+def _compiled(template: str):
+    """The template compiled in a sandbox with what chat templates expect (transformers' environment)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters, which would change the prompt
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    class Namespace(jinja2.utils.Namespace):
+        """namespace() that refuses underscore names, so a template cannot reach Python internals through it."""
+
+        def __init__(*args, **kwargs):
+            self, attrs = args[0], dict(*args[1:], **kwargs)
+            for name in attrs:
+                Namespace._check(name)
+            jinja2.utils.Namespace.__init__(self, attrs)
+
+        def __setitem__(self, name, value):
+            Namespace._check(name)
+            jinja2.utils.Namespace.__setitem__(self, name, value)
+
+        @staticmethod
+        def _check(name):
+            if isinstance(name, str) and name.startswith("_"):
+                raise jinja2.exceptions.SecurityError(f"chat templates cannot set {name!r} on a namespace")
+
+    class Generation(jinja2.ext.Extension):
+        """{% generation %}...{% endgeneration %} marks the assistant's part for training masks; it renders as is."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    class TemplateDict:
+        """dict() and dict.fromkeys() for templates, without exposing the type itself."""
+
+        def __call__(self, *args, **kwargs):
+            return dict(*args, **kwargs)
+
+        def fromkeys(self, *args, **kwargs):
+            return dict.fromkeys(*args, **kwargs)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(
+        raise_exception=raise_exception,
+        strftime_now=lambda fmt: datetime.now().strftime(fmt),
+        dict=TemplateDict(),
+        namespace=Namespace,
+    )
+    return env.from_string(template)
