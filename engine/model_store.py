@@ -37,6 +37,8 @@ import platformdirs
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SOURCE_FILE = "minibatch-source.json"
+# Bumped when what a preparation writes changes; a cached preparation of another format is redone.
+PREPARED_FORMAT = 2
 
 
 @dataclass(slots=True, frozen=True)
@@ -175,11 +177,11 @@ def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
             shutil.rmtree(dest)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=cache_dir))
         try:
-            print(f"minibatch: reading {gguf.name}'s config and tokenizer (once)", file=sys.stderr)
             started = time.perf_counter()
-            write_config_and_tokenizer(gguf, tmp)
-            source = {"gguf": str(gguf.resolve()), "weights_from_gguf": True,
-                      "sha256_prefix": key.rsplit("-", 1)[1], "seconds": time.perf_counter() - started}
+            reader = write_config_and_tokenizer(gguf, tmp)
+            source = {"gguf": str(gguf.resolve()), "weights_from_gguf": True, "prepared_by": reader,
+                      "format": PREPARED_FORMAT, "sha256_prefix": key.rsplit("-", 1)[1],
+                      "seconds": round(time.perf_counter() - started, 3)}
             (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2))
             os.rename(tmp, dest)
         except BaseException:
@@ -189,18 +191,37 @@ def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
 
 
 def _prepared(dest: Path) -> bool:
+    """Prepared in the current format (an older preparation is redone: it takes well under a second)."""
     marker = dest / SOURCE_FILE
-    return marker.is_file() and bool(json.loads(marker.read_text()).get("weights_from_gguf"))
+    if not marker.is_file():
+        return False
+    source = json.loads(marker.read_text())
+    return bool(source.get("weights_from_gguf")) and source.get("format") == PREPARED_FORMAT
 
 
-def write_config_and_tokenizer(gguf: Path, out: Path) -> None:
-    """config.json, generation_config.json and the tokenizer files, read by transformers from the GGUF metadata."""
+def write_config_and_tokenizer(gguf: Path, out: Path) -> str:
+    """config.json, generation_config.json and the tokenizer files from the GGUF metadata; returns whose reader.
+
+    Our reader (gguf_prepare) covers byte-level BPE vocabularies of the families we run, in well under a
+    second; anything else is read by transformers' GGUF reader (seconds to tens of seconds).
+    """
+    from .gguf_prepare import can_prepare, write_model_files
+    from .weights.gguf_reader import GGUFFile
+
+    f = GGUFFile(gguf)
+    why_not = can_prepare(f)
+    if why_not is None:
+        write_model_files(f, out)
+        return "minibatch"
+    print(f"minibatch: reading {gguf.name}'s config and tokenizer with transformers, once ({why_not} is not covered "
+          "by our reader)", file=sys.stderr)
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config.save_pretrained(out)
     GenerationConfig.from_model_config(config).save_pretrained(out)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return "transformers"
 
 
 def _from_hub(repo_id: str) -> Path:

@@ -33,12 +33,15 @@ def load_cpu_extension():
         log.info("CPU kernels disabled by MINIBATCH_CPU_KERNELS=0; using the PyTorch twins")
         return None
     started = time.perf_counter()
+    # torch's build cache hashes the sources, not the headers: the digest of every file in
+    # csrc/ goes into the flags so that any change rebuilds.
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.is_file())).hexdigest()[:16]
+    _ext = _load_built(digest)
+    if _ext is not None:
+        return _ext
     try:
         from torch.utils.cpp_extension import load
 
-        # torch's build cache hashes the sources, not the headers: the digest of every file in
-        # csrc/ goes into the flags so that any change rebuilds.
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.is_file())).hexdigest()[:16]
         _ext = load(
             name="minibatch_cpu_kernels",
             sources=[str(_CSRC / s) for s in SOURCES],
@@ -53,4 +56,56 @@ def load_cpu_extension():
     took = time.perf_counter() - started
     if took > 2.0:
         log.info("compiled the CPU kernels in %.0f s (cached for later starts)", took)
+    _remember_built(digest, _ext)
     return _ext
+
+
+# torch's loader checks its build cache through setuptools and ninja (~0.2 s at every start); once a build
+# exists for these sources, flags, torch and Python, the shared library is imported directly.
+def _build_key(digest: str) -> str:
+    import sys
+
+    import torch
+
+    return f"{digest} {' '.join(CFLAGS)} torch-{torch.__version__} py-{sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def _record() -> Path:
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("minibatch")) / "cpu-kernels.json"
+
+
+def _load_built(digest: str):
+    import importlib.machinery
+    import importlib.util
+    import json
+
+    try:
+        record = json.loads(_record().read_text())
+        path = Path(record["path"]) if record.get("key") == _build_key(digest) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if path is None or not path.is_file():
+        return None
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(path.stem, str(path))
+        spec = importlib.util.spec_from_file_location(path.stem, str(path), loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+        return module
+    except Exception as exc:  # a library that no longer loads: build through torch again
+        log.info("rebuilding the CPU kernels: the cached build did not load (%s)", exc)
+        return None
+
+
+def _remember_built(digest: str, ext) -> None:
+    import json
+
+    try:
+        _record().parent.mkdir(parents=True, exist_ok=True)
+        tmp = _record().with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": _build_key(digest), "path": str(Path(ext.__file__).resolve())}))
+        tmp.replace(_record())
+    except OSError:
+        pass

@@ -51,9 +51,13 @@ class GGUFFile:
             raise GGUFFormatError(f"{self.path}: GGUF version {self.version} is not supported (2, 3)")
         n_tensors, n_kv = self._scalar("<Q"), self._scalar("<Q")
         self.metadata: dict[str, object] = {}
+        self._arrays: dict[str, int] = {}  # key -> where its array starts, for array(key)
         for _ in range(n_kv):
             key = self._string()
-            self.metadata[key] = self._value(self._scalar("<I"))
+            vtype = self._scalar("<I")
+            if vtype == _ARRAY:
+                self._arrays[key] = self._pos
+            self.metadata[key] = self._value(vtype)
         self.tensors: list[TensorInfo] = []
         for _ in range(n_tensors):
             name = self._string()
@@ -68,6 +72,27 @@ class GGUFFile:
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
+
+    def array(self, key: str) -> list[str] | np.ndarray | None:
+        """A metadata array in full (strings as a list, numbers as a numpy array), or None when absent."""
+        if key not in self._arrays:
+            return None
+        self._pos = self._arrays[key]
+        etype, count = self._scalar("<I"), self._scalar("<Q")
+        if etype in _SCALARS:
+            dtype = np.dtype(_SCALARS[etype])
+            return np.frombuffer(self._take(dtype.itemsize * count), dtype=dtype).copy()
+        if etype == _STRING:
+            out, pos, buf, size = [], self._pos, self._map, len(self._map)
+            for _ in range(count):
+                n = struct.unpack_from("<Q", buf, pos)[0] if pos + 8 <= size else size
+                if pos + 8 + n > size:
+                    raise GGUFFormatError(f"{self.path}: {key} runs past the end of the file (truncated)")
+                out.append(buf[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"))
+                pos += 8 + n
+            self._pos = pos
+            return out
+        raise GGUFFormatError(f"{self.path}: {key} is an array of type {etype}, not of numbers or strings")
 
     def data(self, info: TensorInfo, nbytes: int) -> np.ndarray:
         """The tensor's bytes as a read-only uint8 view of the mapped file."""

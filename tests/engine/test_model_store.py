@@ -35,6 +35,7 @@ def test_alias_prepares_config_and_tokenizer_once_into_an_empty_cache(fresh_cach
     assert not list(path.glob("*.safetensors"))  # the weights stay in the GGUF file
     source = json.loads((path / model_store.SOURCE_FILE).read_text())
     assert source["weights_from_gguf"] and Path(source["gguf"]).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert source["prepared_by"] == "minibatch"
     assert "quantization_config" not in json.loads((path / "config.json").read_text())
     assert ModelConfig.from_dir(path).num_layers == 30
     assert not list(fresh_cache.glob(".*.tmp-*"))
