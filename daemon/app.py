@@ -29,6 +29,7 @@ class DaemonState:
     engine: object | None = None  # AsyncEngine once loaded
     monitor: object | None = None
     tokenizer: object | None = None
+    grammars: object | None = None  # engine.structured.GrammarCompiler, when the tokenizer allows one
     info: dict = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
     status: str = "loading"  # loading | ready | draining | failed
@@ -129,7 +130,36 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await run_request(request, state, engine, body, ids, "text_completion", f"cmpl-{uuid.uuid4().hex}")
 
 
-def submit(state: DaemonState, engine, body, ids: list[int], request_id: str) -> None:
+async def response_grammar(state: DaemonState, fmt, param: str):
+    """The grammar for a response format (None for plain text), compiled off the event loop's thread.
+
+    `fmt` is "json", a JSON schema (dict), or a protocol.ResponseFormat; `param` names the field in errors.
+    """
+    from minibatch.engine.structured import GrammarError
+
+    if fmt is None or getattr(fmt, "type", None) == "text":
+        return None
+    if state.grammars is None:
+        raise ApiError(400, f"{param}: this model's tokenizer cannot drive constrained decoding (it is not a "
+                       "tokenizer.json tokenizer)", param, "unsupported")
+    if getattr(fmt, "type", None) == "json_schema":
+        if fmt.json_schema is None:
+            raise ApiError(400, f"{param}.json_schema: required when type is json_schema", f"{param}.json_schema", "missing")
+        if fmt.json_schema.schema_ is None:
+            raise ApiError(400, f"{param}.json_schema.schema: required when type is json_schema",
+                           f"{param}.json_schema.schema", "missing")
+        schema, param = fmt.json_schema.schema_, f"{param}.json_schema.schema"
+    elif getattr(fmt, "type", None) == "json_object" or fmt == "json":
+        schema = {"type": "object"}
+    else:
+        schema = fmt
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, state.grammars.json_schema, schema)
+    except GrammarError as exc:
+        raise ApiError(400, f"{param}: the schema cannot be used: {exc}", param, "invalid_schema") from None
+
+
+def submit(state: DaemonState, engine, body, ids: list[int], request_id: str, grammar=None) -> None:
     limit = state.info.get("max_model_len") or 0
     if not ids:
         raise ApiError(400, "the prompt is empty", "messages" if isinstance(body, ChatRequest) else "prompt", "empty_prompt")
@@ -137,6 +167,7 @@ def submit(state: DaemonState, engine, body, ids: list[int], request_id: str) ->
         raise ApiError(400, f"the prompt has {len(ids)} tokens; the context limit is {limit}", "messages", "context_length_exceeded")
     params = body.sampling_params(min(DEFAULT_MAX_TOKENS, limit - len(ids)) if limit else DEFAULT_MAX_TOKENS,
                                   state.info.get("generation_defaults"))
+    params.grammar = grammar
     try:
         engine.submit(ids, params, request_id)
     except QueueFull as exc:
@@ -146,7 +177,8 @@ def submit(state: DaemonState, engine, body, ids: list[int], request_id: str) ->
 
 
 async def run_request(request, state: DaemonState, engine, body, ids, kind: str, request_id: str):
-    submit(state, engine, body, ids, request_id)
+    grammar = await response_grammar(state, body.response_format, "response_format")
+    submit(state, engine, body, ids, request_id, grammar)
     base = {"id": request_id, "created": int(time.time()), "model": state.model_name}
     chat = kind == "chat.completion"
     # Leaving this iterator early (timeout, client gone) aborts the request and frees its blocks.

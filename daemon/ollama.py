@@ -19,6 +19,8 @@ import uuid
 from datetime import datetime, timezone
 
 from aiohttp import web
+from typing import Any, Literal
+
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
@@ -54,6 +56,7 @@ class _Request(_Lenient):
     model: StrictStr | None = None
     stream: StrictBool = True
     options: Options = Field(default_factory=Options)
+    format: Literal["json", ""] | dict[str, Any] | None = None  # any JSON, or a JSON schema
 
     def sampling_params(self, default_max_tokens: int, model_defaults: dict | None = None) -> SamplingParams:
         o = self.options
@@ -104,7 +107,7 @@ def final_counters(out, prompt_tokens: int, n: int, started: float) -> dict:
 
 
 async def respond(request: web.Request, chat: bool):
-    from .app import STATE, check_model, submit
+    from .app import STATE, check_model, response_grammar, submit
 
     state = request.app[STATE]
     started = time.perf_counter()
@@ -129,7 +132,8 @@ async def respond(request: web.Request, chat: bool):
         return web.json_response({"model": state.model_name, "created_at": now_iso(), "response": "", "done": True,
                                   "done_reason": "load"})
     request_id = f"ollama-{uuid.uuid4().hex}"
-    submit(state, engine, body, ids, request_id)
+    grammar = await response_grammar(state, body.format or None, "format")
+    submit(state, engine, body, ids, request_id, grammar)
     outputs = engine.stream(request_id)
 
     def line(text: str) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
@@ -54,6 +54,20 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: StrictStr = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+    description: StrictStr | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's response_format: plain text, any JSON object, or JSON that follows a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampling(_Body):
     model: StrictStr | None = None
     stream: StrictBool = False
@@ -72,6 +86,7 @@ class _Sampling(_Body):
     ignore_eos: StrictBool = False
     n: StrictInt = Field(default=1, ge=1, le=1)
     user: StrictStr | None = None
+    response_format: ResponseFormat | None = None
 
     def sampling_params(self, default_max_tokens: int, model_defaults: dict | None = None) -> SamplingParams:
         """The request's sampling; a field the request leaves out takes the model's default

@@ -70,6 +70,16 @@ def start_engine_thread(config: EngineConfig, loop: asyncio.AbstractEventLoop,
     return fut
 
 
+def grammar_compiler(engine, tokenizer):
+    """What compiles response formats for this model (its vocabulary is read on first use), or None."""
+    from minibatch.engine.structured import GrammarCompiler
+
+    spec = tokenizer.tokenizer_json()
+    if spec is None:
+        return None
+    return GrammarCompiler(spec, engine.runner.model.config.vocab_size, list(engine.eos_token_ids))
+
+
 async def serve(config: DaemonConfig) -> int:
     loop = asyncio.get_running_loop()
     lock = InstanceLock(config.socket)
@@ -112,6 +122,7 @@ async def serve(config: DaemonConfig) -> int:
         state.monitor = EngineMonitor(loop)
         engine.stats_listeners.append(state.monitor.on_step_threadsafe)
         state.engine, state.tokenizer = engine, tokenizer
+        state.grammars = grammar_compiler(engine.engine, tokenizer)
         info = engine.engine.info
         state.info = {k: info[k] for k in ("device", "dtype", "weights", "block_size", "num_kv_blocks", "max_model_len", "kv_budget", "family")
                       if k in info}

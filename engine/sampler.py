@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .core.request import Request
@@ -27,6 +28,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:  # logits: [n, vocab]
         logits = logits.float()
+        guided = [i for i, r in enumerate(reqs) if r.params.grammar is not None]
+        if guided:
+            apply_grammar_masks(logits, guided, [reqs[i] for i in guided])
         if all(r.params.greedy and not r.params.needs_penalties for r in reqs):
             return logits.argmax(dim=-1).tolist()
         for i, r in enumerate(reqs):
@@ -72,6 +76,18 @@ class Sampler:
             g = self.generators[r.request_id] = torch.Generator(device=self.device)
             g.manual_seed(r.params.seed)
         return g
+
+
+def apply_grammar_masks(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
+    """Set to -inf, in place, every token the request's grammar does not allow next (only these rows)."""
+    vocab = logits.shape[1]
+    words = np.zeros((len(rows), (vocab + 31) // 32), dtype=np.int32)
+    for j, r in enumerate(reqs):
+        r.params.grammar.fill_mask(words[j])
+    bits = torch.from_numpy(words).to(logits.device).unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = (bits & 1).bool().reshape(len(rows), -1)[:, :vocab]
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def apply_penalties(row: torch.Tensor, r: Request) -> None:  # row: [vocab], changed in place

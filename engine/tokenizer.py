@@ -52,6 +52,13 @@ class TextTokenizer:
             return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def tokenizer_json(self) -> str | None:
+        """The tokenizer as `tokenizers` JSON (what grammar libraries read), or None for a slow tokenizer."""
+        if self._tok is not None:
+            return self._tok.to_str()
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        return backend.to_str() if backend is not None else None
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The conversation as text, rendered with the model's chat template."""
         if not self.has_chat_template:

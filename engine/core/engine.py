@@ -118,7 +118,10 @@ class LLMEngine:
         p, token = req.params, req.output_token_ids[-1]
         stream = self.streams[req.request_id]
         status = None
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+        if p.grammar is not None and not p.grammar.accept(token):  # the mask allowed it: a grammar engine fault
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            return self._final(req, error=f"the response format's grammar refused token {token}")
+        if ((not p.ignore_eos or p.grammar is not None) and token in self.eos_token_ids) or token in p.stop_token_ids:
             status = RequestStatus.FINISHED_STOPPED  # a stop token adds no text
         else:
             stream.detok.push([token])
@@ -128,6 +131,8 @@ class LLMEngine:
                     stream.detok.text = stream.detok.text[:cut]
                     stream.cut = True
                     status = RequestStatus.FINISHED_STOPPED
+        if status is None and p.grammar is not None and p.grammar.is_done():
+            status = RequestStatus.FINISHED_STOPPED  # the document is complete
         if status is None and len(req.output_token_ids) >= p.max_tokens:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:

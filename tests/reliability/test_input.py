@@ -21,6 +21,7 @@ json_scalar = st.one_of(
 )
 json_value = st.recursive(json_scalar, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3), max_leaves=6)
 ROLES = ["system", "user", "assistant"]
+JSON_TYPES = ("string", "number", "integer", "boolean", "array", "object", "null")
 # Every one of these is an invalid message (an empty string content is valid, as in the OpenAI API, so it is not here).
 hostile_message = st.one_of(
     st.just({}), st.just({"role": "user"}), st.just({"content": "hi"}), st.just({"role": "user", "content": None}),
@@ -32,7 +33,7 @@ hostile_message = st.one_of(
 )
 # At least one violation per body, so every body is truly invalid; the rest is random junk around it.
 violation = st.one_of(
-    st.tuples(st.text(min_size=1, max_size=10).filter(lambda k: k not in FIELDS + ["user", "logprobs", "max_completion_tokens", "messages"]), json_value),
+    st.tuples(st.text(min_size=1, max_size=10).filter(lambda k: k not in FIELDS + ["user", "logprobs", "max_completion_tokens", "messages", "top_logprobs", "response_format"]), json_value),
     st.tuples(st.just("messages"), st.one_of(st.just([]), st.lists(hostile_message, min_size=1, max_size=3), json_scalar)),
     st.tuples(st.sampled_from(["temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p"]),
               st.one_of(st.floats(min_value=2.0001, max_value=1e308), st.floats(max_value=-2.0001, min_value=-1e308),
@@ -41,6 +42,18 @@ violation = st.one_of(
               st.one_of(st.integers(max_value=-2), st.integers(min_value=2**64), st.floats(), st.text(max_size=5), st.booleans())),
     st.tuples(st.sampled_from(["stream", "ignore_eos"]), st.one_of(st.integers(), st.text(max_size=5), st.none())),
     st.tuples(st.just("stop"), st.one_of(st.just(""), st.lists(st.just(""), min_size=1, max_size=2), st.integers(), st.lists(st.integers(), min_size=1, max_size=2))),
+    st.tuples(st.just("top_logprobs"), st.one_of(st.integers(min_value=21), st.integers(max_value=-1), st.text(max_size=3))),
+    st.tuples(st.just("messages"), st.builds(lambda text, at: [{"role": "user", "content": text[:at] + "\ud800" + text[at:]}],
+                                             st.text(max_size=10), st.integers(0, 10))),
+    st.tuples(st.just("response_format"), st.one_of(
+        json_scalar, st.lists(json_scalar, max_size=2),
+        st.fixed_dictionaries({"type": st.text(max_size=12).filter(lambda t: t not in ("text", "json_object", "json_schema"))}),
+        st.just({"type": "json_schema"}),
+        st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries({
+            "name": st.text(min_size=1, max_size=8),
+            "schema": st.one_of(json_scalar, st.lists(json_value, max_size=2), st.fixed_dictionaries({
+                "type": st.text(max_size=10).filter(lambda t: t not in JSON_TYPES)}))})}),
+    )),
 )
 hostile_object = st.builds(
     lambda junk, bad: {**junk, bad[0]: bad[1]},
@@ -49,11 +62,11 @@ hostile_object = st.builds(
 )
 
 
-def _raw_post(sock_path, payload: bytes) -> tuple[int, dict]:
+def _raw_post(sock_path, payload: bytes, path: bytes = b"/v1/chat/completions") -> tuple[int, dict]:
     s = socket.socket(socket.AF_UNIX)
     s.settimeout(30)
     s.connect(str(sock_path))
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(payload) + payload)
     data = b""
     while chunk := s.recv(65536):
@@ -87,6 +100,34 @@ def test_check1_hostile_json_objects_get_4xx_naming_the_field(tiny_daemon, body)
 def test_check1_random_bytes_and_invalid_json_get_4xx(tiny_daemon, payload):
     status, err = _raw_post(tiny_daemon.socket, payload)
     _check_error(status, err, expect_param=False)
+
+
+ollama_violation = st.one_of(
+    st.tuples(st.just("messages"), st.one_of(st.just([]), json_scalar, st.lists(st.one_of(
+        json_scalar, st.just({"role": "robot", "content": "x"}), st.just({"role": "user", "content": 5})), min_size=1, max_size=2))),
+    st.tuples(st.just("options"), st.one_of(
+        st.fixed_dictionaries({"temperature": st.one_of(st.floats(min_value=2.0001, max_value=1e300), st.text(max_size=3))}),
+        st.fixed_dictionaries({"num_predict": st.one_of(st.integers(max_value=-3), st.text(max_size=3))}),
+        st.fixed_dictionaries({"top_p": st.one_of(st.floats(max_value=0), st.booleans())}),
+        st.fixed_dictionaries({"stop": st.one_of(st.integers(), st.just([""]))}), json_scalar)),
+    st.tuples(st.just("format"), st.one_of(
+        st.text(max_size=8).filter(lambda t: t not in ("json", "")), st.integers(), st.lists(json_scalar, min_size=1, max_size=2),
+        st.fixed_dictionaries({"type": st.text(max_size=10).filter(lambda t: t not in JSON_TYPES)}))),
+    st.tuples(st.just("stream"), st.one_of(st.integers(), st.text(max_size=3))),
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(junk=st.dictionaries(st.text(max_size=8), json_value, max_size=3), bad=ollama_violation, chat=st.booleans())
+def test_check1_ollama_shaped_garbage_gets_4xx_in_ollamas_shape(tiny_daemon, junk, bad, chat):
+    model = tiny_daemon.get("/v1/models")[1]["data"][0]["id"]  # the right model: refused for the garbage alone
+    body = {**junk, "model": model, ("messages" if chat else "prompt"): [{"role": "user", "content": "hi"}] if chat else "hi"}
+    body[bad[0]] = bad[1]
+    if not chat and bad[0] == "messages":  # the same garbage where generate reads its text, unless it is text
+        body["prompt"] = bad[1] if not isinstance(bad[1], str) else 5
+    status, err = _raw_post(tiny_daemon.socket, json.dumps(body).encode(), b"/api/chat" if chat else b"/api/generate")
+    assert 400 <= status < 500, (status, err, body)
+    assert set(err) == {"error"} and isinstance(err["error"], str) and err["error"], err
 
 
 def test_check1_daemon_is_clean_after_the_storm(tiny_daemon):
