@@ -16,6 +16,7 @@ from minibatch.engine.core.scheduler import MODES, QueueFull, RequestRejected
 from .guard import Guard, guard_middleware
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse_body
 from .responses import full_response, stream_response, timeout_message
+from .tools import check_template, forced_call_grammar, tool_specs
 
 log = logging.getLogger("minibatch.daemon")
 DEFAULT_MAX_TOKENS = 1024
@@ -109,13 +110,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body: ChatRequest = await read_body(request, state, ChatRequest)
     check_model(state, body.model)
     engine = state.ready_engine()
+    specs = tool_specs(body)
+    if specs is not None:
+        check_template(state.tokenizer)
     try:
-        ids = state.tokenizer.chat([{"role": m.role, "content": m.text()} for m in body.messages])
+        ids = state.tokenizer.chat([m.for_template() for m in body.messages], tools=specs)
     except ValueError as exc:
         raise ApiError(400, str(exc), "messages", "no_chat_template") from None
     if body.max_completion_tokens and not body.max_tokens:
         body.max_tokens = body.max_completion_tokens
-    return await run_request(request, state, engine, body, ids, "chat.completion", f"chatcmpl-{uuid.uuid4().hex}")
+    grammar = await forced_call_grammar(state, body, specs) if specs is not None else None
+    return await run_request(request, state, engine, body, ids, "chat.completion", f"chatcmpl-{uuid.uuid4().hex}",
+                             grammar=grammar, tools=specs is not None)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -176,8 +182,10 @@ def submit(state: DaemonState, engine, body, ids: list[int], request_id: str, gr
         raise ApiError(exc.status, str(exc), exc.field, "context_length_exceeded" if "context" in str(exc) else "rejected") from None
 
 
-async def run_request(request, state: DaemonState, engine, body, ids, kind: str, request_id: str):
-    grammar = await response_grammar(state, body.response_format, "response_format")
+async def run_request(request, state: DaemonState, engine, body, ids, kind: str, request_id: str, grammar=None,
+                      tools: bool = False):
+    if grammar is None:
+        grammar = await response_grammar(state, body.response_format, "response_format")
     submit(state, engine, body, ids, request_id, grammar)
     base = {"id": request_id, "created": int(time.time()), "model": state.model_name}
     chat = kind == "chat.completion"
@@ -185,10 +193,10 @@ async def run_request(request, state: DaemonState, engine, body, ids, kind: str,
     outputs = engine.stream(request_id)
     try:
         if body.stream:
-            return await stream_response(request, state, outputs, base, chat, len(ids), body.include_usage)
+            return await stream_response(request, state, outputs, base, chat, len(ids), body.include_usage, tools)
         try:
             async with asyncio.timeout(state.request_timeout):
-                return await full_response(state, outputs, base, chat, len(ids))
+                return await full_response(state, outputs, base, chat, len(ids), tools)
         except TimeoutError:
             raise ApiError(504, timeout_message(state), None, "timeout") from None
     finally:

@@ -10,7 +10,7 @@ import json
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 from minibatch.engine.core.sampling_params import MAX_LOGPROBS, MAX_TOP_K, SAMPLING_DEFAULT_FIELDS, SamplingParams
 
@@ -41,13 +41,81 @@ class TextPart(_Body):
     text: StrictStr
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
+MAX_TOOLS = 128
+
+
+class FunctionCall(_Body):
+    name: StrictStr = Field(pattern=FUNCTION_NAME)
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: StrictStr = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
-    role: Literal["system", "user", "assistant"]
-    content: StrictStr | list[TextPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOLS)  # an assistant's earlier calls
+    tool_call_id: StrictStr | None = None  # which call a tool message answers
+
+    @model_validator(mode="after")
+    def _content_where_needed(self) -> "Message":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"content is required in a {self.role} message" +
+                             (" without tool_calls" if self.role == "assistant" else ""))
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (transformers' convention: call arguments as objects)."""
+        out: dict = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        return out
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # not JSON: the template gets it as written
+
+
+class FunctionDef(_Body):
+    name: StrictStr = Field(pattern=FUNCTION_NAME)
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema for the arguments object
+    strict: StrictBool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: StrictStr
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Body):
@@ -118,6 +186,9 @@ class _Sampling(_Body):
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1, max_length=1000)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False  # each output token's log-probability (of the model's logits, before sampling settings)
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)

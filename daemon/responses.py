@@ -10,6 +10,7 @@ from aiohttp import web
 from minibatch.engine.core.request import RequestMetrics
 
 from .protocol import ApiError
+from .tools import CallSplitter, parse_calls
 
 
 def timings(m: RequestMetrics | None) -> dict:
@@ -61,7 +62,7 @@ def timeout_message(state) -> str:
     return f"the request ran past its limit of {state.request_timeout:g} s and was aborted"
 
 
-async def full_response(state, outputs, base, chat: bool, prompt_tokens: int) -> web.Response:
+async def full_response(state, outputs, base, chat: bool, prompt_tokens: int, tools: bool = False) -> web.Response:
     text, n, last = [], 0, None
     token_ids, entries, want = [], [], False
     async for out in outputs:
@@ -79,6 +80,11 @@ async def full_response(state, outputs, base, chat: bool, prompt_tokens: int) ->
     choice = {"index": 0, "finish_reason": last.finish_reason}
     if chat:
         choice["message"] = {"role": "assistant", "content": content}
+        if tools:
+            text, calls = parse_calls(content)
+            if calls:
+                choice["message"] = {"role": "assistant", "content": text, "tool_calls": calls}
+                choice["finish_reason"] = "tool_calls"
         choice["logprobs"] = {"content": chat_logprobs(state.tokenizer, token_ids, entries)} if want else None
     else:
         choice.update(text=content, logprobs=completion_logprobs(state.tokenizer, token_ids, entries) if want else None)
@@ -88,7 +94,8 @@ async def full_response(state, outputs, base, chat: bool, prompt_tokens: int) ->
     })
 
 
-async def stream_response(request, state, outputs, base, chat: bool, prompt_tokens: int, include_usage: bool):
+async def stream_response(request, state, outputs, base, chat: bool, prompt_tokens: int, include_usage: bool,
+                          tools: bool = False):
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": base["id"]})
     await resp.prepare(request)
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -117,6 +124,7 @@ async def stream_response(request, state, outputs, base, chat: bool, prompt_toke
     if chat:
         await send(chunk(None, None, role=True))
     n = 0
+    calls = CallSplitter() if tools else None
     try:
         async with asyncio.timeout(state.request_timeout):
             async for out in outputs:
@@ -126,11 +134,23 @@ async def stream_response(request, state, outputs, base, chat: bool, prompt_toke
                     await send(ApiError(500, out.error, None, "engine_error", "server_error").body())
                     break
                 carries = out.logprobs is not None and bool(out.token_ids)
-                if out.text or (carries and not out.finished):
-                    await send(chunk(out.text, None, out=out))
+                text, finish = out.text, out.finish_reason
+                if calls is not None:  # content streams; a tool call is held back and sent whole at the end
+                    text = calls.push(out.text)
+                    if out.finished:
+                        rest, found = calls.finish()
+                        if rest:
+                            await send(chunk(rest, None))
+                        if found:
+                            delta = [{"index": i, **c} for i, c in enumerate(found)]
+                            await send({**base, "object": obj, "choices": [
+                                {"index": 0, "delta": {"tool_calls": delta}, "logprobs": None, "finish_reason": None}]})
+                            finish = "tool_calls"
+                if text or (carries and not out.finished):
+                    await send(chunk(text, None, out=out))
                 if out.finished:
                     state.monitor.on_request_done(out.metrics, out.finish_reason)
-                    final = chunk(None, out.finish_reason, out=None if out.text else out)
+                    final = chunk(None, finish, out=None if text else out)
                     final["minibatch"] = timings(out.metrics)
                     await send(final)
                     if include_usage:

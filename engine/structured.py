@@ -100,6 +100,28 @@ class GrammarCompiler:
             raise GrammarError(str(exc)) from exc
         return self._matcher(grammar)
 
+    def check_schema(self, schema) -> None:
+        """Raise GrammarError when `schema` is not a JSON Schema the library can use."""
+        self.json_schema(schema)
+
+    def tool_call(self, tools: list[dict], name: str | None = None) -> Grammar:
+        """Exactly one call in the Hermes layout -- <tool_call>, a newline, {"name": ..., "arguments": {...}}, a
+        newline, </tool_call> -- to the function `name`, or to any of `tools` ({"name", "parameters"} each), its
+        arguments following that function's parameters schema."""
+        import llguidance
+
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"], "properties": {
+            "name": {"const": t["name"]}, "arguments": bound_integers(t.get("parameters") or {"type": "object"})}}
+            for t in tools if name is None or t["name"] == name]
+        if not calls:
+            raise GrammarError(f"no function named {name!r} among the tools")
+        schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}
+        lark = f'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json {json.dumps(schema)}\n'
+        try:
+            return self._matcher(llguidance.LLMatcher.grammar_from_lark(lark))
+        except ValueError as exc:
+            raise GrammarError(str(exc)) from exc
+
     def json_object(self) -> Grammar:
         """Any JSON object (OpenAI's `json_object` response format)."""
         return self.json_schema({"type": "object"})

@@ -41,6 +41,7 @@ class TextTokenizer:
             self.eos_token_id = self.hf.eos_token_id
             self.chat_template = getattr(self.hf, "chat_template", None)
         self.has_chat_template = bool(self.chat_template)
+        self._renders_tools: bool | None = None
 
     def encode(self, text: str) -> list[int]:
         if self._tok is None:
@@ -59,25 +60,43 @@ class TextTokenizer:
         backend = getattr(self.hf, "backend_tokenizer", None)
         return backend.to_str() if backend is not None else None
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The conversation as text, rendered with the model's chat template."""
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template shows the model its tools (rendering with one changes the prompt)."""
+        if self._renders_tools is None:
+            probe = [{"role": "user", "content": "hi"}]
+            tool = {"type": "function", "function": {"name": "probe_tool_x", "description": "d", "parameters": {"type": "object"}}}
+            try:
+                self._renders_tools = self.has_chat_template and "probe_tool_x" in self.render_chat(probe, tools=[tool])
+            except ValueError:
+                self._renders_tools = False
+        return self._renders_tools
+
+    @property
+    def tool_call_format(self) -> str | None:
+        """How the model writes a call, as far as we parse it: "hermes" (<tool_call>{json}</tool_call>) or None."""
+        return "hermes" if self.chat_template and "<tool_call>" in self.chat_template else None
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """The conversation as text, rendered with the model's chat template (and its tools, if given)."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
         import jinja2
 
         try:
             if self._tok is None:
-                return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+                return self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                   tokenize=False)
             return _compiled(self.chat_template).render(
-                messages=[_with_reasoning_aliases(m) for m in messages], tools=None, documents=None,
+                messages=[_with_reasoning_aliases(m) for m in messages], tools=tools, documents=None,
                 add_generation_prompt=add_generation_prompt, **self._special,
             )
         except jinja2.TemplateError as exc:  # raise_exception() in the template, or a template bug
             raise ValueError(f"the model's chat template refused these messages: {exc}") from exc
 
-    def chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
         """Token ids of the conversation rendered with the model's chat template (no special tokens added)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt))
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
 
 def _plain_tokenizer(model_dir: Path, config: dict):

@@ -1,0 +1,117 @@
+"""Function calling: which tools a request offers, the grammar that forces a call, and reading calls back.
+
+Calls are read in the Hermes layout that Qwen 2.5/3, Hermes and SmolLM3 templates teach their models:
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number of them, text around them being
+the message's content. A template that renders tools in another layout is refused with the reason
+(its calls could not be returned as `tool_calls`).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from .protocol import ApiError
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def tool_specs(body) -> list[dict] | None:
+    """The request's tools as the template and the grammar take them, or None when none apply."""
+    if not body.tools or body.tool_choice == "none":
+        if body.tool_choice not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice: a call is required but the request offers no tools", "tool_choice", "invalid_value")
+        return None
+    return [t.model_dump(exclude_none=True) for t in body.tools]
+
+
+def check_template(tokenizer) -> None:
+    """The model's template must show it the tools and teach it a call layout we can read back."""
+    if not tokenizer.supports_tools:
+        raise ApiError(400, "tools: this model's chat template does not render tools, so the model would never see "
+                       "them; send the request without tools (or use a model whose template supports them)",
+                       "tools", "unsupported")
+    if tokenizer.tool_call_format != "hermes":
+        raise ApiError(400, "tools: this model's chat template renders tools, but in a call layout minibatch does not "
+                       "read back (it reads <tool_call>{...}</tool_call>)", "tools", "unsupported")
+
+
+async def forced_call_grammar(state, body, specs: list[dict]):
+    """For tool_choice "required" or a named function: the grammar that makes the output one valid call.
+
+    Every tool's parameters are compiled first, so a schema that is not one is a 400 naming it."""
+    import asyncio
+
+    from minibatch.engine.structured import GrammarError
+
+    loop = asyncio.get_running_loop()
+    functions = [s["function"] for s in specs]
+    for i, f in enumerate(functions):
+        if f.get("parameters") is not None:
+            try:
+                await loop.run_in_executor(None, state.grammars.check_schema, f["parameters"])
+            except GrammarError as exc:
+                param = f"tools.{i}.function.parameters"
+                raise ApiError(400, f"{param}: not a usable JSON Schema: {exc}", param, "invalid_schema") from None
+    choice = body.tool_choice
+    if choice in (None, "auto"):
+        return None
+    name = None
+    if choice != "required":
+        name = choice.function.name
+        if name not in {f["name"] for f in functions}:
+            raise ApiError(400, f"tool_choice.function.name: no tool named {name!r} in tools", "tool_choice.function.name",
+                           "invalid_value")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise ApiError(400, "response_format: cannot be combined with a required tool call", "response_format", "invalid_value")
+    return await loop.run_in_executor(None, state.grammars.tool_call, functions, name)
+
+
+def parse_calls(text: str) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) from a model's output; a block that is not a call stays in the content."""
+    calls, content, pos = [], [], 0
+    while (start := text.find(OPEN, pos)) >= 0:
+        end = text.find(CLOSE, start)
+        try:
+            obj = json.loads(text[start + len(OPEN):end if end >= 0 else len(text)])
+        except ValueError:
+            obj = None
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+            break
+        args = obj.get("arguments", obj.get("parameters", {}))
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {
+            "name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+        content.append(text[pos:start])
+        pos = len(text) if end < 0 else end + len(CLOSE)
+    content.append(text[pos:])
+    joined = "".join(content).strip()
+    return (joined or None), calls
+
+
+class CallSplitter:
+    """Streams content as it comes and holds back everything from the first <tool_call> to the end."""
+
+    def __init__(self) -> None:
+        self.text, self.sent, self.in_call = "", 0, False
+
+    def push(self, delta: str) -> str:
+        """The content that can be sent now."""
+        self.text += delta
+        if self.in_call:
+            return ""
+        start = self.text.find(OPEN, self.sent)
+        if start >= 0:
+            self.in_call = True
+            upto = start
+        else:  # keep back a tail that could be the start of <tool_call>
+            upto = len(self.text) - next((k for k in range(len(OPEN) - 1, 0, -1) if self.text.endswith(OPEN[:k])), 0)
+        out, self.sent = self.text[self.sent:upto], max(self.sent, upto)
+        return out
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """(the content still to send, the calls) at the end of the output."""
+        rest = self.text[self.sent:]
+        if not self.in_call:
+            return rest, []
+        content, calls = parse_calls(rest)
+        return ((content or "") if calls else rest), calls
