@@ -119,9 +119,19 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, str(exc), "messages", "no_chat_template") from None
     if body.max_completion_tokens and not body.max_tokens:
         body.max_tokens = body.max_completion_tokens
-    grammar = await forced_call_grammar(state, body, specs) if specs is not None else None
+    make_grammar = None
+    if specs is not None:
+        forced = await forced_call_grammar(state, body, specs)  # checks every tool's schema, even when not forced
+        if forced is not None:
+            made = [forced]
+            make_grammar = lambda: _next_or_new(made, lambda: forced_call_grammar(state, body, specs))  # noqa: E731
     return await run_request(request, state, engine, body, ids, "chat.completion", f"chatcmpl-{uuid.uuid4().hex}",
-                             grammar=grammar, tools=specs is not None)
+                             make_grammar=make_grammar, tools=specs is not None)
+
+
+async def _next_or_new(made: list, make):
+    """The grammar already compiled, then a fresh one for each further completion."""
+    return made.pop() if made else await make()
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -165,7 +175,8 @@ async def response_grammar(state: DaemonState, fmt, param: str):
         raise ApiError(400, f"{param}: the schema cannot be used: {exc}", param, "invalid_schema") from None
 
 
-def submit(state: DaemonState, engine, body, ids: list[int], request_id: str, grammar=None) -> None:
+def submit(state: DaemonState, engine, body, ids: list[int], request_id: str, grammar=None, index: int = 0,
+           share_prompt_with: str | None = None) -> None:
     limit = state.info.get("max_model_len") or 0
     if not ids:
         raise ApiError(400, "the prompt is empty", "messages" if isinstance(body, ChatRequest) else "prompt", "empty_prompt")
@@ -174,33 +185,48 @@ def submit(state: DaemonState, engine, body, ids: list[int], request_id: str, gr
     params = body.sampling_params(min(DEFAULT_MAX_TOKENS, limit - len(ids)) if limit else DEFAULT_MAX_TOKENS,
                                   state.info.get("generation_defaults"))
     params.grammar = grammar
+    if index and params.seed is not None:  # the n completions of one request draw differently, reproducibly
+        params.seed = (params.seed + index) % 2**63
     try:
-        engine.submit(ids, params, request_id)
+        engine.submit(ids, params, request_id, share_prompt_with)
     except QueueFull as exc:
         raise ApiError(429, str(exc), None, "queue_full", "rate_limit_error", {"Retry-After": "1"}) from None
     except RequestRejected as exc:
         raise ApiError(exc.status, str(exc), exc.field, "context_length_exceeded" if "context" in str(exc) else "rejected") from None
 
 
-async def run_request(request, state: DaemonState, engine, body, ids, kind: str, request_id: str, grammar=None,
+async def run_request(request, state: DaemonState, engine, body, ids, kind: str, request_id: str, make_grammar=None,
                       tools: bool = False):
-    if grammar is None:
-        grammar = await response_grammar(state, body.response_format, "response_format")
-    submit(state, engine, body, ids, request_id, grammar)
+    """Submit the request's n completions (the first computes the prompt, the others borrow its KV blocks) and
+    answer with their choices; `make_grammar` gives each completion its own grammar state."""
+    if make_grammar is None:
+        make_grammar = lambda: response_grammar(state, body.response_format, "response_format")  # noqa: E731
+    grammars = [await make_grammar() for _ in range(body.n)]
+    ids_n = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
+    for i, rid in enumerate(ids_n):
+        try:
+            submit(state, engine, body, ids, rid, grammars[i], i, ids_n[0] if i else None)
+        except ApiError:
+            for done in ids_n[:i]:  # all n or none
+                engine.abort(done)
+                async for _ in engine.stream(done):
+                    pass
+            raise
     base = {"id": request_id, "created": int(time.time()), "model": state.model_name}
     chat = kind == "chat.completion"
-    # Leaving this iterator early (timeout, client gone) aborts the request and frees its blocks.
-    outputs = engine.stream(request_id)
+    # Leaving these iterators early (timeout, client gone) aborts the requests and frees their blocks.
+    streams = [engine.stream(rid) for rid in ids_n]
     try:
         if body.stream:
-            return await stream_response(request, state, outputs, base, chat, len(ids), body.include_usage, tools)
+            return await stream_response(request, state, streams, base, chat, len(ids), body.include_usage, tools)
         try:
             async with asyncio.timeout(state.request_timeout):
-                return await full_response(state, outputs, base, chat, len(ids), tools)
+                return await full_response(state, streams, base, chat, len(ids), tools)
         except TimeoutError:
             raise ApiError(504, timeout_message(state), None, "timeout") from None
     finally:
-        await outputs.aclose()
+        for stream in streams:
+            await stream.aclose()
 
 
 async def engine_stats(request: web.Request) -> web.Response:

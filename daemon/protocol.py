@@ -43,6 +43,7 @@ class TextPart(_Body):
 
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
 MAX_TOOLS = 128
+MAX_N = 8
 
 
 class FunctionCall(_Body):
@@ -152,7 +153,7 @@ class _Sampling(_Body):
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     ignore_eos: StrictBool = False
-    n: StrictInt = Field(default=1, ge=1, le=1)
+    n: StrictInt = Field(default=1, ge=1, le=MAX_N)  # completions per request; the prompt is computed once
     user: StrictStr | None = None
     response_format: ResponseFormat | None = None
 

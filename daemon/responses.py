@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
@@ -62,99 +63,134 @@ def timeout_message(state) -> str:
     return f"the request ran past its limit of {state.request_timeout:g} s and was aborted"
 
 
-async def full_response(state, outputs, base, chat: bool, prompt_tokens: int, tools: bool = False) -> web.Response:
-    text, n, last = [], 0, None
-    token_ids, entries, want = [], [], False
-    async for out in outputs:
-        text.append(out.text)
-        n += len(out.token_ids)
-        last = out
+async def merged(streams: list) -> "AsyncIterator[tuple[int, object]]":
+    """(choice index, output) from n streams as they come; leaving early closes (and so aborts) them all."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        done = 0
+        while done < len(streams):
+            i, out = await queue.get()
+            done += out.finished
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def full_response(state, streams: list, base, chat: bool, prompt_tokens: int, tools: bool = False) -> web.Response:
+    n = len(streams)
+    text, count, last = [[] for _ in range(n)], 0, [None] * n
+    token_ids, entries, want = [[] for _ in range(n)], [[] for _ in range(n)], False
+    async for i, out in merged(streams):
+        text[i].append(out.text)
+        count += len(out.token_ids)
+        last[i] = out
         if out.logprobs is not None:
             want = True
-            token_ids += out.token_ids
-            entries += out.logprobs
-    state.monitor.on_request_done(last.metrics, last.finish_reason if not last.error else None)
-    if last.error:
-        raise ApiError(500, last.error, None, "engine_error", "server_error")
-    content = "".join(text)
-    choice = {"index": 0, "finish_reason": last.finish_reason}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": content}
-        if tools:
-            text, calls = parse_calls(content)
-            if calls:
-                choice["message"] = {"role": "assistant", "content": text, "tool_calls": calls}
-                choice["finish_reason"] = "tool_calls"
-        choice["logprobs"] = {"content": chat_logprobs(state.tokenizer, token_ids, entries)} if want else None
-    else:
-        choice.update(text=content, logprobs=completion_logprobs(state.tokenizer, token_ids, entries) if want else None)
+            token_ids[i] += out.token_ids
+            entries[i] += out.logprobs
+    for out in last:
+        state.monitor.on_request_done(out.metrics, out.finish_reason if not out.error else None)
+    failed = next((out for out in last if out.error), None)
+    if failed is not None:
+        raise ApiError(500, failed.error, None, "engine_error", "server_error")
+    choices = []
+    for i in range(n):
+        content = "".join(text[i])
+        choice = {"index": i, "finish_reason": last[i].finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": content}
+            if tools:
+                rest, calls = parse_calls(content)
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": rest, "tool_calls": calls}
+                    choice["finish_reason"] = "tool_calls"
+            choice["logprobs"] = {"content": chat_logprobs(state.tokenizer, token_ids[i], entries[i])} if want else None
+        else:
+            choice.update(text=content, logprobs=completion_logprobs(state.tokenizer, token_ids[i], entries[i]) if want else None)
+        choices.append(choice)
     return web.json_response({
-        **base, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-        "usage": usage(last.metrics, prompt_tokens, n), "minibatch": timings(last.metrics),
+        **base, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+        "usage": usage(last[0].metrics, prompt_tokens, count), "minibatch": timings(last[0].metrics),
     })
 
 
-async def stream_response(request, state, outputs, base, chat: bool, prompt_tokens: int, include_usage: bool,
+async def stream_response(request, state, streams: list, base, chat: bool, prompt_tokens: int, include_usage: bool,
                           tools: bool = False):
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": base["id"]})
     await resp.prepare(request)
     obj = "chat.completion.chunk" if chat else "text_completion"
+    n = len(streams)
 
     async def send(payload: dict) -> None:
         await resp.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
 
-    offset = 0  # completions' text_offset runs across chunks
+    offsets = [0] * n  # completions' text_offset runs across chunks
 
-    def chunk(delta_text: str | None, finish: str | None, role: bool = False, out=None) -> dict:
-        nonlocal offset
+    def chunk(i: int, delta_text: str | None, finish: str | None, role: bool = False, out=None, delta=None) -> dict:
         lp = None
         if out is not None and out.logprobs is not None and out.token_ids:
             if chat:
                 lp = {"content": chat_logprobs(state.tokenizer, out.token_ids, out.logprobs)}
             else:
-                lp = completion_logprobs(state.tokenizer, out.token_ids, out.logprobs, offset)
-                offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                lp = completion_logprobs(state.tokenizer, out.token_ids, out.logprobs, offsets[i])
+                offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         if chat:
-            delta = {"role": "assistant", "content": ""} if role else ({} if delta_text is None else {"content": delta_text})
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else ({} if delta_text is None else {"content": delta_text})
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": delta_text or "", "logprobs": lp, "finish_reason": finish}
+            choice = {"index": i, "text": delta_text or "", "logprobs": lp, "finish_reason": finish}
         return {**base, "object": obj, "choices": [choice]}
 
     if chat:
-        await send(chunk(None, None, role=True))
-    n = 0
-    calls = CallSplitter() if tools else None
+        for i in range(n):
+            await send(chunk(i, None, None, role=True))
+    count, metrics = 0, None
+    splitters = [CallSplitter() if tools else None for _ in range(n)]
     try:
         async with asyncio.timeout(state.request_timeout):
-            async for out in outputs:
-                n += len(out.token_ids)
+            async for i, out in merged(streams):
+                count += len(out.token_ids)
                 if out.error:
                     state.monitor.on_request_done(out.metrics, None)
                     await send(ApiError(500, out.error, None, "engine_error", "server_error").body())
                     break
                 carries = out.logprobs is not None and bool(out.token_ids)
                 text, finish = out.text, out.finish_reason
-                if calls is not None:  # content streams; a tool call is held back and sent whole at the end
-                    text = calls.push(out.text)
+                if splitters[i] is not None:  # content streams; a tool call is held back and sent whole at the end
+                    text = splitters[i].push(out.text)
                     if out.finished:
-                        rest, found = calls.finish()
+                        rest, found = splitters[i].finish()
                         if rest:
-                            await send(chunk(rest, None))
+                            await send(chunk(i, rest, None))
                         if found:
-                            delta = [{"index": i, **c} for i, c in enumerate(found)]
-                            await send({**base, "object": obj, "choices": [
-                                {"index": 0, "delta": {"tool_calls": delta}, "logprobs": None, "finish_reason": None}]})
+                            await send(chunk(i, None, None, delta={"tool_calls": [{"index": k, **c} for k, c in enumerate(found)]}))
                             finish = "tool_calls"
                 if text or (carries and not out.finished):
-                    await send(chunk(text, None, out=out))
+                    await send(chunk(i, text, None, out=out))
                 if out.finished:
                     state.monitor.on_request_done(out.metrics, out.finish_reason)
-                    final = chunk(None, finish, out=None if text else out)
+                    final = chunk(i, None, finish, out=None if text else out)
                     final["minibatch"] = timings(out.metrics)
                     await send(final)
-                    if include_usage:
-                        await send({**base, "object": obj, "choices": [], "usage": usage(out.metrics, prompt_tokens, n)})
+                    metrics = metrics or out.metrics
+        if include_usage and metrics is not None:
+            await send({**base, "object": obj, "choices": [], "usage": usage(metrics, prompt_tokens, count)})
     except TimeoutError:
         await send(ApiError(504, timeout_message(state), None, "timeout").body())
     await resp.write(b"data: [DONE]\n\n")

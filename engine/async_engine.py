@@ -83,7 +83,8 @@ class AsyncEngine:
         return self.fatal_error is None and self._thread.is_alive()
 
     # -- requests ---------------------------------------------------------
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               share_prompt_with: str | None = None) -> str:
         """Check and queue a request (from the event loop); raises RequestRejected or QueueFull at once."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
@@ -108,7 +109,7 @@ class AsyncEngine:
         def add() -> None:
             self._queued -= 1
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params)
+                self.engine.add_request(request_id, prompt_token_ids, params, share_prompt_with)
             except RequestRejected as exc:
                 self._emit(RequestOutput(request_id, "", [], True, "abort", error=str(exc)))
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .request import Request
+from .request import Request, RequestStatus
 
 NULL_BLOCK = 0
 
@@ -70,13 +70,35 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    # -- prefix cache -----------------------------------------------------
+    # -- prefix cache and shared prompts ------------------------------------
+    def shared_prompt_blocks(self, req: Request) -> int:
+        """How many full prompt blocks a sibling of an n > 1 request borrows from its leader (0 without one).
+
+        The last prompt token is always computed by each sibling itself, so it gets its own next-token logits
+        and writes its own tail block: sharing full blocks only, nothing is ever written twice."""
+        return 0 if req.prompt_leader is None else (req.num_prompt_tokens - 1) // self.block_size
+
+    def leader_blocks(self, req: Request) -> list[Block] | None:
+        """The leader's computed prompt blocks to share; None while the running leader is still computing
+        them (the sibling waits for it); [] when there is nothing to share: no leader, a short prompt, or a
+        leader not running (finished, or preempted -- waiting for it then could deadlock the queue)."""
+        k = self.shared_prompt_blocks(req)
+        leader = req.prompt_leader
+        if k == 0 or leader.status != RequestStatus.RUNNING:
+            return []
+        if leader.num_computed_tokens < k * self.block_size:
+            return None
+        return self.req_blocks[leader.request_id][:k]
+
     def get_computed_blocks(self, req: Request) -> list[Block]:
         """The longest run of cached full blocks that starts the request's tokens.
 
         At least one token is always left to compute, so the forward has a
         position to take the next token's logits from.
         """
+        shared = self.leader_blocks(req) if req.prompt_leader is not None else []
+        if shared:
+            return shared
         if not self.enable_prefix_caching:
             return []
         hits: list[Block] = []

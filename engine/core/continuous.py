@@ -54,6 +54,8 @@ class ContinuousScheduler:
         s = self.s
         while s.waiting and budget > 0 and len(s.running) < s.config.max_num_seqs:
             req: Request = s.waiting[0]
+            if req.prompt_leader is not None and s.blocks.leader_blocks(req) is None:
+                break  # an n > 1 sibling waits (in order) until its leader has computed the shared prompt
             computed = s.blocks.get_computed_blocks(req)
             n = min(req.num_tokens - len(computed) * s.blocks.block_size, budget)
             if not s.blocks.allocate(req, n, computed):

@@ -58,9 +58,16 @@ class LLMEngine:
         self.info: dict[str, object] = {}  # model, device, dtype... for status displays
 
     # -- requests ---------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """Queue a request; raises RequestRejected (or QueueFull) with the reason."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    share_prompt_with: str | None = None) -> Request:
+        """Queue a request; raises RequestRejected (or QueueFull) with the reason.
+
+        `share_prompt_with` names an earlier request with the same prompt (n > 1): this one then waits until
+        that one has computed the prompt and borrows its KV blocks instead of computing them again."""
         req = Request(request_id, list(prompt_token_ids), params, arrival_time=self.clock())
+        leader = self.scheduler.requests.get(share_prompt_with) if share_prompt_with is not None else None
+        if leader is not None and leader.prompt_token_ids == req.prompt_token_ids:
+            req.prompt_leader = leader
         self.scheduler.add(req)
         self.streams[request_id] = _Stream(IncrementalDetokenizer(self.tokenizer))
         return req

@@ -45,6 +45,8 @@ class Request:
     output_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     finished_time: float | None = None
     error: str | None = None
+    # n > 1: the sibling that prefills the shared prompt; this one borrows its full prompt blocks once computed
+    prompt_leader: "Request | None" = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
