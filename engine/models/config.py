@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # Families people ask for that our forward does not run yet, and what they need.
 _NOT_YET = {
     "gemma": "scaled embeddings, (1 + w) norms and GeGLU",
     "gemma2": "pre- and post-norms, logit soft-capping and alternating sliding-window layers",
     "gemma3": "pre- and post-norms, two rope bases and alternating sliding-window layers",
     "gemma3_text": "pre- and post-norms, two rope bases and alternating sliding-window layers",
-    "phi3": "fused qkv/gate_up projections and LongRoPE scaling",
 }
 
 
@@ -29,6 +29,8 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    short_factor: tuple[float, ...] = ()  # LongRoPE: per-frequency divisors below the original length
+    attention_factor: float = 1.0  # LongRoPE: cos and sin are scaled by it
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,11 +79,19 @@ class ModelConfig:
             qkv_bias, o_bias = True, False
         else:
             qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
-        window = cfg.get("sliding_window") if model_type == "mistral" else None
+        window = cfg.get("sliding_window") if model_type in ("mistral", "phi3") else None
+        partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise UnsupportedModelError(f"partial_rotary_factor {partial} (rotary on part of each head) is not supported")
         if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
             # Qwen's windows apply to layers past max_window_layers only: a per-layer window we do not run.
             raise UnsupportedModelError("use_sliding_window (Qwen's per-layer sliding windows) is not supported")
         max_position = cfg.get("max_position_embeddings", 2048)
+        rope = _rope_from_dict(cfg)
+        if rope.rope_type == "longrope":
+            # Past the original length LongRoPE switches every position to its long factors, which would
+            # invalidate the cached keys; we run the short factors and stop the context there.
+            max_position = min(max_position, rope.original_max_position)
         if window is not None and (not isinstance(window, int) or window < 1):
             raise UnsupportedModelError(f"sliding_window must be a positive integer or null, got {window!r}")
         eos = cfg.get("eos_token_id")
@@ -97,7 +107,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position=max_position,
-            rope=_rope_from_dict(cfg),
+            rope=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
@@ -124,8 +134,17 @@ def _rope_from_dict(cfg: dict) -> RopeConfig:
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
     if rope_type == "default":
         return RopeConfig(theta=float(theta))
+    if rope_type in ("longrope", "su"):
+        original = int(merged.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+                       or cfg.get("max_position_embeddings", 2048))
+        factor = merged.get("factor") or cfg.get("max_position_embeddings", original) / original
+        attention = merged.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return RopeConfig(theta=float(theta), rope_type="longrope", original_max_position=original,
+                          short_factor=tuple(float(f) for f in merged["short_factor"]), attention_factor=float(attention))
     if rope_type != "llama3":
-        raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported (default, llama3)")
+        raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported (default, llama3, longrope)")
     return RopeConfig(
         theta=float(theta),
         rope_type="llama3",

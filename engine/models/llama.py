@@ -31,6 +31,8 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """[head_dim // 2] inverse frequencies, computed in fp32 as Hugging Face does."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    if rope.rope_type == "longrope":  # the short factors: positions stay below the original length
+        return 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta**exponents)
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type != "llama3":
         return inv_freq
@@ -58,6 +60,8 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(self.max_position, device=device, dtype=torch.float32)
         freqs = t[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
         self.cos, self.sin = freqs.cos(), freqs.sin()
+        if self.rope.attention_factor != 1.0:  # LongRoPE scales the rotation's output
+            self.cos, self.sin = self.cos * self.rope.attention_factor, self.sin * self.rope.attention_factor
 
 
 

@@ -159,6 +159,14 @@ def fill_parameters(model: LlamaForCausalLM, tensors) -> None:
             if target not in params:
                 unexpected.append(key)
                 continue
+            if shard is None:  # stored fused (Phi-3's qkv_proj, gate_up_proj): split into our shards
+                bounds = _shard_bounds(model, target.split(".")[-2])
+                if tensor.shape[0] != bounds[-1]:
+                    raise WeightLoadError(f"tensor {key} has {tensor.shape[0]} rows, expected {bounds[-1]}")
+                for i in range(len(bounds) - 1):
+                    _copy(model, params[target], target, i, tensor[bounds[i]:bounds[i + 1]], key)
+                    pending[target].discard(i)
+                continue
             _copy(model, params[target], target, shard, tensor, key)
             pending[target].discard(shard)
     missing = sorted(n for n, shards in pending.items() if shards)
@@ -171,11 +179,14 @@ def fill_parameters(model: LlamaForCausalLM, tensors) -> None:
         raise WeightLoadError("; ".join(msg))
 
 
-def _target(key: str) -> tuple[str, int]:
+def _target(key: str) -> tuple[str, int | None]:
+    """(our parameter, which shard of it); shard None for a checkpoint tensor that is already fused."""
     parts = key.split(".")
     if len(parts) >= 2 and parts[-2] in _STACKED:
         stacked, shard = _STACKED[parts[-2]]
         return ".".join(parts[:-2] + [stacked, parts[-1]]), shard
+    if len(parts) >= 2 and parts[-2] in ("qkv_proj", "gate_up_proj"):
+        return key, None
     return key, 0
 
 

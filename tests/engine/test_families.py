@@ -1,4 +1,5 @@
-"""Qwen3 (q/k RMSNorm per head) and Mistral (sliding-window attention) against Hugging Face, logits within 1e-4.
+"""Qwen3 (q/k RMSNorm per head), Mistral (sliding-window attention) and Phi-3 (fused projections, LongRoPE, a
+window) against Hugging Face, logits within 1e-4.
 
 The window (8 positions) is smaller than the test sequences, so it matters:
 through a packed prefill, a chunked prefill over cached context, shuffled
@@ -8,6 +9,7 @@ generation in a mixed batch through the engine.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -30,6 +32,14 @@ def _save(kind: str, path):
     if kind == "mistral":
         cfg = transformers.MistralConfig(**common, sliding_window=WINDOW, tie_word_embeddings=False, rope_theta=10000.0)
         model = transformers.MistralForCausalLM(cfg)
+    elif kind == "phi3":  # fused qkv and gate_up, LongRoPE (short factors below the original length), a window
+        half = TINY_COMMON["hidden_size"] // TINY_COMMON["num_attention_heads"] // 2
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.15 * i for i in range(half)],
+                "long_factor": [2.0 + 0.5 * i for i in range(half)]}
+        cfg = transformers.Phi3Config(**{**common, "max_position_embeddings": 256}, original_max_position_embeddings=64,
+                                      rope_parameters=rope, sliding_window=WINDOW, tie_word_embeddings=False,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        model = transformers.Phi3ForCausalLM(cfg)
     else:
         cfg = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True, attention_bias=False, rope_theta=1e6)
         model = transformers.Qwen3ForCausalLM(cfg)
@@ -41,7 +51,7 @@ def _save(kind: str, path):
     return path
 
 
-@pytest.fixture(scope="module", params=["mistral", "qwen3"])
+@pytest.fixture(scope="module", params=["mistral", "qwen3", "phi3"])
 def family(request, tmp_path_factory):
     path = _save(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -66,8 +76,11 @@ def test_config_reads_the_family_features(family):
     kind, path, _ = family
     ours = load_model(path, TorchAttentionBackend())
     assert ours.config.model_type == kind
-    assert ours.config.sliding_window == (WINDOW if kind == "mistral" else None)
+    assert ours.config.sliding_window == (WINDOW if kind in ("mistral", "phi3") else None)
     assert ours.config.qk_norm == (kind == "qwen3")
+    if kind == "phi3":  # LongRoPE runs with its short factors, so the context stops at the original length
+        assert ours.config.rope.rope_type == "longrope" and ours.config.max_position == 64
+        assert ours.config.rope.attention_factor == pytest.approx((1 + math.log(256 / 64) / math.log(64)) ** 0.5)
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "cpu-kernel"])
