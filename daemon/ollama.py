@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
 
-from .protocol import ApiError, Float, parse_body
+from .protocol import MAX_TOOLS, ApiError, Float, Tool, parse_body
+from .tools import CallSplitter, check_template, parse_calls
 
 VERSION = "0.6.0"  # the Ollama API version whose shapes these follow
 
@@ -47,9 +48,29 @@ class Options(_Lenient):
     stop: list[StrictStr] | None = Field(default=None, max_length=16)
 
 
+class OllamaFunctionCall(_Lenient):
+    name: StrictStr
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class OllamaToolCall(_Lenient):
+    function: OllamaFunctionCall
+
+
 class OllamaMessage(_Lenient):
     role: StrictStr = Field(pattern="^(system|user|assistant|tool)$")
     content: StrictStr = ""
+    tool_calls: list[OllamaToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_name: StrictStr | None = None  # which function a tool message answers
+
+    def for_template(self) -> dict:
+        out: dict = {"role": self.role, "content": self.content}
+        if self.tool_name is not None:
+            out["name"] = self.tool_name
+        if self.tool_calls:
+            out["tool_calls"] = [{"type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                 for c in self.tool_calls]
+        return out
 
 
 class _Request(_Lenient):
@@ -80,6 +101,7 @@ class _Request(_Lenient):
 
 class ChatBody(_Request):
     messages: list[OllamaMessage] = Field(min_length=1, max_length=1000)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
 
 
 class GenerateBody(_Request):
@@ -118,14 +140,17 @@ async def respond(request: web.Request, chat: bool):
     body = parse_body(raw, ChatBody if chat else GenerateBody)
     check_model(state, _strip_tag(body.model, state.model_name))
     engine = state.ready_engine()
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if chat and body.tools else None
+    if tools:
+        check_template(state.tokenizer)
     if chat:
-        messages = [{"role": m.role, "content": m.content} for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
     elif body.raw:
         messages = None
     else:
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + [{"role": "user", "content": body.prompt}]
     try:
-        ids = state.tokenizer.encode(body.prompt) if messages is None else state.tokenizer.chat(messages)
+        ids = state.tokenizer.encode(body.prompt) if messages is None else state.tokenizer.chat(messages, tools=tools)
     except ValueError as exc:
         raise ApiError(400, str(exc), "messages", "no_chat_template") from None
     if not chat and not body.prompt:  # Ollama: an empty generate loads the model and answers done
@@ -136,10 +161,21 @@ async def respond(request: web.Request, chat: bool):
     submit(state, engine, body, ids, request_id, grammar)
     outputs = engine.stream(request_id)
 
-    def line(text: str) -> dict:
+    def line(text: str, calls: list | None = None) -> dict:
         head = {"model": state.model_name, "created_at": now_iso()}
-        return {**head, "message": {"role": "assistant", "content": text}, "done": False} if chat else \
-            {**head, "response": text, "done": False}
+        if not chat:
+            return {**head, "response": text, "done": False}
+        message = {"role": "assistant", "content": text}
+        if calls:  # Ollama's shape: arguments as an object, no ids
+            message["tool_calls"] = [{"function": {"name": c["function"]["name"],
+                                                   "arguments": json.loads(c["function"]["arguments"])}} for c in calls]
+        return {**head, "message": message, "done": False}
+
+    def split_calls(text: str) -> tuple[str, list]:
+        if not tools:
+            return text, []
+        content, calls = parse_calls(text)
+        return (content or "", calls) if calls else (text, [])
 
     try:
         async with asyncio.timeout(state.request_timeout):
@@ -152,21 +188,26 @@ async def respond(request: web.Request, chat: bool):
                 state.monitor.on_request_done(last.metrics, None if last.error else last.finish_reason)
                 if last.error:
                     raise ApiError(500, last.error, None, "engine_error", "server_error")
-                return web.json_response({**line("".join(text)), **final_counters(last, len(ids), n, started)})
+                return web.json_response({**line(*split_calls("".join(text))), **final_counters(last, len(ids), n, started)})
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "X-Request-Id": request_id})
             await resp.prepare(request)
             n = 0
+            splitter = CallSplitter() if tools else None  # a tool call is held back and sent whole at the end
             async for out in outputs:
                 n += len(out.token_ids)
                 if out.error:
                     state.monitor.on_request_done(out.metrics, None)
                     await resp.write(json.dumps({"error": out.error}).encode() + b"\n")
                     break
-                if out.text and not out.finished:
-                    await resp.write(json.dumps(line(out.text)).encode() + b"\n")
+                text, calls = (splitter.push(out.text), []) if splitter else (out.text, [])
+                if out.finished and splitter:
+                    rest, calls = splitter.finish()
+                    text += rest
+                if text and not out.finished:
+                    await resp.write(json.dumps(line(text)).encode() + b"\n")
                 if out.finished:
                     state.monitor.on_request_done(out.metrics, out.finish_reason)
-                    await resp.write(json.dumps({**line(out.text), **final_counters(out, len(ids), n, started)}).encode() + b"\n")
+                    await resp.write(json.dumps({**line(text, calls), **final_counters(out, len(ids), n, started)}).encode() + b"\n")
             await resp.write_eof()
             return resp
     except TimeoutError:

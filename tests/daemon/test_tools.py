@@ -174,3 +174,27 @@ def test_tool_requests_that_cannot_work_are_400s_naming_the_field(daemons):
     assert err.value.body["param"] == "messages.0"
     for d in daemons:
         assert d.get("/health")[0] == 200
+
+
+def test_ollama_chat_takes_tools_and_tool_history(daemons):
+    ollama = pytest.importorskip("ollama")
+    with_tools, plain = (ollama.Client(host="http://localhost", transport=httpx.HTTPTransport(uds=str(d.socket)))
+                         for d in daemons)
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                            "arguments": {"city": "Paris", "unit": "c"}}}]},
+        {"role": "tool", "content": '{"temp": 21}', "tool_name": "get_weather"},
+    ]
+    answer = with_tools.chat(model="default", messages=history, tools=[WEATHER, TIME],
+                             options={"temperature": 0, "num_predict": 6})
+    assert answer.done and answer.prompt_eval_count > 0
+    # the rendered prompt held the call and its result: it is longer than the same chat without them
+    short = with_tools.chat(model="default", messages=history[:1], tools=[WEATHER, TIME], options={"num_predict": 1})
+    assert answer.prompt_eval_count > short.prompt_eval_count
+    parts = list(with_tools.chat(model="default", messages=history, tools=[WEATHER], stream=True,
+                                 options={"temperature": 0, "num_predict": 6}))
+    assert parts[-1].done
+    with pytest.raises(ollama.ResponseError) as err:
+        plain.chat(model="default", messages=history[:1], tools=[WEATHER])
+    assert err.value.status_code == 400 and "tools" in err.value.error

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 
 import pytest
@@ -33,7 +34,7 @@ hostile_message = st.one_of(
 )
 # At least one violation per body, so every body is truly invalid; the rest is random junk around it.
 violation = st.one_of(
-    st.tuples(st.text(min_size=1, max_size=10).filter(lambda k: k not in FIELDS + ["user", "logprobs", "max_completion_tokens", "messages", "top_logprobs", "response_format"]), json_value),
+    st.tuples(st.text(min_size=1, max_size=10).filter(lambda k: k not in FIELDS + ["user", "logprobs", "max_completion_tokens", "messages", "top_logprobs", "response_format", "tools", "tool_choice", "parallel_tool_calls"]), json_value),
     st.tuples(st.just("messages"), st.one_of(st.just([]), st.lists(hostile_message, min_size=1, max_size=3), json_scalar)),
     st.tuples(st.sampled_from(["temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p"]),
               st.one_of(st.floats(min_value=2.0001, max_value=1e308), st.floats(max_value=-2.0001, min_value=-1e308),
@@ -45,8 +46,19 @@ violation = st.one_of(
     st.tuples(st.just("top_logprobs"), st.one_of(st.integers(min_value=21), st.integers(max_value=-1), st.text(max_size=3))),
     st.tuples(st.just("messages"), st.builds(lambda text, at: [{"role": "user", "content": text[:at] + "\ud800" + text[at:]}],
                                              st.text(max_size=10), st.integers(0, 10))),
+    st.tuples(st.just("tools"), st.one_of(
+        json_scalar.filter(lambda v: v is not None), st.lists(json_scalar, min_size=1, max_size=2),
+        st.builds(lambda name: [{"type": "function", "function": {"name": name}}],
+                  st.text(max_size=70).filter(lambda n: not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", n))),
+        st.builds(lambda p: [{"type": "function", "function": {"name": "f", "parameters": p}}],
+                  st.one_of(json_scalar, st.lists(json_value, max_size=2))),
+        st.just([{"type": "function", "function": {"name": "f"}}] * 129),
+    )),
+    st.tuples(st.just("tool_choice"), st.one_of(
+        st.text(max_size=10).filter(lambda t: t not in ("none", "auto", "required")), st.integers(), st.booleans(),
+        st.just({"type": "function"}), st.just({"type": "function", "function": {}}))),
     st.tuples(st.just("response_format"), st.one_of(
-        json_scalar, st.lists(json_scalar, max_size=2),
+        json_scalar.filter(lambda v: v is not None), st.lists(json_scalar, max_size=2),
         st.fixed_dictionaries({"type": st.text(max_size=12).filter(lambda t: t not in ("text", "json_object", "json_schema"))}),
         st.just({"type": "json_schema"}),
         st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries({
