@@ -31,6 +31,7 @@ class AttentionMetadata:
     # Filled by the backend's prepare(), once per forward, shared by all layers.
     plan: object | None = field(default=None)
     window: int = 0  # sliding window: a query attends to the last `window` positions only (0: all)
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2)
 
     @property
     def num_tokens(self) -> int:
@@ -170,7 +171,7 @@ class TorchAttentionBackend:
         plan = _TorchPlan(None, None, None, 0, None, None, prefills, all_decode=not prefills)
         if decode_rows:
             plan.decode_tokens = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            if self.decode_kernel is not None:
+            if self.decode_kernel is not None and meta.softcap is None:  # the kernel has no soft-capping
                 width = max(-(-n // bs) for n in decode_lens)
                 plan.decode_tables = torch.tensor(
                     [t[: -(-n // bs)] + [0] * (width - -(-n // bs)) for t, n in zip(decode_tables, decode_lens)],
@@ -213,19 +214,31 @@ class TorchAttentionBackend:
             kd = k_flat.index_select(0, plan.decode_slots).view(n, plan.decode_ctx, num_kv_heads, head_dim)
             vd = v_flat.index_select(0, plan.decode_slots).view(n, plan.decode_ctx, num_kv_heads, head_dim)
             qd = q.index_select(0, plan.decode_tokens).unsqueeze(2)  # [n, heads, 1, head_dim]
-            od = F.scaled_dot_product_attention(
-                qd, kd.transpose(1, 2), vd.transpose(1, 2), attn_mask=plan.decode_mask, scale=scale, enable_gqa=True
-            )
+            od = _attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), plan.decode_mask, False, scale, meta.softcap)
             out.index_copy_(0, plan.decode_tokens, od.squeeze(2))
         for start, qlen, slots, mask in plan.prefills:
             qp = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, heads, qlen, head_dim]
             kp = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, head_dim]
             vp = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-            )
+            op = _attention(qp, kp, vp, mask, mask is None, scale, meta.softcap)
             out[start : start + qlen] = op.squeeze(0).transpose(0, 1)
         return out
+
+
+def _attention(q, k, v, mask, causal: bool, scale: float, softcap: float | None) -> torch.Tensor:
+    """SDPA over [1 or n, heads, len, head_dim]; with `softcap`, written out (SDPA cannot cap the scores)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        qlen, klen = scores.shape[-2], scores.shape[-1]
+        mask = torch.ones(qlen, klen, dtype=torch.bool, device=q.device).tril(klen - qlen)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.float().softmax(dim=-1).to(q.dtype), v)
 
 
 def _context_slots(table: list[int], length: int, block_size: int, device, valid: int | None = None) -> torch.Tensor:

@@ -284,10 +284,12 @@ def list_models(cache_dir: Path | None = None) -> list[ModelEntry]:
             continue  # listed below under its own name
         entries.append(ModelEntry(source.get("gguf", name), "converted", p, True, f"cached as {name}"))
     from .models.config import SUPPORTED_MODEL_TYPES
+    from .weights.gguf_file import SUPPORTED_ARCHS
 
     for m in found:
         size = f"{m.size / 2**20:.0f} MB" if m.size else "?"
-        supported = m.family in SUPPORTED_MODEL_TYPES
+        is_gguf = m.path is not None and m.path.is_file()  # Ollama blobs and .gguf files; the rest are directories
+        supported = m.family in (SUPPORTED_ARCHS if is_gguf else SUPPORTED_MODEL_TYPES)
         usable = supported and not m.quantization.startswith("unusable")
         note = f"{m.family}{'' if supported else ' (family not supported)'} · {m.quantization} · {size} · {m.path}"
         entries.append(ModelEntry(m.name, m.source, m.path, usable, note))

@@ -7,13 +7,12 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+GEMMA = ("gemma2", "gemma3_text")
 # Families people ask for that our forward does not run yet, and what they need.
 _NOT_YET = {
-    "gemma": "scaled embeddings, (1 + w) norms and GeGLU",
-    "gemma2": "pre- and post-norms, logit soft-capping and alternating sliding-window layers",
-    "gemma3": "pre- and post-norms, two rope bases and alternating sliding-window layers",
-    "gemma3_text": "pre- and post-norms, two rope bases and alternating sliding-window layers",
+    "gemma": "Gemma 1's layout (no pre/post norms); Gemma 2 and 3 run",
+    "gemma3": "the multimodal Gemma 3 layout (a vision tower); its text-only checkpoints (gemma3_text) run",
 }
 
 
@@ -54,6 +53,22 @@ class ModelConfig:
     bos_token_id: int | None = None
     sliding_window: int | None = None  # attend to the last this-many positions only (Mistral), every layer
     qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3)
+    # Gemma 2 / 3
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: float | None = None  # embeddings multiplied by sqrt(hidden_size)
+    norm_plus_one: bool = False  # RMSNorm scales by (1 + w); stored as (1 + w) at load
+    sandwich_norms: bool = False  # norms after attention and around the MLP (pre_/post_feedforward_layernorm)
+    query_scale: float | None = None  # attention scale other than head_dim ** -0.5
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    layer_windows: tuple[int, ...] = ()  # per layer: its sliding window, 0 for global attention (empty: every layer
+    #                                      uses sliding_window)
+    rope_local: RopeConfig | None = None  # the rotary of the sliding layers when it differs (Gemma 3)
+
+    def window_of(self, layer: int) -> int:
+        if self.layer_windows:
+            return self.layer_windows[layer]
+        return self.sliding_window or 0
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":
@@ -68,6 +83,8 @@ class ModelConfig:
                 f"model_type {model_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if model_type in GEMMA:
+            return _gemma(cfg)
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
         num_heads = cfg["num_attention_heads"]
@@ -124,6 +141,50 @@ class ModelConfig:
         return cls.from_dict(json.loads(path.read_text()))
 
 
+def _gemma(cfg: dict) -> ModelConfig:
+    """Gemma 2 and Gemma 3 (text): GeGLU, scaled embeddings, (1 + w) norms around attention and the MLP,
+    sliding-window layers alternating with global ones; Gemma 2 soft-caps scores and logits, Gemma 3
+    normalises q and k and gives its sliding layers their own rope base."""
+    model_type = cfg["model_type"]
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedModelError(f"hidden_activation {act!r} is not supported (gelu_pytorch_tanh)")
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    layers = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if not types:  # older configs: Gemma 2 alternates from a sliding first layer, Gemma 3 has one global in six
+        every = cfg.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6)
+        types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(layers)]
+    if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise UnsupportedModelError(f"layer_types {types!r} is not one of sliding_attention / full_attention per layer")
+    windows = tuple(int(window) if t == "sliding_attention" and window else 0 for t in types)
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:  # transformers 5: rope per layer type
+        full = _rope_from_dict({**cfg, "rope_parameters": params.get("full_attention") or {}})
+        local = _rope_from_dict({**cfg, "rope_parameters": params.get("sliding_attention") or {}})
+    else:
+        full = _rope_from_dict(cfg)
+        base = cfg.get("rope_local_base_freq")
+        local = RopeConfig(theta=float(base)) if base is not None and model_type == "gemma3_text" else full
+    eos = cfg.get("eos_token_id")
+    return ModelConfig(
+        model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"], num_layers=layers, num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), max_position=cfg.get("max_position_embeddings", 8192),
+        rope=full, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)), mlp_bias=False,
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
+        bos_token_id=cfg.get("bos_token_id"), sliding_window=None, qk_norm=model_type == "gemma3_text",
+        hidden_act="gelu_tanh", embed_scale=hidden**0.5, norm_plus_one=True, sandwich_norms=True,
+        query_scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+        attn_softcap=cfg.get("attn_logit_softcapping"), final_softcap=cfg.get("final_logit_softcapping"),
+        layer_windows=windows, rope_local=local if local != full else None,
+    )
+
+
 def _rope_from_dict(cfg: dict) -> RopeConfig:
     # transformers 5 keeps theta and scaling in `rope_parameters`; older
     # configs have `rope_theta` and `rope_scaling` at the top level.
@@ -143,8 +204,10 @@ def _rope_from_dict(cfg: dict) -> RopeConfig:
             attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
         return RopeConfig(theta=float(theta), rope_type="longrope", original_max_position=original,
                           short_factor=tuple(float(f) for f in merged["short_factor"]), attention_factor=float(attention))
+    if rope_type == "linear":
+        return RopeConfig(theta=float(theta), rope_type="linear", factor=float(merged["factor"]))
     if rope_type != "llama3":
-        raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported (default, llama3, longrope)")
+        raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported (default, linear, llama3, longrope)")
     return RopeConfig(
         theta=float(theta),
         rope_type="llama3",

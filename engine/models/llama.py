@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral's sliding window, Qwen2's q/k/v bias, Qwen3's q/k norms) over a flat token batch.
+"""Decoder for the Llama family and its relatives (Mistral, Qwen2/3, Phi-3, Gemma 2/3) over a flat token batch.
 
 Each forward runs the new tokens of many sequences packed end to end, with
 per-token positions; K/V go into the paged cache through the attention backend.
@@ -34,6 +34,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     if rope.rope_type == "longrope":  # the short factors: positions stay below the original length
         return 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta**exponents)
     inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
     if rope.rope_type != "llama3":
         return inv_freq
     low_wavelen = rope.original_max_position / rope.low_freq_factor
@@ -75,7 +77,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.rotary, self.backend = rotary, backend
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.query_scale or cfg.head_dim**-0.5
         self.eps = cfg.rms_norm_eps
         # Qwen3: RMSNorm over each head of q and k, before rotary
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -102,27 +104,42 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
+        self.gelu = cfg.hidden_act == "gelu_tanh"
+
     def forward(self, x):
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(self.ops.gelu_tanh_mul(gate_up) if self.gelu else self.ops.silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: TorchOps) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: TorchOps,
+                 window: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, rotary, backend, ops)
         self.mlp = MLP(cfg, ops)
+        self.window = window
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Llama: the norm before the MLP. Gemma: the norm of the attention's output, with two more around the MLP.
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaBody(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchOps) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position)
+        # Gemma 3's sliding layers rotate with a base of their own
+        self.rotary_local = RotaryEmbedding(cfg.rope_local, cfg.head_dim, cfg.max_position) if cfg.rope_local else None
         # An explicit (uninitialised) weight skips the random init, whose first use on the meta
         # device imports torch._refs (~3 s of every start).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary, backend, ops) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.rotary_local if self.rotary_local is not None and cfg.window_of(i) else self.rotary,
+                         backend, ops, cfg.window_of(i))
+            for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -145,12 +162,23 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm
-        meta.window = self.config.sliding_window or 0
-        self.backend.prepare(meta)
+        cfg = self.config
+        meta.softcap = cfg.attn_softcap
+        if cfg.layer_windows:  # windows differ by layer: one plan per window, chosen layer by layer
+            self._plans = {}
+            for w in sorted(set(cfg.layer_windows)):
+                meta.window = w
+                self.backend.prepare(meta)
+                self._plans[w] = meta.plan
+        else:
+            meta.window = cfg.sliding_window or 0
+            self.backend.prepare(meta)
         return self.forward_planned(input_ids, positions, kv_caches, meta)
 
     def forward_planned(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """The forward once `meta.plan` is built (CUDA graphs capture this part with static buffers)."""
+        if self.config.sandwich_norms:
+            return self._forward_sandwich(input_ids, positions, kv_caches, meta)
         ops, eps, layers = self.ops, self.config.rms_norm_eps, self.model.layers
         residual = self.model.embed_tokens(input_ids)
         h = ops.rms_norm(residual, layers[0].input_layernorm.weight, eps)
@@ -162,8 +190,28 @@ class LlamaForCausalLM(nn.Module):
             h, residual = ops.add_rms_norm(layer.mlp(h), residual, nxt.weight, eps)
         return h
 
+    def _forward_sandwich(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        """Gemma's layer: norm, attention, norm, add; norm, MLP, norm, add (the norms' weights hold 1 + w)."""
+        ops, cfg, layers = self.ops, self.config, self.model.layers
+        eps = cfg.rms_norm_eps
+        residual = self.model.embed_tokens(input_ids)
+        residual = residual * torch.tensor(cfg.embed_scale, dtype=residual.dtype)
+        h = ops.rms_norm(residual, layers[0].input_layernorm.weight, eps)
+        for i, (layer, cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            if cfg.layer_windows:
+                meta.window, meta.plan = layer.window, self._plans[layer.window]
+            attn = ops.rms_norm(layer.self_attn(positions, h, cache, meta), layer.post_attention_layernorm.weight, eps)
+            h, residual = ops.add_rms_norm(attn, residual, layer.pre_feedforward_layernorm.weight, eps)
+            mlp = ops.rms_norm(layer.mlp(h), layer.post_feedforward_layernorm.weight, eps)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, residual = ops.add_rms_norm(mlp, residual, nxt.weight, eps)
+        return h
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         if self.logits_proj is not None:
-            return self.logits_proj(hidden)
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+            logits = self.logits_proj(hidden)
+        else:
+            weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(hidden, weight)
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -39,6 +39,11 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    @staticmethod
+    def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:  # GeGLU (Gemma): gelu(gate, tanh approx.) * up
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 class CpuOps(TorchOps):
     """The same operations as single-pass C++ kernels (fp32 CPU); TorchOps is their twin."""

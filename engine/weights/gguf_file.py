@@ -26,7 +26,7 @@ class GGUFError(ValueError):
     """The GGUF file cannot be used; the message names the file and the problem."""
 
 
-_SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 # Architectures whose Q/K rows llama.cpp's converter permutes.
 _PERMUTED_ARCHS = ("llama", "mistral")
 _LAYER_NAMES = {
@@ -80,10 +80,10 @@ class GGUFWeights:
         except GGUFFormatError as exc:
             raise GGUFError(str(exc)) from exc
         self.architecture = self.file.architecture
-        if self.architecture not in _SUPPORTED_ARCHS:
+        if self.architecture not in SUPPORTED_ARCHS:
             raise GGUFError(
                 f"{self.path}: architecture {self.architecture or '(none)'!r} is not supported; "
-                f"supported: {', '.join(_SUPPORTED_ARCHS)}"
+                f"supported: {', '.join(SUPPORTED_ARCHS)}"
             )
         self.tensors: dict[str, GGUFTensor] = {}
         for info in self.file.tensors:

@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 
 from ..attention import AttentionBackend
-from ..models.config import ModelConfig
+from ..models.config import GEMMA, ModelConfig, UnsupportedModelError
 from .cpu_linear import PackedLinear, pack_linears, packed_linear_available
-from ..models.llama import LlamaForCausalLM
+from ..models.llama import LlamaForCausalLM, RMSNorm
 from ..models.ops import TorchOps
 
 WEIGHT_MODES = ("auto", "native", "float32", "q8_0")
@@ -67,6 +67,9 @@ def load_model(
     gguf_path = gguf_source(model_dir)
     if weights == "q8_0" and gguf_path is not None:
         raise ValueError("--weights q8_0 quantizes a safetensors model; a GGUF file runs natively (--weights native)")
+    if cfg.model_type in GEMMA and getattr(backend, "name", "") == "triton":
+        raise UnsupportedModelError(f"{cfg.model_type} runs on the CPU path only: the Triton kernels have no score "
+                                    "soft-capping and no per-layer sliding windows")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, ops)
     if gguf_path is not None and weights == "native":
@@ -87,7 +90,15 @@ def load_model(
         else:
             load_weights(model, sorted(model_dir.glob("*.safetensors")))
             model.weights_desc = str(dtype).removeprefix("torch.")
+    if cfg.norm_plus_one and not (gguf_path is not None and weights == "native"):
+        # Gemma's norms scale by (1 + w): store 1 + w once, so every norm kernel runs unchanged
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight.add_(1.0)
     model.model.rotary.build_tables(torch.device(device))
+    if model.model.rotary_local is not None:
+        model.model.rotary_local.build_tables(torch.device(device))
     model = model.eval().requires_grad_(False)
     if weights == "q8_0":
         from .native import quantize_linears
