@@ -101,7 +101,8 @@ async def models(request: web.Request) -> web.Response:
 
 
 def check_model(state: DaemonState, name: str | None) -> None:
-    if name is not None and name not in (state.model_name, "default"):
+    # Ollama's names carry a tag; clients that list models over /api/tags send it back here (as oterm does)
+    if name is not None and name not in (state.model_name, f"{state.model_name}:latest", "default"):
         raise ApiError(404, f"model {name!r} does not exist; this daemon serves {state.model_name!r}", "model", "model_not_found")
 
 

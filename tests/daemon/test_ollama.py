@@ -85,3 +85,20 @@ def test_ollama_errors_use_its_shape_and_name_the_field(daemon, tiny_chat_model_
     assert ctype.startswith("application/x-ndjson") and lines[-1]["done"] and lines[-1]["eval_count"] == 3
     assert out["404"][0] == 404 and set(out["404"][1]) == {"error"}
     assert daemon.wait_idle()["kv_blocks_used"] == 0
+
+
+def test_openai_endpoints_take_the_name_ollama_lists(daemon, tiny_chat_model_dir):
+    """Ollama clients (oterm through pydantic-ai) send /api/tags' name, tag and all, to /v1/chat/completions."""
+    listed = client(daemon).list().models[0].model
+    assert listed.endswith(":latest")
+
+    async def go():
+        async with session(daemon.socket) as s:
+            body = {"model": listed, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            async with s.post("http://localhost/v1/chat/completions", json=body) as r:
+                return r.status, await r.json()
+
+    import asyncio
+
+    status, body = asyncio.run(go())
+    assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
