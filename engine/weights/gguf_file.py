@@ -26,7 +26,7 @@ class GGUFError(ValueError):
     """The GGUF file cannot be used; the message names the file and the problem."""
 
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 # Architectures whose Q/K rows llama.cpp's converter permutes.
 _PERMUTED_ARCHS = ("llama", "mistral")
 _LAYER_NAMES = {
@@ -41,6 +41,13 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_q_norm.weight": "self_attn.q_norm.weight",  # Qwen3
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# Gemma: a norm after attention and two around the MLP; llama.cpp's converter stores every norm as 1 + w.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -89,7 +96,7 @@ class GGUFWeights:
         for info in self.file.tensors:
             if info.name in _IGNORED:
                 continue
-            self.tensors[_hf_name(info.name, self.path)] = self._tensor(info, cfg)
+            self.tensors[_hf_name(info.name, self.path, self.architecture)] = self._tensor(info, cfg)
         self._check_complete(cfg)
 
     def _tensor(self, info: TensorInfo, cfg: ModelConfig) -> GGUFTensor:
@@ -113,7 +120,7 @@ class GGUFWeights:
             raw = self.file.data(info, rows * qtype.row_bytes(k)).reshape(rows, -1)
         except GGUFFormatError as exc:
             raise GGUFError(str(exc)) from exc
-        hf_name = _hf_name(info.name, self.path)
+        hf_name = _hf_name(info.name, self.path, self.architecture)
         row_order = None
         if self.architecture in _PERMUTED_ARCHS and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
@@ -139,6 +146,8 @@ class GGUFWeights:
         }
         if cfg.qk_norm:
             per_layer["self_attn.q_norm.weight"] = per_layer["self_attn.k_norm.weight"] = (cfg.head_dim,)
+        if cfg.sandwich_norms:
+            per_layer["pre_feedforward_layernorm.weight"] = per_layer["post_feedforward_layernorm.weight"] = (cfg.hidden_size,)
         if cfg.qkv_bias:
             per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
         for i in range(cfg.num_layers):
@@ -175,18 +184,19 @@ def unpermute_rows(rows: int, heads: int) -> np.ndarray:
     return np.ascontiguousarray(gguf_index.transpose(0, 2, 1)).reshape(rows)
 
 
-def _hf_name(gguf_name: str, path: Path) -> str:
+def _hf_name(gguf_name: str, path: Path, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if arch.startswith("gemma") else _LAYER_NAMES
     parts = gguf_name.split(".")
     if len(parts) >= 4 and parts[0] == "blk" and parts[1].isdigit():
         rest = ".".join(parts[2:])
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{parts[1]}.{_LAYER_NAMES[rest]}"
+        if rest in names:
+            return f"model.layers.{parts[1]}.{names[rest]}"
         stem, suffix = ".".join(parts[2:-1]), parts[-1]
-        if stem in _LAYER_NAMES and suffix in ("weight", "bias"):
-            return f"model.layers.{parts[1]}.{_LAYER_NAMES[stem]}.{suffix}"
-    raise GGUFError(f"{path}: tensor {gguf_name} is not one the Llama/Mistral/Qwen forward knows")
+        if stem in names and suffix in ("weight", "bias"):
+            return f"model.layers.{parts[1]}.{names[stem]}.{suffix}"
+    raise GGUFError(f"{path}: tensor {gguf_name} is not one the {arch} forward knows")
 
 
 def _type_name(ggml_type: int) -> str:

@@ -90,7 +90,7 @@ def load_model(
         else:
             load_weights(model, sorted(model_dir.glob("*.safetensors")))
             model.weights_desc = str(dtype).removeprefix("torch.")
-    if cfg.norm_plus_one and not (gguf_path is not None and weights == "native"):
+    if cfg.norm_plus_one and gguf_path is None:  # a GGUF holds them as 1 + w already
         # Gemma's norms scale by (1 + w): store 1 + w once, so every norm kernel runs unchanged
         with torch.no_grad():
             for module in model.modules():

@@ -32,7 +32,10 @@ def install_gguf_weights(model: LlamaForCausalLM, gw: GGUFWeights, packed: bool 
             weights = [t[f"{prefix}{p}.weight"] for p in parts]
             biases = [t.get(f"{prefix}{p}.bias") for p in parts]
             _set(layer, stacked, _linear(weights, biases, pack))
-        for norm in ("input_layernorm", "post_attention_layernorm"):
+        norms = ("input_layernorm", "post_attention_layernorm")
+        if cfg.sandwich_norms:  # Gemma
+            norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+        for norm in norms:
             getattr(layer, norm).weight = nn.Parameter(t[f"{prefix}{norm}.weight"].dequantized(), requires_grad=False)
         if cfg.qk_norm:  # Qwen3's per-head q/k norms
             for norm in ("q_norm", "k_norm"):

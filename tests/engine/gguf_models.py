@@ -23,7 +23,12 @@ LAYER_MAP = {
 }
 
 
-def gguf_name(hf: str) -> str:
+# Gemma's norms as llama.cpp's converter names them (its post_attention_layernorm follows attention)
+GEMMA_LAYER_MAP = {**LAYER_MAP, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                   "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf == "model.norm.weight":
@@ -32,7 +37,8 @@ def gguf_name(hf: str) -> str:
         return "output.weight"
     parts = hf.split(".")  # model.layers.N.<module...>.weight|bias
     module = ".".join(parts[3:-1])
-    return f"blk.{parts[2]}.{LAYER_MAP[module]}.{parts[-1]}"
+    names = GEMMA_LAYER_MAP if arch.startswith("gemma") else LAYER_MAP
+    return f"blk.{parts[2]}.{names[module]}.{parts[-1]}"
 
 
 def converter_permute(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -59,7 +65,8 @@ def write_gguf_model(hf_dir: Path, out_dir: Path, qtype_name: str, arch: str = "
     for i, (name, w) in enumerate(sorted(weights.items())):
         w = w.float()
         if w.dim() == 1:  # norms and biases stay F32, as the converter writes them
-            raw, ref, t = w.numpy().view(np.uint8).reshape(1, -1), w, QUANT_TYPES["F32"]
+            stored = w + 1 if arch.startswith("gemma") and name.endswith("norm.weight") else w  # Gemma's 1 + w
+            raw, ref, t = stored.numpy().view(np.uint8).reshape(1, -1), w, QUANT_TYPES["F32"]
         else:
             t = qtype
             if qtype_name in ("Q4_K", "Q5_K", "Q6_K"):
@@ -77,9 +84,9 @@ def write_gguf_model(hf_dir: Path, out_dir: Path, qtype_name: str, arch: str = "
             raw = converter_permute(raw, heads)
         raw = np.ascontiguousarray(raw)
         if t.name == "F32":
-            writer.add_tensor(gguf_name(name), raw.view(np.float32).reshape(tuple(w.shape)))
+            writer.add_tensor(gguf_name(name, arch), raw.view(np.float32).reshape(tuple(w.shape)))
         else:
-            writer.add_tensor(gguf_name(name), raw, raw_dtype=GGMLQuantizationType(t.ggml_id))
+            writer.add_tensor(gguf_name(name, arch), raw, raw_dtype=GGMLQuantizationType(t.ggml_id))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -41,6 +41,18 @@ def _tiny_hf(path, kind: str, **overrides):
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
                 layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
+    elif kind in ("gemma2", "gemma3"):  # sliding layers (8) alternating with global ones; norms that matter
+        extra = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, tie_word_embeddings=True, pad_token_id=0)
+        if kind == "gemma2":
+            cfg = transformers.Gemma2Config(**common | extra, attn_logit_softcapping=20.0, final_logit_softcapping=5.0)
+            model = transformers.Gemma2ForCausalLM(cfg)
+        else:
+            cfg = transformers.Gemma3TextConfig(**common | extra, sliding_window_pattern=2, rope_local_base_freq=1e4)
+            model = transformers.Gemma3ForCausalLM(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.3)
     else:
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=False, rope_theta=10000.0)
         model = transformers.Qwen2ForCausalLM(cfg)
@@ -68,7 +80,8 @@ def _hf_logits(hf_dir, reference: dict[str, torch.Tensor], ids: list[int]) -> to
 
 
 CASES = [("llama", "F32"), ("llama", "Q8_0"), ("llama", "Q4_1"), ("llama", "Q4_0"), ("qwen2", "Q8_0"), ("qwen2", "Q4_1"),
-         ("llama", "Q4_K"), ("llama", "Q5_K"), ("llama", "Q6_K"), ("qwen2", "Q6_K"), ("mistral", "Q8_0"), ("qwen3", "Q4_1")]
+         ("llama", "Q4_K"), ("llama", "Q5_K"), ("llama", "Q6_K"), ("qwen2", "Q6_K"), ("mistral", "Q8_0"), ("qwen3", "Q4_1"),
+         ("gemma2", "Q8_0"), ("gemma3", "Q4_1")]
 
 
 @pytest.mark.parametrize("kind,qtype", CASES)
