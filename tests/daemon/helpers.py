@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 import subprocess
 import sys
 import time
@@ -75,6 +79,18 @@ class Daemon:
                 self.proc.wait()
         self._logf.close()
         return self.proc.returncode
+
+
+@contextmanager
+def running_daemon(model: Path | str, *args: str, prefix: str = "mb-") -> Iterator[Daemon]:
+    """A ready daemon on a short socket path in a fresh directory; stopped (exit 0 checked) and cleaned up after."""
+    d = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    daemon = Daemon(Path(d) / "d.sock", model, *args).wait_ready()
+    try:
+        yield daemon
+    finally:
+        assert daemon.stop() == 0, daemon.log_text()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def session(socket: Path) -> aiohttp.ClientSession:

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 
-from .helpers import Daemon
+from .helpers import running_daemon
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -19,11 +16,8 @@ MESSAGES = [{"role": "user", "content": "Tell me something about the sea, at len
 
 @pytest.fixture(scope="module")
 def daemon(tiny_chat_model_dir):
-    d = tempfile.mkdtemp(prefix="mbn-", dir="/tmp")
-    daemon = Daemon(Path(d) / "d.sock", tiny_chat_model_dir, "--max-num-seqs", "8", "--kv-cache-gb", "0.05").wait_ready()
-    yield daemon
-    assert daemon.stop() == 0, daemon.log_text()
-    shutil.rmtree(d, ignore_errors=True)
+    with running_daemon(tiny_chat_model_dir, "--max-num-seqs", "8", "--kv-cache-gb", "0.05", prefix="mbn-") as daemon:
+        yield daemon
 
 
 def sdk(daemon) -> "openai.OpenAI":

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 
-from .helpers import Daemon, session
+from .helpers import running_daemon, session
 
 ollama = pytest.importorskip("ollama")
 httpx = pytest.importorskip("httpx")
@@ -17,11 +14,8 @@ httpx = pytest.importorskip("httpx")
 
 @pytest.fixture(scope="module")
 def daemon(tiny_chat_model_dir):
-    d = tempfile.mkdtemp(prefix="mbo-", dir="/tmp")
-    daemon = Daemon(Path(d) / "d.sock", tiny_chat_model_dir, "--max-num-seqs", "4", "--kv-cache-gb", "0.05").wait_ready()
-    yield daemon
-    assert daemon.stop() == 0, daemon.log_text()
-    shutil.rmtree(d, ignore_errors=True)
+    with running_daemon(tiny_chat_model_dir, "--max-num-seqs", "4", "--kv-cache-gb", "0.05", prefix="mbo-") as daemon:
+        yield daemon
 
 
 def client(daemon) -> "ollama.Client":

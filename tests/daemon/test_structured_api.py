@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from pathlib import Path
 
 import jsonschema
 import pytest
 
-from .helpers import Daemon
+from .helpers import running_daemon
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -34,11 +31,8 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def daemon(builtin_model_dir):
-    d = tempfile.mkdtemp(prefix="mbs-", dir="/tmp")
-    daemon = Daemon(Path(d) / "d.sock", "smollm2-135m-instruct", "--max-num-seqs", "8", "--kv-cache-gb", "0.2").wait_ready()
-    yield daemon
-    assert daemon.stop() == 0, daemon.log_text()
-    shutil.rmtree(d, ignore_errors=True)
+    with running_daemon("smollm2-135m-instruct", "--max-num-seqs", "8", "--kv-cache-gb", "0.2", prefix="mbs-") as daemon:
+        yield daemon
 
 
 def sdk(daemon) -> "openai.OpenAI":
