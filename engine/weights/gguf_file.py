@@ -26,7 +26,7 @@ class GGUFError(ValueError):
     """The GGUF file cannot be used; the message names the file and the problem."""
 
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 # Architectures whose Q/K rows llama.cpp's converter permutes.
 _PERMUTED_ARCHS = ("llama", "mistral")
 _LAYER_NAMES = {
@@ -49,6 +49,8 @@ _GEMMA_LAYER_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# Phi-3: q/k/v and gate/up stored fused, as in its checkpoint
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -92,6 +94,9 @@ class GGUFWeights:
                 f"{self.path}: architecture {self.architecture or '(none)'!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHS)}"
             )
+        if any(info.name.startswith("rope_factors_") for info in self.file.tensors):
+            raise GGUFError(f"{self.path}: its LongRoPE factors are stored as tensors (rope_factors_*), which the config "
+                            "read from this file does not carry; use the model's safetensors checkpoint")
         self.tensors: dict[str, GGUFTensor] = {}
         for info in self.file.tensors:
             if info.name in _IGNORED:
@@ -144,6 +149,12 @@ class GGUFWeights:
             "mlp.up_proj.weight": (cfg.intermediate_size, cfg.hidden_size),
             "mlp.down_proj.weight": (cfg.hidden_size, cfg.intermediate_size),
         }
+        if self.architecture == "phi3":  # fused, as llama.cpp stores them
+            for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                         "mlp.gate_proj.weight", "mlp.up_proj.weight"):
+                del per_layer[name]
+            per_layer["self_attn.qkv_proj.weight"] = (q + 2 * kv, cfg.hidden_size)
+            per_layer["mlp.gate_up_proj.weight"] = (2 * cfg.intermediate_size, cfg.hidden_size)
         if cfg.qk_norm:
             per_layer["self_attn.q_norm.weight"] = per_layer["self_attn.k_norm.weight"] = (cfg.head_dim,)
         if cfg.sandwich_norms:
@@ -187,7 +198,7 @@ def unpermute_rows(rows: int, heads: int) -> np.ndarray:
 def _hf_name(gguf_name: str, path: Path, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = _GEMMA_LAYER_NAMES if arch.startswith("gemma") else _LAYER_NAMES
+    names = _GEMMA_LAYER_NAMES if arch.startswith("gemma") else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
     parts = gguf_name.split(".")
     if len(parts) >= 4 and parts[0] == "blk" and parts[1].isdigit():
         rest = ".".join(parts[2:])

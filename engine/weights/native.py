@@ -29,6 +29,8 @@ def install_gguf_weights(model: LlamaForCausalLM, gw: GGUFWeights, packed: bool 
     for i, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{i}."
         for stacked, parts in _STACKS.items():
+            if f"{prefix}{stacked}.weight" in t:  # stored fused (Phi-3)
+                parts = (stacked,)
             weights = [t[f"{prefix}{p}.weight"] for p in parts]
             biases = [t.get(f"{prefix}{p}.bias") for p in parts]
             _set(layer, stacked, _linear(weights, biases, pack))

@@ -28,6 +28,10 @@ GEMMA_LAYER_MAP = {**LAYER_MAP, "post_attention_layernorm": "post_attention_norm
                    "post_feedforward_layernorm": "post_ffw_norm"}
 
 
+# Phi-3 keeps q/k/v and gate/up fused
+PHI3_LAYER_MAP = {**LAYER_MAP, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+
+
 def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
@@ -37,7 +41,7 @@ def gguf_name(hf: str, arch: str = "llama") -> str:
         return "output.weight"
     parts = hf.split(".")  # model.layers.N.<module...>.weight|bias
     module = ".".join(parts[3:-1])
-    names = GEMMA_LAYER_MAP if arch.startswith("gemma") else LAYER_MAP
+    names = GEMMA_LAYER_MAP if arch.startswith("gemma") else PHI3_LAYER_MAP if arch == "phi3" else LAYER_MAP
     return f"blk.{parts[2]}.{names[module]}.{parts[-1]}"
 
 

@@ -41,6 +41,10 @@ def _tiny_hf(path, kind: str, **overrides):
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
                 layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
+    elif kind == "phi3":  # fused projections, a window; LongRoPE files are refused (their factors are tensors)
+        cfg = transformers.Phi3Config(**common, sliding_window=8, tie_word_embeddings=False, pad_token_id=0,
+                                      bos_token_id=1, eos_token_id=2)
+        model = transformers.Phi3ForCausalLM(cfg)
     elif kind in ("gemma2", "gemma3"):  # sliding layers (8) alternating with global ones; norms that matter
         extra = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, tie_word_embeddings=True, pad_token_id=0)
         if kind == "gemma2":
@@ -81,7 +85,7 @@ def _hf_logits(hf_dir, reference: dict[str, torch.Tensor], ids: list[int]) -> to
 
 CASES = [("llama", "F32"), ("llama", "Q8_0"), ("llama", "Q4_1"), ("llama", "Q4_0"), ("qwen2", "Q8_0"), ("qwen2", "Q4_1"),
          ("llama", "Q4_K"), ("llama", "Q5_K"), ("llama", "Q6_K"), ("qwen2", "Q6_K"), ("mistral", "Q8_0"), ("qwen3", "Q4_1"),
-         ("gemma2", "Q8_0"), ("gemma3", "Q4_1")]
+         ("gemma2", "Q8_0"), ("gemma3", "Q4_1"), ("phi3", "Q4_1")]
 
 
 @pytest.mark.parametrize("kind,qtype", CASES)
@@ -173,3 +177,22 @@ def test_tensor_shape_not_matching_the_config(q41_model):
     (model_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(GGUFError, match=r"tensor blk\.0\.ffn_\w+\.weight has shape \(\d+, \d+\), the config needs \((96, 64|64, 96)\)"):
         load_model(model_dir, TorchAttentionBackend())
+
+
+def test_a_phi3_gguf_with_longrope_factor_tensors_is_refused_with_the_reason(tmp_path):
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from minibatch.engine.models.config import ModelConfig
+    from minibatch.engine.weights.gguf_file import GGUFError, GGUFWeights
+
+    hf_dir = _tiny_hf(tmp_path / "hf", "phi3")
+    path = tmp_path / "longrope.gguf"
+    writer = GGUFWriter(str(path), "phi3")
+    writer.add_tensor("rope_factors_long.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match="LongRoPE factors are stored as tensors"):
+        GGUFWeights(path, ModelConfig.from_dir(hf_dir))
