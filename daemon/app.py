@@ -16,7 +16,8 @@ from minibatch.engine.core.scheduler import MODES, QueueFull, RequestRejected
 from .guard import Guard, guard_middleware
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse_body
 from .responses import full_response, stream_response, timeout_message
-from .tools import check_template, forced_call_grammar, tool_specs
+from .grammars import check_tool_schemas, forced_call, response_grammar, tool_call_grammar
+from .tools import check_template, tool_specs
 
 log = logging.getLogger("minibatch.daemon")
 DEFAULT_MAX_TOKENS = 1024
@@ -122,17 +123,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         body.max_tokens = body.max_completion_tokens
     make_grammar = None
     if specs is not None:
-        forced = await forced_call_grammar(state, body, specs)  # checks every tool's schema, even when not forced
-        if forced is not None:
-            made = [forced]
-            make_grammar = lambda: _next_or_new(made, lambda: forced_call_grammar(state, body, specs))  # noqa: E731
+        await check_tool_schemas(state, specs)
+        forced = forced_call(body, specs)
+        if forced is not None:  # each completion gets its own grammar state
+            make_grammar = lambda: tool_call_grammar(state, *forced)  # noqa: E731
     return await run_request(request, state, engine, body, ids, "chat.completion", f"chatcmpl-{uuid.uuid4().hex}",
                              make_grammar=make_grammar, tools=specs is not None)
-
-
-async def _next_or_new(made: list, make):
-    """The grammar already compiled, then a fresh one for each further completion."""
-    return made.pop() if made else await make()
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -145,35 +141,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if vocab and any(t >= vocab for t in ids):
         raise ApiError(400, f"prompt: token ids must be below the vocabulary size {vocab}", "prompt", "invalid_value")
     return await run_request(request, state, engine, body, ids, "text_completion", f"cmpl-{uuid.uuid4().hex}")
-
-
-async def response_grammar(state: DaemonState, fmt, param: str):
-    """The grammar for a response format (None for plain text), compiled off the event loop's thread.
-
-    `fmt` is "json", a JSON schema (dict), or a protocol.ResponseFormat; `param` names the field in errors.
-    """
-    from minibatch.engine.structured import GrammarError
-
-    if fmt is None or getattr(fmt, "type", None) == "text":
-        return None
-    if state.grammars is None:
-        raise ApiError(400, f"{param}: this model's tokenizer cannot drive constrained decoding (it is not a "
-                       "tokenizer.json tokenizer)", param, "unsupported")
-    if getattr(fmt, "type", None) == "json_schema":
-        if fmt.json_schema is None:
-            raise ApiError(400, f"{param}.json_schema: required when type is json_schema", f"{param}.json_schema", "missing")
-        if fmt.json_schema.schema_ is None:
-            raise ApiError(400, f"{param}.json_schema.schema: required when type is json_schema",
-                           f"{param}.json_schema.schema", "missing")
-        schema, param = fmt.json_schema.schema_, f"{param}.json_schema.schema"
-    elif getattr(fmt, "type", None) == "json_object" or fmt == "json":
-        schema = {"type": "object"}
-    else:
-        schema = fmt
-    try:
-        return await asyncio.get_running_loop().run_in_executor(None, state.grammars.json_schema, schema)
-    except GrammarError as exc:
-        raise ApiError(400, f"{param}: the schema cannot be used: {exc}", param, "invalid_schema") from None
 
 
 def submit(state: DaemonState, engine, body, ids: list[int], request_id: str, grammar=None, index: int = 0,

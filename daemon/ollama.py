@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
 
 from .protocol import MAX_TOOLS, ApiError, Float, Tool, parse_body
+from .grammars import response_grammar
 from .tools import CallSplitter, check_template, parse_calls
 
 VERSION = "0.6.0"  # the Ollama API version whose shapes these follow
@@ -129,7 +130,7 @@ def final_counters(out, prompt_tokens: int, n: int, started: float) -> dict:
 
 
 async def respond(request: web.Request, chat: bool):
-    from .app import STATE, check_model, response_grammar, submit
+    from .app import STATE, check_model, submit
 
     state = request.app[STATE]
     started = time.perf_counter()

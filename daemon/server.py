@@ -74,10 +74,9 @@ def grammar_compiler(engine, tokenizer):
     """What compiles response formats for this model (its vocabulary is read on first use), or None."""
     from minibatch.engine.structured import GrammarCompiler
 
-    spec = tokenizer.tokenizer_json()
-    if spec is None:
+    if not tokenizer.has_tokenizer_json:
         return None
-    return GrammarCompiler(spec, engine.runner.model.config.vocab_size, list(engine.eos_token_ids))
+    return GrammarCompiler(tokenizer.tokenizer_json, engine.runner.model.config.vocab_size, list(engine.eos_token_ids))
 
 
 async def serve(config: DaemonConfig) -> int:

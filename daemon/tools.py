@@ -1,4 +1,5 @@
-"""Function calling: which tools a request offers, the grammar that forces a call, and reading calls back.
+"""Function calling: which tools a request offers, whether the template can show them, and reading calls back
+(the grammar that forces a call is in grammars.py).
 
 Calls are read in the Hermes layout that Qwen 2.5/3, Hermes and SmolLM3 templates teach their models:
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number of them, text around them being
@@ -34,37 +35,6 @@ def check_template(tokenizer) -> None:
     if tokenizer.tool_call_format != "hermes":
         raise ApiError(400, "tools: this model's chat template renders tools, but in a call layout minibatch does not "
                        "read back (it reads <tool_call>{...}</tool_call>)", "tools", "unsupported")
-
-
-async def forced_call_grammar(state, body, specs: list[dict]):
-    """For tool_choice "required" or a named function: the grammar that makes the output one valid call.
-
-    Every tool's parameters are compiled first, so a schema that is not one is a 400 naming it."""
-    import asyncio
-
-    from minibatch.engine.structured import GrammarError
-
-    loop = asyncio.get_running_loop()
-    functions = [s["function"] for s in specs]
-    for i, f in enumerate(functions):
-        if f.get("parameters") is not None:
-            try:
-                await loop.run_in_executor(None, state.grammars.check_schema, f["parameters"])
-            except GrammarError as exc:
-                param = f"tools.{i}.function.parameters"
-                raise ApiError(400, f"{param}: not a usable JSON Schema: {exc}", param, "invalid_schema") from None
-    choice = body.tool_choice
-    if choice in (None, "auto"):
-        return None
-    name = None
-    if choice != "required":
-        name = choice.function.name
-        if name not in {f["name"] for f in functions}:
-            raise ApiError(400, f"tool_choice.function.name: no tool named {name!r} in tools", "tool_choice.function.name",
-                           "invalid_value")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise ApiError(400, "response_format: cannot be combined with a required tool call", "response_format", "invalid_value")
-    return await loop.run_in_executor(None, state.grammars.tool_call, functions, name)
 
 
 def parse_calls(text: str) -> tuple[str | None, list[dict]]:

@@ -8,15 +8,20 @@ built-in model (it materialises every metadata value first).
 
 Covered: the architectures our forward runs, with a byte-level BPE vocabulary (`tokenizer.ggml.model`
 "gpt2": SmolLM, Llama 3, Qwen, Mistral's Tekken) whose pre-tokenizer is one of PRE_TOKENIZERS.
-Anything else returns False and the caller uses transformers' reader.
+Anything else (can_prepare says what) is read by transformers' GGUF reader instead:
+write_config_and_tokenizer chooses.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
-from .weights.gguf_reader import GGUFFile
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .weights.gguf_reader import GGUFFile
 
 # The text splits llama.cpp names in tokenizer.ggml.pre, as the original tokenizer.json files spell them.
 _LLAMA3_SPLIT = (
@@ -177,3 +182,27 @@ def _bytes_to_unicode() -> dict[int, str]:
             mapping[b] = chr(256 + extra)
             extra += 1
     return mapping
+
+
+def write_config_and_tokenizer(gguf: Path, out: Path) -> str:
+    """config.json, generation_config.json and the tokenizer files from the GGUF metadata; returns whose reader.
+
+    Our reader (this module) covers byte-level BPE vocabularies of the families we run, in well under a
+    second; anything else is read by transformers' GGUF reader (seconds to tens of seconds).
+    """
+    from .weights.gguf_reader import GGUFFile
+
+    f = GGUFFile(gguf)
+    why_not = can_prepare(f)
+    if why_not is None:
+        write_model_files(f, out)
+        return "minibatch"
+    print(f"minibatch: reading {gguf.name}'s config and tokenizer with transformers, once ({why_not} is not covered "
+          "by our reader)", file=sys.stderr)
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    return "transformers"

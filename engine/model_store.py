@@ -25,7 +25,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -34,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
+
+from .gguf_prepare import write_config_and_tokenizer
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SOURCE_FILE = "minibatch-source.json"
@@ -197,31 +198,6 @@ def _prepared(dest: Path) -> bool:
         return False
     source = json.loads(marker.read_text())
     return bool(source.get("weights_from_gguf")) and source.get("format") == PREPARED_FORMAT
-
-
-def write_config_and_tokenizer(gguf: Path, out: Path) -> str:
-    """config.json, generation_config.json and the tokenizer files from the GGUF metadata; returns whose reader.
-
-    Our reader (gguf_prepare) covers byte-level BPE vocabularies of the families we run, in well under a
-    second; anything else is read by transformers' GGUF reader (seconds to tens of seconds).
-    """
-    from .gguf_prepare import can_prepare, write_model_files
-    from .weights.gguf_reader import GGUFFile
-
-    f = GGUFFile(gguf)
-    why_not = can_prepare(f)
-    if why_not is None:
-        write_model_files(f, out)
-        return "minibatch"
-    print(f"minibatch: reading {gguf.name}'s config and tokenizer with transformers, once ({why_not} is not covered "
-          "by our reader)", file=sys.stderr)
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config.save_pretrained(out)
-    GenerationConfig.from_model_config(config).save_pretrained(out)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-    return "transformers"
 
 
 def _from_hub(repo_id: str) -> Path:

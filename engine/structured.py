@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -74,7 +75,8 @@ class Grammar:
 class GrammarCompiler:
     """Compiles response formats for one model; its vocabulary is read once, on first use (~0.4 s)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer_json: str | Callable[[], str], vocab_size: int, eos_token_ids: list[int]) -> None:
+        # the JSON (or what gives it, so a daemon that never constrains an output never serialises its vocabulary)
         self._tokenizer_json, self._vocab_size, self._eos = tokenizer_json, vocab_size, list(eos_token_ids)
         self._tokenizer = None
         self._lock = threading.Lock()
@@ -84,7 +86,8 @@ class GrammarCompiler:
             if self._tokenizer is None:
                 import llguidance
 
-                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self._vocab_size,
+                spec = self._tokenizer_json() if callable(self._tokenizer_json) else self._tokenizer_json
+                self._tokenizer = llguidance.LLTokenizer(spec, n_vocab=self._vocab_size,
                                                          eos_token=self._eos)
             return self._tokenizer
 

@@ -53,6 +53,10 @@ class TextTokenizer:
             return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def has_tokenizer_json(self) -> bool:
+        return self._tok is not None or getattr(self.hf, "backend_tokenizer", None) is not None
+
     def tokenizer_json(self) -> str | None:
         """The tokenizer as `tokenizers` JSON (what grammar libraries read), or None for a slow tokenizer."""
         if self._tok is not None:
