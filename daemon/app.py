@@ -136,7 +136,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body: CompletionRequest = await read_body(request, state, CompletionRequest)
     check_model(state, body.model)
     engine = state.ready_engine()
-    ids = list(body.prompt) if isinstance(body.prompt, list) else state.tokenizer.encode(body.prompt)
+    ids = list(body.prompt) if isinstance(body.prompt, list) else state.tokenizer.encode_prompt(body.prompt)
     vocab = state.info.get("vocab_size")
     if vocab and any(t >= vocab for t in ids):
         raise ApiError(400, f"prompt: token ids must be below the vocabulary size {vocab}", "prompt", "invalid_value")

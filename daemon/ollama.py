@@ -151,7 +151,7 @@ async def respond(request: web.Request, chat: bool):
     else:
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + [{"role": "user", "content": body.prompt}]
     try:
-        ids = state.tokenizer.encode(body.prompt) if messages is None else state.tokenizer.chat(messages, tools=tools)
+        ids = state.tokenizer.encode_prompt(body.prompt) if messages is None else state.tokenizer.chat(messages, tools=tools)
     except ValueError as exc:
         raise ApiError(400, str(exc), "messages", "no_chat_template") from None
     if not chat and not body.prompt:  # Ollama: an empty generate loads the model and answers done

@@ -1,14 +1,14 @@
 """A GGUF's config and tokenizer as Hugging Face files, read from its metadata by our own reader.
 
-A GGUF carries the model's hyper-parameters under llama.cpp's key names and its tokenizer as arrays
-(tokens, merges, token types) plus the name of the pre-tokenizer llama.cpp applies. This writes what a
-model directory holds -- config.json, generation_config.json, tokenizer.json, tokenizer_config.json,
+A GGUF carries the model's hyper-parameters under llama.cpp's key names (values it leaves out take
+llama.cpp's default for the architecture, which the file was made for), Phi-3's LongRoPE factors as tensors,
+and its tokenizer as arrays (gguf_vocab turns those into a tokenizer.json). This writes what a model
+directory holds -- config.json, generation_config.json, tokenizer.json, tokenizer_config.json,
 chat_template.jinja -- in well under a second, where transformers' GGUF reader takes ~11 s for the
 built-in model (it materialises every metadata value first).
 
-Covered: the architectures our forward runs, with a byte-level BPE vocabulary (`tokenizer.ggml.model`
-"gpt2": SmolLM, Llama 3, Qwen, Mistral's Tekken) whose pre-tokenizer is one of PRE_TOKENIZERS.
-Anything else (can_prepare says what) is read by transformers' GGUF reader instead:
+Covered: the architectures our forward runs (ARCHITECTURES) with a byte-level BPE or SentencePiece
+vocabulary. Anything else (can_prepare says what) is read by transformers' GGUF reader instead:
 write_config_and_tokenizer chooses.
 """
 
@@ -20,45 +20,27 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from .gguf_vocab import NAMED, can_write, write_tokenizer
+
 if TYPE_CHECKING:
     from .weights.gguf_reader import GGUFFile
 
-# The text splits llama.cpp names in tokenizer.ggml.pre, as the original tokenizer.json files spell them.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# name -> (regex split before the byte-level step or None for GPT-2's own, digits one by one,
-#          NFC-normalise first, a word in the vocabulary is taken whole before any merge)
-PRE_TOKENIZERS = {
-    "gpt-2": (None, False, False, False),
-    "smollm": (None, True, False, False),
-    "llama-bpe": (_LLAMA3_SPLIT, False, False, True),
-    "llama3": (_LLAMA3_SPLIT, False, False, True),
-    "qwen2": (_QWEN2_SPLIT, False, True, False),
-    "deepseek-r1-qwen": (_QWEN2_SPLIT, False, True, False),
-}
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
-_NAMED = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
-          "pad_token": "padding_token_id"}
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+               "phi3": "Phi3ForCausalLM"}
+# Tokens llama.cpp ends generation on by their text, whatever the metadata says (its end-of-generation set).
+END_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>")
+# Default sampling a GGUF may carry (general.sampling.*) -> generation_config.json's names.
+_SAMPLING = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+             "penalty_repeat": "repetition_penalty"}
 
 
 def can_prepare(gguf: GGUFFile) -> str | None:
     """None when write_model_files can do this file, else why not."""
-    meta = gguf.metadata
     if gguf.architecture not in ARCHITECTURES:
         return f"architecture {gguf.architecture!r}"
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        return f"tokenizer model {meta.get('tokenizer.ggml.model')!r} (only byte-level BPE)"
-    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
-    if pre not in PRE_TOKENIZERS:
-        return f"pre-tokenizer {pre!r}"
-    return None
+    return can_write(gguf.metadata)
 
 
 def write_model_files(gguf: GGUFFile, out: Path) -> None:
@@ -71,36 +53,44 @@ def write_model_files(gguf: GGUFFile, out: Path) -> None:
     for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):  # end of turn / of message
         if isinstance(meta.get(key), int) and meta[key] not in eos:
             eos.append(meta[key])
+    eos += [i for i, t in enumerate(tokens) if t in END_TOKENS and i not in eos]
     generation = {k: config[k] for k in ("bos_token_id", "pad_token_id") if config.get(k) is not None}
     if eos:
         generation["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    for key, name in _SAMPLING.items():
+        value = meta.get(f"general.sampling.{key}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            generation[name] = value
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     write_tokenizer(gguf, tokens, out)
 
 
 def model_config(gguf: GGUFFile, n_tokens: int) -> dict:
-    """A transformers-style config.json for the architecture, from `{arch}.*` metadata."""
+    """A transformers-style config.json for the architecture, from `{arch}.*` metadata.
+
+    Where a file leaves a value out, llama.cpp's default for the architecture is taken (the file was made for
+    it): Gemma's layer pattern and local rope base, Gemma 2's caps, the 27B models' query scale, Phi-3's window.
+    """
     meta, arch = gguf.metadata, gguf.architecture
 
     def get(key, default=None):
         return meta.get(f"{arch}.{key}", default)
 
-    heads, hidden = get("attention.head_count"), get("embedding_length")
+    heads, hidden, layers = get("attention.head_count"), get("embedding_length"), get("block_count")
     names = {t.name for t in gguf.tensors}
     config = {
-        "model_type": arch,
-        "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "model_type": "gemma3_text" if arch == "gemma3" else arch,
+        "architectures": [_HF_CLASSES[arch]],
         "hidden_act": "silu",
         "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length"),
-        "num_hidden_layers": get("block_count"),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": get("attention.head_count_kv", heads),
         "head_dim": get("attention.key_length") or get("rope.dimension_count") or hidden // heads,
-        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "rms_norm_eps": _decimal(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": get("context_length", 2048),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))},
+        "rope_parameters": {"rope_type": "default", "rope_theta": _decimal(get("rope.freq_base", 10000.0))},
         "vocab_size": get("vocab_size", n_tokens),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
@@ -108,10 +98,14 @@ def model_config(gguf: GGUFFile, n_tokens: int) -> dict:
     }
     scaling = get("rope.scaling.type")
     if scaling not in (None, "none"):  # our forward refuses what it cannot run, by name
-        config["rope_parameters"].update(rope_type=scaling, factor=get("rope.scaling.factor"))
+        config["rope_parameters"].update(rope_type=scaling, factor=_decimal(get("rope.scaling.factor")))
     if get("attention.sliding_window"):
         config["sliding_window"] = get("attention.sliding_window")
-    for name, key in _NAMED.items():
+    if arch in ("gemma2", "gemma3"):
+        _gemma_config(gguf, config)
+    elif arch == "phi3":
+        _phi3_config(gguf, config)
+    for name, key in NAMED.items():
         value = meta.get(f"tokenizer.ggml.{key}")
         if isinstance(value, int):
             config[name.replace("_token", "_token_id")] = value
@@ -120,68 +114,62 @@ def model_config(gguf: GGUFFile, n_tokens: int) -> dict:
     return config
 
 
-def write_tokenizer(gguf: GGUFFile, tokens: list[str], out: Path) -> None:
-    """tokenizer.json (byte-level BPE), tokenizer_config.json and chat_template.jinja."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+def _gemma_config(gguf: GGUFFile, config: dict) -> None:
+    meta, arch = gguf.metadata, gguf.architecture
+    layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    config["hidden_activation"] = config["hidden_act"] = "gelu_pytorch_tanh"
+    config["head_dim"] = meta.get(f"{arch}.attention.key_length", 256)
+    config["sliding_window"] = meta.get(f"{arch}.attention.sliding_window", 4096)
+    pattern = gguf.array(f"{arch}.attention.sliding_window_pattern")  # newer files: sliding or not, per layer
+    if pattern is not None and len(pattern) == layers:
+        sliding = [bool(p) for p in pattern]
+    else:
+        every = meta.get(f"{arch}.attention.sliding_window_pattern")
+        every = every if isinstance(every, int) and every > 0 else (2 if arch == "gemma2" else 6)
+        sliding = [i % every < every - 1 for i in range(layers)]
+    config["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    # llama.cpp scales queries by 1/sqrt(head_dim), except the 27B models: 1/sqrt(hidden / heads)
+    big = layers == (46 if arch == "gemma2" else 62)
+    config["query_pre_attn_scalar"] = hidden // heads if big else config["head_dim"]
+    if arch == "gemma2":
+        config["attn_logit_softcapping"] = _decimal(meta.get("gemma2.attn_logit_softcapping", 50.0))
+        config["final_logit_softcapping"] = _decimal(meta.get("gemma2.final_logit_softcapping", 30.0))
+    else:  # the local layers rotate with base 10000, unscaled; the file's base and scaling are the global layers'
+        config["rope_local_base_freq"] = 10000.0
 
+
+def _phi3_config(gguf: GGUFFile, config: dict) -> None:
     meta = gguf.metadata
-    split, digits, nfc, ignore_merges = PRE_TOKENIZERS[meta.get("tokenizer.ggml.pre", "gpt-2")]
-    alphabet = _bytes_to_unicode()
-    letters = set(alphabet.values())
-    # A token outside the byte alphabet is stored as raw text: spell it in the alphabet as the BPE sees it.
-    spelled = [t if letters.issuperset(t) else "".join(alphabet[b] for b in t.encode()) for t in tokens]
-    merges = gguf.array("tokenizer.ggml.merges") or []
-    tok = Tokenizer(models.BPE(
-        {t: i for i, t in enumerate(spelled)}, [tuple(m.split(" ", 1)) for m in merges],
-        fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges,
-    ))
-    if nfc:
-        tok.normalizer = normalizers.NFC()
-    steps = []
-    if split is not None:
-        steps.append(pre_tokenizers.Split(Regex(split), behavior="isolated"))
-    if digits:
-        steps.append(pre_tokenizers.Digits(individual_digits=True))
-    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None))
-    tok.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
-    tok.decoder = decoders.ByteLevel()
-
-    types = gguf.array("tokenizer.ggml.token_type")
-    types = list(types) if types is not None else [0] * len(tokens)
-    named = {name: tokens[meta[f"tokenizer.ggml.{key}"]] for name, key in _NAMED.items()
-             if isinstance(meta.get(f"tokenizer.ggml.{key}"), int) and meta[f"tokenizer.ggml.{key}"] < len(tokens)}
-    # Control tokens (and the named ones) stay whole and are skipped when decoding without special tokens;
-    # user-defined ones (like <think>) stay whole and are ordinary text. A "control" token spelled outside
-    # the byte alphabet is a mislabel in some files; adding it would grow the vocabulary, so it is left.
-    special = [t for t, k in zip(tokens, types) if k == _CONTROL and letters.issuperset(t)]
-    special += [t for t in named.values() if t not in special]
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
-
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and "bos_token" in named
-    if add_bos:
-        bos = named["bos_token"]
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, meta["tokenizer.ggml.bos_token_id"])])
-    tok.save(str(out / "tokenizer.json"))
-
-    config = {"tokenizer_class": "TokenizersBackend", "add_bos_token": add_bos, "add_eos_token": False,
-              "clean_up_tokenization_spaces": False, **named}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    template = meta.get("tokenizer.chat_template")
-    if isinstance(template, str) and template:
-        (out / "chat_template.jinja").write_text(template)
+    layers, context = config["num_hidden_layers"], config["max_position_embeddings"]
+    window = meta.get("phi3.attention.sliding_window")
+    if window is None and layers in (32, 40) and context == 4096:  # older Phi-3 mini/medium 4k files
+        window = 2047
+    config["sliding_window"] = window or None  # 0: no window (Phi-4)
+    factors = {info.name: info for info in gguf.tensors if info.name.startswith("rope_factors_")}
+    if factors:  # LongRoPE (the 128k models): per-frequency divisors stored as tensors
+        config["rope_parameters"].update(
+            rope_type="longrope", short_factor=_f32_tensor(gguf, factors["rope_factors_short.weight"]),
+            long_factor=_f32_tensor(gguf, factors["rope_factors_long.weight"]),
+            original_max_position_embeddings=meta.get("phi3.rope.scaling.original_context_length", context))
+        if isinstance(meta.get("phi3.rope.scaling.attn_factor"), float):
+            config["rope_parameters"]["attention_factor"] = _decimal(meta["phi3.rope.scaling.attn_factor"])
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte alphabet: printable bytes stand for themselves, the rest map to code points from 256 up."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping, extra = {b: chr(b) for b in printable}, 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
+def _f32_tensor(gguf: GGUFFile, info) -> list[float]:
+    import numpy as np
+
+    if info.ggml_type != 0:  # F32
+        raise ValueError(f"{gguf.path}: {info.name} is not stored as F32 (type {info.ggml_type})")
+    count = int(np.prod(info.dims))
+    return [_decimal(x) for x in gguf.data(info, 4 * count).view(np.float32)]
+
+
+def _decimal(value):
+    """A float32 from the file as the shortest decimal that reads back as the same float32 (1e-06, not
+    9.99999997e-07): the value the model's own config says."""
+    import numpy as np
+
+    return value if value is None else float(str(np.float32(value)))
 
 
 def write_config_and_tokenizer(gguf: Path, out: Path) -> str:

@@ -39,7 +39,7 @@ from .gguf_prepare import write_config_and_tokenizer
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SOURCE_FILE = "minibatch-source.json"
 # Bumped when what a preparation writes changes; a cached preparation of another format is redone.
-PREPARED_FORMAT = 2
+PREPARED_FORMAT = 3
 
 
 @dataclass(slots=True, frozen=True)

@@ -48,6 +48,13 @@ class TextTokenizer:
             return list(self.hf.encode(text, add_special_tokens=False))
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt's ids with the special tokens the tokenizer adds around text (the BOS of Llama 2,
+        Mistral, Gemma, Phi-3), as llama.cpp and transformers add them; a chat template writes its own."""
+        if self._tok is None:
+            return list(self.hf.encode(text, add_special_tokens=True))
+        return self._tok.encode(text, add_special_tokens=True).ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._tok is None:
             return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

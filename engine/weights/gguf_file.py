@@ -94,15 +94,27 @@ class GGUFWeights:
                 f"{self.path}: architecture {self.architecture or '(none)'!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHS)}"
             )
-        if any(info.name.startswith("rope_factors_") for info in self.file.tensors):
-            raise GGUFError(f"{self.path}: its LongRoPE factors are stored as tensors (rope_factors_*), which the config "
-                            "read from this file does not carry; use the model's safetensors checkpoint")
+        self._check_rope_factors(cfg)
         self.tensors: dict[str, GGUFTensor] = {}
         for info in self.file.tensors:
-            if info.name in _IGNORED:
+            if info.name in _IGNORED or info.name.startswith("rope_factors_"):
                 continue
             self.tensors[_hf_name(info.name, self.path, self.architecture)] = self._tensor(info, cfg)
         self._check_complete(cfg)
+
+    def _check_rope_factors(self, cfg: ModelConfig) -> None:
+        """LongRoPE factors stored as tensors (Phi-3 128k) are what the config's rope must say: the config
+        carries them (our preparation writes them there) and the forward reads them from it."""
+        if not any(info.name.startswith("rope_factors_") for info in self.file.tensors):
+            return
+        short = next((info for info in self.file.tensors if info.name == "rope_factors_short.weight"), None)
+        ours = np.asarray(cfg.rope.short_factor, dtype=np.float32)
+        stored = None
+        if short is not None and short.ggml_type == 0:  # F32
+            stored = self.file.data(short, 4 * int(np.prod(short.dims))).view(np.float32)
+        if cfg.rope.rope_type != "longrope" or stored is None or not np.array_equal(stored, ours):
+            raise GGUFError(f"{self.path}: its LongRoPE factors (rope_factors_short.weight) differ from the rope of the "
+                            f"config beside it ({cfg.rope.rope_type}, {len(ours)} short factors)")
 
     def _tensor(self, info: TensorInfo, cfg: ModelConfig) -> GGUFTensor:
         qtype = QUANT_BY_ID.get(info.ggml_type)

@@ -50,8 +50,66 @@ def converter_permute(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def write_gguf_model(hf_dir: Path, out_dir: Path, qtype_name: str, arch: str = "llama") -> dict[str, torch.Tensor]:
-    """Write hf_dir's model as a GGUF whose matrices are `qtype_name`, plus a model dir pointing at it.
+def write_converter_metadata(writer, cfg: dict, arch: str) -> None:
+    """The hyper-parameters llama.cpp's converter writes for `arch` from an HF config, and a 256-token
+    byte-level vocabulary (the tiny models' vocab size) with the config's BOS and EOS as control tokens."""
+    from gguf import RopeScalingType
+
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # transformers 5 keeps Gemma 3's rope per layer type
+    if arch != "gemma2":  # the Gemma 2 converter writes no base (llama.cpp's default, 10000)
+        writer.add_rope_freq_base(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if arch.startswith("gemma"):
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+        writer.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch == "gemma3" and rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    if arch in ("phi3", "mistral"):
+        writer.add_sliding_window(cfg.get("sliding_window") or 0)
+    if arch == "phi3":
+        writer.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+        writer.add_rope_scaling_orig_ctx_len(cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
+        if rope.get("rope_type") == "longrope":
+            writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    alphabet = _byte_alphabet()
+    tokens = [alphabet[b] for b in range(256)]
+    types = [1] * 256
+    for key in ("bos_token_id", "eos_token_id"):
+        if isinstance(cfg.get(key), int):
+            tokens[cfg[key]], types[cfg[key]] = f"<|{key[:3]}|>", 3
+            getattr(writer, f"add_{key}")(cfg[key])
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([])
+
+
+def _byte_alphabet() -> dict[int, str]:
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    mapping = {b: chr(b) for b in printable}
+    for extra, b in enumerate(b for b in range(256) if b not in mapping):
+        mapping[b] = chr(256 + extra)
+    return mapping
+
+
+def write_gguf_model(hf_dir: Path, out_dir: Path, qtype_name: str, arch: str = "llama",
+                     metadata: bool = False) -> dict[str, torch.Tensor]:
+    """Write hf_dir's model as a GGUF whose matrices are `qtype_name`, plus a model dir pointing at it
+    (holding hf_dir's config; with `metadata`, the GGUF also carries the converter's metadata).
 
     Matrices are quantized by gguf's reference quantizer where it has one; K-quants (which
     gguf.quants cannot quantize) get random blocks. Returns the dequantised weights by HF name:
@@ -65,6 +123,8 @@ def write_gguf_model(hf_dir: Path, out_dir: Path, qtype_name: str, arch: str = "
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"model-{qtype_name}.gguf"
     writer = GGUFWriter(str(path), arch)
+    if metadata:
+        write_converter_metadata(writer, cfg, arch)
     reference: dict[str, torch.Tensor] = {}
     for i, (name, w) in enumerate(sorted(weights.items())):
         w = w.float()

@@ -41,7 +41,7 @@ def _tiny_hf(path, kind: str, **overrides):
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
                 layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
-    elif kind == "phi3":  # fused projections, a window; LongRoPE files are refused (their factors are tensors)
+    elif kind == "phi3":  # fused projections, a window (LongRoPE GGUFs: test_gguf_configs)
         cfg = transformers.Phi3Config(**common, sliding_window=8, tie_word_embeddings=False, pad_token_id=0,
                                       bos_token_id=1, eos_token_id=2)
         model = transformers.Phi3ForCausalLM(cfg)
@@ -177,22 +177,3 @@ def test_tensor_shape_not_matching_the_config(q41_model):
     (model_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(GGUFError, match=r"tensor blk\.0\.ffn_\w+\.weight has shape \(\d+, \d+\), the config needs \((96, 64|64, 96)\)"):
         load_model(model_dir, TorchAttentionBackend())
-
-
-def test_a_phi3_gguf_with_longrope_factor_tensors_is_refused_with_the_reason(tmp_path):
-    import numpy as np
-    from gguf import GGUFWriter
-
-    from minibatch.engine.models.config import ModelConfig
-    from minibatch.engine.weights.gguf_file import GGUFError, GGUFWeights
-
-    hf_dir = _tiny_hf(tmp_path / "hf", "phi3")
-    path = tmp_path / "longrope.gguf"
-    writer = GGUFWriter(str(path), "phi3")
-    writer.add_tensor("rope_factors_long.weight", np.ones(8, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(GGUFError, match="LongRoPE factors are stored as tensors"):
-        GGUFWeights(path, ModelConfig.from_dir(hf_dir))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import unicodedata
 from pathlib import Path
@@ -66,9 +67,15 @@ def test_builtin_gguf_prepared_by_us_equals_transformers(tmp_path):
     for messages in CONVERSATIONS:
         assert ours.render_chat(messages) == ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ref_config = transformers.AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
-    assert ModelConfig.from_dir(ours_dir) == ModelConfig.from_dict(ref_config)
+    ours_cfg, ref_cfg = ModelConfig.from_dir(ours_dir), ModelConfig.from_dict(ref_config)
+    # the file stores eps as a float32: ours writes it back as the model's config says it (1e-05),
+    # transformers' as the float32's double (9.9999997e-06)
+    assert ours_cfg.rms_norm_eps == 1e-05 and np.float32(ref_cfg.rms_norm_eps) == np.float32(1e-05)
+    assert ours_cfg == dataclasses.replace(ref_cfg, rms_norm_eps=ours_cfg.rms_norm_eps)
     generation = json.loads((ours_dir / "generation_config.json").read_text())
-    assert (generation["bos_token_id"], generation["eos_token_id"]) == (ref_config["bos_token_id"], ref_config["eos_token_id"])
+    assert generation["bos_token_id"] == ref_config["bos_token_id"]
+    # the file's EOS first, then what llama.cpp also ends on by its text (SmolLM2's <|endoftext|>)
+    assert generation["eos_token_id"] == [ref_config["eos_token_id"], ours.encode("<|endoftext|>")[0]]
 
 
 def _variant(tmp_path: Path, pre: str | None, arch: str = "llama", **extra) -> Path:
@@ -154,9 +161,9 @@ def test_config_from_metadata(tmp_path):
 def test_what_it_does_not_cover_is_named(tmp_path):
     from gguf import GGUFWriter
 
-    for arch, model, pre, why in [("llama", "llama", None, "tokenizer model 'llama' (only byte-level BPE)"),
+    for arch, model, pre, why in [("llama", "t5", None, "tokenizer model 't5' (byte-level BPE and SentencePiece BPE are)"),
                                   ("llama", "gpt2", "mystery-bpe", "pre-tokenizer 'mystery-bpe'"),
-                                  ("gemma2", "gpt2", "gpt-2", "architecture 'gemma2'")]:
+                                  ("gemma", "llama", None, "architecture 'gemma'")]:
         path = tmp_path / f"{arch}-{model}.gguf"
         writer = GGUFWriter(str(path), arch)
         writer.add_tokenizer_model(model)
@@ -166,3 +173,68 @@ def test_what_it_does_not_cover_is_named(tmp_path):
         writer.write_kv_data_to_file()
         writer.close()
         assert can_prepare(GGUFFile(path)) == why
+
+
+def _sentencepiece_gguf(tmp_path: Path, space_prefix: bool):
+    """A SentencePiece BPE vocabulary trained here (byte fallback, two user-defined tokens) and written to a
+    GGUF as llama.cpp's converter writes one (pieces, scores, token types; Gemma's add_space_prefix false)."""
+    import io
+
+    import sentencepiece as spm
+    from gguf import GGUFWriter
+
+    prompts = [json.loads(line)["prompt"] for line in (Path(__file__).parents[2] / "scripts/data/chat_prompts.jsonl").open()]
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(prompts + TEXTS), model_writer=proto, vocab_size=700, model_type="bpe", byte_fallback=True,
+        normalization_rule_name="identity", add_dummy_prefix=space_prefix, remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True, split_digits=True, user_defined_symbols=["<think>", "</think>"], minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
+    n = sp.get_piece_size()
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
+    for i in (sp.piece_to_id("<think>"), sp.piece_to_id("</think>")):
+        types[i] = 4
+    path = tmp_path / f"spm-{space_prefix}.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    for key, value in {"block_count": 1, "context_length": 64, "embedding_length": 64, "feed_forward_length": 128,
+                       "attention.head_count": 4}.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([sp.id_to_piece(i) for i in range(n)])
+    writer.add_token_scores([sp.get_score(i) for i in range(n)])
+    writer.add_token_types(types)
+    writer.add_unk_token_id(sp.unk_id())
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    writer.add_add_bos_token(True)
+    if not space_prefix:
+        writer.add_add_space_prefix(False)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return sp, path, prompts
+
+
+@pytest.mark.parametrize("space_prefix", [True, False], ids=["llama-prefix-space", "gemma-no-prefix"])
+def test_a_sentencepiece_vocabulary_splits_text_as_sentencepiece_does(tmp_path, space_prefix):
+    sp, gguf, prompts = _sentencepiece_gguf(tmp_path, space_prefix)
+    ours = TextTokenizer(_ours(gguf, tmp_path / "ours"))
+    assert ours.backend == "tokenizers"
+    texts = prompts + [t for t in CORPUS if "think>" not in t] + [
+        "  leading spaces and trailing   ", "\ttabs\tand\nnewlines\n\n", "ünïcödé 日本語 🎉 (byte fallback)", "1234567890",
+        "▁ already a piece mark", "",
+    ]
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == sp.encode(text), text
+        assert ours.decode(ids) == sp.decode(ids) == (text if "▁" not in text else text.replace("▁", " "))
+    assert any(sp.is_byte(i) for t in texts for i in sp.encode(t))  # the byte fallback was exercised
+    # llama.cpp encodes the text between special tokens piece by piece, each with its own leading "▁"
+    # (SentencePiece itself, which matches user-defined symbols inside the text, adds it only at the start)
+    think = sp.piece_to_id("<think>")
+    assert ours.encode("why<think>so") == ours.encode("why") + [think] + ours.encode("so")
+    assert ours.decode(ours.encode("why<think>so")) == ("why<think> so" if space_prefix else "why<think>so")
+    # a raw prompt starts with BOS (add_bos_token), a chat template's text gets none added
+    assert ours.encode_prompt("hello") == [sp.bos_id()] + sp.encode("hello")
+    assert ours.encode("</s>hello")[0] == sp.eos_id() and ours.decode([sp.eos_id(), *sp.encode("hi")]) == "hi"
