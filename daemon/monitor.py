@@ -100,6 +100,8 @@ class EngineMonitor:
             "block_size": bm.block_size,
             "prefix_cache_hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
             "prefix_cache_hit_blocks": bm.prefix_hits,
+            "kv_window": bm.window,  # > 0: blocks out of every layer's sliding window are handed back early
+            "kv_blocks_released_out_of_window": bm.released_blocks,
             "preemptions": sched.num_preemptions,
             "wasted_row_steps": sched.wasted_row_steps,
             "requests_finished": self.requests_finished,

@@ -13,6 +13,12 @@ evicted by being handed out again.
 The free queue is least-recently-freed first. A request's blocks are freed in
 reverse order, so its tail blocks (least likely to be shared) are evicted
 before the head of its prompt.
+
+Sliding windows: when every layer of the model attends to the last `window`
+positions only, a block wholly before the window of a request's next token is
+never read again. `release_out_of_window` hands it back early (it keeps its
+hash, so it can still be a prefix hit) and puts the null block in its place in
+the request's table; the attention paths mask those positions anyway.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, window: int = 0) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (one is the null block), got {num_blocks}")
         if block_size < 1:
@@ -43,11 +49,14 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window  # > 0: every layer sees the last `window` positions only (release_out_of_window)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self.cached: dict[int, Block] = {}  # block hash -> block holding those tokens
         self.req_blocks: dict[str, list[Block]] = {}
         self.req_num_hashed: dict[str, int] = {}  # leading blocks of a request already registered
+        self.req_num_released: dict[str, int] = {}  # leading blocks handed back as out of the window
+        self.released_blocks = 0  # blocks handed back early, over the manager's life
         self.prefix_hits = 0  # blocks served from the cache, over the manager's life
 
     # -- capacity ---------------------------------------------------------
@@ -84,8 +93,8 @@ class BlockManager:
         leader not running (finished, or preempted -- waiting for it then could deadlock the queue)."""
         k = self.shared_prompt_blocks(req)
         leader = req.prompt_leader
-        if k == 0 or leader.status != RequestStatus.RUNNING:
-            return []
+        if k == 0 or leader.status != RequestStatus.RUNNING or self.req_num_released.get(leader.request_id):
+            return []  # (a leader past its window has handed back the start of its prompt)
         if leader.num_computed_tokens < k * self.block_size:
             return None
         return self.req_blocks[leader.request_id][:k]
@@ -155,11 +164,40 @@ class BlockManager:
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first (see the module docstring)."""
         for block in reversed(self.req_blocks.pop(req.request_id, [])):
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block.block_id] = block
+            if block.block_id != NULL_BLOCK:
+                self._unref(block)
         self.req_num_hashed.pop(req.request_id, None)
+        self.req_num_released.pop(req.request_id, None)
         req.block_ids = []
+
+    def _unref(self, block: Block) -> None:
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue[block.block_id] = block
+
+    def release_out_of_window(self, req: Request) -> int:
+        """Hand back the request's blocks that lie wholly before the sliding window of its next token
+        (a query at position p sees keys after p - window); returns how many.
+
+        With prefix caching the last registered block is kept, as the next block's hash chains from it.
+        """
+        blocks, window = self.req_blocks.get(req.request_id), self.window
+        if window <= 0 or not blocks:
+            return 0
+        dead = max(0, req.num_computed_tokens - window + 1) // self.block_size
+        if self.enable_prefix_caching:
+            dead = min(dead, self.req_num_hashed.get(req.request_id, 0) - 1)
+        start = self.req_num_released.get(req.request_id, 0)
+        if dead <= start:
+            return 0
+        null = self.blocks[NULL_BLOCK]
+        for i in range(start, dead):
+            self._unref(blocks[i])
+            blocks[i] = null
+        self.req_num_released[req.request_id] = dead
+        self.released_blocks += dead - start
+        req.block_ids = [b.block_id for b in blocks]
+        return dead - start
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register the request's newly completed blocks (all tokens computed) for prefix hits."""
@@ -183,8 +221,11 @@ class BlockManager:
     def check_integrity(self) -> None:
         """free + used == usable, reference counts match the owners, the null block untouched."""
         refs = [0] * self.num_blocks
-        for blocks in self.req_blocks.values():
-            for b in blocks:
+        for req_id, blocks in self.req_blocks.items():
+            released = self.req_num_released.get(req_id, 0)
+            assert all(b.block_id == NULL_BLOCK for b in blocks[:released]), f"{req_id}: a released block still held"
+            assert all(b.block_id != NULL_BLOCK for b in blocks[released:]), f"{req_id}: the null block inside the window"
+            for b in blocks[released:]:
                 refs[b.block_id] += 1
         null = self.blocks[NULL_BLOCK]
         assert null.ref_count == 0 and NULL_BLOCK not in self.free_queue and refs[NULL_BLOCK] == 0, "null block used"

@@ -17,7 +17,9 @@ class ContinuousScheduler:
     The token budget (max_num_batched_tokens) is shared, so a long prompt is
     prefilled in chunks alongside other requests' decodes. When the cache runs
     out of blocks, the most recently admitted request is preempted: its blocks
-    are freed and it goes back to the head of the queue to be recomputed.
+    are freed and it goes back to the head of the queue to be recomputed. With a
+    sliding window on every layer, a running request's blocks that fell out of
+    its window are handed back before it asks for more.
     """
 
     def __init__(self, sched: "Scheduler") -> None:
@@ -35,6 +37,7 @@ class ContinuousScheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
+            out.released_blocks += s.blocks.release_out_of_window(req)
             while not s.blocks.allocate(req, n):
                 victim = s.running[-1]
                 if victim in out.requests:

@@ -19,6 +19,7 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0  # prompt (or recomputed) tokens in this forward
     num_decode_tokens: int = 0  # one per request generating its next token
     prefix_hit_blocks: int = 0  # blocks admitted requests took from the prefix cache
+    released_blocks: int = 0  # blocks handed back as out of every layer's sliding window
 
     @property
     def is_empty(self) -> bool:

@@ -17,8 +17,8 @@ class FakeRunner:
     output alone, in a batch, and after preemption and recompute.
     """
 
-    def __init__(self, block_size: int, vocab: int = 50) -> None:
-        self.block_size, self.vocab = block_size, vocab
+    def __init__(self, block_size: int, vocab: int = 50, window: int = 0) -> None:
+        self.block_size, self.vocab, self.window = block_size, vocab, window
         self.steps: list = []
 
     def execute(self, out):
@@ -28,7 +28,10 @@ class FakeRunner:
             end = req.num_computed_tokens + n
             assert 1 <= n and end <= req.num_tokens
             assert len(req.block_ids) * self.block_size >= end, "blocks do not cover the chunk"
-            assert 0 not in req.block_ids, "the null block was handed out"
+            # every block the chunk's queries see is the request's own; with a sliding window (on every
+            # layer) the ones wholly before the first query's window may be the null block
+            first = max(0, req.num_computed_tokens - self.window + 1) if self.window else 0
+            assert 0 not in req.block_ids[first // self.block_size:], "a block the chunk attends to is the null block"
             if end == req.num_tokens:
                 sampled[req.request_id] = self.next_token(req.tokens(0, end))
         return FakeRunnerOutput(sampled)

@@ -111,3 +111,44 @@ def test_prefix_caching_off():
     assert bm.allocate(a, 9)
     bm.cache_full_blocks(computed(a, 9))
     assert bm.get_computed_blocks(req("b", list(range(1, 10)))) == [] and not bm.cached
+
+
+def test_blocks_out_of_the_sliding_window_are_handed_back():
+    bm = BlockManager(num_blocks=12, block_size=4, window=6)
+    a = req("a", list(range(10)), max_tokens=20)
+    assert bm.allocate(a, 10) and a.block_ids == [1, 2, 3]
+    computed(a, 10)
+    bm.cache_full_blocks(a)
+    # the next query (position 10) sees positions 5..10: block 1 (0..3) is out; block 2 (4..7) is not,
+    # and it is also the last registered block, which the next hash chains from
+    assert bm.release_out_of_window(a) == 1
+    assert a.block_ids == [0, 2, 3] and bm.num_free_blocks == 9 and list(bm.free_queue)[-1] == 1
+    bm.check_integrity()
+    a.output_token_ids = list(range(100, 110))  # it decodes on, one block at a time
+    for n in range(11, 21):
+        assert bm.allocate(a, 1)
+        computed(a, n)
+        bm.cache_full_blocks(a)
+        bm.release_out_of_window(a)
+        bm.check_integrity()
+    # 20 tokens computed: position 20 sees 15..20, blocks 0..2 (positions 0..11) are out, 3 is kept to chain
+    assert a.block_ids[:3] == [0, 0, 0] and 0 not in a.block_ids[3:]
+    assert bm.released_blocks == 3 and bm.num_used_blocks == len(a.block_ids) - 3
+    # a released block keeps its hash: a new request with the same start still hits it
+    b = req("b", list(range(8)) + [99])
+    assert [blk.block_id for blk in bm.get_computed_blocks(b)] == [1, 2]
+    bm.free(a)
+    assert bm.num_used_blocks == 0
+    bm.check_integrity()
+
+
+def test_without_prefix_caching_every_block_out_of_the_window_goes():
+    bm = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=False, window=4)
+    a = req("a", list(range(13)))
+    assert bm.allocate(a, 13)
+    computed(a, 13)
+    assert bm.release_out_of_window(a) == 2 and a.block_ids[:2] == [0, 0]  # position 13 sees 10..13
+    assert bm.release_out_of_window(a) == 0
+    bm.free(a)
+    assert bm.num_used_blocks == 0
+    bm.check_integrity()

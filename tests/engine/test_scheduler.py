@@ -16,13 +16,14 @@ from minibatch.engine.core.scheduler import QueueFull, RequestRejected, Schedule
 from .fakes import CharTokenizer, Clock, FakeRunner
 
 
-def make(num_blocks=64, block_size=4, seqs=4, budget=16, mode="continuous", max_len=256, wait_ms=50.0, queue=None):
+def make(num_blocks=64, block_size=4, seqs=4, budget=16, mode="continuous", max_len=256, wait_ms=50.0, queue=None,
+         window=0):
     clock = Clock()
-    runner = FakeRunner(block_size)
+    runner = FakeRunner(block_size, window=window)
     engine = LLMEngine(
         runner,
         CharTokenizer(),
-        BlockManager(num_blocks, block_size),
+        BlockManager(num_blocks, block_size, window=window),
         SchedulerConfig(seqs, budget, max_len, wait_ms, queue),
         eos_token_ids=(2,),
         mode=mode,

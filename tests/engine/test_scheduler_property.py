@@ -28,11 +28,12 @@ event = st.one_of(
     seqs=st.integers(1, 4),
     budget_extra=st.integers(0, 12),
     start_mode=st.sampled_from(["continuous", "static"]),
+    window=st.sampled_from([0, 0, 3, 5, 7, 9]),  # > 0: blocks out of the window are handed back early
 )
-def test_every_request_ends_and_no_block_leaks(events, num_blocks, block_size, seqs, budget_extra, start_mode):
+def test_every_request_ends_and_no_block_leaks(events, num_blocks, block_size, seqs, budget_extra, start_mode, window):
     engine, runner, clock = make(
         num_blocks=num_blocks, block_size=block_size, seqs=seqs, budget=seqs + budget_extra,
-        mode=start_mode, max_len=48, wait_ms=20,
+        mode=start_mode, max_len=48, wait_ms=20, window=window,
     )
     reference = FakeRunner(block_size)
     added, rejected, finals = [], {}, {}
@@ -97,3 +98,17 @@ def test_the_property_run_exercises_preemption_and_static_padding():
         engine.step()
         clock.now += 0.005
     assert engine.scheduler.wasted_row_steps > 0
+
+
+def test_the_property_run_exercises_window_release_with_preemption():
+    """Guard against a vacuous window in the property test: blocks are handed back, under preemption too."""
+    engine, runner, clock = make(num_blocks=10, block_size=2, seqs=4, budget=8, max_len=48, wait_ms=20, window=7)
+    for i in range(5):
+        engine.add_request(f"r{i}", [3 + i] * 5, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+        engine.scheduler.blocks.check_integrity()
+        clock.now += 0.005
+    bm = engine.scheduler.blocks
+    assert bm.released_blocks > 0 and engine.scheduler.num_preemptions > 0
+    assert bm.num_used_blocks == 0
