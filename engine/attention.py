@@ -30,6 +30,7 @@ class AttentionMetadata:
     block_tables: list[list[int]]  # block ids per sequence, in position order
     # Filled by the backend's prepare(), once per forward, shared by all layers.
     plan: object | None = field(default=None)
+    plans: dict[int, object] | None = field(default=None)  # per sliding window, when the layers' windows differ
     window: int = 0  # sliding window: a query attends to the last `window` positions only (0: all)
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2)
 
@@ -171,7 +172,7 @@ class TorchAttentionBackend:
         plan = _TorchPlan(None, None, None, 0, None, None, prefills, all_decode=not prefills)
         if decode_rows:
             plan.decode_tokens = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            if self.decode_kernel is not None and meta.softcap is None:  # the kernel has no soft-capping
+            if self.decode_kernel is not None:
                 width = max(-(-n // bs) for n in decode_lens)
                 plan.decode_tables = torch.tensor(
                     [t[: -(-n // bs)] + [0] * (width - -(-n // bs)) for t, n in zip(decode_tables, decode_lens)],
@@ -196,19 +197,19 @@ class TorchAttentionBackend:
         window = meta.window
         if plan.all_decode and plan.decode_tables is not None and self.store_decode_kernel is not None:
             return self.store_decode_kernel(q, k, v, kv_cache, meta.slot_mapping, plan.decode_tables, plan.decode_lens, scale,
-                                            window)
+                                            window, meta.softcap)
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
         if plan.all_decode and plan.decode_tables is not None:
-            return self.decode_kernel(q, kv_cache, plan.decode_tables, plan.decode_lens, scale, window)
+            return self.decode_kernel(q, kv_cache, plan.decode_tables, plan.decode_lens, scale, window, meta.softcap)
         out = torch.empty_like(q)
         if plan.decode_tables is not None:
             qd = q.index_select(0, plan.decode_tokens)  # [n, heads, head_dim]
             out.index_copy_(0, plan.decode_tokens,
-                            self.decode_kernel(qd, kv_cache, plan.decode_tables, plan.decode_lens, scale, window))
+                            self.decode_kernel(qd, kv_cache, plan.decode_tables, plan.decode_lens, scale, window, meta.softcap))
         elif plan.decode_tokens is not None:
             n = plan.decode_tokens.numel()
             kd = k_flat.index_select(0, plan.decode_slots).view(n, plan.decode_ctx, num_kv_heads, head_dim)

@@ -44,7 +44,7 @@ class TritonAttentionBackend:
         store_kv(k.contiguous(), v.contiguous(), kv_cache, meta.slot_mapping)
         plan: _TritonPlan = meta.plan
         return paged_attention(q.contiguous(), kv_cache, plan.block_tables, plan.query_start_loc, plan.seq_lens, scale,
-                               plan.max_query_len, meta.window)
+                               plan.max_query_len, meta.window, meta.softcap)
 
 
 # What the Triton kernels support, checked when the engine is built (never a failure mid-serving).

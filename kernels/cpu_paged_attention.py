@@ -27,11 +27,13 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     window: int = 0,  # sliding window: attend to the last `window` positions only (0: all)
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     ext = load_extension()
     if ext is None:
-        return paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, window)
-    return ext.paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], block_tables, seq_lens, scale, window)
+        return paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, window, softcap)
+    return ext.paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], block_tables, seq_lens, scale, window,
+                                      float(softcap or 0.0))
 
 
 def store_and_decode_attention(
@@ -44,23 +46,26 @@ def store_and_decode_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     window: int = 0,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Write the new K/V into the cache, then attend: one kernel call per layer at decode."""
     ext = load_extension()
     if ext is None:
-        return store_and_decode_attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale, window)
-    return ext.store_and_decode_attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale, window)
+        return store_and_decode_attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale, window, softcap)
+    return ext.store_and_decode_attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale, window,
+                                          float(softcap or 0.0))
 
 
-def store_and_decode_attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale, window=0):
+def store_and_decode_attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale, window=0, softcap=None):
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-    return paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, window)
+    return paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, window, softcap)
 
 
-def paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, window=0):
-    """The PyTorch twin: gather each context through its block table, then attend (to the last `window` only)."""
+def paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, window=0, softcap=None):
+    """The PyTorch twin: gather each context through its block table, then attend (to the last `window` only,
+    scores soft-capped when `softcap` is set)."""
     num_seqs, _, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     max_len = int(seq_lens.max())
@@ -74,5 +79,11 @@ def paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, windo
     if window:
         mask &= pos[None, :] >= lens - window
     mask = mask[:, None, None, :]
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [num_seqs, kv_heads, max_len, head_dim]
+    if softcap:
+        groups = q.shape[1] // num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = torch.tanh(q.unsqueeze(2) @ k.transpose(-1, -2) * scale / softcap) * softcap
+        return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v).squeeze(2)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(2)

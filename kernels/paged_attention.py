@@ -5,7 +5,8 @@ Each sequence has `query_len` new tokens (the last `query_len` positions of its
 the paged cache through the sequence's block table. Grouped-query heads share a
 KV head. Online softmax in fp32. Any block size that is a power of two >= 8:
 keys are processed in tiles of BLOCK_N >= 16 positions, each position finding
-its block through the table.
+its block through the table. Optional: a sliding window, and scores soft-capped
+(cap * tanh(score / cap), Gemma 2) before the softmax.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import triton.language as tl
 
 # stride_bt is the block table's width, which follows the batch's longest context from
 # step to step: specialising on it (== 1, % 16) would compile new variants mid-serving; nor on window.
-@triton.jit(do_not_specialize=["stride_bt", "window"])
+@triton.jit(do_not_specialize=["stride_bt", "window", "softcap"])
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     q_ptr,  # [num_tokens, num_heads, head_dim]
@@ -29,6 +30,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     scale,
     window,  # > 0: a query attends to the last `window` positions only (sliding window); 0: all
+    softcap,  # with SOFTCAP: scores -> softcap * tanh(scores / softcap)
     stride_qt, stride_qh,
     stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -40,6 +42,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -74,6 +77,10 @@ def _paged_attention_kernel(
             else:
                 s = tl.dot(q, tl.trans(k))
             s = s * scale
+            if SOFTCAP:  # tanh written out (stable for either sign): no tanh in every Triton backend
+                e = tl.exp(-2.0 * tl.abs(s) / softcap)
+                t = (1.0 - e) / (1.0 + e)
+                s = softcap * tl.where(s < 0, -t, t)
             allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
             allowed = allowed & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
             s = tl.where(allowed, s, float("-inf"))
@@ -103,6 +110,7 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     window: int = 0,  # sliding window (0: none)
+    softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (None: none)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     _, num_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, kv_dim = kv_cache.shape
@@ -124,18 +132,19 @@ def paged_attention(
     block_n = max(16, block_size)
     grid = (seq_lens.numel(), num_heads, triton.cdiv(max_query_len, block_m))
     _paged_attention_kernel[grid](
-        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window,
+        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window, float(softcap or 0.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        FP32_DOT=q.dtype == torch.float32,
+        FP32_DOT=q.dtype == torch.float32, SOFTCAP=bool(softcap),
     )
     return out
 
 
-def paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, window=0):
+def paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, window=0,
+                        softcap=None):
     """The PyTorch twin: gather each sequence's context through its table, attend causally."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     out = torch.empty_like(q)
@@ -151,6 +160,11 @@ def paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, sc
         mask = pos[None, :] <= q_pos[:, None]
         if window:
             mask &= pos[None, :] > q_pos[:, None] - window
-        o = F.scaled_dot_product_attention(qi[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True)[0]
+        if softcap:
+            groups = qi.shape[0] // k.shape[0]
+            scores = torch.tanh(qi @ k.repeat_interleave(groups, 0).transpose(1, 2) * scale / softcap) * softcap
+            o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.repeat_interleave(groups, 0)
+        else:
+            o = F.scaled_dot_product_attention(qi[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True)[0]
         out[a:b] = o.transpose(0, 1).to(q.dtype)
     return out

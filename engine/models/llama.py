@@ -165,11 +165,11 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         meta.softcap = cfg.attn_softcap
         if cfg.layer_windows:  # windows differ by layer: one plan per window, chosen layer by layer
-            self._plans = {}
+            meta.plans = {}
             for w in sorted(set(cfg.layer_windows)):
                 meta.window = w
                 self.backend.prepare(meta)
-                self._plans[w] = meta.plan
+                meta.plans[w] = meta.plan
         else:
             meta.window = cfg.sliding_window or 0
             self.backend.prepare(meta)
@@ -199,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         h = ops.rms_norm(residual, layers[0].input_layernorm.weight, eps)
         for i, (layer, cache) in enumerate(zip(layers, kv_caches, strict=True)):
             if cfg.layer_windows:
-                meta.window, meta.plan = layer.window, self._plans[layer.window]
+                meta.window, meta.plan = layer.window, meta.plans[layer.window]
             attn = ops.rms_norm(layer.self_attn(positions, h, cache, meta), layer.post_attention_layernorm.weight, eps)
             h, residual = ops.add_rms_norm(attn, residual, layer.pre_feedforward_layernorm.weight, eps)
             mlp = ops.rms_norm(layer.mlp(h), layer.post_feedforward_layernorm.weight, eps)

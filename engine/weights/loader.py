@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from ..attention import AttentionBackend
-from ..models.config import GEMMA, ModelConfig, UnsupportedModelError
+from ..models.config import ModelConfig
 from .cpu_linear import PackedLinear, pack_linears, packed_linear_available
 from ..models.llama import LlamaForCausalLM, RMSNorm
 from ..models.ops import TorchOps
@@ -67,9 +67,6 @@ def load_model(
     gguf_path = gguf_source(model_dir)
     if weights == "q8_0" and gguf_path is not None:
         raise ValueError("--weights q8_0 quantizes a safetensors model; a GGUF file runs natively (--weights native)")
-    if cfg.model_type in GEMMA and getattr(backend, "name", "") == "triton":
-        raise UnsupportedModelError(f"{cfg.model_type} runs on the CPU path only: the Triton kernels have no score "
-                                    "soft-capping and no per-layer sliding windows")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, ops)
     if gguf_path is not None and weights == "native":

@@ -6,6 +6,8 @@
 // one KV block at a time with an online softmax (running max and sum per query head, the
 // accumulator rescaled when the max grows), so K and V of a block are used while they are in
 // cache and no score array of the whole context is kept. Scores, exponentials and sums are fp32.
+// Optional: a sliding window (only the last `window` positions), and scores soft-capped as
+// cap * tanh(score / cap) before the softmax (Gemma 2).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -73,12 +75,18 @@ inline float exp_shifted(float* s, int64_t n, float m) {
   return sum;
 }
 
+// s[i] = cap * tanh(s[i] / cap) for i < n (cap > 0)
+inline void soft_cap(float* s, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+  for (int64_t i = 0; i < n; ++i) s[i] = cap * std::tanh(s[i] * inv);
+}
+
 #ifdef MB_ATTN_AVX2
 // One query head against one KV block, with the head's accumulator in registers (head_dim = 8 * V):
 // scores of the block's n positions, the online-softmax update, then acc += p * v.
 template <int V>
 inline void block_head(const float* q, const float* kb, int64_t ks1, const float* vb, int64_t vs1, int64_t n,
-                       float* sc, float* mx, float* sum, float* acc) {
+                       float* sc, float* mx, float* sum, float* acc, float cap) {
   __m256 qv[V];
   for (int j = 0; j < V; ++j) qv[j] = _mm256_loadu_ps(q + 8 * j);
   for (int64_t i = 0; i < n; ++i) {
@@ -90,6 +98,7 @@ inline void block_head(const float* q, const float* kb, int64_t ks1, const float
     }
     sc[i] = hsum(_mm256_add_ps(a0, a1));
   }
+  if (cap > 0.0f) soft_cap(sc, n, cap);
   const float bmax = *std::max_element(sc, sc + n);
   __m256 av[V];
   for (int j = 0; j < V; ++j) av[j] = _mm256_loadu_ps(acc + 8 * j);
@@ -119,8 +128,10 @@ at::Tensor paged_decode_attention(
     at::Tensor block_tables,  // [num_seqs, max_blocks] int32
     at::Tensor seq_lens,      // [num_seqs] int32
     double scale,
-    int64_t window) {         // > 0: attend to the last `window` positions only (sliding window)
+    int64_t window,           // > 0: attend to the last `window` positions only (sliding window)
+    double softcap) {         // > 0: scores -> softcap * tanh(scores / softcap)
   TORCH_CHECK(window >= 0, "window must be >= 0");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0");
   TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == at::kFloat && v_cache.dtype() == at::kFloat,
               "paged_decode_attention: fp32 only");
   TORCH_CHECK(block_tables.dtype() == at::kInt && seq_lens.dtype() == at::kInt, "int32 tables");
@@ -139,7 +150,7 @@ at::Tensor paged_decode_attention(
   float* op = out.data_ptr<float>();
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
   const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
-  const float fscale = static_cast<float>(scale);
+  const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
   parallel_chunks(num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qsc(group * head_dim), acc(group * head_dim), scores(group * block_size), mx(group), sum(group);
@@ -163,8 +174,8 @@ at::Tensor paged_decode_attention(
           for (int64_t g = 0; g < group; ++g) {
             float* sg = scores.data() + g * block_size;
             float* a = acc.data() + g * head_dim;
-            if (head_dim == 64) block_head<8>(qsc.data() + g * head_dim, kb, ks1, vb, vs1, n, sg, &mx[g], &sum[g], a);
-            else block_head<16>(qsc.data() + g * head_dim, kb, ks1, vb, vs1, n, sg, &mx[g], &sum[g], a);
+            if (head_dim == 64) block_head<8>(qsc.data() + g * head_dim, kb, ks1, vb, vs1, n, sg, &mx[g], &sum[g], a, cap);
+            else block_head<16>(qsc.data() + g * head_dim, kb, ks1, vb, vs1, n, sg, &mx[g], &sum[g], a, cap);
           }
           continue;
         }
@@ -173,6 +184,7 @@ at::Tensor paged_decode_attention(
           for (int64_t g = 0; g < group; ++g) scores[g * block_size + i] = dot(qsc.data() + g * head_dim, kb + i * ks1, head_dim);
         for (int64_t g = 0; g < group; ++g) {  // online softmax: fold this block into the running max and sum
           float* sg = scores.data() + g * block_size;
+          if (cap > 0.0f) soft_cap(sg, n, cap);
           const float bmax = *std::max_element(sg, sg + n);
           if (bmax > mx[g]) {
             const float corr = std::exp(mx[g] - bmax);  // 0 for the first block
@@ -206,7 +218,8 @@ at::Tensor store_and_decode_attention(
     at::Tensor block_tables,  // [num_seqs, max_blocks] int32
     at::Tensor seq_lens,      // [num_seqs] int32
     double scale,
-    int64_t window) {
+    int64_t window,
+    double softcap) {
   TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dtype() == at::kFloat && kv_cache.dim() == 5, "kv_cache must be contiguous fp32 [2, blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(slot_mapping.dtype() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping must be contiguous int64");
   const int64_t n = q.size(0), row = kv_cache.size(3) * kv_cache.size(4);
@@ -222,6 +235,6 @@ at::Tensor store_and_decode_attention(
     std::memcpy(cache + sp[i] * row, kp + i * k.stride(0), row * sizeof(float));
     std::memcpy(cache + (slots + sp[i]) * row, vp + i * v.stride(0), row * sizeof(float));
   }
-  return paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], block_tables, seq_lens, scale, window);
+  return paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], block_tables, seq_lens, scale, window, softcap);
 }
 

@@ -82,15 +82,19 @@ def test_padding_rows_are_harmless_on_the_triton_path(tiny_llama_dir):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
-def test_graph_replay_equals_eager_decode(tiny_llama_dir):
-    """Three sequences prefilled, then one decode step: by replay of the size-4 graph and eagerly."""
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_graph_replay_equals_eager_decode(tiny_llama_dir, tmp_path, kind):
+    """Three sequences prefilled, then one decode step: by replay of the size-4 graph and eagerly (Gemma 2:
+    per-layer windows and capped scores inside the graph)."""
+    from tests.engine.test_families import _save
+
     from minibatch.engine.cuda_graphs import DecodeGraphs
     from minibatch.engine.kv_cache import allocate_kv_cache
     from minibatch.engine.models.ops import TritonOps
     from minibatch.engine.triton_backend import TritonAttentionBackend
     from minibatch.engine.weights import load_model
 
-    model = load_model(tiny_llama_dir, TritonAttentionBackend(), device="cuda", packed=False, ops=TritonOps())
+    model = load_model(tiny_llama_dir if kind == "llama" else _save(kind, tmp_path / kind), TritonAttentionBackend(), device="cuda", packed=False, ops=TritonOps())
     caches = allocate_kv_cache(model.config, 32, 8, device="cuda")
     tables = [[1, 2], [3, 4], [5, 6]]
     with torch.no_grad():
@@ -103,3 +107,32 @@ def test_graph_replay_equals_eager_decode(tiny_llama_dir):
         replayed = graphs.run(step)
     assert replayed is not None and replayed.shape == eager.shape
     torch.testing.assert_close(replayed, eager, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+def test_graph_inputs_carry_per_layer_windows_and_soft_capping(tmp_path, kind):
+    """What a captured decode runs for Gemma (a window on some layers, Gemma 2's capped scores), from the
+    static graph inputs, equals the eager decode; past the window, so the window matters."""
+    from tests.engine.test_families import _save
+
+    from minibatch.engine.cuda_graphs import DecodeGraphs
+    from minibatch.engine.kv_cache import allocate_kv_cache
+    from minibatch.engine.models.ops import TritonOps
+    from minibatch.engine.triton_backend import TritonAttentionBackend
+    from minibatch.engine.weights import load_model
+
+    model = load_model(_save(kind, tmp_path / kind), TritonAttentionBackend(), device=DEVICE, packed=False, ops=TritonOps())
+    caches = allocate_kv_cache(model.config, 8, 8, device=DEVICE)
+    tables = [[1, 2, 3], [4, 5, 6]]
+    with torch.no_grad():
+        pre = build_flat_batch([list(range(5, 24)), list(range(30, 41))], [0, 0], tables, 8, DEVICE)
+        model(pre.input_ids, pre.positions, caches, pre.attn)
+        step = build_flat_batch([[20], [21]], [19, 11], tables, 8, DEVICE)
+        eager = model.compute_logits(model(step.input_ids, step.positions, [c.clone() for c in caches], step.attn))
+        graphs = DecodeGraphs(model, caches, 8, max_model_len=24, max_num_seqs=2)
+        inp = DecodeInputs(2, max_blocks=3, device=DEVICE)
+        inp.fill(step)
+        meta = graphs._meta(inp, 2)
+        assert set(meta.plans) == set(model.config.layer_windows) and meta.softcap == model.config.attn_softcap
+        static = model.compute_logits(model.forward_planned(inp.input_ids, inp.positions, caches, meta))
+    torch.testing.assert_close(static, eager, atol=1e-5, rtol=1e-5)

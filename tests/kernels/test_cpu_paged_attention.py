@@ -46,6 +46,23 @@ def test_sliding_window_matches_the_twin_and_ignores_what_lies_before_it(window,
     torch.testing.assert_close(paged_decode_attention(q, cache, tables, lens, 0.125, window), got, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # both register paths and the generic one
+@pytest.mark.parametrize("window", [0, 5])
+def test_soft_capped_scores_match_the_twin(window, head_dim):
+    """Gemma 2: every score becomes cap * tanh(score / cap) before the softmax."""
+    g = torch.Generator().manual_seed(window + head_dim)
+    block_size, num_blocks = 8, 80
+    lens = torch.tensor([1, 7, 9, 23, 61], dtype=torch.int32)
+    max_blocks = -(-int(lens.max()) // block_size)
+    tables = (torch.randperm(num_blocks - 1, generator=g)[: len(lens) * max_blocks] + 1).view(len(lens), max_blocks).int()
+    cache = torch.randn(2, num_blocks, block_size, 2, head_dim, generator=g)
+    q = 4 * torch.randn(len(lens), 6, head_dim, generator=g)  # scores well past the cap
+    got = paged_decode_attention(q, cache, tables, lens, 0.125, window, 3.0)
+    ref = paged_decode_attention_ref(q, cache, tables, lens, 0.125, window, 3.0)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, paged_decode_attention(q, cache, tables, lens, 0.125, window), atol=1e-2)  # it matters
+
+
 def test_kernel_ignores_table_padding_and_other_blocks():
     cache = torch.randn(2, 10, 8, 2, 16)
     tables = torch.tensor([[3, 0, 0], [4, 5, 6]], dtype=torch.int32)

@@ -92,6 +92,19 @@ def test_paged_attention_sliding_window(window, dtype):
     assert not torch.allclose(ref.float(), full.float())  # the window matters for these lengths
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 4])
+def test_paged_attention_soft_capped_scores(window, dtype):
+    """Gemma 2: scores -> cap * tanh(scores / cap) before the softmax, with and without a window."""
+    q, cache, tables, qsl, lens, max_q = mixed_batch(8, 2, 8, dtype, seed=7)
+    q = q * 8  # scores well past the cap, where capping changes the softmax
+    got = paged_attention(q, cache, tables, qsl, lens, 0.25, max_q, window, softcap=2.0)
+    ref = paged_attention_ref(q, cache, tables, qsl, lens, 0.25, max_q, window, softcap=2.0)
+    torch.testing.assert_close(got.float(), ref.float(), **TOL[dtype])
+    uncapped = paged_attention_ref(q, cache, tables, qsl, lens, 0.25, max_q, window)
+    assert not torch.allclose(ref.float(), uncapped.float(), atol=1e-2)  # the cap matters for these scores
+
+
 def test_paged_attention_rejects_bad_inputs():
     q, cache, tables, qsl, lens, max_q = mixed_batch(4, 2, 8, torch.float32, 0)
     with pytest.raises(ValueError, match="int32"):
