@@ -25,7 +25,7 @@ from .gguf_vocab import NAMED, can_write, write_tokenizer
 if TYPE_CHECKING:
     from .weights.gguf_reader import GGUFFile
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")  # GGUF names of what our forward runs
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                "phi3": "Phi3ForCausalLM"}

@@ -18,6 +18,7 @@ import torch
 
 from minibatch.kernels.quant import QUANT_BY_ID, QUANT_TYPES, QuantType, dequantize_ref
 
+from ..gguf_prepare import ARCHITECTURES
 from ..models.config import ModelConfig
 from .gguf_reader import GGUFFile, GGUFFormatError, TensorInfo
 
@@ -26,7 +27,7 @@ class GGUFError(ValueError):
     """The GGUF file cannot be used; the message names the file and the problem."""
 
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+SUPPORTED_ARCHS = ARCHITECTURES  # the architectures our forward runs, as GGUF names them
 # Architectures whose Q/K rows llama.cpp's converter permutes.
 _PERMUTED_ARCHS = ("llama", "mistral")
 _LAYER_NAMES = {
