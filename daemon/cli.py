@@ -26,7 +26,8 @@ OPTIONS = [
     ("--mode", str, "continuous", "batching mode at start: continuous or static"),
     ("--max-num-seqs", int, 32, "running requests at most (static: the batch size)"),
     ("--max-num-batched-tokens", int, 512, "tokens per forward step"),
-    ("--max-model-len", int, None, "context limit (default: the model's)"),
+    ("--max-model-len", int, None, "context limit (default: the model's; LongRoPE models: their original "
+                                   "length, and past it the long factors)"),
     ("--max-queue", int, 256, "requests that may wait behind a full batch; more get 429"),
     ("--max-wait-ms", float, 50.0, "static mode: longest wait for a batch to fill"),
     ("--kv-cache-gb", float, None, "KV cache size in GiB (default: --kv-cache-fraction of the memory left after loading)"),

@@ -21,7 +21,7 @@ class EngineConfig:
     mode: str = "continuous"
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
-    max_model_len: int | None = None  # None: the model's own context length
+    max_model_len: int | None = None  # None: the model's own context length (LongRoPE: its original one)
     max_wait_ms: float = 50.0
     max_queue: int | None = None  # waiting requests beyond a full batch (enforced by AsyncEngine)
     block_size: int = 16
@@ -148,7 +148,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     model = load_model(model_dir, backend, device=device, dtype=dtype, ops=ops, weights=config.weights)
     tokenizer = TextTokenizer(model_dir)
     cfg = model.config
-    max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
+    max_model_len = min(config.max_model_len or cfg.default_context, cfg.max_position)
+    model.use_context(max_model_len)  # LongRoPE past its original length: the long factors, for every position
 
     budget_rule = "--num-kv-blocks"
     if config.num_kv_blocks is not None:
@@ -196,4 +197,6 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         attention=backend.name if getattr(backend, "decode_kernel", None) is None else "torch+cpu-decode-kernel",
         ops=ops.name, kv_budget=budget_rule, family=cfg.model_type, generation_defaults=gen_defaults, eos_token_ids=sorted(eos),
     )
+    if cfg.rope.rope_type == "longrope":  # which LongRoPE factors this run rotates with (use_context)
+        engine.info["rope_factors"] = "long" if model.model.rotary.long else "short"
     return engine

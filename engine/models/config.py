@@ -28,7 +28,8 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
-    short_factor: tuple[float, ...] = ()  # LongRoPE: per-frequency divisors below the original length
+    short_factor: tuple[float, ...] = ()  # LongRoPE: per-frequency divisors up to the original length
+    long_factor: tuple[float, ...] = ()  # LongRoPE: the divisors for a context past it (every position then)
     attention_factor: float = 1.0  # LongRoPE: cos and sin are scaled by it
 
 
@@ -43,7 +44,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    max_position: int
+    max_position: int  # the model's context length (LongRoPE: its long one; default_context says what runs)
     rope: RopeConfig
     tie_word_embeddings: bool
     qkv_bias: bool
@@ -64,6 +65,14 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()  # per layer: its sliding window, 0 for global attention (empty: every layer
     #                                      uses sliding_window)
     rope_local: RopeConfig | None = None  # the rotary of the sliding layers when it differs (Gemma 3)
+
+    @property
+    def default_context(self) -> int:
+        """The context a server runs without being told: the model's, except LongRoPE's original length
+        (past it every position rotates with the long factors; see LlamaForCausalLM.use_context)."""
+        if self.rope.rope_type == "longrope":
+            return min(self.max_position, self.rope.original_max_position)
+        return self.max_position
 
     def window_of(self, layer: int) -> int:
         if self.layer_windows:
@@ -105,10 +114,6 @@ class ModelConfig:
             raise UnsupportedModelError("use_sliding_window (Qwen's per-layer sliding windows) is not supported")
         max_position = cfg.get("max_position_embeddings", 2048)
         rope = _rope_from_dict(cfg)
-        if rope.rope_type == "longrope":
-            # Past the original length LongRoPE switches every position to its long factors, which would
-            # invalidate the cached keys; we run the short factors and stop the context there.
-            max_position = min(max_position, rope.original_max_position)
         if window is not None and (not isinstance(window, int) or window < 1):
             raise UnsupportedModelError(f"sliding_window must be a positive integer or null, got {window!r}")
         eos = cfg.get("eos_token_id")
@@ -203,7 +208,9 @@ def _rope_from_dict(cfg: dict) -> RopeConfig:
         if attention is None:
             attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
         return RopeConfig(theta=float(theta), rope_type="longrope", original_max_position=original,
-                          short_factor=tuple(float(f) for f in merged["short_factor"]), attention_factor=float(attention))
+                          short_factor=tuple(float(f) for f in merged["short_factor"]),
+                          long_factor=tuple(float(f) for f in merged.get("long_factor") or merged["short_factor"]),
+                          attention_factor=float(attention))
     if rope_type == "linear":
         return RopeConfig(theta=float(theta), rope_type="linear", factor=float(merged["factor"]))
     if rope_type != "llama3":

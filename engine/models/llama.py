@@ -28,11 +28,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """[head_dim // 2] inverse frequencies, computed in fp32 as Hugging Face does."""
+def rope_inv_freq(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.Tensor:
+    """[head_dim // 2] inverse frequencies, computed in fp32 as Hugging Face does (LongRoPE: the short
+    factors, or with `long` the long ones)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    if rope.rope_type == "longrope":  # the short factors: positions stay below the original length
-        return 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta**exponents)
+    if rope.rope_type == "longrope":
+        factors = rope.long_factor if long else rope.short_factor
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * rope.theta**exponents)
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
@@ -56,10 +58,13 @@ class RotaryEmbedding(nn.Module):
         self.rope, self.head_dim, self.max_position = rope, head_dim, max_position
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.long = False
 
-    def build_tables(self, device: torch.device) -> None:
-        inv_freq = rope_inv_freq(self.rope, self.head_dim).to(device)
-        t = torch.arange(self.max_position, device=device, dtype=torch.float32)
+    def build_tables(self, device: torch.device, long: bool = False, length: int | None = None) -> None:
+        """cos/sin for positions 0..length-1 (default: the model's context); `long`: LongRoPE's long factors."""
+        self.long = long
+        inv_freq = rope_inv_freq(self.rope, self.head_dim, long).to(device)
+        t = torch.arange(length or self.max_position, device=device, dtype=torch.float32)
         freqs = t[:, None] * inv_freq[None, :]  # [max_position, head_dim // 2]
         self.cos, self.sin = freqs.cos(), freqs.sin()
         if self.rope.attention_factor != 1.0:  # LongRoPE scales the rotation's output
@@ -206,6 +211,15 @@ class LlamaForCausalLM(nn.Module):
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h, residual = ops.add_rms_norm(mlp, residual, nxt.weight, eps)
         return h
+
+    def use_context(self, max_len: int) -> None:
+        """Rotary tables for contexts up to `max_len` positions. Past LongRoPE's original length every
+        position rotates with the long factors, decided here once for the whole run (as llama.cpp decides
+        by its context size), so the cached keys never mix the two."""
+        rotary = self.model.rotary
+        long = rotary.rope.rope_type == "longrope" and max_len > rotary.rope.original_max_position
+        if long != rotary.long or max_len > rotary.cos.shape[0]:
+            rotary.build_tables(rotary.cos.device, long=long, length=max(max_len, rotary.cos.shape[0]))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         if self.logits_proj is not None:

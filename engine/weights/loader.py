@@ -93,9 +93,10 @@ def load_model(
             for module in model.modules():
                 if isinstance(module, RMSNorm):
                     module.weight.add_(1.0)
-    model.model.rotary.build_tables(torch.device(device))
+    # tables for the default context (LongRoPE: its original length, short factors); use_context grows them
+    model.model.rotary.build_tables(torch.device(device), length=cfg.default_context)
     if model.model.rotary_local is not None:
-        model.model.rotary_local.build_tables(torch.device(device))
+        model.model.rotary_local.build_tables(torch.device(device), length=cfg.default_context)
     model = model.eval().requires_grad_(False)
     if weights == "q8_0":
         from .native import quantize_linears

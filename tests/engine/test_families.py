@@ -96,8 +96,9 @@ def test_config_reads_the_family_features(family):
         assert ours.config.layer_windows == (WINDOW, 0, WINDOW, 0)
         assert (ours.config.attn_softcap, ours.config.final_softcap) == ((20.0, 5.0) if kind == "gemma2" else (None, None))
         assert (ours.config.rope_local is not None) == (kind == "gemma3")
-    if kind == "phi3":  # LongRoPE runs with its short factors, so the context stops at the original length
-        assert ours.config.rope.rope_type == "longrope" and ours.config.max_position == 64
+    if kind == "phi3":  # LongRoPE: the model's context is the long one; a server runs the original by default
+        assert ours.config.rope.rope_type == "longrope" and ours.config.max_position == 256
+        assert ours.config.default_context == 64 and ours.model.rotary.cos.shape[0] == 64
         assert ours.config.rope.attention_factor == pytest.approx((1 + math.log(256 / 64) / math.log(64)) ** 0.5)
 
 
@@ -211,3 +212,25 @@ def test_the_triton_path_runs_the_families(family):
         for i, t in enumerate(nxt):
             seqs[i].append(t)
             torch.testing.assert_close(step[i], hf_logits(hf, seqs[i])[-1], atol=1e-4, rtol=0)
+
+
+def test_longrope_past_its_original_length_rotates_every_position_with_the_long_factors(tmp_path):
+    """A context set past Phi-3's original length switches the whole run to the long factors (llama.cpp's
+    rule: cached keys never mix the two); HF does the same for a sequence that long."""
+    path = _save("phi3", tmp_path / "phi3")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = list(range(3, 3 + 90))  # past the original 64
+    for name, backend in backends():
+        ours = load_model(path, backend)
+        ours.use_context(256)
+        assert ours.model.rotary.long and ours.model.rotary.cos.shape[0] == 256
+        caches = allocate_kv_cache(ours.config, 32, BLOCK_SIZE)
+        tables = [list(range(1, 31))]
+        outs = []
+        for start, end in ((0, 70), (70, 90)):  # a prefill, then a chunk over the cached context
+            b = build_flat_batch([ids[start:end]], [start], tables, BLOCK_SIZE)
+            with torch.no_grad():
+                outs.append(ours.compute_logits(ours(b.input_ids, b.positions, caches, b.attn)))
+        torch.testing.assert_close(torch.cat(outs), hf_logits(hf, ids), atol=1e-4, rtol=0, msg=name)
+        ours.use_context(64)  # back at the original length: the short factors again
+        assert not ours.model.rotary.long

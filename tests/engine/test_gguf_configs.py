@@ -73,7 +73,7 @@ def test_a_gguf_alone_runs_as_the_model_it_came_from(tmp_path, kind):
     ours_cfg, hf_cfg = ModelConfig.from_dir(model_dir), ModelConfig.from_dir(hf_dir)
     assert ours_cfg == hf_cfg
     if kind == "phi3-longrope":
-        assert (ours_cfg.rope.rope_type, ours_cfg.max_position) == ("longrope", 48)
+        assert (ours_cfg.rope.rope_type, ours_cfg.max_position, ours_cfg.default_context) == ("longrope", 192, 48)
 
     ids = list(range(5, 5 + 37))
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
