@@ -109,13 +109,6 @@ def generation_config(model_dir) -> tuple[set[int], dict]:
     return ids, defaults
 
 
-def release_window(cfg) -> int:
-    """The window past which KV blocks can be handed back: the widest one when every layer has a window
-    (Mistral, Phi-3 mini), 0 when any layer attends to everything (Gemma's global layers) or none has one."""
-    windows = [cfg.window_of(layer) for layer in range(cfg.num_layers)]
-    return max(windows) if windows and min(windows) > 0 else 0
-
-
 def build_engine(config: EngineConfig) -> LLMEngine:
     import torch
 
@@ -180,7 +173,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     engine = LLMEngine(
         runner,
         tokenizer,
-        BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, window=release_window(cfg)),
+        BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, window=cfg.release_window),
         SchedulerConfig(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,

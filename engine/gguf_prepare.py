@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from typing import TYPE_CHECKING
 
 from .gguf_vocab import NAMED, can_write, write_tokenizer
@@ -156,8 +158,6 @@ def _phi3_config(gguf: GGUFFile, config: dict) -> None:
 
 
 def _f32_tensor(gguf: GGUFFile, info) -> list[float]:
-    import numpy as np
-
     if info.ggml_type != 0:  # F32
         raise ValueError(f"{gguf.path}: {info.name} is not stored as F32 (type {info.ggml_type})")
     count = int(np.prod(info.dims))
@@ -167,8 +167,6 @@ def _f32_tensor(gguf: GGUFFile, info) -> list[float]:
 def _decimal(value):
     """A float32 from the file as the shortest decimal that reads back as the same float32 (1e-06, not
     9.99999997e-07): the value the model's own config says."""
-    import numpy as np
-
     return value if value is None else float(str(np.float32(value)))
 
 

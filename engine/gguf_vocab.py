@@ -85,13 +85,15 @@ def write_tokenizer(gguf: GGUFFile, tokens: list[str], out: Path) -> None:
     add_bos = add_bos and "bos_token" in named
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and "eos_token" in named
     if add_bos or add_eos:
-        pieces = {"bos": (named.get("bos_token"), meta.get("tokenizer.ggml.bos_token_id")),
-                  "eos": (named.get("eos_token"), meta.get("tokenizer.ggml.eos_token_id"))}
-        first = f"{pieces['bos'][0]}:0 " if add_bos else ""
-        last = f" {pieces['eos'][0]}:0" if add_eos else ""
+        added = [(name, meta[f"tokenizer.ggml.{name}_token_id"]) for name, on in (("bos", add_bos), ("eos", add_eos)) if on]
+        bos, eos = named.get("bos_token"), named.get("eos_token")
+
+        def around(text: str, seq: int) -> str:  # one sequence with the BOS before it and the EOS after it
+            return " ".join([f"{bos}:{seq}"] * add_bos + [f"{text}:{seq}"] + [f"{eos}:{seq}"] * add_eos)
+
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{first}$A:0{last}", pair=f"{first}$A:0{last} {first.replace(':0', ':1')}$B:1{last.replace(':0', ':1')}",
-            special_tokens=[pieces[k] for k, on in (("bos", add_bos), ("eos", add_eos)) if on])
+            single=around("$A", 0), pair=f"{around('$A', 0)} {around('$B', 1)}",
+            special_tokens=[(named[f"{name}_token"], token_id) for name, token_id in added])
     tok.save(str(out / "tokenizer.json"))
 
     config = {"tokenizer_class": "TokenizersBackend", "add_bos_token": add_bos, "add_eos_token": add_eos,

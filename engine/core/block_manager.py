@@ -181,10 +181,12 @@ class BlockManager:
 
         With prefix caching the last registered block is kept, as the next block's hash chains from it.
         """
-        blocks, window = self.req_blocks.get(req.request_id), self.window
-        if window <= 0 or not blocks:
+        if self.window <= 0:
             return 0
-        dead = max(0, req.num_computed_tokens - window + 1) // self.block_size
+        blocks = self.req_blocks.get(req.request_id)
+        if not blocks:
+            return 0
+        dead = max(0, req.num_computed_tokens - self.window + 1) // self.block_size
         if self.enable_prefix_caching:
             dead = min(dead, self.req_num_hashed.get(req.request_id, 0) - 1)
         start = self.req_num_released.get(req.request_id, 0)

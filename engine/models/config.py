@@ -74,6 +74,13 @@ class ModelConfig:
             return min(self.max_position, self.rope.original_max_position)
         return self.max_position
 
+    @property
+    def release_window(self) -> int:
+        """The window past which KV blocks can be handed back: the widest one when every layer has a window
+        (Mistral, Phi-3 mini), 0 when any layer attends to everything (Gemma's global layers) or none has one."""
+        windows = [self.window_of(layer) for layer in range(self.num_layers)]
+        return max(windows) if windows and min(windows) > 0 else 0
+
     def window_of(self, layer: int) -> int:
         if self.layer_windows:
             return self.layer_windows[layer]

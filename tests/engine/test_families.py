@@ -156,8 +156,6 @@ def test_greedy_generation_in_a_mixed_batch_equals_hf_generate(family):
 
     from .fakes import CharTokenizer
 
-    from minibatch.engine.factory import release_window
-
     kind, path, hf = family
     prompts = [list(range(5, 5 + n)) for n in (3, 17, 9, 25)]
     expected = []
@@ -170,9 +168,9 @@ def test_greedy_generation_in_a_mixed_batch_equals_hf_generate(family):
     windowed = kind in ("mistral", "phi3")
     for name, backend in backends() if windowed else backends()[-1:]:
         ours = load_model(path, backend)
-        assert release_window(ours.config) == (WINDOW if windowed else 0)
+        assert ours.config.release_window == (WINDOW if windowed else 0)
         runner = ModelRunner(ours, allocate_kv_cache(ours.config, 64, BLOCK_SIZE), BLOCK_SIZE)
-        blocks = BlockManager(64, BLOCK_SIZE, window=release_window(ours.config))
+        blocks = BlockManager(64, BLOCK_SIZE, window=ours.config.release_window)
         engine = LLMEngine(runner, CharTokenizer(), blocks, SchedulerConfig(4, 16, 256))
         reqs = []
         for i, p in enumerate(prompts):  # staggered: later ones join while earlier ones decode; 16-token chunks
