@@ -16,7 +16,7 @@ from pathlib import Path
 
 log = logging.getLogger("minibatch.kernels")
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("module.cpp", "paged_decode_attention.cpp", "quant_matmul.cpp", "cpu_ops.cpp")
+SOURCES = ("module.cpp", "paged_decode_attention.cpp", "quant_matmul.cpp", "quant_dot.cpp", "cpu_ops.cpp")
 # No -ffast-math: the dequantisers must reproduce gguf.quants bit for bit.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _ext = None
@@ -58,6 +58,21 @@ def load_cpu_extension():
         log.info("compiled the CPU kernels in %.0f s (cached for later starts)", took)
     _remember_built(digest, _ext)
     return _ext
+
+
+def load_portable_extension():
+    """The same sources built for a CPU without AVX2, F16C or FMA (x86-64's baseline): the portable paths
+    every other CPU runs. The tests build it so that those paths cannot rot on an AVX2 machine."""
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.is_file())).hexdigest()[:16]
+    return load(
+        name="minibatch_cpu_kernels_portable",
+        sources=[str(_CSRC / s) for s in SOURCES],
+        extra_cflags=["-O2", "-march=x86-64", "-fopenmp", "-DMINIBATCH_PORTABLE", f"-DMINIBATCH_CSRC_DIGEST={digest}"],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
 
 
 # torch's loader checks its build cache through setuptools and ninja (~0.2 s at every start); once a build

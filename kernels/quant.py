@@ -1,10 +1,19 @@
-"""Matrix multiplies and lookups straight from GGUF block-quantized weights (CPU, fp32 activations).
+"""Matrix multiplies and lookups straight from GGUF block-quantized weights (CPU).
 
 A quantized weight [N, K] is kept as GGUF stores it: a uint8 tensor
-[N, row_bytes], each row K / block_elems blocks. The C++ kernels (csrc/
-quant_matmul.cpp) dequantise each block exactly as `gguf.quants` does and
-accumulate in fp32; the `*_ref` functions here are their PyTorch twins
-(`gguf.quants.dequantize` + `F.linear`) and the test reference.
+[N, row_bytes], each row K / block_elems blocks. Two ways to multiply by it:
+
+- exact (`quant_linear`, csrc/quant_matmul.cpp): each block is dequantised
+  exactly as `gguf.quants` does and multiplied with fp32 activations, so the
+  result is the dequantised model's up to fp32 summation order;
+- integer (`quantize_activations` + `quant_linear_q8`, csrc/quant_dot.cpp):
+  the activations are quantized to 8 bits per weight block (32 values, or
+  256 for the K-quants) and multiplied into the weights' integers, as
+  llama.cpp does; the result is the dequantised weights times the 8-bit
+  activations.
+
+The `*_ref` functions are the PyTorch twins (`gguf.quants.dequantize` + plain
+PyTorch) and the test references.
 """
 
 from __future__ import annotations
@@ -38,13 +47,21 @@ QUANT_TYPES = {
         QuantType("BF16", 30, 1, 2),
         QuantType("Q4_0", 2, 32, 18),
         QuantType("Q4_1", 3, 32, 20),
+        QuantType("Q5_0", 6, 32, 22),
+        QuantType("Q5_1", 7, 32, 24),
         QuantType("Q8_0", 8, 32, 34),
+        QuantType("IQ4_NL", 20, 32, 18),
+        QuantType("Q2_K", 10, 256, 84),
+        QuantType("Q3_K", 11, 256, 110),
+        QuantType("IQ4_XS", 23, 256, 136),
         QuantType("Q4_K", 12, 256, 144),
         QuantType("Q5_K", 13, 256, 176),
         QuantType("Q6_K", 14, 256, 210),
     )
 }
 QUANT_BY_ID = {t.ggml_id: t for t in QUANT_TYPES.values()}
+# The block types the integer path multiplies (the float types always run with fp32 activations).
+INT_DOT_TYPES = frozenset(n for n, t in QUANT_TYPES.items() if t.block_elems > 1)
 
 
 def check_shape(qweight: torch.Tensor, qtype: QuantType, k: int) -> None:
@@ -85,7 +102,49 @@ def embedding(qweight: torch.Tensor, qtype: QuantType, k: int, ids: torch.Tensor
     return ext.embedding(qweight, qtype.ggml_id, k, ids)
 
 
+def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[rows, K] fp32 -> (q int8 [rows, K], d [rows, K/block], bsums int16 [rows, K/16]): per `block` values
+    (the weight type's block: 32, or 256 for the K-quants) d = max|x| / 127 and q = round(x / d), half to even;
+    the sum of every 16 quants. Once per layer input, for every matrix of that block size it feeds."""
+    ext = load_cpu_extension()
+    if ext is None:
+        return quantize_activations_ref(x, block)
+    q, d, bs = ext.quantize_activations(x, block)
+    return q, d, bs
+
+
+def quant_linear_q8(acts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], qweight: torch.Tensor,
+                    qtype: QuantType) -> torch.Tensor:  # [rows, N] fp32
+    """x W^T in integers, from `quantize_activations(x, qtype.block_elems)` and a block-quantized W."""
+    ext = load_cpu_extension()
+    if ext is None:
+        return quant_linear_q8_ref(acts, qweight, qtype)
+    return ext.quant_linear_q8(*acts, qweight, qtype.ggml_id)
+
+
 # ---- PyTorch twins: gguf's numpy dequantiser, then plain PyTorch ----
+
+
+def quantize_activations_ref(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, k = x.shape
+    if block not in (32, 256) or k % block:
+        raise ValueError(f"{k} values per row in blocks of {block}: need a block of 32 or 256 that divides it")
+    groups = x.float().reshape(rows, k // block, block)
+    d = groups.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(groups * inv[..., None]).clamp(-127, 127).reshape(rows, k)
+    bsums = q.reshape(rows, k // 16, 16).sum(-1).to(torch.int16)
+    return q.to(torch.int8), d, bsums
+
+
+def quant_linear_q8_ref(acts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], qweight: torch.Tensor,
+                        qtype: QuantType) -> torch.Tensor:
+    """The dequantised weights times the dequantised 8-bit activations, summed in float64."""
+    q, d, _ = acts
+    rows, k = q.shape
+    block = k // d.shape[1]
+    x = (q.double().reshape(rows, k // block, block) * d.double()[..., None]).reshape(rows, k)
+    return F.linear(x, dequantize_ref(qweight, qtype, k).double()).float()
 
 
 def dequantize_ref(qweight: torch.Tensor, qtype: QuantType, k: int) -> torch.Tensor:

@@ -2,6 +2,7 @@
 // ATen's core headers (not torch/extension.h), which keeps the first-use build short.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <vector>
 
 // paged_decode_attention.cpp
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
@@ -14,6 +15,10 @@ at::Tensor quant_linear(at::Tensor x, at::Tensor qweight, int64_t type, int64_t 
 at::Tensor dequantize(at::Tensor qweight, int64_t type, int64_t k);
 at::Tensor embedding(at::Tensor qweight, int64_t type, int64_t k, at::Tensor ids);
 bool has_avx2();
+// quant_dot.cpp
+std::vector<at::Tensor> quantize_activations(at::Tensor x, int64_t block);
+at::Tensor quant_linear_q8(at::Tensor q, at::Tensor d, at::Tensor bs, at::Tensor qweight, int64_t type);
+bool int_path_has_avx2();
 // cpu_ops.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);

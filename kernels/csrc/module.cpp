@@ -11,6 +11,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize", &dequantize, "GGUF blocks -> fp32 [N, K]");
   m.def("embedding", &embedding, "dequantise only the rows of the given token ids");
   m.def("has_avx2", &has_avx2, "compiled with the AVX2+FMA paths");
+  m.def("quantize_activations", &quantize_activations, "fp32 rows -> 8-bit quants, a scale per block, sums of 16");
+  m.def("quant_linear_q8", &quant_linear_q8, "y = x W^T in integers: quantized activations times GGUF blocks");
+  m.def("int_path_has_avx2", &int_path_has_avx2, "the integer path was compiled with AVX2");
   m.def("rms_norm", &rms_norm, "rms_norm(x) * weight (fp32)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; rms_norm(residual) * weight (fp32)");
   m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding of q and k, in place");

@@ -35,7 +35,10 @@
 namespace {
 
 // GGML's type numbers, as GGUF files store them.
-enum QType : int64_t { F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30 };
+enum QType : int64_t {
+  F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
+  Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23, BF16 = 30
+};
 
 struct Layout {
   int64_t elems;  // values per block
@@ -49,7 +52,13 @@ Layout layout_of(int64_t type) {
     case BF16: return {1, 2};
     case Q4_0: return {32, 18};
     case Q4_1: return {32, 20};
+    case Q5_0: return {32, 22};
+    case Q5_1: return {32, 24};
     case Q8_0: return {32, 34};
+    case IQ4_NL: return {32, 18};
+    case Q2_K: return {256, 84};
+    case Q3_K: return {256, 110};
+    case IQ4_XS: return {256, 136};
     case Q4_K: return {256, 144};
     case Q5_K: return {256, 176};
     case Q6_K: return {256, 210};
@@ -109,6 +118,99 @@ void deq_q4_1(const uint8_t* b, float* y) {
   for (int j = 0; j < 16; ++j) {
     y[j] = d * (float)(qs[j] & 0x0f) + m;
     y[j + 16] = d * (float)(qs[j] >> 4) + m;
+  }
+}
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Q5_0 / Q5_1: the fifth bit of value j is bit j of the 32-bit qh.
+void deq_q5_0(const uint8_t* b, float* y) {
+  const float d = half_to_float(b);
+  const uint32_t qh = load_u32(b + 2);
+  const uint8_t* qs = b + 6;
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * (float)((int)((qs[j] & 0x0f) | (((qh >> j) & 1) << 4)) - 16);
+    y[j + 16] = d * (float)((int)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+  }
+}
+
+void deq_q5_1(const uint8_t* b, float* y) {
+  const float d = half_to_float(b), m = half_to_float(b + 2);
+  const uint32_t qh = load_u32(b + 4);
+  const uint8_t* qs = b + 8;
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * (float)((qs[j] & 0x0f) | (((qh >> j) & 1) << 4)) + m;
+    y[j + 16] = d * (float)((qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) + m;
+  }
+}
+
+// The 16 non-uniform levels of IQ4_NL and IQ4_XS.
+constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+void deq_iq4_nl(const uint8_t* b, float* y) {
+  const float d = half_to_float(b);
+  const uint8_t* qs = b + 2;
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * (float)kIQ4Values[qs[j] & 0x0f];
+    y[j + 16] = d * (float)kIQ4Values[qs[j] >> 4];
+  }
+}
+
+// IQ4_XS: 8 sub-blocks of 32, each with a 6-bit scale (low 4 bits in scales_l, high 2 in scales_h).
+void deq_iq4_xs(const uint8_t* b, float* y) {
+  const float d = half_to_float(b);
+  const uint16_t sh = (uint16_t)(b[2] | (b[3] << 8));
+  const uint8_t* sl = b + 4;
+  const uint8_t* qs = b + 8;
+  for (int j = 0; j < 8; ++j) {
+    const int sc = (int)(((sl[j / 2] >> (4 * (j % 2))) & 0x0f) | (((sh >> (2 * j)) & 3) << 4)) - 32;
+    const float dl = d * (float)sc;
+    const uint8_t* q = qs + 16 * j;
+    for (int l = 0; l < 16; ++l) {
+      y[32 * j + l] = dl * (float)kIQ4Values[q[l] & 0x0f];
+      y[32 * j + l + 16] = dl * (float)kIQ4Values[q[l] >> 4];
+    }
+  }
+}
+
+// Q2_K: 16 sub-blocks of 16 with a 4-bit scale and a 4-bit min each; value i = 128c + 32s + l holds
+// bits 2s..2s+1 of qs[32c + l].
+void deq_q2_k(const uint8_t* b, float* y) {
+  const uint8_t* sc = b;
+  const uint8_t* qs = b + 16;
+  const float d = half_to_float(b + 80), dmin = half_to_float(b + 82);
+  for (int g = 0; g < 16; ++g) {
+    const float dl = d * (float)(sc[g] & 0x0f), ml = dmin * (float)(sc[g] >> 4);
+    for (int e = 0; e < 16; ++e) {
+      const int i = 16 * g + e, c = i / 128, s = (i / 32) % 4, l = i % 32;
+      y[i] = dl * (float)((qs[32 * c + l] >> (2 * s)) & 3) - ml;
+    }
+  }
+}
+
+// Q3_K: 16 sub-blocks of 16 with a signed 6-bit scale; value i = 128c + 32s + l is bits 2s..2s+1 of
+// qs[32c + l], less 4 unless bit (i / 32) of hmask[l] is set.
+inline int q3_k_scale(const uint8_t* sc, int k) {
+  const int lo = (sc[k % 8] >> (4 * (k / 8))) & 0x0f, hi = (sc[8 + k % 4] >> (2 * (k / 4))) & 3;
+  return (lo | (hi << 4)) - 32;
+}
+
+void deq_q3_k(const uint8_t* b, float* y) {
+  const uint8_t* hmask = b;
+  const uint8_t* qs = b + 32;
+  const uint8_t* sc = b + 96;
+  const float d = half_to_float(b + 108);
+  for (int k = 0; k < 16; ++k) {
+    const float dl = d * (float)q3_k_scale(sc, k);
+    for (int e = 0; e < 16; ++e) {
+      const int i = 16 * k + e, c = i / 128, s = (i / 32) % 4, l = i % 32;
+      const int q = ((qs[32 * c + l] >> (2 * s)) & 3) - (((hmask[l] >> (i / 32)) & 1) ? 0 : 4);
+      y[i] = dl * (float)q;
+    }
   }
 }
 
@@ -209,7 +311,13 @@ DeqFn deq_fn(int64_t type) {
     case BF16: return deq_bf16;
     case Q4_0: return deq_q4_0;
     case Q4_1: return deq_q4_1;
+    case Q5_0: return deq_q5_0;
+    case Q5_1: return deq_q5_1;
     case Q8_0: return deq_q8_0;
+    case IQ4_NL: return deq_iq4_nl;
+    case Q2_K: return deq_q2_k;
+    case Q3_K: return deq_q3_k;
+    case IQ4_XS: return deq_iq4_xs;
     case Q4_K: return deq_q4_k;
     case Q5_K: return deq_q5_k;
     case Q6_K: return deq_q6_k;

@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minibatch.kernels.cpu_ext import load_cpu_extension
-from minibatch.kernels.quant import QUANT_TYPES, dequantize, dequantize_ref, embedding, quant_linear
+from minibatch.kernels.cpu_ext import load_cpu_extension, load_portable_extension
+from minibatch.kernels.quant import (INT_DOT_TYPES, QUANT_TYPES, dequantize, dequantize_ref, embedding, quant_linear,
+                                     quant_linear_q8, quant_linear_q8_ref, quantize_activations, quantize_activations_ref)
 
 from .quant_blocks import random_blocks
 
@@ -66,3 +67,77 @@ def test_bad_shapes_are_refused_with_the_numbers():
         quant_linear(torch.randn(1, 48), blocks, qtype)
     with pytest.raises(RuntimeError, match="needs 60"):
         quant_linear(torch.randn(1, 96), blocks, qtype)
+
+
+# ---- the integer path: 8-bit activations times the weights' integers ----
+
+INT_TYPES = sorted(INT_DOT_TYPES)
+
+
+@pytest.fixture(scope="module", params=["this-cpu", "portable"])
+def ext(request):
+    """The extension as built for this CPU, and built for x86-64's baseline (no AVX2): the portable path."""
+    if request.param == "this-cpu":
+        return load_cpu_extension()
+    portable = load_portable_extension()
+    assert not portable.int_path_has_avx2() and not portable.has_avx2()
+    return portable
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("block", [32, 256])
+def test_activation_quantization_is_bit_identical_to_the_twin(ext, rows, block):
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 3
+    x[0, :block] = 0.0  # an all-zero block: scale 0, quants 0
+    x[-1, block + 8] = 1e-3  # a tiny value beside a block's max
+    got, ref = ext.quantize_activations(x, block), quantize_activations_ref(x, block)
+    for a, b, name in zip(got, ref, ("q", "d", "bsums")):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    q, d, bsums = ref
+    assert d.shape == (rows, 512 // block) and int(q.abs().max()) == 127 and d[0, 0] == 0 and not q[0, :block].any()
+    assert torch.equal(bsums.long(), q.long().reshape(rows, 32, 16).sum(-1))
+
+
+@pytest.mark.parametrize("name", INT_TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 64, 512])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_integer_linear_matches_its_twin(ext, name, rows, threads):
+    """Against the dequantised weights times the dequantised 8-bit activations, summed in float64: what
+    the integer path computes, exactly, up to its fp32 accumulation."""
+    qtype, k = QUANT_TYPES[name], _k(name) + (QUANT_TYPES[name].block_elems if rows == 3 else 0)
+    n = 61  # odd column count: partial tiles and thread splits
+    blocks = random_blocks(qtype, n, k, seed=rows + 7)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    acts = quantize_activations_ref(x, qtype.block_elems)
+    ref = quant_linear_q8_ref(acts, blocks, qtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = ext.quant_linear_q8(*acts, blocks, qtype.ggml_id)
+    finally:
+        torch.set_num_threads(before)
+    err = (got - ref).abs().max() / ref.abs().max()
+    assert err < 1e-5, f"{name} rows={rows}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"])
+def test_integer_linear_is_close_to_the_exact_path_and_batch_invariant(name):
+    qtype, k = QUANT_TYPES[name], 1024
+    blocks = random_blocks(qtype, 40, k, seed=2)
+    x = torch.randn(16, k, generator=torch.Generator().manual_seed(5))
+    exact = quant_linear(x, blocks, qtype)
+    fast = quant_linear_q8(quantize_activations(x, qtype.block_elems), blocks, qtype)
+    err = ((fast - exact).norm() / exact.norm()).item()
+    assert 0 < err < 0.02, err  # 8-bit activations: about 0.5% relative error, never exact
+    alone = torch.cat([quant_linear_q8(quantize_activations(x[i : i + 1], qtype.block_elems), blocks, qtype) for i in range(16)])
+    assert torch.equal(alone, fast)  # a row's result does not depend on the rows beside it
+
+
+def test_integer_linear_refuses_float_types_and_bad_shapes():
+    acts = quantize_activations(torch.randn(2, 256))
+    with pytest.raises(RuntimeError, match="no integer dot product"):
+        quant_linear_q8(acts, random_blocks(QUANT_TYPES["F16"], 4, 256), QUANT_TYPES["F16"])
+    with pytest.raises(RuntimeError, match="needs 160"):
+        quant_linear_q8(acts, random_blocks(QUANT_TYPES["Q4_1"], 4, 96), QUANT_TYPES["Q4_1"])
+    with pytest.raises(RuntimeError, match="quantized per 256 values"):
+        quant_linear_q8(acts, random_blocks(QUANT_TYPES["Q4_K"], 4, 256), QUANT_TYPES["Q4_K"])

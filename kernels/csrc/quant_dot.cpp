@@ -1,0 +1,500 @@
+// Integer dot products against GGUF block-quantized weights (CPU): the default native path.
+//
+// Each activation row is quantized once per layer input to 8 bits with one float scale per weight
+// block's worth of values (32, or 256 for the K-quants, as llama.cpp's Q8_0 / Q8_K), with the sum of
+// every 16 quants beside it. Every weight block is then multiplied into it in integers: the weights stay
+// in their 2- to 8-bit form, unpacked to bytes in registers, AVX2's maddubs/madd multiply-add 32 pairs at
+// a time with the sub-block scales, a block's products add up in int32, and one float multiply per block
+// and row applies the two scales. Minimums and offsets come from the 16-value sums. The result equals the
+// exact product of the dequantised weights and the 8-bit activations up to fp32 rounding (the twin in
+// kernels/quant.py computes exactly that).
+//
+// A portable path computes the same with plain loops (every CPU; tested here by building without
+// AVX2). Threads split the output columns; up to 4 rows share every unpacked weight group, and more
+// rows pass over cache-sized tiles of columns four at a time.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include "kernels.h"
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include "vec_math.h"
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(MINIBATCH_PORTABLE)
+#define MBQ_AVX2 1
+#endif
+
+namespace {
+
+enum QType : int64_t {
+  Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+  IQ4_NL = 20, IQ4_XS = 23
+};
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {
+      exp = 127 - 15 + 1;
+      while (!(mant & 0x400)) { mant <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+constexpr int8_t kIQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// What one weight block contributes, in integers: for every 16 values i of sub-block k,
+//   w_i = d * sc[k] * u_i + d * off[k]  (off: the offset that makes unsigned quants signed, per 16 values)
+//                         - dmin * mn[k] (K-quant minimums)       + m (Q4_1 / Q5_1: the block's float minimum)
+// with u the stored integers (signed for Q8_0, IQ4 and the offset 32-value types, else unsigned).
+// Traits<T>::scales fills d, dmin, m, sc, off and mn; Traits<T>::unpack writes u for the portable path, and
+// reg_u<T> the same integers straight into a register on the AVX2 path.
+struct Block {
+  float d = 0.0f, dmin = 0.0f, m = 0.0f;
+  int16_t sc[16], off[16], mn[16];  // per 16 values (a 32-value block uses entries 0 and 1)
+  alignas(32) int8_t u[256];
+};
+
+inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {  // Q4_K / Q5_K 6-bit scales and mins
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+inline void nibbles(const uint8_t* qs, int8_t* u, int bias) {  // 16 bytes -> low nibbles, then high, less bias
+  for (int j = 0; j < 16; ++j) u[j] = (int8_t)((qs[j] & 0x0f) - bias), u[j + 16] = (int8_t)((qs[j] >> 4) - bias);
+}
+
+inline void fifth_bits(const uint8_t* qhp, int8_t* u) {  // bit j of the 32-bit qh adds 16 to value j
+  uint32_t qh;
+  std::memcpy(&qh, qhp, 4);
+  for (int j = 0; j < 32; ++j) u[j] = (int8_t)(u[j] + (((qh >> j) & 1) << 4));
+}
+
+inline void uniform(Block& b, int n16, int sc) {
+  for (int k = 0; k < n16; ++k) b.sc[k] = (int16_t)sc, b.off[k] = 0, b.mn[k] = 0;
+}
+
+// MIN: the block has K-quant minimums (mn, times dmin); OFF: offsets (off, times d); FMIN: a float minimum m.
+template <int64_t T> struct Traits;
+
+template <> struct Traits<Q4_0> {
+  static constexpr int ELEMS = 32, BYTES = 18;
+  static constexpr bool SIGNED = true, MIN = false, OFF = false, FMIN = false;
+  static void scales(const uint8_t* b, Block& o) { o.d = f16(b), uniform(o, 2, 1); }
+  static void unpack(const uint8_t* b, Block& o) { nibbles(b + 2, o.u, 8); }
+};
+
+template <> struct Traits<Q4_1> {
+  static constexpr int ELEMS = 32, BYTES = 20;
+  static constexpr bool SIGNED = false, MIN = false, OFF = false, FMIN = true;
+  static void scales(const uint8_t* b, Block& o) { o.d = f16(b), o.m = f16(b + 2), uniform(o, 2, 1); }
+  static void unpack(const uint8_t* b, Block& o) { nibbles(b + 4, o.u, 0); }
+};
+
+template <> struct Traits<Q5_0> {
+  static constexpr int ELEMS = 32, BYTES = 22;
+  static constexpr bool SIGNED = true, MIN = false, OFF = false, FMIN = false;
+  static void scales(const uint8_t* b, Block& o) { o.d = f16(b), uniform(o, 2, 1); }
+  static void unpack(const uint8_t* b, Block& o) { nibbles(b + 6, o.u, 16), fifth_bits(b + 2, o.u); }
+};
+
+template <> struct Traits<Q5_1> {
+  static constexpr int ELEMS = 32, BYTES = 24;
+  static constexpr bool SIGNED = false, MIN = false, OFF = false, FMIN = true;
+  static void scales(const uint8_t* b, Block& o) { o.d = f16(b), o.m = f16(b + 2), uniform(o, 2, 1); }
+  static void unpack(const uint8_t* b, Block& o) { nibbles(b + 8, o.u, 0), fifth_bits(b + 4, o.u); }
+};
+
+template <> struct Traits<Q8_0> {
+  static constexpr int ELEMS = 32, BYTES = 34;
+  static constexpr bool SIGNED = true, MIN = false, OFF = false, FMIN = false;
+  static void scales(const uint8_t* b, Block& o) { o.d = f16(b), uniform(o, 2, 1); }
+  static void unpack(const uint8_t* b, Block& o) { std::memcpy(o.u, b + 2, 32); }
+};
+
+template <> struct Traits<IQ4_NL> {
+  static constexpr int ELEMS = 32, BYTES = 18;
+  static constexpr bool SIGNED = true, MIN = false, OFF = false, FMIN = false;
+  static void scales(const uint8_t* b, Block& o) { o.d = f16(b), uniform(o, 2, 1); }
+  static void unpack(const uint8_t* b, Block& o) {
+    for (int j = 0; j < 16; ++j) o.u[j] = kIQ4[b[2 + j] & 0x0f], o.u[j + 16] = kIQ4[b[2 + j] >> 4];
+  }
+};
+
+template <> struct Traits<IQ4_XS> {  // 8 sub-blocks of 32 with a signed 6-bit scale each
+  static constexpr int ELEMS = 256, BYTES = 136;
+  static constexpr bool SIGNED = true, MIN = false, OFF = false, FMIN = false;
+  static void scales(const uint8_t* b, Block& o) {
+    o.d = f16(b);
+    const uint16_t sh = (uint16_t)(b[2] | (b[3] << 8));
+    for (int j = 0; j < 8; ++j) {
+      const int sc = (int)(((b[4 + j / 2] >> (4 * (j % 2))) & 0x0f) | (((sh >> (2 * j)) & 3) << 4)) - 32;
+      o.sc[2 * j] = o.sc[2 * j + 1] = (int16_t)sc, o.off[2 * j] = o.off[2 * j + 1] = 0, o.mn[2 * j] = o.mn[2 * j + 1] = 0;
+    }
+  }
+  static void unpack(const uint8_t* b, Block& o) {
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 16; ++l) o.u[32 * j + l] = kIQ4[b[8 + 16 * j + l] & 0x0f], o.u[32 * j + l + 16] = kIQ4[b[8 + 16 * j + l] >> 4];
+  }
+};
+
+template <> struct Traits<Q2_K> {  // 16 sub-blocks of 16: 4-bit scale and 4-bit min each; 2-bit quants
+  static constexpr int ELEMS = 256, BYTES = 84;
+  static constexpr bool SIGNED = false, MIN = true, OFF = false, FMIN = false;
+  static void scales(const uint8_t* b, Block& o) {
+    o.d = f16(b + 80), o.dmin = f16(b + 82);
+    for (int k = 0; k < 16; ++k) o.sc[k] = b[k] & 0x0f, o.mn[k] = b[k] >> 4, o.off[k] = 0;
+  }
+  static void unpack(const uint8_t* b, Block& o) {  // values 32j.. are bits 2s.. of qs[32c + l], c = j / 4, s = j % 4
+    for (int i = 0; i < 256; ++i) o.u[i] = (int8_t)((b[16 + 32 * (i / 128) + i % 32] >> (2 * ((i / 32) % 4))) & 3);
+  }
+};
+
+template <> struct Traits<Q3_K> {  // 16 sub-blocks of 16, signed 6-bit scales; u = 2 bits + 4 * high bit, value u - 4
+  static constexpr int ELEMS = 256, BYTES = 110;
+  static constexpr bool SIGNED = false, MIN = false, OFF = true, FMIN = false;
+  static void scales(const uint8_t* b, Block& o) {
+    o.d = f16(b + 108);
+    const uint8_t* s = b + 96;
+    for (int k = 0; k < 16; ++k) {
+      const int sc = (((s[k % 8] >> (4 * (k / 8))) & 0x0f) | (((s[8 + k % 4] >> (2 * (k / 4))) & 3) << 4)) - 32;
+      o.sc[k] = (int16_t)sc, o.off[k] = (int16_t)(-4 * sc), o.mn[k] = 0;
+    }
+  }
+  static void unpack(const uint8_t* b, Block& o) {
+    for (int i = 0; i < 256; ++i)
+      o.u[i] = (int8_t)(((b[32 + 32 * (i / 128) + i % 32] >> (2 * ((i / 32) % 4))) & 3) | (((b[i % 32] >> (i / 32)) & 1) << 2));
+  }
+};
+
+template <> struct Traits<Q4_K> {  // 8 sub-blocks of 32: 6-bit scale and min each
+  static constexpr int ELEMS = 256, BYTES = 144;
+  static constexpr bool SIGNED = false, MIN = true, OFF = false, FMIN = false;
+  static void scales(const uint8_t* b, Block& o) {
+    o.d = f16(b), o.dmin = f16(b + 2);
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      scale_min_k4(j, b + 4, &sc, &m);
+      o.sc[2 * j] = o.sc[2 * j + 1] = (int16_t)sc, o.mn[2 * j] = o.mn[2 * j + 1] = (int16_t)m;
+      o.off[2 * j] = o.off[2 * j + 1] = 0;
+    }
+  }
+  static void unpack(const uint8_t* b, Block& o) {  // group 2p: low nibbles of qs[32p..], 2p + 1: high
+    for (int i = 0; i < 256; ++i) {
+      const uint8_t q = b[16 + 32 * (i / 64) + i % 32];
+      o.u[i] = (int8_t)((i / 32) % 2 ? q >> 4 : q & 0x0f);
+    }
+  }
+};
+
+template <> struct Traits<Q5_K> {  // as Q4_K, with bit j of qh[l] as group j's fifth bit
+  static constexpr int ELEMS = 256, BYTES = 176;
+  static constexpr bool SIGNED = false, MIN = true, OFF = false, FMIN = false;
+  static void scales(const uint8_t* b, Block& o) { Traits<Q4_K>::scales(b, o); }
+  static void unpack(const uint8_t* b, Block& o) {
+    for (int i = 0; i < 256; ++i) {
+      const uint8_t q = b[48 + 32 * (i / 64) + i % 32];
+      o.u[i] = (int8_t)(((i / 32) % 2 ? q >> 4 : q & 0x0f) | (((b[16 + i % 32] >> (i / 32)) & 1) << 4));
+    }
+  }
+};
+
+template <> struct Traits<Q6_K> {  // 16 sub-blocks of 16 with int8 scales; u = 6 bits, value u - 32
+  static constexpr int ELEMS = 256, BYTES = 210;
+  static constexpr bool SIGNED = false, MIN = false, OFF = true, FMIN = false;
+  static void scales(const uint8_t* b, Block& o) {
+    o.d = f16(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int k = 0; k < 16; ++k) o.sc[k] = sc[k], o.off[k] = (int16_t)(-32 * sc[k]), o.mn[k] = 0;
+  }
+  static void unpack(const uint8_t* b, Block& o) {  // value 128h + 32t + l
+    for (int i = 0; i < 256; ++i) {
+      const int h = i / 128, t = (i / 32) % 4, l = i % 32;
+      const uint8_t q = b[64 * h + (t % 2) * 32 + l], hi = b[128 + 32 * h + l];
+      o.u[i] = (int8_t)((t < 2 ? q & 0x0f : q >> 4) | (((hi >> (2 * t)) & 3) << 4));
+    }
+  }
+};
+
+// Quantized activation rows: q [M, K] int8, d [M, K/B] fp32 (one scale per B = 32 or 256 values, the weight
+// block's size), bsums [M, K/16] int16 (the sum of every 16 quants).
+struct Acts {
+  const int8_t* q;
+  const float* d;
+  const int16_t* bs;
+  int64_t k;
+};
+
+#ifdef MBQ_AVX2
+// ---- the integers of sub-block group j (32 values) of block b, straight into a register ----
+
+inline __m256i nib32(const uint8_t* qs) {  // 16 bytes -> 32 bytes: low nibbles, then high
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i m = _mm_set1_epi8(0x0f);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m), _mm_and_si128(raw, m));
+}
+
+inline __m256i bits32(const uint8_t* qhp) {  // bit j of the 32-bit qh -> 0x10 in byte j
+  uint32_t qh;
+  std::memcpy(&qh, qhp, 4);
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), shuf);
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+inline __m256i bits_at(__m256i v, int shift, int mask) {
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)mask));
+}
+
+template <int64_t T>
+inline __m256i reg_u(const uint8_t* b, int j) {
+  if constexpr (T == Q4_0) return _mm256_sub_epi8(nib32(b + 2), _mm256_set1_epi8(8));
+  if constexpr (T == Q4_1) return nib32(b + 4);
+  if constexpr (T == Q5_0) return _mm256_sub_epi8(_mm256_or_si256(nib32(b + 6), bits32(b + 2)), _mm256_set1_epi8(16));
+  if constexpr (T == Q5_1) return _mm256_or_si256(nib32(b + 8), bits32(b + 4));
+  if constexpr (T == Q8_0) return load256(b + 2);
+  if constexpr (T == IQ4_NL || T == IQ4_XS) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4)));
+    return _mm256_shuffle_epi8(table, nib32(T == IQ4_NL ? b + 2 : b + 8 + 16 * j));
+  }
+  if constexpr (T == Q2_K) return bits_at(load256(b + 16 + 32 * (j / 4)), 2 * (j % 4), 3);
+  if constexpr (T == Q3_K)
+    return _mm256_or_si256(bits_at(load256(b + 32 + 32 * (j / 4)), 2 * (j % 4), 3), _mm256_slli_epi16(bits_at(load256(b), j, 1), 2));
+  if constexpr (T == Q4_K || T == Q5_K) {
+    __m256i u = bits_at(load256(b + (T == Q4_K ? 16 : 48) + 32 * (j / 2)), 4 * (j % 2), 0x0f);
+    if constexpr (T == Q5_K) u = _mm256_or_si256(u, _mm256_slli_epi16(bits_at(load256(b + 16), j, 1), 4));
+    return u;
+  }
+  if constexpr (T == Q6_K) {
+    const int h = j / 4, t = j % 4;
+    const __m256i lo = bits_at(load256(b + 64 * h + (t % 2) * 32), 4 * (t / 2), 0x0f);
+    return _mm256_or_si256(lo, _mm256_slli_epi16(bits_at(load256(b + 128 + 32 * h), 2 * t, 3), 4));
+  }
+  return _mm256_setzero_si256();  // unreachable: every type above
+}
+
+// Columns [n0, n1) of out[r, :] for M rows. Each weight group is unpacked once and multiplied into every
+// row; the integer products of a whole block add up in int32 before one float scale per block and row.
+template <int64_t T, int M>
+void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  using Tr = Traits<T>;
+  constexpr int G = Tr::ELEMS / 32;
+  const int64_t nb = a.k / Tr::ELEMS, nd = a.k / Tr::ELEMS, n16 = a.k / 16;
+  Block blk;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[M];
+    float fmin[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps(), fmin[r] = 0.0f;
+    for (int64_t bi = 0; bi < nb; ++bi) {
+      const uint8_t* b = row + bi * Tr::BYTES;
+      Tr::scales(b, blk);
+      __m256i sumi[M];
+      for (int r = 0; r < M; ++r) sumi[r] = _mm256_setzero_si256();
+      for (int j = 0; j < G; ++j) {
+        const __m256i u = reg_u<T>(b, j);
+        const __m256i au = Tr::SIGNED ? _mm256_sign_epi8(u, u) : u;
+        const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(blk.sc[2 * j + 1]), _mm_set1_epi16(blk.sc[2 * j]));
+        for (int r = 0; r < M; ++r) {
+          const __m256i x = load256(reinterpret_cast<const uint8_t*>(a.q + r * a.k + bi * Tr::ELEMS + 32 * j));
+          const __m256i p = _mm256_maddubs_epi16(au, Tr::SIGNED ? _mm256_sign_epi8(x, u) : x);
+          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, sv));
+        }
+      }
+      for (int r = 0; r < M; ++r) {
+        const float da = a.d[r * nd + bi];
+        const int16_t* bs = a.bs + r * n16 + bi * (Tr::ELEMS / 16);
+        if constexpr (Tr::OFF || Tr::MIN) {  // 16 sub-blocks: offsets (scale d) or minimums (scale dmin)
+          const __m256i bsv = load256(reinterpret_cast<const uint8_t*>(bs));
+          const __m256i t = _mm256_madd_epi16(load256(reinterpret_cast<const uint8_t*>(Tr::OFF ? blk.off : blk.mn)), bsv);
+          if constexpr (Tr::OFF) sumi[r] = _mm256_add_epi32(sumi[r], t);
+          else acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(-blk.dmin * da), acc[r]);
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(blk.d * da), acc[r]);
+        if constexpr (Tr::FMIN) fmin[r] += blk.m * da * (float)(bs[0] + bs[1]);
+      }
+    }
+    for (int r = 0; r < M; ++r) out[r * ldo + n] = hsum(acc[r]) + fmin[r];
+  }
+}
+#else
+template <int64_t T, int M>
+void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  using Tr = Traits<T>;
+  const int64_t nb = a.k / Tr::ELEMS, nd = a.k / Tr::ELEMS, n16 = a.k / 16;
+  Block blk;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    float acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = 0.0f;
+    for (int64_t bi = 0; bi < nb; ++bi) {
+      const uint8_t* b = row + bi * Tr::BYTES;
+      Tr::scales(b, blk);
+      Tr::unpack(b, blk);
+      for (int r = 0; r < M; ++r) {
+        const int8_t* x = a.q + r * a.k + bi * Tr::ELEMS;
+        const int16_t* bs = a.bs + r * n16 + bi * (Tr::ELEMS / 16);
+        int64_t sumi = 0, mins = 0;
+        for (int k = 0; k < Tr::ELEMS / 16; ++k) {
+          int32_t dot = 0;
+          for (int i = 16 * k; i < 16 * k + 16; ++i) dot += (int32_t)blk.u[i] * (int32_t)x[i];
+          sumi += (int64_t)blk.sc[k] * dot + (int64_t)blk.off[k] * bs[k];
+          mins += (int64_t)blk.mn[k] * bs[k];
+        }
+        const float da = a.d[r * nd + bi];
+        acc[r] += blk.d * da * (float)sumi - blk.dmin * da * (float)mins;
+        if (Tr::FMIN) acc[r] += blk.m * da * (float)(bs[0] + bs[1]);
+      }
+    }
+    for (int r = 0; r < M; ++r) out[r * ldo + n] = acc[r];
+  }
+}
+#endif
+
+template <int64_t T>
+void dot_columns(const Acts& a, int64_t m, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0,
+                 int64_t n1) {
+  switch (m) {
+    case 1: return dot_rows<T, 1>(a, w, row_bytes, out, ldo, n0, n1);
+    case 2: return dot_rows<T, 2>(a, w, row_bytes, out, ldo, n0, n1);
+    case 3: return dot_rows<T, 3>(a, w, row_bytes, out, ldo, n0, n1);
+    default: return dot_rows<T, 4>(a, w, row_bytes, out, ldo, n0, n1);
+  }
+}
+
+using ColumnsFn = void (*)(const Acts&, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t);
+
+struct TypeInfo {
+  ColumnsFn fn;
+  int64_t elems, bytes;
+};
+
+template <int64_t T>
+constexpr TypeInfo info() { return {dot_columns<T>, Traits<T>::ELEMS, Traits<T>::BYTES}; }
+
+TypeInfo type_info(int64_t type) {
+  switch (type) {
+    case Q4_0: return info<Q4_0>();
+    case Q4_1: return info<Q4_1>();
+    case Q5_0: return info<Q5_0>();
+    case Q5_1: return info<Q5_1>();
+    case Q8_0: return info<Q8_0>();
+    case IQ4_NL: return info<IQ4_NL>();
+    case Q2_K: return info<Q2_K>();
+    case Q3_K: return info<Q3_K>();
+    case IQ4_XS: return info<IQ4_XS>();
+    case Q4_K: return info<Q4_K>();
+    case Q5_K: return info<Q5_K>();
+    case Q6_K: return info<Q6_K>();
+    default: TORCH_CHECK(false, "GGML type ", type, " has no integer dot product");
+  }
+}
+
+}  // namespace
+
+// [M, K] fp32 -> (q int8 [M, K], d [M, K / block], bsums int16 [M, K / 16]): per `block` values (32, or
+// 256 for the K-quants' blocks) d = max|x| / 127 and q = round(x / d), half to even as torch.round.
+std::vector<at::Tensor> quantize_activations(at::Tensor x, int64_t block) {
+  TORCH_CHECK(x.dtype() == at::kFloat && x.dim() == 2, "x must be fp32 [rows, in_features]");
+  TORCH_CHECK(block == 32 || block == 256, "block must be 32 or 256, got ", block);
+  x = x.contiguous();
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % block == 0, "in_features ", k, " is not a multiple of ", block);
+  auto q = at::empty({m, k}, x.options().dtype(at::kChar));
+  auto d = at::empty({m, k / block}, x.options());
+  auto bs = at::empty({m, k / 16}, x.options().dtype(at::kShort));
+  const float* xp = x.data_ptr<float>();
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* dp = d.data_ptr<float>();
+  int16_t* sp = bs.data_ptr<int16_t>();
+  at::parallel_for(0, m * (k / block), std::max<int64_t>(1, 4096 / block), [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const float* v = xp + block * g;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < block; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float dg = amax / 127.0f, id = dg != 0.0f ? 1.0f / dg : 0.0f;
+      for (int64_t s16 = 0; s16 < block / 16; ++s16) {
+        int32_t sum = 0;
+        for (int64_t i = 16 * s16; i < 16 * s16 + 16; ++i) {
+          const int qi = (int)std::max(-127.0f, std::min(127.0f, std::nearbyint(v[i] * id)));
+          qp[block * g + i] = (int8_t)qi;
+          sum += qi;
+        }
+        sp[(block / 16) * g + s16] = (int16_t)sum;
+      }
+      dp[g] = dg;
+    }
+  });
+  return {q, d, bs};
+}
+
+// Rows of the integer path computed together (their accumulators stay in registers); more rows run
+// in groups of this many over each tile of columns, so the tile's weights come from cache.
+constexpr int64_t kRowGroup = 4;
+
+at::Tensor quant_linear_q8(at::Tensor q, at::Tensor d, at::Tensor bs,  // quantize_activations(x, block of the type)
+                           at::Tensor qweight, int64_t type) {         // [N, row_bytes] uint8
+  const TypeInfo t = type_info(type);
+  TORCH_CHECK(q.dtype() == at::kChar && q.dim() == 2 && q.is_contiguous(), "q must be contiguous int8 [rows, K]");
+  const int64_t m = q.size(0), k = q.size(1), n = qweight.size(0);
+  TORCH_CHECK(k % t.elems == 0, "in_features ", k, " is not a multiple of the block size ", t.elems);
+  TORCH_CHECK(d.dtype() == at::kFloat && d.is_contiguous() && d.numel() == m * (k / t.elems),
+              "the activations must be quantized per ", t.elems, " values for type ", type);
+  TORCH_CHECK(bs.dtype() == at::kShort && bs.is_contiguous() && bs.numel() == m * (k / 16), "bsums do not match q");
+  TORCH_CHECK(qweight.dtype() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous(),
+              "qweight must be a contiguous uint8 [N, row_bytes] tensor");
+  TORCH_CHECK(qweight.size(1) == k / t.elems * t.bytes, "qweight has ", qweight.size(1), " bytes per row; type ", type,
+              " with in_features ", k, " needs ", k / t.elems * t.bytes);
+  auto out = at::empty({m, n}, d.options());
+  if (m == 0 || n == 0) return out;
+  const Acts a{q.data_ptr<int8_t>(), d.data_ptr<float>(), bs.data_ptr<int16_t>(), k};
+  const uint8_t* wp = qweight.data_ptr<uint8_t>();
+  const int64_t row_bytes = qweight.size(1), nd = k / t.elems;
+  float* op = out.data_ptr<float>();
+  // Tiles of columns whose blocks stay in L2 (~128 KB) while every group of rows passes over them.
+  const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(256, (131072 / std::max<int64_t>(row_bytes, 1)) / 16 * 16));
+  parallel_chunks(n, m <= kRowGroup ? 64 : tile, [&](int64_t n0, int64_t n1) {
+    for (int64_t c0 = n0; c0 < n1; c0 += tile)
+      for (int64_t r0 = 0; r0 < m; r0 += kRowGroup) {
+        const Acts ar{a.q + r0 * k, a.d + r0 * nd, a.bs + r0 * (k / 16), k};
+        t.fn(ar, std::min<int64_t>(kRowGroup, m - r0), wp, row_bytes, op + r0 * n, n, c0, std::min<int64_t>(c0 + tile, n1));
+      }
+  });
+  return out;
+}
+
+bool int_path_has_avx2() {
+#ifdef MBQ_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
