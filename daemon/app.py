@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from minibatch.engine.core.info import EngineInfo
 from minibatch.engine.core.scheduler import MODES, QueueFull, RequestRejected
 
 from .guard import Guard, guard_middleware
@@ -32,7 +34,7 @@ class DaemonState:
     monitor: object | None = None
     tokenizer: object | None = None
     grammars: object | None = None  # engine.structured.GrammarCompiler, when the tokenizer allows one
-    info: dict = field(default_factory=dict)
+    info: EngineInfo | None = None  # the engine's facts, once loaded
     started_at: float = field(default_factory=time.time)
     status: str = "loading"  # loading | ready | draining | failed
     load_error: str | None = None
@@ -89,15 +91,17 @@ async def health(request: web.Request) -> web.Response:
         "status": "ok" if ok else state.status if state.status != "ready" else "failed",
         "model": state.model_name, "uptime_s": round(time.time() - state.started_at, 1),
         "last_error": (eng.fatal_error or eng.last_error) if eng else state.load_error,
-        "last_error_time": eng.last_error_time if eng else None, **state.info,
+        "last_error_time": eng.last_error_time if eng else None, "pid": os.getpid(),
     }
+    if state.info is not None:  # the model's facts, and the mode as it is now (it changes at run time)
+        body |= state.info.as_dict() | {"mode": eng.mode}
     return web.json_response(body, status=200 if ok else 503)
 
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     data = [{"id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "minibatch",
-             "max_model_len": state.info.get("max_model_len")}]
+             "max_model_len": state.info.max_model_len if state.info else None}]
     return web.json_response({"object": "list", "data": data})
 
 
@@ -137,21 +141,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
     check_model(state, body.model)
     engine = state.ready_engine()
     ids = list(body.prompt) if isinstance(body.prompt, list) else state.tokenizer.encode_prompt(body.prompt)
-    vocab = state.info.get("vocab_size")
-    if vocab and any(t >= vocab for t in ids):
+    vocab = state.info.vocab_size
+    if any(t >= vocab for t in ids):
         raise ApiError(400, f"prompt: token ids must be below the vocabulary size {vocab}", "prompt", "invalid_value")
     return await run_request(request, state, engine, body, ids, "text_completion", f"cmpl-{uuid.uuid4().hex}")
 
 
 def submit(state: DaemonState, engine, body, ids: list[int], request_id: str, grammar=None, index: int = 0,
            share_prompt_with: str | None = None) -> None:
-    limit = state.info.get("max_model_len") or 0
+    limit = state.info.max_model_len
     if not ids:
         raise ApiError(400, "the prompt is empty", "messages" if isinstance(body, ChatRequest) else "prompt", "empty_prompt")
     if limit and len(ids) >= limit:
         raise ApiError(400, f"the prompt has {len(ids)} tokens; the context limit is {limit}", "messages", "context_length_exceeded")
     params = body.sampling_params(min(DEFAULT_MAX_TOKENS, limit - len(ids)) if limit else DEFAULT_MAX_TOKENS,
-                                  state.info.get("generation_defaults"))
+                                  state.info.generation_defaults)
     params.grammar = grammar
     if index and params.seed is not None:  # the n completions of one request draw differently, reproducibly
         params.seed = (params.seed + index) % 2**63

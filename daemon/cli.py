@@ -37,8 +37,9 @@ OPTIONS = [
     ("--timeline-steps", int, 512, "engine steps the timeline keeps (GET /v1/engine/steps, the chat's timeline)"),
     ("--device", str, "auto", "auto, cpu or cuda"),
     ("--dtype", str, "auto", "auto (fp32 on CPU, bf16 on GPU), float32, float16, bfloat16"),
-    ("--weights", str, "auto", "auto (native on CPU), native (GGUF blocks as they are), float32 (dequantised), "
-     "q8_0 (quantize a safetensors model at load)"),
+    ("--weights", str, "auto", "auto (native on CPU), native (GGUF blocks as they are, 8-bit activations, integer "
+     "dot products), native-exact (GGUF blocks, fp32 activations: the dequantised model's results), float32 "
+     "(dequantised at load), q8_0 (quantize a safetensors model at load)"),
     ("--threads", int, None, "PyTorch CPU threads (default: all cores)"),
     ("--host", str, None, "also listen on TCP at this host (default 127.0.0.1 when --port is set)"),
     ("--port", int, None, "also listen on TCP at this port (off by default)"),
@@ -232,6 +233,8 @@ def cmd_status(args) -> int:
         ("pid", pid), ("socket", sock), ("status", health.get("status")), ("uptime", f"{health.get('uptime_s', 0):.0f} s"),
         ("model", health.get("model")), ("device", f"{health.get('device', '?')} ({health.get('dtype', '?')})"), ("weights", health.get("weights", "?")),
     ]
+    if memory := health.get("memory"):
+        lines.append(("memory", f"{memory['num_params'] / 1e6:.0f}M parameters in {memory['loaded_bytes'] / 1e6:.0f} MB"))
     if hstatus == 200:
         _, s = request_json(str(sock), "GET", "/v1/engine/stats?steps=0", api_key=key)
         mode = s["mode"] + (f" (switching to {s['pending_mode']})" if s.get("pending_mode") else "")

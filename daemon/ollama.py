@@ -235,14 +235,23 @@ async def generate(request: web.Request):
 
 def model_entry(state) -> dict:
     info = state.info
+    weights, family = (info.weights, info.family) if info else ("", "")
+    memory = info.memory if info else None
     return {
         "name": f"{state.model_name}:latest", "model": f"{state.model_name}:latest",
         "modified_at": datetime.fromtimestamp(state.started_at, timezone.utc).isoformat().replace("+00:00", "Z"),
-        "size": 0, "digest": "",
-        "details": {"format": "gguf" if "native" in str(info.get("weights", "")) else "safetensors",
-                    "family": info.get("family", ""), "families": [info.get("family", "")],
-                    "parameter_size": "", "quantization_level": str(info.get("weights", ""))},
+        "size": memory.loaded_bytes if memory else 0, "digest": "",
+        "details": {"format": "gguf" if "native" in weights else "safetensors",
+                    "family": family, "families": [family],
+                    "parameter_size": _parameter_size(memory.num_params if memory else 0), "quantization_level": weights},
     }
+
+
+def _parameter_size(params: int) -> str:
+    """Ollama's way of writing a parameter count: 135M, 1.2B (empty when unknown)."""
+    if not params:
+        return ""
+    return f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
 
 
 async def tags(request: web.Request) -> web.Response:
@@ -271,10 +280,12 @@ async def show(request: web.Request) -> web.Response:
     if not isinstance(name, str):
         raise ApiError(400, "model: the model name is required", "model", "missing")
     check_model(state, _strip_tag(name, state.model_name))
+    state.ready_engine()  # the facts below are the loaded model's
     entry = model_entry(state)
     return web.json_response({"modelfile": "", "parameters": "", "template": "", "details": entry["details"],
-                              "model_info": {"general.architecture": state.info.get("family", ""),
-                                             "context_length": state.info.get("max_model_len")},
+                              "model_info": {"general.architecture": state.info.family,
+                                             "general.parameter_count": state.info.memory.num_params,
+                                             "context_length": state.info.max_model_len},
                               "capabilities": ["completion"], "modified_at": entry["modified_at"]})
 
 

@@ -76,7 +76,7 @@ def grammar_compiler(engine, tokenizer):
 
     if not tokenizer.has_tokenizer_json:
         return None
-    return GrammarCompiler(tokenizer.tokenizer_json, engine.runner.model.config.vocab_size, list(engine.eos_token_ids))
+    return GrammarCompiler(tokenizer.tokenizer_json, engine.info.vocab_size, list(engine.info.eos_token_ids))
 
 
 async def serve(config: DaemonConfig) -> int:
@@ -121,18 +121,12 @@ async def serve(config: DaemonConfig) -> int:
         state.monitor = EngineMonitor(loop)
         engine.stats_listeners.append(state.monitor.on_step_threadsafe)
         state.engine, state.tokenizer = engine, tokenizer
-        state.grammars = grammar_compiler(engine.engine, tokenizer)
-        info = engine.engine.info
-        state.info = {k: info[k] for k in ("device", "dtype", "weights", "block_size", "num_kv_blocks", "max_model_len", "kv_budget", "family")
-                      if k in info}
-        state.info["vocab_size"] = engine.engine.runner.model.config.vocab_size
-        state.info["generation_defaults"] = info.get("generation_defaults", {})
-        state.info["mode"] = engine.engine.mode
-        state.info["pid"] = os.getpid()
+        state.grammars = grammar_compiler(engine, tokenizer)
+        info = state.info = engine.info
         state.status = "ready"
-        log.info("ready in %.1f s: %s (%s) on %s (%s), %d KV blocks of %d tokens (%s), mode %s",
-                 time.perf_counter() - started, config.engine.model, info.get("weights"), info.get("device"), info.get("dtype"),
-                 info.get("num_kv_blocks"), info.get("block_size"), info.get("kv_budget"), engine.engine.mode)
+        log.info("ready in %.1f s: %s (%s, %.0f MB) on %s (%s), %d KV blocks of %d tokens (%s), mode %s",
+                 time.perf_counter() - started, config.engine.model, info.weights, info.memory.loaded_bytes / 1e6,
+                 info.device, info.dtype, info.num_kv_blocks, info.block_size, info.kv_budget, engine.mode)
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(engine_stopped.wait())]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from .core.engine import LLMEngine
+from .core.info import EngineInfo
 from .core.outputs import RequestOutput, StepStats
 from .core.request import Request
 from .core.sampling_params import SamplingParams
@@ -154,6 +155,16 @@ class AsyncEngine:
 
         self._inbox.append(fail)
         self._wake.set()
+
+    @property
+    def info(self) -> EngineInfo | None:
+        """The model's facts (static; made once at load)."""
+        return self.engine.info
+
+    @property
+    def mode(self) -> str:
+        """The batching mode in force now (a requested switch shows once it takes effect)."""
+        return self.engine.mode
 
     @property
     def idle(self) -> bool:

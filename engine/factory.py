@@ -7,12 +7,12 @@ from dataclasses import dataclass
 
 from .core.block_manager import BlockManager
 from .core.engine import LLMEngine
+from .core.info import WEIGHT_MODES, EngineInfo
 from .model_store import DEFAULT_MODEL, resolve_model
 from .core.sampling_params import SAMPLING_DEFAULT_FIELDS
 from .core.scheduler import MODES, SchedulerConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-WEIGHT_MODES = ("auto", "native", "float32", "q8_0")
 
 
 @dataclass(slots=True)
@@ -34,7 +34,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU
     threads: int | None = None  # torch intra-op threads on CPU
-    weights: str = "auto"  # auto | native | float32 | q8_0 (see models.loader)
+    weights: str = "auto"  # one of WEIGHT_MODES (core/info.py)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -115,6 +115,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     from .kv_cache import allocate_kv_cache, num_blocks_for_budget
     from .model_runner import ModelRunner
     from .weights import load_model
+    from .weights.facts import weight_facts
     from .tokenizer import TextTokenizer
     from .triton_backend import select_backend
 
@@ -184,12 +185,15 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         mode=config.mode,
         timeline_steps=config.timeline_steps,
     )
-    engine.info.update(
-        model=config.model, model_dir=str(model_dir), device=device, dtype=dtype_name, weights=model.weights_desc,
-        block_size=config.block_size, num_kv_blocks=num_blocks, max_model_len=max_model_len,
+    engine.info = EngineInfo(
+        model=config.model, model_dir=str(model_dir), family=cfg.model_type, device=device, dtype=dtype_name,
+        weights=model.weights_desc,
         attention=backend.name if getattr(backend, "decode_kernel", None) is None else "torch+cpu-decode-kernel",
-        ops=ops.name, kv_budget=budget_rule, family=cfg.model_type, generation_defaults=gen_defaults, eos_token_ids=sorted(eos),
+        ops=ops.name, block_size=config.block_size, num_kv_blocks=num_blocks, kv_budget=budget_rule,
+        max_model_len=max_model_len, max_num_seqs=config.max_num_seqs, vocab_size=cfg.vocab_size,
+        eos_token_ids=tuple(sorted(eos)), generation_defaults=gen_defaults,
+        # which LongRoPE factors this run rotates with (use_context)
+        rope_factors=("long" if model.model.rotary.long else "short") if cfg.rope.rope_type == "longrope" else None,
+        memory=weight_facts(model),
     )
-    if cfg.rope.rope_type == "longrope":  # which LongRoPE factors this run rotates with (use_context)
-        engine.info["rope_factors"] = "long" if model.model.rotary.long else "short"
     return engine

@@ -116,8 +116,12 @@ def hf_static(model_dir: str, trace: list[TraceItem], batch: int, tokenizer) -> 
     return summarize(results, time.monotonic() - t0)
 
 
-def machine_ceilings(num_params: int) -> dict:
-    """Measured memory bandwidth and matmul speed, and the decode limits they imply for this model."""
+def machine_ceilings(memory: dict | None) -> dict:
+    """Measured memory bandwidth and matmul speed, and the decode limits they imply for the served model.
+
+    `memory` is the daemon's own account of its weights (`/health`'s `memory`): the bytes one decode step
+    streams through the matmuls, as they are stored (4-bit blocks, packed fp32...), and their parameters.
+    Without it (a server that does not say) only the machine's figures are reported."""
     import torch
 
     a = torch.empty(128 * 2**20 // 4)
@@ -137,28 +141,25 @@ def machine_ceilings(num_params: int) -> dict:
         x @ y
         best = min(best, time.perf_counter() - t)
     flops = 2 * 1024**3 / best
-    weight_bytes = 4 * num_params
-    return {
-        "memory_bandwidth_gb_s": bandwidth / 1e9,
-        "matmul_gflop_s": flops / 1e9,
-        "model_params": num_params,
-        "batch1_bandwidth_bound_tok_s": bandwidth / weight_bytes,
-        "compute_bound_tok_s": flops / (2 * num_params),
-    }
+    out = {"memory_bandwidth_gb_s": bandwidth / 1e9, "matmul_gflop_s": flops / 1e9}
+    if memory:
+        out |= {
+            "model_params": memory["num_params"],
+            "weight_bytes": memory["loaded_bytes"],
+            "matmul_bytes_per_step": memory["matmul_bytes_per_step"],
+            "batch1_bandwidth_bound_tok_s": bandwidth / memory["matmul_bytes_per_step"],
+            "compute_bound_tok_s": flops / (2 * memory["matmul_params"]),
+        }
+    return out
 
 
-def count_params(model_dir: Path) -> int:
-    from safetensors import safe_open
-
-    total = 0
-    for f in model_dir.glob("*.safetensors"):
-        with safe_open(str(f), framework="pt") as st:
-            for k in st.keys():
-                n = 1
-                for d in st.get_slice(k).get_shape():
-                    n *= d
-                total += n
-    return total
+def ceilings_line(c: dict) -> str:
+    line = f"machine: memory {c['memory_bandwidth_gb_s']:.1f} GB/s, fp32 matmul {c['matmul_gflop_s']:.0f} GFLOP/s"
+    if "batch1_bandwidth_bound_tok_s" not in c:
+        return line + " (the server does not publish its weights: no model bounds)"
+    return (line + f"; model {c['model_params'] / 1e6:.0f}M parameters, {c['matmul_bytes_per_step'] / 1e6:.0f} MB read "
+            f"per decode step -> batch-1 bandwidth bound {c['batch1_bandwidth_bound_tok_s']:.1f} tok/s, "
+            f"fp32 compute bound {c['compute_bound_tok_s']:.0f} tok/s")
 
 
 def table(rows: list[dict]) -> str:
@@ -310,15 +311,14 @@ async def run(args) -> int:
                 rows.append({"kind": kind, "x": x, "point": label, "variant": "hf-static",
                              "summary": hf_static(str(model_dir), trace, concurrency or args.max_batch, tokenizer), "engine": {}})
     progress.close()
-    ceilings = machine_ceilings(count_params(Path(model_dir)))
+    ceilings = machine_ceilings(health.get("memory"))
     md = table(rows)
     (out / "table.md").write_text(md + "\n")
     (out / "summary.json").write_text(json.dumps({"args": vars(args), "daemon": health, "ceilings": ceilings, "rows": rows,
                                                         "timeline": timelines}, indent=2, default=str))
     made = plots(rows, ttft, out)
     print(md)
-    print("\nmachine: memory {memory_bandwidth_gb_s:.1f} GB/s, matmul {matmul_gflop_s:.0f} GFLOP/s -> batch-1 bandwidth bound "
-          "{batch1_bandwidth_bound_tok_s:.1f} tok/s, compute bound {compute_bound_tok_s:.0f} tok/s".format(**ceilings))
+    print("\n" + ceilings_line(ceilings))
     for m in made:
         print(f"plot: {m}")
     fails = sum(r["summary"]["failed"] for r in rows)

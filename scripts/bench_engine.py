@@ -118,32 +118,38 @@ def batch1_decode(engine, hf, prompt, n):
 
 @torch.inference_mode()
 def efficiency(engine, rows=64, context=192, steps=8):
-    """Linear layers alone for `rows` tokens vs our decode step with `rows` requests of ~`context` tokens."""
+    """The model's matmuls alone for `rows` tokens vs our decode step with `rows` requests of ~`context` tokens.
+
+    The matmuls are the ones the forward runs, in the form it runs them (quantized blocks, packed fp32...),
+    as the model lists them; what they stream per step is the engine's own account (EngineInfo.memory)."""
     model = engine.runner.model
     rng = random.Random(1)
     for i in range(rows):
         engine.add_request(f"eff-{i}", [rng.randrange(200, 40000) for _ in range(context)], SamplingParams(temperature=0, max_tokens=steps + 40, ignore_eos=True))
     decode_times = []
-    while engine.has_work():
+    while engine.has_work() and len(decode_times) < steps:
         _, st = engine.step()
         if st is not None and st.decode_tokens == rows and st.prefill_tokens == 0:
             decode_times.append(st.step_time)
-    from minibatch.engine.weights.cpu_linear import PackedLinear
-
-    # Every projection of every layer, exactly as the forward runs them (packed or plain), plus the logits.
-    linears = [m for m in model.model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
-    x = {m: torch.randn(rows, m.in_features) for m in linears}
+    for i in range(rows):
+        engine.abort(f"eff-{i}")
+    while engine.has_work():
+        engine.step()
+    layers = [m for _, m in model.projections()][:-1]  # the output projection runs through compute_logits
+    x = {m: torch.randn(rows, m.in_features) for m in layers}
     h = torch.randn(rows, model.config.hidden_size)
     lin_times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        for m in linears:
+        for m in layers:
             m(x[m])
         model.compute_logits(h)
         lin_times.append(time.perf_counter() - t0)
-    assert len(linears) == 4 * model.config.num_layers, len(linears)
     step, lin = statistics.median(decode_times), statistics.median(lin_times)
-    return {"rows": rows, "context": context, "decode_step_ms": step * 1e3, "linears_ms": lin * 1e3, "efficiency": lin / step}
+    streamed = engine.info.memory.matmul_bytes_per_step
+    return {"rows": rows, "context": context, "decode_step_ms": step * 1e3, "linears_ms": lin * 1e3, "efficiency": lin / step,
+            "matmul_bytes_per_step": streamed, "matmul_read_gb_s": streamed / lin / 1e9,
+            "matmuls": len(layers) + 1, "weights": engine.info.weights}
 
 
 def main() -> None:
@@ -157,7 +163,7 @@ def main() -> None:
     ap.add_argument("--hf-repeats", type=int, default=None, help="repeats for the HF variants (default: --repeats)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default="continuous,static,hf-static,hf-cb")
-    ap.add_argument("--quick", action="store_true", help="16 requests, short lengths, 1 repeat")
+    ap.add_argument("--quick", action="store_true", help="16 requests, short lengths, 1 repeat, efficiency at 16 rows")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.quick:
@@ -180,7 +186,7 @@ def main() -> None:
 
     from minibatch.engine.weights.reference import load_hf_reference
 
-    hf = load_hf_reference(engine.info["model_dir"])
+    hf = load_hf_reference(engine.info.model_dir)
     hf.generation_config.eos_token_id = None
     results: dict[str, list[dict]] = {v: [] for v in variants}
     errors = {}
@@ -209,7 +215,7 @@ def main() -> None:
         engine.step()
     engine.scheduler.config.max_num_seqs = 64
     b1 = [batch1_decode(engine, hf, trace[0][0][:64], 64 if args.quick else 128) for _ in range(args.repeats)]
-    eff = efficiency(engine, context=64 if args.quick else 192)
+    eff = efficiency(engine, rows=16 if args.quick else 64, context=64 if args.quick else 192)
 
     med = {v: {k: statistics.median(r[k] for r in rs) for k in ("output_tok_s", "p50_e2e_s", "p95_e2e_s")} for v, rs in results.items() if rs}
     print("\n| variant | runs | output tok/s | p50 e2e (s) | p95 e2e (s) |\n|---|---:|---:|---:|---:|")
@@ -220,8 +226,9 @@ def main() -> None:
     ours_b1 = statistics.median(b for b, _ in b1)
     hf_b1 = statistics.median(h for _, h in b1)
     print(f"\nbatch-1 decode: minibatch {ours_b1:.1f} tok/s, HF generate {hf_b1:.1f} tok/s, ratio {ours_b1 / hf_b1:.2f}")
-    print(f"engine efficiency at {eff['rows']} running (context ~{eff['context']}): linears {eff['linears_ms']:.0f} ms / "
-          f"decode step {eff['decode_step_ms']:.0f} ms = {eff['efficiency']:.2f}")
+    print(f"engine efficiency at {eff['rows']} running (context ~{eff['context']}), {eff['weights']}: "
+          f"{eff['matmuls']} matmuls {eff['linears_ms']:.0f} ms / decode step {eff['decode_step_ms']:.0f} ms = {eff['efficiency']:.2f}; "
+          f"the matmuls read {eff['matmul_bytes_per_step'] / 1e6:.0f} MB of weights per step ({eff['matmul_read_gb_s']:.1f} GB/s)")
     if "continuous" in med:
         for other in ("static", "hf-static", "hf-cb"):
             if other in med:

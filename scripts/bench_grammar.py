@@ -5,8 +5,8 @@
 For each JSON schema both libraries compile it, then walk one valid instance token by token (the
 built-in tokenizer's ids of `json.dumps(instance)`; where a library refuses the next id, the lowest id it
 allows is taken instead), computing the next-token mask before every token. It reports the compile time
-and the median and p95 mask time for one sequence, and for 32 sequences at once (each library's batched
-call). Then the engine's own cost: the median decode step of the built-in model at batch 1 and 32 with
+and the median and p95 mask time for one sequence, and for --batch (32) sequences at once (each library's batched
+call). Then the engine's own cost: the median decode step of the built-in model at batch 1 and --batch with
 every row under a JSON-schema grammar against the same rows unconstrained. xgrammar is optional (`pip install --no-deps xgrammar apache-tvm-ffi`); without it only
 llguidance is measured.
 """
@@ -137,7 +137,7 @@ def bench_engine_step(batches: list[int], steps: int = 24) -> list[dict]:
 
     engine = build_engine(EngineConfig(max_num_seqs=max(batches), num_kv_blocks=64 * max(batches), max_wait_ms=0))
     tok = engine.tokenizer
-    compiler = GrammarCompiler(tok.tokenizer_json(), engine.runner.model.config.vocab_size, list(engine.eos_token_ids))
+    compiler = GrammarCompiler(tok.tokenizer_json(), engine.info.vocab_size, list(engine.eos_token_ids))
     compiler.tokenizer()  # read the vocabulary before timing
     # an array of strings: long enough for every row to stay in decode for the timed steps
     schema = {"type": "array", "items": {"type": "string", "maxLength": 200}, "minItems": 64}
@@ -201,7 +201,7 @@ def main() -> int:
             r = row[lib]
             print(f"{row['schema']:30s} {lib:11s} {r['compile_ms']:10.1f} {r['tokens']:6d} "
                   f"{r['mask_p50_ms']:7.3f}/{r['mask_p95_ms']:<8.3f} {r[f'mask_x{b}_p50_ms']:7.3f}/{r[f'mask_x{b}_p95_ms']:.3f}")
-    steps = bench_engine_step([1, 32])
+    steps = bench_engine_step(sorted({1, args.batch}))
     print(f"\n{'decode step, built-in model':30s} {'free ms':>8s} {'grammar ms':>10s} {'added ms':>9s}")
     for r in steps:
         print(f"{'batch ' + str(r['batch']):30s} {r['free_step_ms']:8.2f} {r['grammar_step_ms']:10.2f} {r['added_ms']:9.2f}")

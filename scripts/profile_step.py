@@ -1,6 +1,6 @@
 """Where one engine step spends its time: a batch-1 and a batch-64 decode step, in-process.
 
-  .venv/bin/python scripts/profile_step.py [--weights native|float32] [--rows 1,64] [--context 200]
+  .venv/bin/python scripts/profile_step.py [--model M] [--weights native|float32] [--rows 1,64] [--context 200]
 
 For each batch size it fills the engine with that many greedy requests of
 --context prompt tokens, lets them reach decode, then times --steps decode
@@ -97,21 +97,25 @@ def profile(engine, steps: int) -> tuple[float, float, dict[str, float]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="alias, HF directory or .gguf file")
     ap.add_argument("--weights", default="native")
     ap.add_argument("--rows", default="1,64")
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
     for rows in (int(r) for r in args.rows.split(",")):
-        engine = build_engine(EngineConfig(weights=args.weights, max_num_seqs=max(rows, 1), enable_prefix_caching=False,
+        engine = build_engine(EngineConfig(model=args.model, weights=args.weights, max_num_seqs=max(rows, 1), enable_prefix_caching=False,
                                            max_num_batched_tokens=max(512, rows), kv_cache_gb=1.0))
         fill(engine, rows, args.context)
         step_ms, unrecorded_ms, parts = profile(engine, args.steps)
-        print(f"\n{args.weights}, {rows} running, context ~{args.context}: step {step_ms:.1f} ms "
+        print(f"\n{engine.info.weights}, {rows} running, context ~{args.context}: step {step_ms:.1f} ms "
               f"({rows / step_ms * 1e3:.1f} tok/s; {unrecorded_ms:.1f} ms without the timeline, interleaved); per step, instrumented:")
         inside = sum(v for k, v in parts.items() if k not in ("runner (all of the above)", "scheduler", "timeline record"))
         for group, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
             print(f"  {group:<28} {ms:7.2f} ms")
+        streamed = engine.info.memory.matmul_bytes_per_step
+        print(f"  the matmuls read {streamed / 1e6:.0f} MB of weights per step: "
+              f"{streamed / parts.get('matmul', float('nan')) / 1e6:.1f} GB/s")
         print(f"  {'rest of the runner':<28} {parts['runner (all of the above)'] - inside:7.2f} ms  (inputs, glue ops)")
         rest = step_ms - parts["runner (all of the above)"] - parts["scheduler"] - parts["timeline record"]
         print(f"  {'rest of the step':<28} {rest:7.2f} ms  "

@@ -2,10 +2,10 @@
 
   .venv/bin/python scripts/soak.py --minutes 10 --rate 1.0
 
-Every minute it prints the daemon's RSS, its open file descriptors, KV usage,
-and the p99 TTFT of that minute; at the end, a verdict against the targets:
+Every minute (--window) it prints the daemon's RSS, its open file descriptors, KV usage,
+and the p99 TTFT of that window; at the end, a verdict against the targets:
 RSS growth < 5%, open fds stable, KV back to the idle baseline, p99 TTFT drift
-< 10% between the first and the last minute.
+< 10% between the first and the last window.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ async def main_async(args) -> int:
     import json
 
     rng = random.Random(args.seed)
+    unit = "min" if args.window == 60 else f"{args.window:g}s"
     async with session(args.socket) as s:
         async with s.get("/health") as r:
             health = await r.json()
@@ -63,7 +64,7 @@ async def main_async(args) -> int:
             else:
                 bucket["failed"] += 1
 
-        next_report = start + 60
+        next_report = start + args.window
         while time.monotonic() - start < args.minutes * 60 and sent < args.max_requests:
             await asyncio.sleep(rng.expovariate(args.rate))
             t = asyncio.create_task(one(sent))
@@ -78,11 +79,11 @@ async def main_async(args) -> int:
                 minutes.append({"minute": len(minutes) + 1, "rss_kib": rss, "fds": fds, "kv_percent": st["kv_usage_percent"],
                                 "p99_ttft": p99, **{k: current[k] for k in ("ok", "cancelled", "failed")}})
                 m = minutes[-1]
-                print(f"min {m['minute']:>3}: RSS {rss / 1024:7.1f} MiB  fds {fds:4d}  KV {m['kv_percent']:5.1f}%  "
+                print(f"{unit} {m['minute']:>3}: RSS {rss / 1024:7.1f} MiB  fds {fds:4d}  KV {m['kv_percent']:5.1f}%  "
                       f"p99 TTFT {p99 if p99 is None else f'{p99:.2f} s'}  ok {m['ok']} cancelled {m['cancelled']} failed {m['failed']}",
                       flush=True)
                 current = {"ttft": [], "ok": 0, "cancelled": 0, "failed": 0}
-                next_report += 60
+                next_report += args.window
         await asyncio.gather(*tasks, return_exceptions=True)
         for _ in range(600):
             async with s.get("/v1/engine/stats?steps=0") as r:
@@ -92,14 +93,14 @@ async def main_async(args) -> int:
             await asyncio.sleep(0.1)
         rss_end, fds_end = proc_stats(pid)
     if len(minutes) < 2:
-        print("soak: too short for a verdict (need at least two minutes)")
+        print(f"soak: too short for a verdict (need at least two windows of {args.window:g} s)")
         return 1
     first, last = minutes[0], minutes[-1]
     rss_growth = (rss_end - first["rss_kib"]) / first["rss_kib"]
     drift = (last["p99_ttft"] - first["p99_ttft"]) / first["p99_ttft"] if first["p99_ttft"] and last["p99_ttft"] else None
     checks = {
         "RSS growth < 5%": rss_growth < 0.05,
-        "open fds stable (within 5 of minute 1)": abs(fds_end - first["fds"]) <= 5,
+        f"open fds stable (within 5 of {unit} 1)": abs(fds_end - first["fds"]) <= 5,
         "KV back to idle baseline": st["kv_blocks_used"] == baseline_kv,
         "p99 TTFT drift < 10%": drift is not None and drift < 0.10,
         "no failed requests": all(m["failed"] == 0 for m in minutes),
@@ -122,6 +123,7 @@ def main() -> int:
     ap.add_argument("--cancel", type=float, default=0.10, help="fraction of requests cancelled mid-way")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--window", type=float, default=60, help="seconds per report line (the verdict compares the first and last)")
     args = ap.parse_args()
     args.socket = env_socket(args.socket)
     return asyncio.run(main_async(args))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .block_manager import BlockManager
+from .info import EngineInfo
 from .detokenizer import IncrementalDetokenizer, Tokenizer
 from .outputs import RequestOutput, StepStats
 from .request import Request, RequestStatus
@@ -55,7 +56,7 @@ class LLMEngine:
         self.streams: dict[str, _Stream] = {}
         self.pending_outputs: list[RequestOutput] = []  # finished outside a step (aborts)
         self.num_steps = 0
-        self.info: dict[str, object] = {}  # model, device, dtype... for status displays
+        self.info: EngineInfo | None = None  # the model's facts, set by whoever built the runner (factory.build_engine)
 
     # -- requests ---------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

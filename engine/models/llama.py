@@ -221,6 +221,17 @@ class LlamaForCausalLM(nn.Module):
         if long != rotary.long or max_len > rotary.cos.shape[0]:
             rotary.build_tables(rotary.cos.device, long=long, length=max(max_len, rotary.cos.shape[0]))
 
+    def projections(self):
+        """(group, module) for every matrix multiply one token's forward runs, in order: each layer's
+        attention and MLP projections, then the output projection (None: the plain weight that
+        `compute_logits` multiplies by, the embedding's when tied)."""
+        for layer in self.model.layers:
+            yield "attention", layer.self_attn.qkv_proj
+            yield "attention", layer.self_attn.o_proj
+            yield "mlp", layer.mlp.gate_up_proj
+            yield "mlp", layer.mlp.down_proj
+        yield "output", self.logits_proj if self.logits_proj is not None else (self.lm_head or self.model.embed_tokens)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         if self.logits_proj is not None:
             logits = self.logits_proj(hidden)

@@ -23,7 +23,7 @@ from .cpu_linear import PackedLinear, pack_linears, packed_linear_available
 from ..models.llama import LlamaForCausalLM, RMSNorm
 from ..models.ops import TorchOps
 
-WEIGHT_MODES = ("auto", "native", "float32", "q8_0")
+from ..core.info import WEIGHT_MODES
 GGUF_SOURCE_FILE = "minibatch-source.json"  # written by the model store beside a GGUF's config
 
 # Hugging Face keeps these projections apart; we stack them: (our name, shard index).
@@ -62,20 +62,20 @@ def load_model(
     on_cpu = torch.device(device).type == "cpu"
     if weights == "auto":
         weights = "native" if on_cpu and dtype == torch.float32 else "float32"
-    if weights in ("native", "q8_0") and not (on_cpu and dtype == torch.float32):
+    if weights in ("native", "native-exact", "q8_0") and not (on_cpu and dtype == torch.float32):
         raise ValueError(f"--weights {weights} runs on the CPU in float32 only; use --weights float32 on {device}")
     gguf_path = gguf_source(model_dir)
     if weights == "q8_0" and gguf_path is not None:
         raise ValueError("--weights q8_0 quantizes a safetensors model; a GGUF file runs natively (--weights native)")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, ops)
-    if gguf_path is not None and weights == "native":
+    if gguf_path is not None and weights in ("native", "native-exact"):
         from .gguf_file import GGUFWeights
         from .native import install_gguf_weights
 
         gw = GGUFWeights(gguf_path, cfg)
-        install_gguf_weights(model, gw, packed=packed)
-        model.weights_desc = f"{gw.summary()} native"
+        install_gguf_weights(model, gw, packed=packed, int8=weights == "native")
+        model.weights_desc = f"{gw.summary()} {weights}"
     else:
         model = model.to_empty(device=device).to(dtype)
         if gguf_path is not None:
@@ -101,7 +101,7 @@ def load_model(
     if weights == "q8_0":
         from .native import quantize_linears
 
-        quantize_linears(model, "Q8_0")
+        quantize_linears(model, "Q8_0", int8=True)
         model.weights_desc = "Q8_0 native (quantized at load)"
     elif weights == "float32" or gguf_path is None:
         if packed and on_cpu and dtype == torch.float32 and packed_linear_available():

@@ -22,8 +22,9 @@ _STACKS = {
 }
 
 
-def install_gguf_weights(model: LlamaForCausalLM, gw: GGUFWeights, packed: bool = True) -> None:
-    """Fill `model` (on meta) from `gw`: matrices stay quantized, norms become fp32 parameters."""
+def install_gguf_weights(model: LlamaForCausalLM, gw: GGUFWeights, packed: bool = True, int8: bool = True) -> None:
+    """Fill `model` (on meta) from `gw`: matrices stay quantized, norms become fp32 parameters.
+    `int8`: the block-quantized matrices multiply 8-bit activations in integers (else fp32, exactly)."""
     cfg, t = model.config, gw.tensors
     pack = packed and packed_linear_available()
     for i, layer in enumerate(model.model.layers):
@@ -33,7 +34,7 @@ def install_gguf_weights(model: LlamaForCausalLM, gw: GGUFWeights, packed: bool 
                 parts = (stacked,)
             weights = [t[f"{prefix}{p}.weight"] for p in parts]
             biases = [t.get(f"{prefix}{p}.bias") for p in parts]
-            _set(layer, stacked, _linear(weights, biases, pack))
+            _set(layer, stacked, _linear(weights, biases, pack, int8))
         norms = ("input_layernorm", "post_attention_layernorm")
         if cfg.sandwich_norms:  # Gemma
             norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -49,14 +50,16 @@ def install_gguf_weights(model: LlamaForCausalLM, gw: GGUFWeights, packed: bool 
         model.model.embed_tokens = nn.Embedding.from_pretrained(emb.dequantized(), freeze=True)
     else:
         model.model.embed_tokens = QuantEmbedding(emb.blocks(), emb.qtype, cfg.hidden_size)
-    if cfg.tie_word_embeddings or "lm_head.weight" not in t:
-        model.logits_proj = _linear([emb], [None], pack)
+    if (cfg.tie_word_embeddings or "lm_head.weight" not in t) and isinstance(model.model.embed_tokens, QuantEmbedding):
+        model.logits_proj = model.model.embed_tokens.as_linear(int8)  # one copy of the blocks for both
+    elif cfg.tie_word_embeddings or "lm_head.weight" not in t:
+        model.logits_proj = _linear([emb], [None], pack, int8)
     else:
-        model.logits_proj = _linear([t["lm_head.weight"]], [None], pack)
+        model.logits_proj = _linear([t["lm_head.weight"]], [None], pack, int8)
     model.lm_head = None
 
 
-def _linear(weights: list[GGUFTensor], biases: list[GGUFTensor | None], pack: bool) -> nn.Module:
+def _linear(weights: list[GGUFTensor], biases: list[GGUFTensor | None], pack: bool, int8: bool) -> nn.Module:
     """One module computing the stacked projections; one kernel call when every part has one type."""
     k = weights[0].shape[-1]
     bias = None
@@ -72,11 +75,12 @@ def _linear(weights: list[GGUFTensor], biases: list[GGUFTensor | None], pack: bo
             lin.bias = nn.Parameter(bias, requires_grad=False)
         return lin
     if len({w.qtype.name for w in weights}) == 1:
-        return QuantLinear(torch.cat([w.blocks() for w in weights]), weights[0].qtype, k, bias)
+        blocks = weights[0].blocks() if len(weights) == 1 else torch.cat([w.blocks() for w in weights])
+        return QuantLinear(blocks, weights[0].qtype, k, bias, int8)
     parts, start = [], 0
     for w in weights:
         n = w.shape[0]
-        parts.append(QuantLinear(w.blocks(), w.qtype, k, None if bias is None else bias[start : start + n]))
+        parts.append(QuantLinear(w.blocks(), w.qtype, k, None if bias is None else bias[start : start + n], int8))
         start += n
     return StackedLinear(parts)
 
@@ -90,18 +94,19 @@ def quantize_blocks(weight: torch.Tensor, qtype: QuantType) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(weight.shape[0], -1))
 
 
-def quantize_linears(model: LlamaForCausalLM, type_name: str) -> None:
+def quantize_linears(model: LlamaForCausalLM, type_name: str, int8: bool = True) -> None:
     """Quantize every matrix of a loaded fp32 model (embedding and output projection included)."""
     qtype = QUANT_TYPES[type_name]
     for layer in model.model.layers:
         for name in _STACKS:
             lin = _get(layer, name)
-            _set(layer, name, QuantLinear(quantize_blocks(lin.weight, qtype), qtype, lin.in_features, lin.bias))
+            _set(layer, name, QuantLinear(quantize_blocks(lin.weight, qtype), qtype, lin.in_features, lin.bias, int8))
     emb = model.model.embed_tokens.weight
     out = emb if model.lm_head is None else model.lm_head.weight
     model.model.embed_tokens = QuantEmbedding(quantize_blocks(emb, qtype), qtype, emb.shape[1])
     model.logits_proj = (
-        model.model.embed_tokens.as_linear() if model.lm_head is None else QuantLinear(quantize_blocks(out, qtype), qtype, out.shape[1])
+        model.model.embed_tokens.as_linear(int8) if model.lm_head is None
+        else QuantLinear(quantize_blocks(out, qtype), qtype, out.shape[1], int8=int8)
     )
     model.lm_head = None
 

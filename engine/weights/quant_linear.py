@@ -5,24 +5,40 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minibatch.kernels.quant import QuantType, embedding, quant_linear
+from minibatch.kernels.quant import (INT_DOT_TYPES, QuantType, embedding, quant_linear, quant_linear_q8,
+                                     quantize_activations)
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T (+ b) with W as GGUF blocks; activations and accumulation fp32."""
+    """y = x W^T (+ b) with W as GGUF blocks.
 
-    def __init__(self, blocks: torch.Tensor, qtype: QuantType, in_features: int, bias: torch.Tensor | None = None) -> None:
+    `int8`: the activations are quantized to 8 bits per 32 values and multiplied in integers (the fast
+    path); otherwise they stay fp32 and every block is dequantised exactly (the exact path). Float
+    types (F16, BF16) always take the exact path."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: QuantType, in_features: int, bias: torch.Tensor | None = None,
+                 int8: bool = False) -> None:
         super().__init__()
         self.qtype, self.in_features, self.out_features = qtype, in_features, blocks.shape[0]
+        self.int8 = int8 and qtype.name in INT_DOT_TYPES
         self.register_buffer("blocks", blocks)  # [out_features, row_bytes] uint8
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
-        y = quant_linear(x, self.blocks, self.qtype)
+    def forward(self, x: torch.Tensor, acts: dict | None = None) -> torch.Tensor:  # [rows, in] -> [rows, out]
+        """`acts`: the input's quantized forms by block size, shared by several matrices of one input."""
+        if self.int8:
+            block = self.qtype.block_elems
+            if acts is None:
+                acts = {}
+            if block not in acts:
+                acts[block] = quantize_activations(x, block)
+            y = quant_linear_q8(acts[block], self.blocks, self.qtype)
+        else:
+            y = quant_linear(x, self.blocks, self.qtype)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, {self.qtype.name}"
+        return f"{self.in_features} -> {self.out_features}, {self.qtype.name}{', int8 activations' if self.int8 else ''}"
 
 
 class StackedLinear(nn.Module):
@@ -32,9 +48,12 @@ class StackedLinear(nn.Module):
     def __init__(self, parts: list[nn.Module]) -> None:
         super().__init__()
         self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p(x) for p in self.parts], dim=-1)
+        acts: dict = {}  # the input quantized once per block size, for every part on the integer path
+        return torch.cat([p(x, acts) if getattr(p, "int8", False) else p(x) for p in self.parts], dim=-1)
 
 
 class QuantEmbedding(nn.Module):
@@ -48,6 +67,6 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [tokens] -> [tokens, dim]
         return embedding(self.blocks, self.qtype, self.dim, ids)
 
-    def as_linear(self) -> QuantLinear:
+    def as_linear(self, int8: bool = False) -> QuantLinear:
         """The tied output projection, sharing these blocks."""
-        return QuantLinear(self.blocks, self.qtype, self.dim)
+        return QuantLinear(self.blocks, self.qtype, self.dim, int8=int8)

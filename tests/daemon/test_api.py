@@ -291,13 +291,16 @@ def test_mode_switch_under_load(daemon):
                 if mode["mode"] == "static":
                     break
                 await asyncio.sleep(0.05)
+            async with s.get("/health") as r:
+                health = await r.json()
             async with s.post("/v1/chat/completions", json=chat_body(max_tokens=5, ignore_eos=True)) as r:
                 static_answer = await r.json()
             async with s.put("/v1/engine/mode", json={"mode": "continuous"}) as r:
                 await r.json()
-            return put, bad, results, mode, static_answer
+            return put, bad, results, mode, static_answer, health
 
-    put, bad, results, mode, static_answer = run(go())
+    put, bad, results, mode, static_answer, health = run(go())
+    assert health["mode"] == "static"  # /health says what the engine runs now, not what it started with
     assert put[0] == 202 and put[1]["requested_mode"] == "static"
     assert bad[0] == 400 and bad[1]["error"]["param"] == "mode"
     assert all(r["usage"]["completion_tokens"] == 50 for r in results)  # nothing dropped or restarted

@@ -107,13 +107,14 @@ def _byte_alphabet() -> dict[int, str]:
 
 
 def write_gguf_model(hf_dir: Path, out_dir: Path, qtype_name: str, arch: str = "llama",
-                     metadata: bool = False) -> dict[str, torch.Tensor]:
+                     metadata: bool = False, mix: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """Write hf_dir's model as a GGUF whose matrices are `qtype_name`, plus a model dir pointing at it
     (holding hf_dir's config; with `metadata`, the GGUF also carries the converter's metadata).
 
     Matrices are quantized by gguf's reference quantizer where it has one; K-quants (which
-    gguf.quants cannot quantize) get random blocks. Returns the dequantised weights by HF name:
-    the model the GGUF holds, for the reference.
+    gguf.quants cannot quantize) get random blocks. `mix` gives other types by name fragment
+    ({"v_proj": "Q8_0"}), as llama-quantize's presets mix them. Returns the dequantised weights by HF
+    name: the model the GGUF holds, for the reference.
     """
     from gguf import GGMLQuantizationType, GGUFWriter
 
@@ -121,7 +122,7 @@ def write_gguf_model(hf_dir: Path, out_dir: Path, qtype_name: str, arch: str = "
     weights = load_file(hf_dir / "model.safetensors")
     qtype = QUANT_TYPES[qtype_name]
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"model-{qtype_name}.gguf"
+    path = out_dir / f"model-{qtype_name}{'-mixed' if mix else ''}.gguf"
     writer = GGUFWriter(str(path), arch)
     if metadata:
         write_converter_metadata(writer, cfg, arch)
@@ -132,10 +133,10 @@ def write_gguf_model(hf_dir: Path, out_dir: Path, qtype_name: str, arch: str = "
             stored = w + 1 if arch.startswith("gemma") and name.endswith("norm.weight") else w  # Gemma's 1 + w
             raw, ref, t = stored.numpy().view(np.uint8).reshape(1, -1), w, QUANT_TYPES["F32"]
         else:
-            t = qtype
-            if qtype_name in ("Q4_K", "Q5_K", "Q6_K"):
+            t = next((QUANT_TYPES[v] for frag, v in (mix or {}).items() if frag in name), qtype)
+            if t.name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL"):
                 raw = random_blocks(t, w.shape[0], w.shape[1], seed=i).numpy()
-            elif qtype_name == "F32":
+            elif t.name == "F32":
                 raw = w.numpy().view(np.uint8)
             else:
                 from gguf.quants import quantize
@@ -155,7 +156,7 @@ def write_gguf_model(hf_dir: Path, out_dir: Path, qtype_name: str, arch: str = "
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    model_dir = out_dir / f"dir-{qtype_name}"
+    model_dir = out_dir / f"dir-{qtype_name}{'-mixed' if mix else ''}"
     model_dir.mkdir(exist_ok=True)
     for f in hf_dir.iterdir():
         if f.suffix != ".safetensors":

@@ -92,7 +92,7 @@ def first_diff(a, b):
     ids=["continuous", "continuous-preempting", "static"],
 )
 def test_staggered_mixed_batch_equals_hf_alone(mode, num_blocks, prompts, hf_reference):
-    engine = build_engine(EngineConfig(dtype="float32", mode=mode, max_num_seqs=8, max_num_batched_tokens=128, num_kv_blocks=num_blocks or 400, max_wait_ms=0))
+    engine = build_engine(EngineConfig(dtype="float32", weights="native-exact", mode=mode, max_num_seqs=8, max_num_batched_tokens=128, num_kv_blocks=num_blocks or 400, max_wait_ms=0))
     reqs = run_staggered(engine, prompts, MAX_TOKENS)
     for i, expected in enumerate(hf_reference):
         got = reqs[f"r{i}"].output_token_ids
@@ -143,7 +143,7 @@ def test_seeded_sampling_is_batch_invariant(prompts):
 
 
 def test_stop_string_across_tokens_and_multibyte_text(tokenizer, prompts, hf_reference):
-    engine = build_engine(EngineConfig(dtype="float32", max_num_seqs=4, num_kv_blocks=200))
+    engine = build_engine(EngineConfig(dtype="float32", weights="native-exact", max_num_seqs=4, num_kv_blocks=200))
     # A stop string that straddles a token boundary in the reference output.
     ref = hf_reference[4]
     text = tokenizer.decode(ref, skip_special_tokens=True)

@@ -1,0 +1,77 @@
+"""What the engine publishes about the model it runs: one typed record, made once at load.
+
+The daemon (`/health`, Ollama's `/api/show`), the chat and the scripts read
+these facts here instead of re-deriving them from files in the model cache,
+which need not hold the weights at all (a GGUF's weights are read from the
+GGUF file itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+# How the weights run (--weights). auto: native on the CPU for a GGUF, float32 elsewhere.
+WEIGHT_MODES = (
+    "auto",
+    "native",  # a GGUF's blocks as stored; 8-bit activations multiplied in integers (the CPU default)
+    "native-exact",  # a GGUF's blocks as stored, dequantised exactly for fp32 activations (the dequantised model's results)
+    "float32",  # every matrix dequantised to fp32 at load (the reference; GPUs run it in bf16)
+    "q8_0",  # a safetensors model's matrices quantized to Q8_0 at load, run as native
+)
+
+
+@dataclass(frozen=True, slots=True)
+class WeightGroup:
+    """The matrices of one kind (attention, mlp, embedding, output, norms) as they are held in memory."""
+
+    name: str
+    params: int  # values in the group's tensors
+    bytes: int  # bytes those tensors take, in the form the forward reads them
+    types: dict[str, int]  # storage type (Q4_K, Q6_K, F32, ...) -> params held in it
+
+
+@dataclass(frozen=True, slots=True)
+class WeightFacts:
+    """The loaded weights: what they take in memory and what one decode step streams through the matmuls."""
+
+    num_params: int  # distinct parameters (a tied output projection counted once)
+    loaded_bytes: int  # distinct weight storage in memory
+    # Bytes every decode step reads through its matrix multiplies (every layer's projections and the
+    # output projection, each in the form it is stored; the embedding is a lookup of one row per token).
+    # Divided into the machine's read bandwidth it bounds batch-1 decode speed.
+    matmul_bytes_per_step: int
+    matmul_params: int  # multiply-adds per token in those matmuls (2 flops each)
+    groups: tuple[WeightGroup, ...] = ()
+
+    def group(self, name: str) -> WeightGroup | None:
+        return next((g for g in self.groups if g.name == name), None)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """Static facts about a running engine. The live state (mode, occupancy, KV use) is in StepStats."""
+
+    model: str
+    model_dir: str
+    family: str
+    device: str
+    dtype: str
+    weights: str  # what the matrices run as, e.g. "Q4_1 (+Q8_0 embedding) native"
+    attention: str
+    ops: str
+    block_size: int
+    num_kv_blocks: int
+    kv_budget: str  # which rule sized the KV pool
+    max_model_len: int
+    max_num_seqs: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    generation_defaults: dict[str, float] = field(default_factory=dict)
+    rope_factors: str | None = None  # LongRoPE: which factors this run rotates with
+    memory: WeightFacts | None = None
+
+    def as_dict(self) -> dict:
+        """JSON-ready: the fields, with `memory` nested (None fields left out)."""
+        out = asdict(self)
+        out["eos_token_ids"] = list(self.eos_token_ids)
+        return {k: v for k, v in out.items() if v is not None}

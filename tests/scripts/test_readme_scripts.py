@@ -1,0 +1,268 @@
+"""Every script in the README's Scripts table, run as a new user runs it: the built-in model, default
+weights, and a model cache that starts empty (so nothing a machine converted earlier can hide a gap).
+
+Each runs end to end with the smallest parameters that take it through its whole path, and its output
+is checked for the figures it promises. The daemon-facing scripts share one real minibatchd, on its
+Unix socket and on its TCP listener (`bench.py --url`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.daemon.helpers import Daemon
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "scripts"
+pytestmark = pytest.mark.model
+
+# The README's table, script by script, and the test below that runs it.
+COVERED = {
+    "fire.py": "test_fire",
+    "bench.py": "test_bench_over_the_socket",
+    "bench_engine.py": "test_bench_engine_quick",
+    "bench_overhead.py": "test_bench_overhead",
+    "soak.py": "test_soak",
+    "bench_driver.py": "test_bench_driver",
+    "timeline.py": "test_timeline_run",
+    "profile_step.py": "test_profile_step",
+    "bench_grammar.py": "test_bench_grammar",
+    "bench_decode_attention.py": "test_bench_decode_attention",
+    "bench_quant_matmul.py": "test_bench_quant_matmul",
+    "make_model.py": "test_make_model",
+    "perplexity.py": "test_perplexity",
+}
+
+
+@pytest.fixture(scope="module")
+def fresh_cache():
+    d = tempfile.mkdtemp(prefix="mb-cache-")
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def env(fresh_cache) -> dict:
+    return {**os.environ, "MINIBATCH_CACHE_DIR": str(fresh_cache)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def daemon(env, fresh_cache):
+    """minibatchd with the built-in model and its default weights, converted into the empty cache."""
+    d = Path(tempfile.mkdtemp(prefix="mb-", dir="/tmp"))
+    port = free_port()
+    daemon = Daemon(d / "d.sock", "smollm2-135m-instruct", "--port", str(port), "--max-num-seqs", "8",
+                    "--kv-cache-gb", "0.25", env={"MINIBATCH_CACHE_DIR": str(fresh_cache)}).wait_ready()
+    daemon.url = f"http://127.0.0.1:{port}"
+    try:
+        yield daemon
+    finally:
+        assert daemon.stop() == 0, daemon.log_text()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def run(env, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert proc.returncode == 0, f"{args}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def number(pattern: str, text: str) -> float:
+    m = re.search(pattern, text)
+    assert m, f"{pattern!r} not in:\n{text[-3000:]}"
+    return float(m.group(1))
+
+
+def test_every_script_in_the_readme_table_has_a_test_here():
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| script | what it does |") :].split("\n\n")[0]
+    listed = set(re.findall(r"^\| `scripts/([a-z_]+\.py)`", table, re.M))
+    assert listed == set(COVERED), listed ^ set(COVERED)
+    assert all(name in globals() for name in COVERED.values())
+
+
+def test_the_daemon_publishes_its_weights(daemon):
+    _, health = daemon.get("/health")
+    memory = health["memory"]
+    cached = Path(health["model_dir"])  # config and tokenizer only: the weights are read from the GGUF itself
+    assert (cached / "config.json").is_file() and not list(cached.glob("*.safetensors"))
+    # SmolLM2-135M: 134.5M distinct parameters (tied output projection counted once), read from 4-bit blocks
+    assert 134e6 < memory["num_params"] < 136e6
+    groups = {g["name"]: g for g in memory["groups"]}
+    assert set(groups) == {"embedding", "attention", "mlp", "output", "norms"}
+    assert set(groups["mlp"]["types"]) == {"Q4_1"} and set(groups["embedding"]["types"]) == {"Q8_0"}
+    # a Q4_1 block holds 32 values in 20 bytes; the tied output projection streams the embedding's Q8_0 blocks
+    assert groups["mlp"]["bytes"] == groups["mlp"]["params"] * 20 // 32
+    assert memory["matmul_bytes_per_step"] == sum(groups[g]["bytes"] for g in ("attention", "mlp", "output"))
+    assert memory["loaded_bytes"] == sum(groups[g]["bytes"] for g in ("embedding", "attention", "mlp", "norms"))
+    assert memory["loaded_bytes"] < 100e6  # one copy of the 98 MB file's blocks
+
+
+def test_bench_over_the_socket(daemon, env, tmp_path):
+    out = tmp_path / "bench"
+    proc = run(env, SCRIPTS / "bench.py", "--socket", daemon.socket, "--requests", "4", "--prompt-len", "8,16",
+               "--output-len", "4,8", "--repeats", "1", "--warmup", "1", "--sweep", "concurrency:1,2", "--out", out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert {(r["point"], r["variant"]) for r in summary["rows"]} == {
+        (p, m) for p in ("c=1", "c=2") for m in ("continuous", "static")}
+    assert all(r["summary"]["completed"] == 4 and r["summary"]["failed"] == 0 for r in summary["rows"])
+    c = summary["ceilings"]
+    memory = summary["daemon"]["memory"]
+    assert c["model_params"] == memory["num_params"] and c["matmul_bytes_per_step"] == memory["matmul_bytes_per_step"]
+    assert c["batch1_bandwidth_bound_tok_s"] == pytest.approx(c["memory_bandwidth_gb_s"] * 1e9 / memory["matmul_bytes_per_step"])
+    bound = number(r"batch-1 bandwidth bound ([\d.]+) tok/s", proc.stdout)
+    assert bound == pytest.approx(c["batch1_bandwidth_bound_tok_s"], abs=0.06)
+    assert "| c=2 | continuous |" in (out / "table.md").read_text()
+    for plot in ("throughput_vs_concurrency.png", "ttft_cdf.png"):
+        assert (out / plot).stat().st_size > 1000 and f"plot: {out / plot}" in proc.stdout
+
+
+def test_bench_over_tcp(daemon, env, tmp_path):
+    out = tmp_path / "bench-url"
+    proc = run(env, SCRIPTS / "bench.py", "--url", daemon.url, "--model", "smollm2-135m-instruct", "--requests", "3",
+               "--prompt-len", "8,16", "--output-len", "4,8", "--repeats", "1", "--warmup", "0", "--out", out)
+    summary = json.loads((out / "summary.json").read_text())
+    (row,) = summary["rows"]
+    assert row["variant"] == "server" and row["summary"]["completed"] == 3 and row["summary"]["output_tokens"] >= 12
+    assert summary["ceilings"]["batch1_bandwidth_bound_tok_s"] > 0  # the daemon says what its weights are over TCP too
+    assert "| main | server |" in proc.stdout
+
+
+def test_fire(daemon, env):
+    proc = run(env, SCRIPTS / "fire.py", "--socket", daemon.socket, "-n", "3", "--max-tokens", "6", "--ignore-eos")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("#")]
+    assert len(lines) == 3 and all("TTFT" in line and "6 tok" in line for line in lines), proc.stdout
+    assert "3/3 ok" in proc.stdout and number(r"([\d.]+) tok/s overall", proc.stdout) > 0
+
+
+def test_timeline_run(daemon, env, tmp_path):
+    png = tmp_path / "timeline.png"
+    run(env, SCRIPTS / "timeline.py", "--socket", daemon.socket, "--run", "--requests", "4", "--out", png)
+    assert png.stat().st_size > 1000
+    both = json.loads(png.with_suffix(".json").read_text())["timeline"]
+    assert set(both) == {"continuous", "static"} and all(both[m]["steps"] for m in both)
+
+
+def test_soak(daemon, env):
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "soak.py"), "--socket", str(daemon.socket), "--minutes", "0.1",
+                           "--window", "2", "--rate", "4", "--max-tokens", "6"], capture_output=True, text=True,
+                          timeout=120, env=env)
+    windows = [line for line in proc.stdout.splitlines() if line.startswith("2s ")]
+    assert len(windows) >= 2 and all("RSS" in w and "fds" in w and "p99 TTFT" in w for w in windows), proc.stdout
+    verdict = dict(re.findall(r"^  (PASS|FAIL)  (.+)$", proc.stdout, re.M)[i][::-1] for i in range(5))
+    # a few seconds cannot judge RSS growth or TTFT drift; what must hold at any length:
+    assert verdict["KV back to idle baseline"] == "PASS" and verdict["no failed requests"] == "PASS", proc.stdout
+    assert proc.returncode == (0 if set(verdict.values()) == {"PASS"} else 1)
+
+
+def test_bench_engine_quick(env, tmp_path):
+    out = tmp_path / "engine.json"
+    proc = run(env, SCRIPTS / "bench_engine.py", "--quick", "--requests", "4", "--repeats", "1", "--hf-repeats", "1",
+               "--json", out, timeout=600)
+    data = json.loads(out.read_text())
+    assert set(data["median"]) == {"continuous", "static", "hf-static", "hf-cb"} and not data["errors"]
+    eff = data["efficiency"]
+    assert 0 < eff["efficiency"] <= 1.5 and eff["matmuls"] == 4 * 30 + 1 and "Q4_1" in eff["weights"]
+    assert 90e6 < eff["matmul_bytes_per_step"] < 100e6  # 4-bit layers and the Q8_0 output projection, as stored
+    assert number(r"batch-1 decode: minibatch ([\d.]+) tok/s", proc.stdout) > 0
+    assert "engine efficiency at 16 running" in proc.stdout
+
+
+def test_bench_overhead(env):
+    proc = run(env, SCRIPTS / "bench_overhead.py", "--requests", "3", "--repeats", "1")
+    inproc = number(r"in-process: ([\d.]+) output tok/s", proc.stdout)
+    socket_side = number(r"through the socket \(3 concurrent SSE streams\): ([\d.]+) output tok/s", proc.stdout)
+    assert number(r"socket / in-process: ([\d.]+)", proc.stdout) == pytest.approx(socket_side / inproc, abs=0.002)
+
+
+def test_bench_driver(env):
+    proc = run(env, SCRIPTS / "bench_driver.py", "--batches", "1,2", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1")
+    assert number(r"batch   1: greedy decode\s+([\d.]+) tok/s", proc.stdout) > 0
+    assert number(r"batch   2: greedy decode\s+([\d.]+) tok/s", proc.stdout) > 0
+    assert number(r"peak RSS: (\d+) MiB", proc.stdout) > 100 and "load of converted model" in proc.stdout
+
+
+@pytest.mark.parametrize("weights", ["native", "float32"])
+def test_profile_step(env, weights):
+    proc = run(env, SCRIPTS / "profile_step.py", "--weights", weights, "--rows", "1,3", "--context", "16", "--steps", "2")
+    for rows in (1, 3):
+        assert number(rf"{rows} running, context ~16: step ([\d.]+) ms", proc.stdout) > 0
+    assert number(r"\n  matmul\s+([\d.]+) ms", proc.stdout) > 0
+    read = number(r"the matmuls read (\d+) MB of weights per step", proc.stdout)
+    # the same model streams 4-bit blocks natively and every matrix in fp32 dequantised
+    assert (90 <= read <= 100) if weights == "native" else (500 <= read <= 560), read
+
+
+def test_bench_grammar(env, tmp_path):
+    out = tmp_path / "grammar.json"
+    proc = run(env, SCRIPTS / "bench_grammar.py", "--batch", "2", "--json", out)
+    data = json.loads(out.read_text())
+    assert len(data["masks"]) == 5 and all(row["llguidance"]["compile_ms"] > 0 for row in data["masks"])
+    assert [s["batch"] for s in data["engine_steps"]] == [1, 2]
+    assert number(r"batch 2\s+[\d.]+\s+([\d.]+)", proc.stdout) > 0 and "llguidance" in proc.stdout
+
+
+def test_bench_decode_attention(env):
+    proc = run(env, SCRIPTS / "bench_decode_attention.py", "--cases", "1x64,2x32", "--repeats", "1")
+    rows = re.findall(r"^\| (\d+ x \d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|$", proc.stdout, re.M)
+    assert [r[0] for r in rows] == ["1 x 64", "2 x 32"] and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), proc.stdout
+
+
+def test_bench_quant_matmul(env):
+    proc = run(env, SCRIPTS / "bench_quant_matmul.py", "--shape", "qwen2.5-0.5b", "--types", "Q5_0,Q4_K,Q6_K",
+               "--rows", "1,5", "--repeats", "1")
+    rows = re.findall(r"^\| (Q\w+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| [\d.]+ \| ([\d.]+) \| (integer|exact) \|$", proc.stdout, re.M)
+    assert [(r[0], r[1]) for r in rows] == [("Q5_0", "1"), ("Q5_0", "5")], proc.stdout
+    for _, _, exact, fast, ratio, winner in rows:  # the printed times are rounded to 0.01 ms
+        assert float(ratio) == pytest.approx(float(exact) / float(fast), rel=0.1)
+        assert winner == ("integer" if float(ratio) > 1 else "exact")
+    # 896 values per row hold no 256-value blocks (which is why llama-quantize falls back to Q5_0 and Q8_0)
+    assert "| Q4_K | - |" in proc.stdout and "| Q6_K | - |" in proc.stdout
+
+
+def test_make_model(env, tmp_path):
+    """The true Qwen2.5-0.5B layer shape (896 wide, 14 heads over 2 KV heads, qkv bias, tied output) with two layers,
+    quantized to Q5_0 by gguf's quantizer: it loads natively and generates."""
+    out = tmp_path / "qwen-q5_0.gguf"
+    proc = run(env, SCRIPTS / "make_model.py", "--shape", "qwen2.5-0.5b", "--layers", "2", "--quantize", "Q5_0", "--out", out)
+    assert out.is_file() and f"make_model: {out}" in proc.stdout
+    check = (
+        "import sys, json; from minibatch.engine.factory import EngineConfig, build_engine\n"
+        "from minibatch.engine.core.sampling_params import SamplingParams\n"
+        f"e = build_engine(EngineConfig(model={str(out)!r}, num_kv_blocks=16, max_num_seqs=1))\n"
+        "r = e.add_request('a', [1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))\n"
+        "while e.has_work(): e.step()\n"
+        "c = e.runner.model.config\n"
+        "print(json.dumps({'weights': e.info.weights, 'family': e.info.family, 'out': r.output_token_ids,\n"
+        "  'shape': [c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.num_layers]}))\n"
+    )
+    info = json.loads(run(env, "-c", check).stdout.strip().splitlines()[-1])
+    assert info["family"] == "qwen2" and info["weights"].startswith("Q5_0") and info["weights"].endswith(" native")
+    assert info["shape"] == [896, 14, 2, 64, 4864, 2] and len(info["out"]) == 3
+
+
+def test_perplexity(env):
+    proc = run(env, SCRIPTS / "perplexity.py", "--chunks", "2", "--ctx", "128")
+    rows = {r[0]: r[1:] for r in re.findall(
+        r"^\| ([\w-]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.-]+) \| ([\d.%-]+) \| ([\d.]+) \|$", proc.stdout, re.M)}
+    assert set(rows) == {"native", "native-exact"}, proc.stdout
+    ppl = {w: float(v[0]) for w, v in rows.items()}
+    assert all(1 < p < 1000 for p in ppl.values()) and abs(ppl["native"] / ppl["native-exact"] - 1) < 0.05
+    kl, same = float(rows["native-exact"][2]), float(rows["native-exact"][3].rstrip("%"))
+    assert 0 < kl < 0.1 and 80 < same < 100
