@@ -75,16 +75,6 @@ struct Block {
   alignas(32) int8_t u[256];
 };
 
-inline void scale_min_k4(int j, const uint8_t* s, int* sc, int* m) {  // Q4_K / Q5_K 6-bit scales and mins
-  if (j < 4) {
-    *sc = s[j] & 63;
-    *m = s[j + 4] & 63;
-  } else {
-    *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
-    *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
 inline void nibbles(const uint8_t* qs, int8_t* u, int bias) {  // 16 bytes -> low nibbles, then high, less bias
   for (int j = 0; j < 16; ++j) u[j] = (int8_t)((qs[j] & 0x0f) - bias), u[j + 16] = (int8_t)((qs[j] >> 4) - bias);
 }
@@ -93,6 +83,17 @@ inline void fifth_bits(const uint8_t* qhp, int8_t* u) {  // bit j of the 32-bit 
   uint32_t qh;
   std::memcpy(&qh, qhp, 4);
   for (int j = 0; j < 32; ++j) u[j] = (int8_t)(u[j] + (((qh >> j) & 1) << 4));
+}
+
+// Eight byte-sized scales, each for 32 values: as int16 per 16 values.
+inline void twice8(const uint32_t* bytes8, int16_t* out16) {
+#ifdef __AVX2__
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes8));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out16), _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v)));
+#else
+  const uint8_t* p = reinterpret_cast<const uint8_t*>(bytes8);
+  for (int j = 0; j < 8; ++j) out16[2 * j] = out16[2 * j + 1] = p[j];
+#endif
 }
 
 inline void uniform(Block& b, int n16, int sc) {
@@ -196,13 +197,15 @@ template <> struct Traits<Q4_K> {  // 8 sub-blocks of 32: 6-bit scale and min ea
   static constexpr int ELEMS = 256, BYTES = 144;
   static constexpr bool SIGNED = false, MIN = true, OFF = false, FMIN = false;
   static void scales(const uint8_t* b, Block& o) {
+    // 12 bytes as three words: scales 0-3 and mins 0-3 are the low 6 bits of words 0 and 1; scales and
+    // mins 4-7 take their low 4 bits from word 2's nibbles and their top 2 from the top of words 0 and 1.
     o.d = f16(b), o.dmin = f16(b + 2);
-    for (int j = 0; j < 8; ++j) {
-      int sc, m;
-      scale_min_k4(j, b + 4, &sc, &m);
-      o.sc[2 * j] = o.sc[2 * j + 1] = (int16_t)sc, o.mn[2 * j] = o.mn[2 * j + 1] = (int16_t)m;
-      o.off[2 * j] = o.off[2 * j + 1] = 0;
-    }
+    uint32_t w[3];
+    std::memcpy(w, b + 4, 12);
+    const uint32_t low6 = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, two = 0x03030303u;
+    const uint32_t sc[2] = {w[0] & low6, (w[2] & low4) | (((w[0] >> 6) & two) << 4)};
+    const uint32_t mn[2] = {w[1] & low6, ((w[2] >> 4) & low4) | (((w[1] >> 6) & two) << 4)};
+    twice8(sc, o.sc), twice8(mn, o.mn);
   }
   static void unpack(const uint8_t* b, Block& o) {  // group 2p: low nibbles of qs[32p..], 2p + 1: high
     for (int i = 0; i < 256; ++i) {
@@ -229,8 +232,14 @@ template <> struct Traits<Q6_K> {  // 16 sub-blocks of 16 with int8 scales; u = 
   static constexpr bool SIGNED = false, MIN = false, OFF = true, FMIN = false;
   static void scales(const uint8_t* b, Block& o) {
     o.d = f16(b + 208);
+#ifdef __AVX2__
+    const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.sc), sc);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o.off), _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(sc, 5)));
+#else
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    for (int k = 0; k < 16; ++k) o.sc[k] = sc[k], o.off[k] = (int16_t)(-32 * sc[k]), o.mn[k] = 0;
+    for (int k = 0; k < 16; ++k) o.sc[k] = sc[k], o.off[k] = (int16_t)(-32 * sc[k]);
+#endif
   }
   static void unpack(const uint8_t* b, Block& o) {  // value 128h + 32t + l
     for (int i = 0; i < 256; ++i) {
@@ -308,7 +317,7 @@ void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, in
   using Tr = Traits<T>;
   constexpr int G = Tr::ELEMS / 32;
   const int64_t nb = a.k / Tr::ELEMS, nd = a.k / Tr::ELEMS, n16 = a.k / 16;
-  Block blk;
+  Block blk{};  // sub-block fields a type does not use stay zero
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     __m256 acc[M];
@@ -350,7 +359,7 @@ template <int64_t T, int M>
 void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   using Tr = Traits<T>;
   const int64_t nb = a.k / Tr::ELEMS, nd = a.k / Tr::ELEMS, n16 = a.k / 16;
-  Block blk;
+  Block blk{};  // sub-block fields a type does not use stay zero
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     float acc[M];
