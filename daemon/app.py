@@ -8,51 +8,20 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from minibatch.engine.core.info import EngineInfo
-from minibatch.engine.core.scheduler import MODES, QueueFull, RequestRejected
+from minibatch.engine.core.scheduler import MODES
 
+from . import ollama
 from .guard import Guard, guard_middleware
-from .protocol import ApiError, ChatRequest, CompletionRequest, parse_body
+from .protocol import ApiError, ChatRequest, CompletionRequest
+from .state import GUARD, STATE, DaemonState, check_model, read_body, read_raw, submit
 from .responses import full_response, stream_response, timeout_message
 from .grammars import check_tool_schemas, forced_call, response_grammar, tool_call_grammar
 from .tools import check_template, tool_specs
 
 log = logging.getLogger("minibatch.daemon")
-DEFAULT_MAX_TOKENS = 1024
-
-
-@dataclass
-class DaemonState:
-    model_name: str
-    request_timeout: float = 600.0  # wall-clock limit per request, seconds
-    body_timeout: float = 30.0  # seconds to receive a request body
-    engine: object | None = None  # AsyncEngine once loaded
-    monitor: object | None = None
-    tokenizer: object | None = None
-    grammars: object | None = None  # engine.structured.GrammarCompiler, when the tokenizer allows one
-    info: EngineInfo | None = None  # the engine's facts, once loaded
-    started_at: float = field(default_factory=time.time)
-    status: str = "loading"  # loading | ready | draining | failed
-    load_error: str | None = None
-
-    def ready_engine(self):
-        if self.status == "draining":
-            raise ApiError(503, "the daemon is shutting down", None, "shutting_down", "unavailable")
-        if self.status != "ready" or self.engine is None:
-            msg = "the model is still loading" if self.status == "loading" else f"the engine is not available: {self.load_error}"
-            raise ApiError(503, msg, None, "not_ready", "unavailable", {"Retry-After": "2"})
-        if not self.engine.alive:
-            why = self.engine.fatal_error or "the engine thread has stopped"
-            raise ApiError(503, f"{why}; see the log", None, "engine_dead", "unavailable")
-        return self.engine
-
-
-STATE = web.AppKey("state", DaemonState)
-GUARD = web.AppKey("guard", Guard)
 
 
 @web.middleware
@@ -60,27 +29,19 @@ async def errors(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as exc:
-        body = {"error": exc.message} if request.path.startswith("/api/") else exc.body()  # Ollama's error shape
+        body = ollama.error_body(exc) if ollama.owns(request) else exc.body()
         return web.json_response(body, status=exc.status, headers=exc.headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         err = ApiError(exc.status, exc.reason, None, exc.reason.lower().replace(" ", "_"))
-        body = {"error": err.message} if request.path.startswith("/api/") else err.body()
+        body = ollama.error_body(err) if ollama.owns(request) else err.body()
         return web.json_response(body, status=exc.status, headers={k: v for k, v in exc.headers.items() if k == "Allow"})
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
         return web.json_response(ApiError(500, "internal error; see the daemon log", None, "internal", "server_error").body(), status=500)
-
-
-async def read_body(request: web.Request, state: DaemonState, model):
-    try:
-        raw = await asyncio.wait_for(request.read(), state.body_timeout)
-    except asyncio.TimeoutError:
-        raise ApiError(408, f"request body not received within {state.body_timeout:g} s", None, "timeout") from None
-    return parse_body(raw, model)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -103,12 +64,6 @@ async def models(request: web.Request) -> web.Response:
     data = [{"id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "minibatch",
              "max_model_len": state.info.max_model_len if state.info else None}]
     return web.json_response({"object": "list", "data": data})
-
-
-def check_model(state: DaemonState, name: str | None) -> None:
-    # Ollama's names carry a tag; clients that list models over /api/tags send it back here (as oterm does)
-    if name is not None and name not in (state.model_name, f"{state.model_name}:latest", "default"):
-        raise ApiError(404, f"model {name!r} does not exist; this daemon serves {state.model_name!r}", "model", "model_not_found")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -145,26 +100,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if any(t >= vocab for t in ids):
         raise ApiError(400, f"prompt: token ids must be below the vocabulary size {vocab}", "prompt", "invalid_value")
     return await run_request(request, state, engine, body, ids, "text_completion", f"cmpl-{uuid.uuid4().hex}")
-
-
-def submit(state: DaemonState, engine, body, ids: list[int], request_id: str, grammar=None, index: int = 0,
-           share_prompt_with: str | None = None) -> None:
-    limit = state.info.max_model_len
-    if not ids:
-        raise ApiError(400, "the prompt is empty", "messages" if isinstance(body, ChatRequest) else "prompt", "empty_prompt")
-    if limit and len(ids) >= limit:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens; the context limit is {limit}", "messages", "context_length_exceeded")
-    params = body.sampling_params(min(DEFAULT_MAX_TOKENS, limit - len(ids)) if limit else DEFAULT_MAX_TOKENS,
-                                  state.info.generation_defaults)
-    params.grammar = grammar
-    if index and params.seed is not None:  # the n completions of one request draw differently, reproducibly
-        params.seed = (params.seed + index) % 2**63
-    try:
-        engine.submit(ids, params, request_id, share_prompt_with)
-    except QueueFull as exc:
-        raise ApiError(429, str(exc), None, "queue_full", "rate_limit_error", {"Retry-After": "1"}) from None
-    except RequestRejected as exc:
-        raise ApiError(exc.status, str(exc), exc.field, "context_length_exceeded" if "context" in str(exc) else "rejected") from None
 
 
 async def run_request(request, state: DaemonState, engine, body, ids, kind: str, request_id: str, make_grammar=None,
@@ -226,10 +161,8 @@ async def engine_steps(request: web.Request) -> web.Response:
     since = request.query.get("since", "0")
     if not since.isdigit():
         raise ApiError(400, "since: must be a step number (a non-negative integer)", "since", "invalid_value")
-    timeline = engine.engine.timeline
-    records = timeline.since(int(since))
-    return web.json_response({"last_step": timeline.last_step, "capacity": timeline.capacity,
-                              "max_rows": engine.engine.scheduler.config.max_num_seqs,
+    last_step, capacity, records = engine.timeline_since(int(since))
+    return web.json_response({"last_step": last_step, "capacity": capacity, "max_rows": engine.state.max_num_seqs,
                               "states": {"p": "prefill", "d": "decode", "x": "padding", "h": "held"},
                               "steps": [r.as_dict() for r in records]})
 
@@ -241,25 +174,23 @@ async def engine_blocks(request: web.Request) -> web.Response:
 
 
 async def get_mode(request: web.Request) -> web.Response:
-    engine = request.app[STATE].ready_engine()
-    sched = engine.engine.scheduler
-    return web.json_response({"mode": sched.mode, "pending_mode": sched.pending_mode})
+    st = request.app[STATE].ready_engine().state
+    return web.json_response({"mode": st.mode, "pending_mode": st.pending_mode})
 
 
 async def put_mode(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.ready_engine()
     try:
-        data = json.loads(await asyncio.wait_for(request.read(), state.body_timeout))
+        data = json.loads(await read_raw(request, state))
     except (ValueError, UnicodeDecodeError):
         raise ApiError(400, "body is not valid JSON", None, "invalid_json") from None
     mode = data.get("mode") if isinstance(data, dict) else None
     if mode not in MODES or set(data) != {"mode"}:
         raise ApiError(400, f"mode: must be one of {', '.join(MODES)} (body: {{\"mode\": ...}})", "mode", "invalid_value")
     engine.set_mode(mode)
-    sched = engine.engine.scheduler
     # The switch is applied on the engine thread at the next batch boundary.
-    return web.json_response({"mode": sched.mode, "requested_mode": mode}, status=202)
+    return web.json_response({"mode": engine.state.mode, "requested_mode": mode}, status=202)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -288,7 +219,5 @@ def create_app(state: DaemonState, guard: Guard | None = None) -> web.Applicatio
     app.router.add_get("/v1/engine/mode", get_mode)
     app.router.add_put("/v1/engine/mode", put_mode)
     app.router.add_get("/metrics", metrics)
-    from .ollama import add_routes
-
-    add_routes(app)
+    ollama.add_routes(app)
     return app

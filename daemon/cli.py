@@ -33,6 +33,7 @@ OPTIONS = [
     ("--kv-cache-gb", float, None, "KV cache size in GiB (default: --kv-cache-fraction of the memory left after loading)"),
     ("--kv-cache-fraction", float, None, "share of the memory available once the model is loaded that the KV cache takes "
      "(default 0.1 on CPU, 0.8 of free GPU memory)"),
+    ("--kv-cache-tokens", int, None, "KV cache size in tokens, as llama.cpp's -c (instead of --kv-cache-gb)"),
     ("--block-size", int, 16, "tokens per KV block"),
     ("--timeline-steps", int, 512, "engine steps the timeline keeps (GET /v1/engine/steps, the chat's timeline)"),
     ("--device", str, "auto", "auto, cpu or cuda"),
@@ -107,7 +108,8 @@ def engine_config(args):
         model=args.model, mode=args.mode, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, block_size=args.block_size,
-        kv_cache_gb=args.kv_cache_gb, kv_cache_fraction=args.kv_cache_fraction, device=args.device, dtype=args.dtype, threads=args.threads,
+        kv_cache_gb=args.kv_cache_gb, kv_cache_fraction=args.kv_cache_fraction, kv_cache_tokens=args.kv_cache_tokens,
+        device=args.device, dtype=args.dtype, threads=args.threads,
         weights=args.weights, timeline_steps=args.timeline_steps,
         enable_prefix_caching=not args.no_prefix_caching,
     )

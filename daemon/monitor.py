@@ -10,7 +10,7 @@ from dataclasses import asdict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from minibatch.engine.core.outputs import StepStats
+from minibatch.engine.core.outputs import EngineState, StepStats
 from minibatch.engine.core.request import RequestMetrics
 
 EVENT_INTERVAL = 0.05  # at most ~20 events a second per subscriber
@@ -84,26 +84,24 @@ class EngineMonitor:
         }
 
     def snapshot(self, engine, recent: int = 20) -> dict:
-        """The /v1/engine/stats body: the engine now, rates, and the last `recent` steps."""
-        sched = engine.engine.scheduler
-        bm = sched.blocks
-        used, total = bm.num_used_blocks, bm.num_usable_blocks
+        """The /v1/engine/stats body: the engine now (its own EngineState), rates, and the last `recent` steps."""
+        st: EngineState = engine.state
         return {
-            "mode": sched.mode,
-            "pending_mode": sched.pending_mode,
-            "running": len(sched.running),
-            "max_num_seqs": sched.config.max_num_seqs,
-            "waiting": len(sched.waiting),
-            "kv_blocks_used": used,
-            "kv_blocks_total": total,
-            "kv_usage_percent": round(100 * used / total, 2) if total else 0.0,
-            "block_size": bm.block_size,
+            "mode": st.mode,
+            "pending_mode": st.pending_mode,
+            "running": st.running,
+            "max_num_seqs": st.max_num_seqs,
+            "waiting": st.waiting,
+            "kv_blocks_used": st.kv_blocks_used,
+            "kv_blocks_total": st.kv_blocks_total,
+            "kv_usage_percent": round(100 * st.kv_usage, 2),
+            "block_size": st.block_size,
             "prefix_cache_hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
-            "prefix_cache_hit_blocks": bm.prefix_hits,
-            "kv_window": bm.window,  # > 0: blocks out of every layer's sliding window are handed back early
-            "kv_blocks_released_out_of_window": bm.released_blocks,
-            "preemptions": sched.num_preemptions,
-            "wasted_row_steps": sched.wasted_row_steps,
+            "prefix_cache_hit_blocks": st.prefix_cache_hit_blocks,
+            "kv_window": st.kv_window,
+            "kv_blocks_released_out_of_window": st.kv_blocks_released_out_of_window,
+            "preemptions": st.preemptions,
+            "wasted_row_steps": st.wasted_row_steps,
             "requests_finished": self.requests_finished,
             **self.rates(),
             "last_error": engine.last_error,
@@ -117,16 +115,14 @@ class EngineMonitor:
     @staticmethod
     def idle_event(engine) -> dict:
         """The engine's state as an event, for a subscriber that connects before any step ran."""
-        sched = engine.engine.scheduler
-        bm = sched.blocks
-        used, total = bm.num_used_blocks, bm.num_usable_blocks
+        st: EngineState = engine.state
         return {
-            "step": engine.engine.num_steps, "timestamp": time.time(), "mode": sched.mode, "pending_mode": sched.pending_mode,
-            "running": len(sched.running), "max_num_seqs": sched.config.max_num_seqs, "waiting": len(sched.waiting),
-            "prefill_tokens": 0, "decode_tokens": 0, "padding_rows": 0, "kv_blocks_used": used, "kv_blocks_total": total,
-            "prefix_hit_blocks": 0, "preemptions": 0, "wasted_row_steps": sched.wasted_row_steps,
-            "total_preemptions": sched.num_preemptions, "step_time": 0.0,
-            "kv_usage_percent": round(100 * used / total, 2) if total else 0.0,
+            "step": st.step, "timestamp": time.time(), "mode": st.mode, "pending_mode": st.pending_mode,
+            "running": st.running, "max_num_seqs": st.max_num_seqs, "waiting": st.waiting,
+            "prefill_tokens": 0, "decode_tokens": 0, "padding_rows": 0, "kv_blocks_used": st.kv_blocks_used,
+            "kv_blocks_total": st.kv_blocks_total, "prefix_hit_blocks": 0, "preemptions": 0,
+            "wasted_row_steps": st.wasted_row_steps, "total_preemptions": st.preemptions, "step_time": 0.0,
+            "kv_usage_percent": round(100 * st.kv_usage, 2),
             "prefill_tokens_per_s": 0.0, "decode_tokens_per_s": 0.0, "steps_per_s": 0.0,
         }
 

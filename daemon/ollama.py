@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
 
 from .protocol import MAX_TOOLS, ApiError, Float, Tool, parse_body
+from .state import STATE, check_model, read_raw, submit
 from .grammars import response_grammar
 from .tools import CallSplitter, check_template, parse_calls
 
@@ -130,14 +131,9 @@ def final_counters(out, prompt_tokens: int, n: int, started: float) -> dict:
 
 
 async def respond(request: web.Request, chat: bool):
-    from .app import STATE, check_model, submit
-
     state = request.app[STATE]
     started = time.perf_counter()
-    try:
-        raw = await asyncio.wait_for(request.read(), state.body_timeout)
-    except asyncio.TimeoutError:
-        raise ApiError(408, f"request body not received within {state.body_timeout:g} s", None, "timeout") from None
+    raw = await read_raw(request, state)
     body = parse_body(raw, ChatBody if chat else GenerateBody)
     check_model(state, _strip_tag(body.model, state.model_name))
     engine = state.ready_engine()
@@ -255,25 +251,19 @@ def _parameter_size(params: int) -> str:
 
 
 async def tags(request: web.Request) -> web.Response:
-    from .app import STATE
-
     return web.json_response({"models": [model_entry(request.app[STATE])]})
 
 
 async def ps(request: web.Request) -> web.Response:
-    from .app import STATE
-
     state = request.app[STATE]
     return web.json_response({"models": [{**model_entry(state), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}]
                               if state.status == "ready" else []})
 
 
 async def show(request: web.Request) -> web.Response:
-    from .app import STATE, check_model
-
     state = request.app[STATE]
     try:
-        data = json.loads(await request.read() or b"{}")
+        data = json.loads(await read_raw(request, state) or b"{}")
     except ValueError:
         raise ApiError(400, "body is not valid JSON", None, "invalid_json") from None
     name = data.get("model") or data.get("name") if isinstance(data, dict) else None
@@ -291,6 +281,16 @@ async def show(request: web.Request) -> web.Response:
 
 async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": VERSION})
+
+
+def owns(request: web.Request) -> bool:
+    """Whether a request is one of Ollama's (its errors then take Ollama's shape)."""
+    return request.path.startswith("/api/")
+
+
+def error_body(exc: ApiError) -> dict:
+    """Ollama's error shape: {"error": "field: message"}."""
+    return {"error": exc.message}
 
 
 def add_routes(app: web.Application) -> None:

@@ -15,7 +15,8 @@ from aiohttp import web
 
 from minibatch.engine.factory import EngineConfig
 
-from .app import DaemonState, create_app
+from .app import create_app
+from .state import DaemonState
 from .guard import Guard, is_loopback
 from .lifecycle import InstanceLock, LifecycleError, private_umask
 
@@ -153,8 +154,7 @@ async def drain(state: DaemonState, timeout: float) -> None:
     engine = state.engine
     if engine is None:
         return
-    log.info("draining: %d running, %d waiting (up to %.0f s)", len(engine.engine.scheduler.running),
-             len(engine.engine.scheduler.waiting), timeout)
+    log.info("draining: %d running, %d waiting (up to %.0f s)", engine.state.running, engine.state.waiting, timeout)
     deadline = time.monotonic() + timeout
     while not engine.idle and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

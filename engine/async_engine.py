@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 
 from .core.engine import LLMEngine
 from .core.info import EngineInfo
-from .core.outputs import RequestOutput, StepStats
+from .core.outputs import EngineState, RequestOutput, StepStats
 from .core.request import Request
 from .core.sampling_params import SamplingParams
 from .core.scheduler import MODES, QueueFull, RequestRejected
@@ -55,6 +55,8 @@ class AsyncEngine:
         self.block_map: dict = {"total": 0, "owners": {}, "shared": []}  # refreshed on the engine thread
         self._block_map_at = 0.0
         self._thread = threading.Thread(target=self._run, name="minibatch-engine", daemon=True)
+        # The engine now, replaced (never mutated) by the engine thread: what other threads read.
+        self.state: EngineState = engine.state()
 
     # -- lifecycle --------------------------------------------------------
     def start(self) -> None:
@@ -164,7 +166,12 @@ class AsyncEngine:
     @property
     def mode(self) -> str:
         """The batching mode in force now (a requested switch shows once it takes effect)."""
-        return self.engine.mode
+        return self.state.mode
+
+    def timeline_since(self, step: int) -> tuple[int, int, list]:
+        """(last step, capacity, the timeline's records after `step`), read under the timeline's lock."""
+        timeline = self.engine.timeline
+        return timeline.last_step, timeline.capacity, timeline.since(step)
 
     @property
     def idle(self) -> bool:
@@ -211,7 +218,9 @@ class AsyncEngine:
         while not self._stop.is_set():
             self.loop_iterations += 1
             self._wake.clear()
-            self._drain_inbox()
+            if self._inbox:
+                self._drain_inbox()
+                self.state = engine.state()
             if not engine.has_work():
                 self._wake.wait()
                 continue
@@ -223,6 +232,7 @@ class AsyncEngine:
                 log.error("engine step failed: %s\n%s", self.last_error, traceback.format_exc())
                 for out in engine.fail_all(f"engine error: {self.last_error}"):
                     self._emit(out)
+                self.state = engine.state()
                 lost = getattr(engine.runner, "device_lost", None)
                 if lost is not None and lost():
                     # A dead CUDA context fails every later step too: stop, so /health fails and the daemon exits.
@@ -233,6 +243,7 @@ class AsyncEngine:
                         self._emit(out)
                     break
                 continue
+            self.state = engine.state()
             for out in outputs:
                 self._emit(out)
             if time.monotonic() - self._block_map_at > 0.2 or not engine.has_work():

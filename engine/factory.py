@@ -27,6 +27,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_gb: float | None = None  # None: kv_cache_fraction of the memory available once the model is loaded
     kv_cache_fraction: float | None = None  # None: 0.1 on CPU, 0.8 on a GPU (see kv_budget)
+    kv_cache_tokens: int | None = None  # a pool of this many tokens (llama.cpp's -c); overrides the byte budget
     timeline_steps: int = 512  # steps the timeline ring keeps (GET /v1/engine/steps)
     cuda_graphs: bool = True  # capture decode graphs on a GPU (MINIBATCH_CUDA_GRAPHS=0 also turns them off)
     num_kv_blocks: int | None = None  # exact pool size (tests, experiments); overrides the budget
@@ -47,6 +48,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ValueError(f"kv_cache_tokens must be at least one block ({self.block_size}), got {self.kv_cache_tokens}")
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         if self.timeline_steps < 1:
@@ -148,6 +151,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     budget_rule = "--num-kv-blocks"
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
+    elif config.kv_cache_tokens is not None:  # and the null block
+        num_blocks, budget_rule = -(-config.kv_cache_tokens // config.block_size) + 1, f"--kv-cache-tokens {config.kv_cache_tokens}"
     else:
         budget, budget_rule = kv_budget(config, device)
         num_blocks = num_blocks_for_budget(cfg, config.block_size, dtype, budget)

@@ -331,6 +331,8 @@ async def run_peers(args, out: Path) -> int:
 
     from minibatch.engine.model_store import BUILTIN_MODELS, builtin_gguf_path, resolve_model
 
+    if args.model is not None:  # one file for every server
+        args.gguf, args.peer_model = args.model, args.model
     args.gguf = builtin_gguf_path(BUILTIN_MODELS["smollm2-135m-instruct"]) if args.gguf is None else Path(args.gguf)
     args.hf_dir = str(resolve_model(args.peer_model))
     try:
@@ -350,7 +352,8 @@ async def run_peers(args, out: Path) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--socket", default=None)
-    ap.add_argument("--model", default=None, help="model for the tokenizer and HF baseline (default: the daemon's)")
+    ap.add_argument("--model", default=None, help="model for the tokenizer and HF baseline (default: the daemon's); "
+                    "with --peers, the .gguf every server runs")
     ap.add_argument("--workload", choices=["synthetic", "chat"], default="synthetic")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=lambda v: tuple(map(int, v.split(","))), default=(32, 256))
@@ -372,7 +375,7 @@ def main() -> int:
     ap.add_argument("--api-key", default=None, help="API key to send (default: $MINIBATCH_API_KEY)")
     peers = ap.add_argument_group("peers (--peers): the same text trace against minibatchd and other servers, one at a time")
     peers.add_argument("--peers", default=None,
-                       help="comma list of minibatch[:native|float32], llama.cpp[:Q4_1|Q8_0|F32], vllm, hf")
+                       help="comma list of minibatch[:native|native-exact|float32], llama.cpp[:file|Q4_1|Q8_0|F32], vllm, hf")
     peers.add_argument("--concurrencies", default="1,4,16,64", help="closed-loop concurrency points")
     peers.add_argument("--repeat-at", default="1,16", help="points measured --repeats times (median); others once")
     peers.add_argument("--words", type=lambda v: tuple(map(int, v.split(","))), default=(16, 64), help="prompt words")

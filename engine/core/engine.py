@@ -14,7 +14,7 @@ from typing import Protocol
 from .block_manager import BlockManager
 from .info import EngineInfo
 from .detokenizer import IncrementalDetokenizer, Tokenizer
-from .outputs import RequestOutput, StepStats
+from .outputs import EngineState, RequestOutput, StepStats
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -185,6 +185,17 @@ class LLMEngine:
         for req in list(self.scheduler.running):  # static members kept for padding
             self.scheduler.release(req)
         return outputs
+
+    def state(self) -> EngineState:
+        """The engine now (call on the thread that steps it)."""
+        s, bm = self.scheduler, self.scheduler.blocks
+        return EngineState(
+            step=self.num_steps, timestamp=time.time(), mode=s.mode, pending_mode=s.pending_mode, running=len(s.running),
+            max_num_seqs=s.config.max_num_seqs, waiting=len(s.waiting), kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_total=bm.num_usable_blocks, block_size=bm.block_size, kv_window=bm.window,
+            kv_blocks_released_out_of_window=bm.released_blocks, prefix_cache_hit_blocks=bm.prefix_hits,
+            preemptions=s.num_preemptions, wasted_row_steps=s.wasted_row_steps,
+        )
 
     def _stats(self, sched: SchedulerOutput, step_time: float) -> StepStats:
         s, bm = self.scheduler, self.scheduler.blocks

@@ -46,3 +46,29 @@ class StepStats:
     @property
     def kv_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass(slots=True, frozen=True)
+class EngineState:
+    """The engine as it stands between two steps: made on the engine thread after every step and every
+    change it applies (mode switch, abort), and swapped in whole, so another thread reads a consistent one."""
+
+    step: int  # steps run so far
+    timestamp: float  # wall clock when it was taken
+    mode: str
+    pending_mode: str | None
+    running: int
+    max_num_seqs: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    block_size: int
+    kv_window: int  # > 0: blocks out of every layer's sliding window are handed back early
+    kv_blocks_released_out_of_window: int  # over the engine's life
+    prefix_cache_hit_blocks: int  # over the engine's life
+    preemptions: int  # over the engine's life
+    wasted_row_steps: int  # static mode's padding rows, over the engine's life
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0

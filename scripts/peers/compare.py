@@ -90,14 +90,14 @@ def launch_for(spec: str, args, concurrency: int, workdir: Path) -> Launch:
     kind, _, variant = spec.partition(":")
     ctx = args.ctx_per_slot
     if kind == "llama.cpp":
-        return llamacpp.launch(variant or "Q4_1", args.gguf, args.port, concurrency, args.threads, ctx, args.llama_server)
+        return llamacpp.launch(variant or "file", args.gguf, args.port, concurrency, args.threads, ctx, args.llama_server)
     if kind == "minibatch":
-        kv_tokens = max(1, concurrency) * ctx if args.peer_model == "smollm2-135m-instruct" else None
+        kv_tokens = max(1, concurrency) * ctx  # the token slots llama.cpp gets
         return minibatch.launch(str(workdir / f"mb-{variant or 'native'}.sock"), variant or "native", concurrency,
                                 args.threads, args.peer_model, kv_tokens)
     if kind == "vllm":
         return vllm.launch(args.hf_dir, args.port, concurrency, ctx)
-    raise SystemExit(f"unknown peer {spec!r}: minibatch[:native|float32], llama.cpp[:Q4_1|Q8_0|F32], vllm, hf")
+    raise SystemExit(f"unknown peer {spec!r}: minibatch[:native|native-exact|float32], llama.cpp[:file|Q4_1|Q8_0|F32], vllm, hf")
 
 
 async def measure(launch: Launch, trace: list[TraceItem], concurrency: int, repeats: int, body_of, workdir: Path) -> dict:

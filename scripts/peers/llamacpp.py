@@ -5,8 +5,9 @@ PATH. Build it from llama.cpp's sources as its own documentation says (CPU,
 Release); this project ships and builds none of it. `llama-quantize` is looked
 for beside it.
 
-Model files, made once into the peers cache dir:
-  Q4_1  the built-in model's GGUF as shipped;
+Model files (the source: the built-in model's GGUF, or bench.py's --model FILE), made once into
+the peers cache dir:
+  file  the source as it is (Q4_1 names it too, for the built-in Q4_1 file);
   F32   the same file with every tensor dequantised by gguf.quants (all metadata
         copied), so its weights equal ours exactly;
   Q8_0  llama-quantize's Q8_0 of the F32 file (gguf.quants' reference quantizer
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from . import Launch, peers_cache
 
-VARIANTS = ("Q4_1", "Q8_0", "F32")
+VARIANTS = ("file", "Q4_1", "Q8_0", "F32")
 
 
 def find_server(explicit: str | None = None) -> Path:
@@ -52,7 +53,7 @@ def model_file(variant: str, source: Path, binary: Path | None, cache: Path | No
     """The GGUF for `variant`, made from the built-in Q4_1 file once."""
     if variant not in VARIANTS:
         raise SystemExit(f"llama.cpp peer: unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
-    if variant == "Q4_1":
+    if variant in ("file", "Q4_1"):
         return source
     cache = cache or peers_cache()
     cache.mkdir(parents=True, exist_ok=True)
@@ -111,7 +112,7 @@ def launch(variant: str, source: Path, port: int, concurrency: int, threads: int
     exe = find_server(binary)
     model = model_file(variant, source, exe)
     return Launch(
-        name=f"llama.cpp {variant}",
+        name=f"llama.cpp {source.name if variant == 'file' else variant}",
         argv=command(exe, model, port, concurrency, threads, ctx_per_slot),
         url=f"http://127.0.0.1:{port}",
         info={"binary": str(exe), "version": server_version(exe), "model_file": str(model), "threads": threads},

@@ -8,10 +8,6 @@ from pathlib import Path
 from . import Launch
 
 
-# fp32 K and V of one token in every layer of the built-in model: 30 layers x 2 x 3 heads x 64 x 4 bytes.
-KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4
-
-
 def command(socket: str, weights: str, concurrency: int, threads: int, model: str, kv_tokens: int | None = None) -> list[str]:
     """minibatchd for `concurrency` requests; with kv_tokens, a KV pool of that many token slots
     (the same number llama.cpp gets: -c = slots x context per slot)."""
@@ -19,7 +15,7 @@ def command(socket: str, weights: str, concurrency: int, threads: int, model: st
     argv = [daemon, "start", "--socket", socket, "--model", model, "--weights", weights, "--threads", str(threads),
             "--max-num-seqs", str(max(1, concurrency)), "--max-queue", "4096", "--no-prefix-caching"]
     if kv_tokens:
-        argv += ["--kv-cache-gb", f"{kv_tokens * KV_BYTES_PER_TOKEN / 2**30:.4f}"]
+        argv += ["--kv-cache-tokens", str(kv_tokens)]
     return argv
 
 

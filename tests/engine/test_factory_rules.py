@@ -51,3 +51,10 @@ def test_generation_config_gives_stop_tokens_and_sampling_defaults(tmp_path):
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": 2}')
     assert generation_config(tmp_path) == ({2}, {})
     assert generation_config(tmp_path / "nowhere") == (set(), {})
+
+
+def test_a_kv_pool_in_tokens_holds_that_many_and_the_null_block(tiny_chat_model_dir):
+    with pytest.raises(ValueError, match="kv_cache_tokens must be at least one block"):
+        EngineConfig(kv_cache_tokens=8)
+    engine = factory.build_engine(EngineConfig(model=str(tiny_chat_model_dir), kv_cache_tokens=100, kv_cache_gb=5.0))
+    assert engine.info.num_kv_blocks == 7 + 1 and engine.info.kv_budget == "--kv-cache-tokens 100"

@@ -124,4 +124,4 @@ def test_minibatch_peer_command_line():
     assert "--socket /tmp/x.sock" in joined and "--weights native" in joined and "--max-num-seqs 4" in joined
     assert "--no-prefix-caching" in argv  # a replayed trace must not hit its previous run's cache
     sized = " ".join(minibatch.command("/tmp/x.sock", "native", concurrency=16, threads=2, model="m", kv_tokens=16 * 512))
-    assert "--kv-cache-gb 0.3516" in sized  # 8192 token slots of 46,080 bytes, as llama.cpp's -c 8192
+    assert "--kv-cache-tokens 8192" in sized  # the token slots llama.cpp gets with -c 8192

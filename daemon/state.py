@@ -1,0 +1,89 @@
+"""What the daemon's API modules share: the daemon's state, the model check, body reading and submission.
+
+The OpenAI-compatible and native routes (app.py) and Ollama's (ollama.py) both build on this module;
+neither imports the other's handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from minibatch.engine.core.info import EngineInfo
+from minibatch.engine.core.scheduler import QueueFull, RequestRejected
+
+from .guard import Guard
+from .protocol import ApiError, ChatRequest, parse_body
+
+DEFAULT_MAX_TOKENS = 1024
+
+
+@dataclass
+class DaemonState:
+    model_name: str
+    request_timeout: float = 600.0  # wall-clock limit per request, seconds
+    body_timeout: float = 30.0  # seconds to receive a request body
+    engine: object | None = None  # AsyncEngine once loaded
+    monitor: object | None = None
+    tokenizer: object | None = None
+    grammars: object | None = None  # engine.structured.GrammarCompiler, when the tokenizer allows one
+    info: EngineInfo | None = None  # the engine's facts, once loaded
+    started_at: float = field(default_factory=time.time)
+    status: str = "loading"  # loading | ready | draining | failed
+    load_error: str | None = None
+
+    def ready_engine(self):
+        if self.status == "draining":
+            raise ApiError(503, "the daemon is shutting down", None, "shutting_down", "unavailable")
+        if self.status != "ready" or self.engine is None:
+            msg = "the model is still loading" if self.status == "loading" else f"the engine is not available: {self.load_error}"
+            raise ApiError(503, msg, None, "not_ready", "unavailable", {"Retry-After": "2"})
+        if not self.engine.alive:
+            why = self.engine.fatal_error or "the engine thread has stopped"
+            raise ApiError(503, f"{why}; see the log", None, "engine_dead", "unavailable")
+        return self.engine
+
+
+STATE = web.AppKey("state", DaemonState)
+GUARD = web.AppKey("guard", Guard)
+
+
+async def read_raw(request: web.Request, state: DaemonState) -> bytes:
+    """The request body, or 408 when the client takes longer than the body timeout to send it."""
+    try:
+        return await asyncio.wait_for(request.read(), state.body_timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"request body not received within {state.body_timeout:g} s", None, "timeout") from None
+
+
+async def read_body(request: web.Request, state: DaemonState, model):
+    return parse_body(await read_raw(request, state), model)
+
+
+def check_model(state: DaemonState, name: str | None) -> None:
+    # Ollama's names carry a tag; clients that list models over /api/tags send it back here (as oterm does)
+    if name is not None and name not in (state.model_name, f"{state.model_name}:latest", "default"):
+        raise ApiError(404, f"model {name!r} does not exist; this daemon serves {state.model_name!r}", "model", "model_not_found")
+
+
+def submit(state: DaemonState, engine, body, ids: list[int], request_id: str, grammar=None, index: int = 0,
+           share_prompt_with: str | None = None) -> None:
+    limit = state.info.max_model_len
+    if not ids:
+        raise ApiError(400, "the prompt is empty", "messages" if isinstance(body, ChatRequest) else "prompt", "empty_prompt")
+    if limit and len(ids) >= limit:
+        raise ApiError(400, f"the prompt has {len(ids)} tokens; the context limit is {limit}", "messages", "context_length_exceeded")
+    params = body.sampling_params(min(DEFAULT_MAX_TOKENS, limit - len(ids)) if limit else DEFAULT_MAX_TOKENS,
+                                  state.info.generation_defaults)
+    params.grammar = grammar
+    if index and params.seed is not None:  # the n completions of one request draw differently, reproducibly
+        params.seed = (params.seed + index) % 2**63
+    try:
+        engine.submit(ids, params, request_id, share_prompt_with)
+    except QueueFull as exc:
+        raise ApiError(429, str(exc), None, "queue_full", "rate_limit_error", {"Retry-After": "1"}) from None
+    except RequestRejected as exc:
+        raise ApiError(exc.status, str(exc), exc.field, "context_length_exceeded" if "context" in str(exc) else "rejected") from None
