@@ -279,6 +279,13 @@ inline __m256i bits32(const uint8_t* qhp) {  // bit j of the 32-bit qh -> 0x10 i
 
 inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+inline int32_t reduce_add_epi32(__m256i v) {  // the sum of 8 int32 lanes
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
 inline __m256i bits_at(__m256i v, int shift, int mask) {
   return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8((char)mask));
 }
@@ -310,11 +317,79 @@ inline __m256i reg_u(const uint8_t* b, int j) {
   return _mm256_setzero_si256();  // unreachable: every type above
 }
 
+// 32-value types: four blocks at a time, so their four integer sums share one conversion and one
+// multiply-add with the four blocks' weight and activation scales (and, for Q4_1/Q5_1, one more with
+// their minimums and activation sums).
+template <int64_t T, int M>
+void dot_rows32(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  using Tr = Traits<T>;
+  const int64_t nb = a.k / 32, n16 = a.k / 16;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m128 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm_setzero_ps();
+    int64_t bi = 0;
+    for (; bi + 4 <= nb; bi += 4) {
+      __m256i u[4], au[4];
+      alignas(16) float dw[4], mw[4];
+      for (int q = 0; q < 4; ++q) {
+        const uint8_t* b = row + (bi + q) * Tr::BYTES;
+        u[q] = reg_u<T>(b, 0);
+        au[q] = Tr::SIGNED ? _mm256_sign_epi8(u[q], u[q]) : u[q];
+        dw[q] = f16(b);
+        if constexpr (Tr::FMIN) mw[q] = f16(b + 2);
+      }
+      const __m128 dwv = _mm_load_ps(dw);
+      for (int r = 0; r < M; ++r) {
+        const int8_t* xr = a.q + r * a.k + bi * 32;
+        __m256i s[4];
+        for (int q = 0; q < 4; ++q) {
+          const __m256i x = load256(reinterpret_cast<const uint8_t*>(xr + 32 * q));
+          s[q] = _mm256_madd_epi16(_mm256_maddubs_epi16(au[q], Tr::SIGNED ? _mm256_sign_epi8(x, u[q]) : x), ones);
+        }
+        // lane q of the 128-bit sum: block q's 32 products
+        const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+        const __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+        const __m128 da = _mm_loadu_ps(a.d + r * nb + bi);
+        acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(t4), _mm_mul_ps(dwv, da), acc[r]);
+        if constexpr (Tr::FMIN) {  // + m * d_a * (the block's 32 activation quants summed)
+          const __m128i bs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.bs + r * n16 + 2 * bi));
+          const __m128 sums = _mm_cvtepi32_ps(_mm_madd_epi16(bs, _mm_set1_epi16(1)));
+          acc[r] = _mm_fmadd_ps(_mm_mul_ps(sums, da), _mm_load_ps(mw), acc[r]);
+        }
+      }
+    }
+    float tail[M];
+    for (int r = 0; r < M; ++r) tail[r] = 0.0f;
+    Block blk{};
+    for (; bi < nb; ++bi) {  // the blocks past the last four
+      const uint8_t* b = row + bi * Tr::BYTES;
+      Tr::scales(b, blk);
+      const __m256i u = reg_u<T>(b, 0);
+      const __m256i au = Tr::SIGNED ? _mm256_sign_epi8(u, u) : u;
+      for (int r = 0; r < M; ++r) {
+        const __m256i x = load256(reinterpret_cast<const uint8_t*>(a.q + r * a.k + bi * 32));
+        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(au, Tr::SIGNED ? _mm256_sign_epi8(x, u) : x), ones);
+        const float da = a.d[r * nb + bi];
+        tail[r] += blk.d * da * (float)reduce_add_epi32(s);
+        if constexpr (Tr::FMIN) tail[r] += blk.m * da * (float)(a.bs[r * n16 + 2 * bi] + a.bs[r * n16 + 2 * bi + 1]);
+      }
+    }
+    for (int r = 0; r < M; ++r) {
+      __m128 h = _mm_add_ps(acc[r], _mm_movehl_ps(acc[r], acc[r]));
+      h = _mm_add_ss(h, _mm_movehdup_ps(h));
+      out[r * ldo + n] = _mm_cvtss_f32(h) + tail[r];
+    }
+  }
+}
+
 // Columns [n0, n1) of out[r, :] for M rows. Each weight group is unpacked once and multiplied into every
 // row; the integer products of a whole block add up in int32 before one float scale per block and row.
 template <int64_t T, int M>
 void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   using Tr = Traits<T>;
+  if constexpr (Tr::ELEMS == 32) return dot_rows32<T, M>(a, w, row_bytes, out, ldo, n0, n1);
   constexpr int G = Tr::ELEMS / 32;
   const int64_t nb = a.k / Tr::ELEMS, nd = a.k / Tr::ELEMS, n16 = a.k / 16;
   Block blk{};  // sub-block fields a type does not use stay zero
