@@ -60,16 +60,22 @@ def load_cpu_extension():
     return _ext
 
 
-def load_portable_extension():
-    """The same sources built for a CPU without AVX2, F16C or FMA (x86-64's baseline): the portable paths
-    every other CPU runs. The tests build it so that those paths cannot rot on an AVX2 machine."""
+# The builds the tests make besides this CPU's, so that no path rots where this machine would not take it.
+OTHER_BUILDS = {
+    "portable": ["-march=x86-64", "-DMINIBATCH_PORTABLE"],  # x86-64's baseline: the plain C++ loops
+    "avx2": ["-march=haswell", "-DMINIBATCH_NO_VNNI"],  # AVX2 + FMA + F16C without VNNI dot products
+}
+
+
+def load_other_build(kind: str):
+    """The same sources built for another kind of CPU (OTHER_BUILDS), to test its paths here."""
     from torch.utils.cpp_extension import load
 
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.is_file())).hexdigest()[:16]
     return load(
-        name="minibatch_cpu_kernels_portable",
+        name=f"minibatch_cpu_kernels_{kind}",
         sources=[str(_CSRC / s) for s in SOURCES],
-        extra_cflags=["-O2", "-march=x86-64", "-fopenmp", "-DMINIBATCH_PORTABLE", f"-DMINIBATCH_CSRC_DIGEST={digest}"],
+        extra_cflags=["-O2", "-fopenmp", *OTHER_BUILDS[kind], f"-DMINIBATCH_CSRC_DIGEST={digest}"],
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )

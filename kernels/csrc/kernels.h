@@ -19,6 +19,7 @@ bool has_avx2();
 std::vector<at::Tensor> quantize_activations(at::Tensor x, int64_t block);
 at::Tensor quant_linear_q8(at::Tensor q, at::Tensor d, at::Tensor bs, at::Tensor qweight, int64_t type);
 bool int_path_has_avx2();
+bool int_path_has_vnni();
 // cpu_ops.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);

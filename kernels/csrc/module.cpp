@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_activations", &quantize_activations, "fp32 rows -> 8-bit quants, a scale per block, sums of 16");
   m.def("quant_linear_q8", &quant_linear_q8, "y = x W^T in integers: quantized activations times GGUF blocks");
   m.def("int_path_has_avx2", &int_path_has_avx2, "the integer path was compiled with AVX2");
+  m.def("int_path_has_vnni", &int_path_has_vnni, "the integer path's 32-value types use VNNI dot products");
   m.def("rms_norm", &rms_norm, "rms_norm(x) * weight (fp32)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; rms_norm(residual) * weight (fp32)");
   m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding of q and k, in place");

@@ -279,6 +279,30 @@ inline __m256i bits32(const uint8_t* qhp) {  // bit j of the 32-bit qh -> 0x10 i
 
 inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
+// sum of each 4 consecutive u8 x s8 products, in 8 int32 lanes: one VNNI instruction where the CPU has it
+// (AVX-VNNI, or AVX-512 VNNI on 256-bit registers), else maddubs + madd (no overflow for |u| <= 128)
+inline __m256i dot4(__m256i u, __m256i x) {
+#if defined(__AVXVNNI__) && !defined(MINIBATCH_NO_VNNI)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(MINIBATCH_NO_VNNI)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+}
+
+// acc + the u8 x s8 pair sums times the int16 scales sv (per 16 values): madd + add, or one VNNI word dot
+inline __m256i dot_scaled(__m256i acc, __m256i u, __m256i x, __m256i sv) {
+  const __m256i p = _mm256_maddubs_epi16(u, x);
+#if defined(__AVXVNNI__) && !defined(MINIBATCH_NO_VNNI)
+  return _mm256_dpwssd_avx_epi32(acc, p, sv);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(MINIBATCH_NO_VNNI)
+  return _mm256_dpwssd_epi32(acc, p, sv);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, sv));
+#endif
+}
+
 inline int32_t reduce_add_epi32(__m256i v) {  // the sum of 8 int32 lanes
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -324,7 +348,6 @@ template <int64_t T, int M>
 void dot_rows32(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   using Tr = Traits<T>;
   const int64_t nb = a.k / 32, n16 = a.k / 16;
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     __m128 acc[M];
@@ -346,7 +369,7 @@ void dot_rows32(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, 
         __m256i s[4];
         for (int q = 0; q < 4; ++q) {
           const __m256i x = load256(reinterpret_cast<const uint8_t*>(xr + 32 * q));
-          s[q] = _mm256_madd_epi16(_mm256_maddubs_epi16(au[q], Tr::SIGNED ? _mm256_sign_epi8(x, u[q]) : x), ones);
+          s[q] = dot4(au[q], Tr::SIGNED ? _mm256_sign_epi8(x, u[q]) : x);
         }
         // lane q of the 128-bit sum: block q's 32 products
         const __m256i t = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
@@ -370,7 +393,7 @@ void dot_rows32(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, 
       const __m256i au = Tr::SIGNED ? _mm256_sign_epi8(u, u) : u;
       for (int r = 0; r < M; ++r) {
         const __m256i x = load256(reinterpret_cast<const uint8_t*>(a.q + r * a.k + bi * 32));
-        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(au, Tr::SIGNED ? _mm256_sign_epi8(x, u) : x), ones);
+        const __m256i s = dot4(au, Tr::SIGNED ? _mm256_sign_epi8(x, u) : x);
         const float da = a.d[r * nb + bi];
         tail[r] += blk.d * da * (float)reduce_add_epi32(s);
         if constexpr (Tr::FMIN) tail[r] += blk.m * da * (float)(a.bs[r * n16 + 2 * bi] + a.bs[r * n16 + 2 * bi + 1]);
@@ -409,8 +432,7 @@ void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, in
         const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(blk.sc[2 * j + 1]), _mm_set1_epi16(blk.sc[2 * j]));
         for (int r = 0; r < M; ++r) {
           const __m256i x = load256(reinterpret_cast<const uint8_t*>(a.q + r * a.k + bi * Tr::ELEMS + 32 * j));
-          const __m256i p = _mm256_maddubs_epi16(au, Tr::SIGNED ? _mm256_sign_epi8(x, u) : x);
-          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, sv));
+          sumi[r] = dot_scaled(sumi[r], au, Tr::SIGNED ? _mm256_sign_epi8(x, u) : x, sv);
         }
       }
       for (int r = 0; r < M; ++r) {
@@ -577,6 +599,14 @@ at::Tensor quant_linear_q8(at::Tensor q, at::Tensor d, at::Tensor bs,  // quanti
 
 bool int_path_has_avx2() {
 #ifdef MBQ_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool int_path_has_vnni() {
+#if defined(MBQ_AVX2) && !defined(MINIBATCH_NO_VNNI) && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
   return true;
 #else
   return false;

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minibatch.kernels.cpu_ext import load_cpu_extension, load_portable_extension
+from minibatch.kernels.cpu_ext import load_cpu_extension, load_other_build
 from minibatch.kernels.quant import (INT_DOT_TYPES, QUANT_TYPES, dequantize, dequantize_ref, embedding, quant_linear,
                                      quant_linear_q8, quant_linear_q8_ref, quantize_activations, quantize_activations_ref)
 
@@ -74,14 +74,14 @@ def test_bad_shapes_are_refused_with_the_numbers():
 INT_TYPES = sorted(INT_DOT_TYPES)
 
 
-@pytest.fixture(scope="module", params=["this-cpu", "portable"])
+@pytest.fixture(scope="module", params=["this-cpu", "avx2", "portable"])
 def ext(request):
-    """The extension as built for this CPU, and built for x86-64's baseline (no AVX2): the portable path."""
+    """The extension as built for this CPU, for AVX2 without VNNI, and for x86-64's baseline (the portable path)."""
     if request.param == "this-cpu":
         return load_cpu_extension()
-    portable = load_portable_extension()
-    assert not portable.int_path_has_avx2() and not portable.has_avx2()
-    return portable
+    other = load_other_build(request.param)
+    assert other.int_path_has_avx2() == (request.param == "avx2") and not other.int_path_has_vnni()
+    return other
 
 
 @pytest.mark.parametrize("rows", [1, 5, 64])
