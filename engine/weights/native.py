@@ -3,6 +3,8 @@ or a fp32 model's matrices quantized at load."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 from torch import nn
@@ -77,10 +79,13 @@ def _linear(weights: list[GGUFTensor], biases: list[GGUFTensor | None], pack: bo
     if len({w.qtype.name for w in weights}) == 1:
         blocks = weights[0].blocks() if len(weights) == 1 else torch.cat([w.blocks() for w in weights])
         return QuantLinear(blocks, weights[0].qtype, k, bias, int8)
+    # Mixed types (Q4_K_M's q and k in Q5_0 beside v in Q8_0): neighbours of one type share a kernel call.
+    runs = [list(g) for _, g in itertools.groupby(weights, key=lambda w: w.qtype.name)]
     parts, start = [], 0
-    for w in weights:
-        n = w.shape[0]
-        parts.append(QuantLinear(w.blocks(), w.qtype, k, None if bias is None else bias[start : start + n], int8))
+    for run in runs:
+        n = sum(w.shape[0] for w in run)
+        blocks = run[0].blocks() if len(run) == 1 else torch.cat([w.blocks() for w in run])
+        parts.append(QuantLinear(blocks, run[0].qtype, k, None if bias is None else bias[start : start + n], int8))
         start += n
     return StackedLinear(parts)
 
