@@ -12,9 +12,9 @@ from minibatch.kernels.quant import (INT_DOT_TYPES, QuantType, embedding, quant_
 class QuantLinear(nn.Module):
     """y = x W^T (+ b) with W as GGUF blocks.
 
-    `int8`: the activations are quantized to 8 bits per 32 values and multiplied in integers (the fast
-    path); otherwise they stay fp32 and every block is dequantised exactly (the exact path). Float
-    types (F16, BF16) always take the exact path."""
+    `int8`: the activations are quantized to 8 bits per weight block (32 values, 256 for the K-quants)
+    and multiplied in integers (the fast path); otherwise they stay fp32 and every block is dequantised
+    exactly (the exact path). Float types (F16, BF16) always take the exact path."""
 
     def __init__(self, blocks: torch.Tensor, qtype: QuantType, in_features: int, bias: torch.Tensor | None = None,
                  int8: bool = False) -> None:
@@ -28,11 +28,12 @@ class QuantLinear(nn.Module):
         """`acts`: the input's quantized forms by block size, shared by several matrices of one input."""
         if self.int8:
             block = self.qtype.block_elems
-            if acts is None:
-                acts = {}
-            if block not in acts:
-                acts[block] = quantize_activations(x, block)
-            y = quant_linear_q8(acts[block], self.blocks, self.qtype)
+            q = acts.get(block) if acts is not None else None
+            if q is None:
+                q = quantize_activations(x, block)
+                if acts is not None:
+                    acts[block] = q
+            y = quant_linear_q8(q, self.blocks, self.qtype)
         else:
             y = quant_linear(x, self.blocks, self.qtype)
         return y if self.bias is None else y + self.bias
