@@ -194,43 +194,44 @@ void dot_rows32(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, 
 template <int64_t T, int M>
 void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   using Tr = Traits<T>;
-  if constexpr (Tr::ELEMS == 32) return dot_rows32<T, M>(a, w, row_bytes, out, ldo, n0, n1);
-  constexpr int G = Tr::ELEMS / 32;
-  const int64_t nb = a.k / Tr::ELEMS, nd = a.k / Tr::ELEMS, n16 = a.k / 16;
-  Block blk{};  // sub-block fields a type does not use stay zero
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * row_bytes;
-    __m256 acc[M];
-    float fmin[M];
-    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps(), fmin[r] = 0.0f;
-    for (int64_t bi = 0; bi < nb; ++bi) {
-      const uint8_t* b = row + bi * Tr::BYTES;
-      Tr::scales(b, blk);
-      __m256i sumi[M];
-      for (int r = 0; r < M; ++r) sumi[r] = _mm256_setzero_si256();
-      for (int j = 0; j < G; ++j) {
-        const __m256i u = reg_u<T>(b, j);
-        const __m256i au = Tr::SIGNED ? _mm256_sign_epi8(u, u) : u;
-        const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(blk.sc[2 * j + 1]), _mm_set1_epi16(blk.sc[2 * j]));
+  if constexpr (Tr::ELEMS == 32) {
+    dot_rows32<T, M>(a, w, row_bytes, out, ldo, n0, n1);
+  } else {
+    constexpr int G = Tr::ELEMS / 32;
+    const int64_t nb = a.k / Tr::ELEMS, nd = a.k / Tr::ELEMS, n16 = a.k / 16;
+    Block blk{};  // sub-block fields a type does not use stay zero
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* row = w + n * row_bytes;
+      __m256 acc[M];
+      for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t bi = 0; bi < nb; ++bi) {
+        const uint8_t* b = row + bi * Tr::BYTES;
+        Tr::scales(b, blk);
+        __m256i sumi[M];
+        for (int r = 0; r < M; ++r) sumi[r] = _mm256_setzero_si256();
+        for (int j = 0; j < G; ++j) {
+          const __m256i u = reg_u<T>(b, j);
+          const __m256i au = Tr::SIGNED ? _mm256_sign_epi8(u, u) : u;
+          const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(blk.sc[2 * j + 1]), _mm_set1_epi16(blk.sc[2 * j]));
+          for (int r = 0; r < M; ++r) {
+            const __m256i x = load256(reinterpret_cast<const uint8_t*>(a.q + r * a.k + bi * Tr::ELEMS + 32 * j));
+            sumi[r] = dot_scaled(sumi[r], au, Tr::SIGNED ? _mm256_sign_epi8(x, u) : x, sv);
+          }
+        }
         for (int r = 0; r < M; ++r) {
-          const __m256i x = load256(reinterpret_cast<const uint8_t*>(a.q + r * a.k + bi * Tr::ELEMS + 32 * j));
-          sumi[r] = dot_scaled(sumi[r], au, Tr::SIGNED ? _mm256_sign_epi8(x, u) : x, sv);
+          const float da = a.d[r * nd + bi];
+          const int16_t* bs = a.bs + r * n16 + bi * (Tr::ELEMS / 16);
+          if constexpr (Tr::OFF || Tr::MIN) {  // 16 sub-blocks: offsets (scale d) or minimums (scale dmin)
+            const __m256i bsv = load256(reinterpret_cast<const uint8_t*>(bs));
+            const __m256i t = _mm256_madd_epi16(load256(reinterpret_cast<const uint8_t*>(Tr::OFF ? blk.off : blk.mn)), bsv);
+            if constexpr (Tr::OFF) sumi[r] = _mm256_add_epi32(sumi[r], t);
+            else acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(-blk.dmin * da), acc[r]);
+          }
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(blk.d * da), acc[r]);
         }
       }
-      for (int r = 0; r < M; ++r) {
-        const float da = a.d[r * nd + bi];
-        const int16_t* bs = a.bs + r * n16 + bi * (Tr::ELEMS / 16);
-        if constexpr (Tr::OFF || Tr::MIN) {  // 16 sub-blocks: offsets (scale d) or minimums (scale dmin)
-          const __m256i bsv = load256(reinterpret_cast<const uint8_t*>(bs));
-          const __m256i t = _mm256_madd_epi16(load256(reinterpret_cast<const uint8_t*>(Tr::OFF ? blk.off : blk.mn)), bsv);
-          if constexpr (Tr::OFF) sumi[r] = _mm256_add_epi32(sumi[r], t);
-          else acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(-blk.dmin * da), acc[r]);
-        }
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(blk.d * da), acc[r]);
-        if constexpr (Tr::FMIN) fmin[r] += blk.m * da * (float)(bs[0] + bs[1]);
-      }
+      for (int r = 0; r < M; ++r) out[r * ldo + n] = hsum(acc[r]);
     }
-    for (int r = 0; r < M; ++r) out[r * ldo + n] = hsum(acc[r]) + fmin[r];
   }
 }
 #else
