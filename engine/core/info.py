@@ -43,9 +43,6 @@ class WeightFacts:
     matmul_params: int  # multiply-adds per token in those matmuls (2 flops each)
     groups: tuple[WeightGroup, ...] = ()
 
-    def group(self, name: str) -> WeightGroup | None:
-        return next((g for g in self.groups if g.name == name), None)
-
 
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
