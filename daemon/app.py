@@ -36,12 +36,16 @@ async def errors(request: web.Request, handler):
             raise
         err = ApiError(exc.status, exc.reason, None, exc.reason.lower().replace(" ", "_"))
         body = ollama.error_body(err) if ollama.owns(request) else err.body()
-        return web.json_response(body, status=exc.status, headers={k: v for k, v in exc.headers.items() if k == "Allow"})
+        return web.json_response(
+            body, status=exc.status, headers={k: v for k, v in exc.headers.items() if k == "Allow"}
+        )
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return web.json_response(ApiError(500, "internal error; see the daemon log", None, "internal", "server_error").body(), status=500)
+        return web.json_response(
+            ApiError(500, "internal error; see the daemon log", None, "internal", "server_error").body(), status=500
+        )
 
 
 async def health(request: web.Request) -> web.Response:
@@ -50,9 +54,11 @@ async def health(request: web.Request) -> web.Response:
     ok = state.status == "ready" and eng is not None and eng.alive
     body = {
         "status": "ok" if ok else state.status if state.status != "ready" else "failed",
-        "model": state.model_name, "uptime_s": round(time.time() - state.started_at, 1),
+        "model": state.model_name,
+        "uptime_s": round(time.time() - state.started_at, 1),
         "last_error": (eng.fatal_error or eng.last_error) if eng else state.load_error,
-        "last_error_time": eng.last_error_time if eng else None, "pid": os.getpid(),
+        "last_error_time": eng.last_error_time if eng else None,
+        "pid": os.getpid(),
     }
     if state.info is not None:  # the model's facts, and the mode as it is now (it changes at run time)
         body |= state.info.as_dict() | {"mode": eng.mode}
@@ -61,8 +67,15 @@ async def health(request: web.Request) -> web.Response:
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    data = [{"id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "minibatch",
-             "max_model_len": state.info.max_model_len if state.info else None}]
+    data = [
+        {
+            "id": state.model_name,
+            "object": "model",
+            "created": int(state.started_at),
+            "owned_by": "minibatch",
+            "max_model_len": state.info.max_model_len if state.info else None,
+        }
+    ]
     return web.json_response({"object": "list", "data": data})
 
 
@@ -86,8 +99,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         forced = forced_call(body, specs)
         if forced is not None:  # each completion gets its own grammar state
             make_grammar = lambda: tool_call_grammar(state, *forced)  # noqa: E731
-    return await run_request(request, state, engine, body, ids, "chat.completion", f"chatcmpl-{uuid.uuid4().hex}",
-                             make_grammar=make_grammar, tools=specs is not None)
+    return await run_request(
+        request,
+        state,
+        engine,
+        body,
+        ids,
+        "chat.completion",
+        f"chatcmpl-{uuid.uuid4().hex}",
+        make_grammar=make_grammar,
+        tools=specs is not None,
+    )
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -102,8 +124,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return await run_request(request, state, engine, body, ids, "text_completion", f"cmpl-{uuid.uuid4().hex}")
 
 
-async def run_request(request, state: DaemonState, engine, body, ids, kind: str, request_id: str, make_grammar=None,
-                      tools: bool = False):
+async def run_request(
+    request, state: DaemonState, engine, body, ids, kind: str, request_id: str, make_grammar=None, tools: bool = False
+):
     """Submit the request's n completions (the first computes the prompt, the others borrow its KV blocks) and
     answer with their choices; `make_grammar` gives each completion its own grammar state."""
     if make_grammar is None:
@@ -162,9 +185,15 @@ async def engine_steps(request: web.Request) -> web.Response:
     if not since.isdigit():
         raise ApiError(400, "since: must be a step number (a non-negative integer)", "since", "invalid_value")
     last_step, capacity, records = engine.timeline_since(int(since))
-    return web.json_response({"last_step": last_step, "capacity": capacity, "max_rows": engine.state.max_num_seqs,
-                              "states": {"p": "prefill", "d": "decode", "x": "padding", "h": "held"},
-                              "steps": [r.as_dict() for r in records]})
+    return web.json_response(
+        {
+            "last_step": last_step,
+            "capacity": capacity,
+            "max_rows": engine.state.max_num_seqs,
+            "states": {"p": "prefill", "d": "decode", "x": "padding", "h": "held"},
+            "steps": [r.as_dict() for r in records],
+        }
+    )
 
 
 async def engine_blocks(request: web.Request) -> web.Response:
@@ -187,7 +216,7 @@ async def put_mode(request: web.Request) -> web.Response:
         raise ApiError(400, "body is not valid JSON", None, "invalid_json") from None
     mode = data.get("mode") if isinstance(data, dict) else None
     if mode not in MODES or set(data) != {"mode"}:
-        raise ApiError(400, f"mode: must be one of {', '.join(MODES)} (body: {{\"mode\": ...}})", "mode", "invalid_value")
+        raise ApiError(400, f'mode: must be one of {", ".join(MODES)} (body: {{"mode": ...}})', "mode", "invalid_value")
     engine.set_mode(mode)
     # The switch is applied on the engine thread at the next batch boundary.
     return web.json_response({"mode": engine.state.mode, "requested_mode": mode}, status=202)

@@ -26,26 +26,50 @@ OPTIONS = [
     ("--mode", str, "continuous", "batching mode at start: continuous or static"),
     ("--max-num-seqs", int, 32, "running requests at most (static: the batch size)"),
     ("--max-num-batched-tokens", int, 512, "tokens per forward step"),
-    ("--max-model-len", int, None, "context limit (default: the model's; LongRoPE models: their original "
-                                   "length, and past it the long factors)"),
+    (
+        "--max-model-len",
+        int,
+        None,
+        "context limit (default: the model's; LongRoPE models: their original length, and past it the long factors)",
+    ),
     ("--max-queue", int, 256, "requests that may wait behind a full batch; more get 429"),
     ("--max-wait-ms", float, 50.0, "static mode: longest wait for a batch to fill"),
-    ("--kv-cache-gb", float, None, "KV cache size in GiB (default: --kv-cache-fraction of the memory left after loading)"),
-    ("--kv-cache-fraction", float, None, "share of the memory available once the model is loaded that the KV cache takes "
-     "(default 0.1 on CPU, 0.8 of free GPU memory)"),
+    (
+        "--kv-cache-gb",
+        float,
+        None,
+        "KV cache size in GiB (default: --kv-cache-fraction of the memory left after loading)",
+    ),
+    (
+        "--kv-cache-fraction",
+        float,
+        None,
+        "share of the memory available once the model is loaded that the KV cache takes "
+        "(default 0.1 on CPU, 0.8 of free GPU memory)",
+    ),
     ("--kv-cache-tokens", int, None, "KV cache size in tokens, as llama.cpp's -c (instead of --kv-cache-gb)"),
     ("--block-size", int, 16, "tokens per KV block"),
     ("--timeline-steps", int, 512, "engine steps the timeline keeps (GET /v1/engine/steps, the chat's timeline)"),
     ("--device", str, "auto", "auto, cpu or cuda"),
     ("--dtype", str, "auto", "auto (fp32 on CPU, bf16 on GPU), float32, float16, bfloat16"),
-    ("--weights", str, "auto", "auto (native on CPU), native (GGUF blocks as they are, 8-bit activations, integer "
-     "dot products), native-exact (GGUF blocks, fp32 activations: the dequantised model's results), float32 "
-     "(dequantised at load), q8_0 (quantize a safetensors model at load)"),
+    (
+        "--weights",
+        str,
+        "auto",
+        "auto (native on CPU), native (GGUF blocks as they are, 8-bit activations, integer "
+        "dot products), native-exact (GGUF blocks, fp32 activations: the dequantised model's results), float32 "
+        "(dequantised at load), q8_0 (quantize a safetensors model at load)",
+    ),
     ("--threads", int, None, "PyTorch CPU threads (default: all cores)"),
     ("--host", str, None, "also listen on TCP at this host (default 127.0.0.1 when --port is set)"),
     ("--port", int, None, "also listen on TCP at this port (off by default)"),
-    ("--api-key", str, None, "key every TCP request must send as 'Authorization: Bearer KEY' (prefer the env variable: "
-     "a flag shows in ps while it starts)"),
+    (
+        "--api-key",
+        str,
+        None,
+        "key every TCP request must send as 'Authorization: Bearer KEY' (prefer the env variable: "
+        "a flag shows in ps while it starts)",
+    ),
     ("--api-key-file", str, None, "file of API keys, one per line; reread when it changes, so keys can be rotated"),
     ("--allowed-hosts", str, None, "extra Host names TCP requests may use, comma-separated ('*': any)"),
     ("--allowed-origins", str, None, "browser origins allowed over TCP, with CORS, comma-separated (default: none)"),
@@ -61,7 +85,9 @@ def env_name(flag: str) -> str:
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", type=Path, default=None, help=f"Unix socket path (env MINIBATCH_SOCKET; default {default_socket()})")
+    p.add_argument(
+        "--socket", type=Path, default=None, help=f"Unix socket path (env MINIBATCH_SOCKET; default {default_socket()})"
+    )
 
 
 def add_server_options(p: argparse.ArgumentParser) -> None:
@@ -69,13 +95,27 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         env = os.environ.get(env_name(flag))
         value = typ(env) if env not in (None, "") else default
         p.add_argument(flag, type=typ, default=value, help=f"{help_} (env {env_name(flag)})")
-    p.add_argument("--no-prefix-caching", action="store_true", default=os.environ.get("MINIBATCH_NO_PREFIX_CACHING") == "1",
-                   help="do not share KV blocks between requests with a common prefix (benchmarks replaying one trace)")
-    p.add_argument("--socket-requires-key", action="store_true", default=os.environ.get("MINIBATCH_SOCKET_REQUIRES_KEY") == "1",
-                   help="require the API key on the Unix socket too (default: its file permissions guard it)")
-    p.add_argument("--insecure-no-auth", action="store_true", default=os.environ.get("MINIBATCH_INSECURE_NO_AUTH") == "1",
-                   help="allow a non-loopback --host without an API key (anyone who can reach it may use the daemon)")
-    p.add_argument("--foreground", action="store_true", help="run attached to this terminal instead of in the background")
+    p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        default=os.environ.get("MINIBATCH_NO_PREFIX_CACHING") == "1",
+        help="do not share KV blocks between requests with a common prefix (benchmarks replaying one trace)",
+    )
+    p.add_argument(
+        "--socket-requires-key",
+        action="store_true",
+        default=os.environ.get("MINIBATCH_SOCKET_REQUIRES_KEY") == "1",
+        help="require the API key on the Unix socket too (default: its file permissions guard it)",
+    )
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        default=os.environ.get("MINIBATCH_INSECURE_NO_AUTH") == "1",
+        help="allow a non-loopback --host without an API key (anyone who can reach it may use the daemon)",
+    )
+    p.add_argument(
+        "--foreground", action="store_true", help="run attached to this terminal instead of in the background"
+    )
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the daemon to become ready")
 
 
@@ -85,7 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     start = sub.add_parser("start", help="start the daemon (in the background unless --foreground)")
     add_common(start)
     add_server_options(start)
-    for name, help_ in (("stop", "stop the daemon: drain in-flight requests, then exit"), ("status", "show what the daemon is doing")):
+    for name, help_ in (
+        ("stop", "stop the daemon: drain in-flight requests, then exit"),
+        ("status", "show what the daemon is doing"),
+    ):
         p = sub.add_parser(name, help=help_)
         add_common(p)
         if name == "stop":
@@ -105,12 +148,22 @@ def engine_config(args):
     from minibatch.engine.factory import EngineConfig
 
     return EngineConfig(
-        model=args.model, mode=args.mode, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        max_wait_ms=args.max_wait_ms, max_queue=args.max_queue, block_size=args.block_size,
-        kv_cache_gb=args.kv_cache_gb, kv_cache_fraction=args.kv_cache_fraction, kv_cache_tokens=args.kv_cache_tokens,
-        device=args.device, dtype=args.dtype, threads=args.threads,
-        weights=args.weights, timeline_steps=args.timeline_steps,
+        model=args.model,
+        mode=args.mode,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        max_wait_ms=args.max_wait_ms,
+        max_queue=args.max_queue,
+        block_size=args.block_size,
+        kv_cache_gb=args.kv_cache_gb,
+        kv_cache_fraction=args.kv_cache_fraction,
+        kv_cache_tokens=args.kv_cache_tokens,
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads,
+        weights=args.weights,
+        timeline_steps=args.timeline_steps,
         enable_prefix_caching=not args.no_prefix_caching,
     )
 
@@ -118,8 +171,16 @@ def engine_config(args):
 def guard_of(args):
     from .guard import Guard
 
-    return Guard.from_options(args.api_key, args.api_key_file, args.socket_requires_key, args.host, args.port,
-                              args.allowed_hosts, args.allowed_origins, args.insecure_no_auth)
+    return Guard.from_options(
+        args.api_key,
+        args.api_key_file,
+        args.socket_requires_key,
+        args.host,
+        args.port,
+        args.allowed_hosts,
+        args.allowed_origins,
+        args.insecure_no_auth,
+    )
 
 
 def without_key(argv: list[str]) -> tuple[list[str], str | None]:
@@ -155,7 +216,11 @@ def cmd_start(args) -> int:
         argv, key = without_key(args.argv)
         if key is not None and args.own_command_line:
             # Start again with the key in the environment, so `ps` and /proc/PID/cmdline never show it.
-            os.execve(sys.executable, [sys.executable, "-m", "minibatch.daemon.cli", *argv], {**os.environ, "MINIBATCH_API_KEY": key})
+            os.execve(
+                sys.executable,
+                [sys.executable, "-m", "minibatch.daemon.cli", *argv],
+                {**os.environ, "MINIBATCH_API_KEY": key},
+            )
         import threading
 
         # Importing torch takes ~2 s: start it now, beside the web server's own imports, not after them.
@@ -163,7 +228,9 @@ def cmd_start(args) -> int:
         from .server import DaemonConfig, serve
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        conf = DaemonConfig(cfg, sock, args.host, args.port, args.shutdown_timeout, args.request_timeout, args.read_timeout, guard)
+        conf = DaemonConfig(
+            cfg, sock, args.host, args.port, args.shutdown_timeout, args.request_timeout, args.read_timeout, guard
+        )
         return asyncio.run(serve(conf))
     return start_background(args, sock, guard.api_keys[0] if guard.api_keys else None)
 
@@ -176,7 +243,9 @@ def start_background(args, sock: Path, api_key: str | None) -> int:
     env = {**os.environ, **({"MINIBATCH_API_KEY": key} if key is not None else {})}
     offset = log_file.stat().st_size if log_file.exists() else 0
     with open(log_file, "ab") as log:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
     print(f"minibatchd: starting (pid {proc.pid}), log {log_file}", file=sys.stderr)
     deadline = time.monotonic() + args.start_timeout
     with open(log_file, "rb") as f:
@@ -187,7 +256,10 @@ def start_background(args, sock: Path, api_key: str | None) -> int:
                 sys.stderr.write(chunk.decode(errors="replace"))
                 sys.stderr.flush()
             if proc.poll() is not None:
-                print(f"minibatchd: the daemon exited with status {proc.returncode} before it was ready (see above)", file=sys.stderr)
+                print(
+                    f"minibatchd: the daemon exited with status {proc.returncode} before it was ready (see above)",
+                    file=sys.stderr,
+                )
                 return 1
             try:
                 status, body = request_json(str(sock), "GET", "/health", timeout=2, api_key=api_key)
@@ -198,7 +270,10 @@ def start_background(args, sock: Path, api_key: str | None) -> int:
             except OSError:
                 pass
             time.sleep(0.1)
-    print(f"minibatchd: not ready after {args.start_timeout:.0f} s; still starting (pid {proc.pid}), see {log_file}", file=sys.stderr)
+    print(
+        f"minibatchd: not ready after {args.start_timeout:.0f} s; still starting (pid {proc.pid}), see {log_file}",
+        file=sys.stderr,
+    )
     return 1
 
 
@@ -232,16 +307,25 @@ def cmd_status(args) -> int:
         print(f"minibatchd: pid {pid} holds the lock but the socket does not answer: {exc}")
         return 1
     lines = [
-        ("pid", pid), ("socket", sock), ("status", health.get("status")), ("uptime", f"{health.get('uptime_s', 0):.0f} s"),
-        ("model", health.get("model")), ("device", f"{health.get('device', '?')} ({health.get('dtype', '?')})"), ("weights", health.get("weights", "?")),
+        ("pid", pid),
+        ("socket", sock),
+        ("status", health.get("status")),
+        ("uptime", f"{health.get('uptime_s', 0):.0f} s"),
+        ("model", health.get("model")),
+        ("device", f"{health.get('device', '?')} ({health.get('dtype', '?')})"),
+        ("weights", health.get("weights", "?")),
     ]
     if memory := health.get("memory"):
-        lines.append(("memory", f"{memory['num_params'] / 1e6:.0f}M parameters in {memory['loaded_bytes'] / 1e6:.0f} MB"))
+        lines.append(
+            ("memory", f"{memory['num_params'] / 1e6:.0f}M parameters in {memory['loaded_bytes'] / 1e6:.0f} MB")
+        )
     if hstatus == 200:
         _, s = request_json(str(sock), "GET", "/v1/engine/stats?steps=0", api_key=key)
         mode = s["mode"] + (f" (switching to {s['pending_mode']})" if s.get("pending_mode") else "")
         lines += [
-            ("mode", mode), ("running", f"{s['running']} / {s['max_num_seqs']}"), ("waiting", s["waiting"]),
+            ("mode", mode),
+            ("running", f"{s['running']} / {s['max_num_seqs']}"),
+            ("waiting", s["waiting"]),
             ("kv cache", f"{s['kv_blocks_used']} / {s['kv_blocks_total']} blocks ({s['kv_usage_percent']:.1f}%)"),
             ("tokens/s", f"{s['decode_tokens_per_s']:.1f} decode, {s['prefill_tokens_per_s']:.1f} prefill (last 2 s)"),
             ("prefix hits", f"{100 * s['prefix_cache_hit_rate']:.1f}% of prompt tokens"),
@@ -281,8 +365,10 @@ def cmd_models(args) -> int:
         else:
             state = "ready" if m.ready else "cannot run here"
         print(f"{m.name:<32} {m.kind:<10} {state:<22} {m.note}")
-    print("\n--model takes any name above (a bare Ollama name works too: qwen2.5:0.5b), a Hugging Face model directory, "
-          "a .gguf file, or a hub id when online. Families: llama, mistral, qwen2, qwen3.")
+    print(
+        "\n--model takes any name above (a bare Ollama name works too: qwen2.5:0.5b), a Hugging Face model directory, "
+        "a .gguf file, or a hub id when online. Families: llama, mistral, qwen2, qwen3."
+    )
     return 0
 
 

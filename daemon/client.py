@@ -28,8 +28,9 @@ def connection(target: str, timeout: float) -> http.client.HTTPConnection:
     return UnixHTTPConnection(target, timeout)
 
 
-def request_json(target: str, method: str, url: str, body: dict | None = None, timeout: float = 5.0,
-                 api_key: str | None = None) -> tuple[int, dict]:
+def request_json(
+    target: str, method: str, url: str, body: dict | None = None, timeout: float = 5.0, api_key: str | None = None
+) -> tuple[int, dict]:
     """(status, parsed JSON body); raises OSError when nothing answers on the socket or URL."""
     conn = connection(target, timeout)
     try:

@@ -11,8 +11,12 @@ from .protocol import ApiError
 
 def _compiler(state, param: str):
     if state.grammars is None:
-        raise ApiError(400, f"{param}: this model's tokenizer cannot drive constrained decoding (it is not a "
-                       "tokenizer.json tokenizer)", param, "unsupported")
+        raise ApiError(
+            400,
+            f"{param}: this model's tokenizer cannot drive constrained decoding (it is not a tokenizer.json tokenizer)",
+            param,
+            "unsupported",
+        )
     return state.grammars
 
 
@@ -35,10 +39,16 @@ async def response_grammar(state, fmt, param: str):
     compiler = _compiler(state, param)
     if getattr(fmt, "type", None) == "json_schema":
         if fmt.json_schema is None:
-            raise ApiError(400, f"{param}.json_schema: required when type is json_schema", f"{param}.json_schema", "missing")
+            raise ApiError(
+                400, f"{param}.json_schema: required when type is json_schema", f"{param}.json_schema", "missing"
+            )
         if fmt.json_schema.schema_ is None:
-            raise ApiError(400, f"{param}.json_schema.schema: required when type is json_schema",
-                           f"{param}.json_schema.schema", "missing")
+            raise ApiError(
+                400,
+                f"{param}.json_schema.schema: required when type is json_schema",
+                f"{param}.json_schema.schema",
+                "missing",
+            )
         schema, param = fmt.json_schema.schema_, f"{param}.json_schema.schema"
     elif getattr(fmt, "type", None) == "json_object" or fmt == "json":
         schema = {"type": "object"}
@@ -66,13 +76,21 @@ def forced_call(body, specs: list[dict]) -> tuple[list[dict], str | None] | None
     if choice != "required":
         name = choice.function.name
         if name not in {f["name"] for f in functions}:
-            raise ApiError(400, f"tool_choice.function.name: no tool named {name!r} in tools", "tool_choice.function.name",
-                           "invalid_value")
+            raise ApiError(
+                400,
+                f"tool_choice.function.name: no tool named {name!r} in tools",
+                "tool_choice.function.name",
+                "invalid_value",
+            )
     if body.response_format is not None and body.response_format.type != "text":
-        raise ApiError(400, "response_format: cannot be combined with a required tool call", "response_format", "invalid_value")
+        raise ApiError(
+            400, "response_format: cannot be combined with a required tool call", "response_format", "invalid_value"
+        )
     return functions, name
 
 
 async def tool_call_grammar(state, functions: list[dict], name: str | None):
     """The grammar that makes the output exactly one valid call (to `name`, or to any of `functions`)."""
-    return await _compile("tools", "the call cannot be constrained", _compiler(state, "tools").tool_call, functions, name)
+    return await _compile(
+        "tools", "the call cannot be constrained", _compiler(state, "tools").tool_call, functions, name
+    )

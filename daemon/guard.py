@@ -113,15 +113,29 @@ class Guard:
     allowed_origins: frozenset[str] = frozenset()
     insecure_no_auth: bool = False
     flag_keys: tuple[str, ...] = ()  # from --api-key / MINIBATCH_API_KEY: kept when the file is reread
-    refused: dict[str, int] = field(default_factory=lambda: {"unauthorized": 0, "forbidden_host": 0, "forbidden_origin": 0,
-                                                             "unsupported_media_type": 0})
+    refused: dict[str, int] = field(
+        default_factory=lambda: {
+            "unauthorized": 0,
+            "forbidden_host": 0,
+            "forbidden_origin": 0,
+            "unsupported_media_type": 0,
+        }
+    )
     _file_stamp: tuple | None = None
     _checked_at: float = 0.0
 
     @classmethod
-    def from_options(cls, api_key: str | None = None, api_key_file: str | Path | None = None, socket_requires_key: bool = False,
-                     host: str | None = None, port: int | None = None, allowed_hosts: str | None = None,
-                     allowed_origins: str | None = None, insecure_no_auth: bool = False) -> "Guard":
+    def from_options(
+        cls,
+        api_key: str | None = None,
+        api_key_file: str | Path | None = None,
+        socket_requires_key: bool = False,
+        host: str | None = None,
+        port: int | None = None,
+        allowed_hosts: str | None = None,
+        allowed_origins: str | None = None,
+        insecure_no_auth: bool = False,
+    ) -> "Guard":
         """Validate the options together; raises GuardError with the flag to change."""
         keys: list[str] = []
         if api_key:
@@ -135,11 +149,20 @@ class Guard:
         if tcp_host is not None and not is_loopback(tcp_host) and not keys and not insecure_no_auth:
             raise GuardError(
                 f"--host {tcp_host} would let every machine that can reach it use the daemon, and no API key is set. "
-                "Give one with --api-key (or MINIBATCH_API_KEY, or --api-key-file), or accept the risk with --insecure-no-auth.")
+                "Give one with --api-key (or MINIBATCH_API_KEY, or --api-key-file), or accept the risk with --insecure-no-auth."
+            )
         hosts = frozenset(split_host(h) for h in (allowed_hosts or "").split(",") if h.strip())
         origins = frozenset(origin_of(o) for o in (allowed_origins or "").split(",") if o.strip())
-        guard = cls(tuple(dict.fromkeys(keys)), path, socket_requires_key, tcp_host, hosts, origins, insecure_no_auth,
-                    flag_keys=tuple(keys[:1]) if api_key else ())
+        guard = cls(
+            tuple(dict.fromkeys(keys)),
+            path,
+            socket_requires_key,
+            tcp_host,
+            hosts,
+            origins,
+            insecure_no_auth,
+            flag_keys=tuple(keys[:1]) if api_key else (),
+        )
         if path is not None:
             guard._file_stamp = guard._stamp()
             guard.warn_if_readable()
@@ -160,7 +183,11 @@ class Guard:
         except OSError:
             return
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            log.warning("the API key file %s can be read by other users (mode %o); chmod 600 it", self.api_key_file, mode & 0o777)
+            log.warning(
+                "the API key file %s can be read by other users (mode %o); chmod 600 it",
+                self.api_key_file,
+                mode & 0o777,
+            )
 
     def reload_keys(self) -> None:
         """Keys are rotated by editing the key file: it is read again when it changes (checked at most once a second)."""
@@ -185,12 +212,16 @@ class Guard:
     def describe(self) -> str:
         """A log line that says how each listener is guarded (never a key)."""
         n = len(self.api_keys)
-        keys = f"{n} API key{'s' if n != 1 else ''}" + (f" (from {self.api_key_file}, reread when it changes)" if self.api_key_file else "")
+        keys = f"{n} API key{'s' if n != 1 else ''}" + (
+            f" (from {self.api_key_file}, reread when it changes)" if self.api_key_file else ""
+        )
         parts = [f"socket: file permissions{' + key' if self.socket_requires_key else ''}"]
         if self.listen_host is not None:
             tcp = keys if n else ("NO KEY (--insecure-no-auth)" if self.insecure_no_auth else "no key (loopback only)")
             origins = ", ".join(sorted(self.allowed_origins)) or "none"
-            parts.append(f"tcp: {tcp}; Host checked; browser origins allowed: {origins}; bodies must be application/json")
+            parts.append(
+                f"tcp: {tcp}; Host checked; browser origins allowed: {origins}; bodies must be application/json"
+            )
         elif n:
             parts.append(keys + " for control endpoints")
         return "; ".join(parts)
@@ -216,32 +247,59 @@ class Guard:
         origin = request.headers.get("Origin")
         if tcp:
             host = request.headers.get("Host")
-            if "*" not in self.allowed_hosts and (host is None or split_host(host) not in self.allowed_host_names(request)):
+            if "*" not in self.allowed_hosts and (
+                host is None or split_host(host) not in self.allowed_host_names(request)
+            ):
                 self.refused["forbidden_host"] += 1
-                raise ApiError(403, "Host: this daemon does not answer to that host name (add it with --allowed-hosts)",
-                               "Host", "forbidden_host", "permission_error")
+                raise ApiError(
+                    403,
+                    "Host: this daemon does not answer to that host name (add it with --allowed-hosts)",
+                    "Host",
+                    "forbidden_host",
+                    "permission_error",
+                )
             if origin is not None and origin_of(origin) not in self.allowed_origins and "*" not in self.allowed_origins:
                 self.refused["forbidden_origin"] += 1
-                raise ApiError(403, "Origin: requests from web pages are refused unless their origin is in --allowed-origins",
-                               "Origin", "forbidden_origin", "permission_error")
-            if request.method == "OPTIONS" and origin is not None and "Access-Control-Request-Method" in request.headers:
+                raise ApiError(
+                    403,
+                    "Origin: requests from web pages are refused unless their origin is in --allowed-origins",
+                    "Origin",
+                    "forbidden_origin",
+                    "permission_error",
+                )
+            if (
+                request.method == "OPTIONS"
+                and origin is not None
+                and "Access-Control-Request-Method" in request.headers
+            ):
                 return self.preflight(request, origin)
-        needs_key = bool(self.api_keys) and (tcp or self.socket_requires_key or (request.method, request.path) in CONTROL)
+        needs_key = bool(self.api_keys) and (
+            tcp or self.socket_requires_key or (request.method, request.path) in CONTROL
+        )
         if needs_key:
             self.reload_keys()
             auth = request.headers.get("Authorization", "")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not keys_match(token.strip(), self.api_keys):
                 self.refused["unauthorized"] += 1
-                msg = "Authorization: a valid API key is required (header 'Authorization: Bearer KEY')" if not auth else \
-                    "Authorization: the API key is not valid"
-                raise ApiError(401, msg, "Authorization", "invalid_api_key", "authentication_error", {"WWW-Authenticate": "Bearer"})
+                msg = (
+                    "Authorization: a valid API key is required (header 'Authorization: Bearer KEY')"
+                    if not auth
+                    else "Authorization: the API key is not valid"
+                )
+                raise ApiError(
+                    401, msg, "Authorization", "invalid_api_key", "authentication_error", {"WWW-Authenticate": "Bearer"}
+                )
         if tcp and request.method in ("POST", "PUT", "PATCH"):
             given = request.content_type if "Content-Type" in request.headers else None
             if given not in JSON_TYPES:
                 self.refused["unsupported_media_type"] += 1
-                raise ApiError(415, f"Content-Type: the body must be application/json (got {given or 'no Content-Type'})",
-                               "Content-Type", "unsupported_media_type")
+                raise ApiError(
+                    415,
+                    f"Content-Type: the body must be application/json (got {given or 'no Content-Type'})",
+                    "Content-Type",
+                    "unsupported_media_type",
+                )
         return None
 
     def preflight(self, request: web.Request, origin: str) -> web.Response:
@@ -249,12 +307,16 @@ class Guard:
         methods = self.methods_for(request)
         if not methods:
             raise ApiError(404, f"{request.path}: no such endpoint", None, "not_found")
-        return web.Response(status=204, headers={
-            "Access-Control-Allow-Origin": origin, "Vary": "Origin",
-            "Access-Control-Allow-Methods": ", ".join(methods),
-            "Access-Control-Allow-Headers": "Authorization, Content-Type",
-            "Access-Control-Max-Age": CORS_MAX_AGE,
-        })
+        return web.Response(
+            status=204,
+            headers={
+                "Access-Control-Allow-Origin": origin,
+                "Vary": "Origin",
+                "Access-Control-Allow-Methods": ", ".join(methods),
+                "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                "Access-Control-Max-Age": CORS_MAX_AGE,
+            },
+        )
 
     @staticmethod
     def methods_for(request: web.Request) -> list[str]:
@@ -273,11 +335,12 @@ class Guard:
             response.headers["Access-Control-Expose-Headers"] = "X-Request-Id"
             response.headers.add("Vary", "Origin")
 
-
     def prometheus(self) -> bytes:
         """The refusal counters in Prometheus' text format."""
-        lines = ["# HELP minibatch_http_refused_total Requests refused by the listener guard, by reason",
-                 "# TYPE minibatch_http_refused_total counter"]
+        lines = [
+            "# HELP minibatch_http_refused_total Requests refused by the listener guard, by reason",
+            "# TYPE minibatch_http_refused_total counter",
+        ]
         lines += [f'minibatch_http_refused_total{{reason="{k}"}} {v}' for k, v in sorted(self.refused.items())]
         return ("\n".join(lines) + "\n").encode()
 
@@ -297,4 +360,3 @@ def guard_middleware(guard: Guard):
         return await handler(request)
 
     return guarded
-

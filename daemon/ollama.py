@@ -70,8 +70,10 @@ class OllamaMessage(_Lenient):
         if self.tool_name is not None:
             out["name"] = self.tool_name
         if self.tool_calls:
-            out["tool_calls"] = [{"type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                                 for c in self.tool_calls]
+            out["tool_calls"] = [
+                {"type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                for c in self.tool_calls
+            ]
         return out
 
 
@@ -93,11 +95,16 @@ class _Request(_Lenient):
         # -1 / -2 (until the context is full) and 0 take the daemon's default; a count beyond the context is refused
         max_tokens = o.num_predict if o.num_predict is not None and o.num_predict > 0 else default_max_tokens
         return SamplingParams(
-            temperature=pick(o.temperature, "temperature", 0.8), top_p=pick(o.top_p, "top_p", 0.9),
-            top_k=pick(o.top_k, "top_k", 40), min_p=pick(o.min_p, "min_p", 0.0),
+            temperature=pick(o.temperature, "temperature", 0.8),
+            top_p=pick(o.top_p, "top_p", 0.9),
+            top_k=pick(o.top_k, "top_k", 40),
+            min_p=pick(o.min_p, "min_p", 0.0),
             repetition_penalty=pick(o.repeat_penalty, "repetition_penalty", 1.1),
-            presence_penalty=o.presence_penalty or 0.0, frequency_penalty=o.frequency_penalty or 0.0,
-            seed=o.seed, max_tokens=max_tokens, stop=list(o.stop or []),
+            presence_penalty=o.presence_penalty or 0.0,
+            frequency_penalty=o.frequency_penalty or 0.0,
+            seed=o.seed,
+            max_tokens=max_tokens,
+            stop=list(o.stop or []),
         )
 
 
@@ -123,10 +130,14 @@ def ns(seconds: float | None) -> int:
 def final_counters(out, prompt_tokens: int, n: int, started: float) -> dict:
     m = out.metrics
     return {
-        "done": True, "done_reason": {"stop": "stop", "length": "length"}.get(out.finish_reason, out.finish_reason),
-        "total_duration": ns(time.perf_counter() - started), "load_duration": 0,
-        "prompt_eval_count": prompt_tokens, "prompt_eval_duration": ns(m.prefill_time if m else 0),
-        "eval_count": n, "eval_duration": ns(m.decode_time if m else 0),
+        "done": True,
+        "done_reason": {"stop": "stop", "length": "length"}.get(out.finish_reason, out.finish_reason),
+        "total_duration": ns(time.perf_counter() - started),
+        "load_duration": 0,
+        "prompt_eval_count": prompt_tokens,
+        "prompt_eval_duration": ns(m.prefill_time if m else 0),
+        "eval_count": n,
+        "eval_duration": ns(m.decode_time if m else 0),
     }
 
 
@@ -145,14 +156,21 @@ async def respond(request: web.Request, chat: bool):
     elif body.raw:
         messages = None
     else:
-        messages = ([{"role": "system", "content": body.system}] if body.system else []) + [{"role": "user", "content": body.prompt}]
+        messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
+            {"role": "user", "content": body.prompt}
+        ]
     try:
-        ids = state.tokenizer.encode_prompt(body.prompt) if messages is None else state.tokenizer.chat(messages, tools=tools)
+        ids = (
+            state.tokenizer.encode_prompt(body.prompt)
+            if messages is None
+            else state.tokenizer.chat(messages, tools=tools)
+        )
     except ValueError as exc:
         raise ApiError(400, str(exc), "messages", "no_chat_template") from None
     if not chat and not body.prompt:  # Ollama: an empty generate loads the model and answers done
-        return web.json_response({"model": state.model_name, "created_at": now_iso(), "response": "", "done": True,
-                                  "done_reason": "load"})
+        return web.json_response(
+            {"model": state.model_name, "created_at": now_iso(), "response": "", "done": True, "done_reason": "load"}
+        )
     request_id = f"ollama-{uuid.uuid4().hex}"
     grammar = await response_grammar(state, body.format or None, "format")
     submit(state, engine, body, ids, request_id, grammar)
@@ -164,8 +182,10 @@ async def respond(request: web.Request, chat: bool):
             return {**head, "response": text, "done": False}
         message = {"role": "assistant", "content": text}
         if calls:  # Ollama's shape: arguments as an object, no ids
-            message["tool_calls"] = [{"function": {"name": c["function"]["name"],
-                                                   "arguments": json.loads(c["function"]["arguments"])}} for c in calls]
+            message["tool_calls"] = [
+                {"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
+                for c in calls
+            ]
         return {**head, "message": message, "done": False}
 
     def split_calls(text: str) -> tuple[str, list]:
@@ -185,7 +205,9 @@ async def respond(request: web.Request, chat: bool):
                 state.monitor.on_request_done(last.metrics, None if last.error else last.finish_reason)
                 if last.error:
                     raise ApiError(500, last.error, None, "engine_error", "server_error")
-                return web.json_response({**line(*split_calls("".join(text))), **final_counters(last, len(ids), n, started)})
+                return web.json_response(
+                    {**line(*split_calls("".join(text))), **final_counters(last, len(ids), n, started)}
+                )
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "X-Request-Id": request_id})
             await resp.prepare(request)
             n = 0
@@ -204,12 +226,15 @@ async def respond(request: web.Request, chat: bool):
                     await resp.write(json.dumps(line(text)).encode() + b"\n")
                 if out.finished:
                     state.monitor.on_request_done(out.metrics, out.finish_reason)
-                    await resp.write(json.dumps({**line(text, calls), **final_counters(out, len(ids), n, started)}).encode() + b"\n")
+                    await resp.write(
+                        json.dumps({**line(text, calls), **final_counters(out, len(ids), n, started)}).encode() + b"\n"
+                    )
             await resp.write_eof()
             return resp
     except TimeoutError:
-        raise ApiError(504, f"the request ran past its limit of {state.request_timeout:g} s and was aborted", None,
-                       "timeout") from None
+        raise ApiError(
+            504, f"the request ran past its limit of {state.request_timeout:g} s and was aborted", None, "timeout"
+        ) from None
     finally:
         await outputs.aclose()
 
@@ -234,12 +259,18 @@ def model_entry(state) -> dict:
     weights, family = (info.weights, info.family) if info else ("", "")
     memory = info.memory if info else None
     return {
-        "name": f"{state.model_name}:latest", "model": f"{state.model_name}:latest",
+        "name": f"{state.model_name}:latest",
+        "model": f"{state.model_name}:latest",
         "modified_at": datetime.fromtimestamp(state.started_at, timezone.utc).isoformat().replace("+00:00", "Z"),
-        "size": memory.loaded_bytes if memory else 0, "digest": "",
-        "details": {"format": "gguf" if "native" in weights else "safetensors",
-                    "family": family, "families": [family],
-                    "parameter_size": _parameter_size(memory.num_params if memory else 0), "quantization_level": weights},
+        "size": memory.loaded_bytes if memory else 0,
+        "digest": "",
+        "details": {
+            "format": "gguf" if "native" in weights else "safetensors",
+            "family": family,
+            "families": [family],
+            "parameter_size": _parameter_size(memory.num_params if memory else 0),
+            "quantization_level": weights,
+        },
     }
 
 
@@ -256,8 +287,13 @@ async def tags(request: web.Request) -> web.Response:
 
 async def ps(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response({"models": [{**model_entry(state), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}]
-                              if state.status == "ready" else []})
+    return web.json_response(
+        {
+            "models": [{**model_entry(state), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}]
+            if state.status == "ready"
+            else []
+        }
+    )
 
 
 async def show(request: web.Request) -> web.Response:
@@ -272,11 +308,21 @@ async def show(request: web.Request) -> web.Response:
     check_model(state, _strip_tag(name, state.model_name))
     state.ready_engine()  # the facts below are the loaded model's
     entry = model_entry(state)
-    return web.json_response({"modelfile": "", "parameters": "", "template": "", "details": entry["details"],
-                              "model_info": {"general.architecture": state.info.family,
-                                             "general.parameter_count": state.info.memory.num_params,
-                                             "context_length": state.info.max_model_len},
-                              "capabilities": ["completion"], "modified_at": entry["modified_at"]})
+    return web.json_response(
+        {
+            "modelfile": "",
+            "parameters": "",
+            "template": "",
+            "details": entry["details"],
+            "model_info": {
+                "general.architecture": state.info.family,
+                "general.parameter_count": state.info.memory.num_params,
+                "context_length": state.info.max_model_len,
+            },
+            "capabilities": ["completion"],
+            "modified_at": entry["modified_at"],
+        }
+    )
 
 
 async def version(request: web.Request) -> web.Response:

@@ -22,8 +22,15 @@ Float = Annotated[float, Field(allow_inf_nan=False)]
 class ApiError(Exception):
     """An error answered with the one JSON error shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
         self.headers = headers or {}
@@ -67,8 +74,10 @@ class Message(_Body):
     @model_validator(mode="after")
     def _content_where_needed(self) -> "Message":
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"content is required in a {self.role} message" +
-                             (" without tool_calls" if self.role == "assistant" else ""))
+            raise ValueError(
+                f"content is required in a {self.role} message"
+                + (" without tool_calls" if self.role == "assistant" else "")
+            )
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
         return self
@@ -86,8 +95,14 @@ class Message(_Body):
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
         return out
 
 
@@ -168,12 +183,18 @@ class _Sampling(_Body):
         if len(stop) > 16:
             raise ApiError(400, f"stop: at most 16 stop strings, got {len(stop)}", "stop", "invalid_value")
         return SamplingParams(
-            temperature=pick.get("temperature", self.temperature), top_p=pick.get("top_p", self.top_p),
-            top_k=pick.get("top_k", self.top_k), min_p=pick.get("min_p", self.min_p),
-            repetition_penalty=pick.get("repetition_penalty", self.repetition_penalty), presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, seed=self.seed,
-            max_tokens=self.max_tokens or default_max_tokens, stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
+            temperature=pick.get("temperature", self.temperature),
+            top_p=pick.get("top_p", self.top_p),
+            top_k=pick.get("top_k", self.top_k),
+            min_p=pick.get("min_p", self.min_p),
+            repetition_penalty=pick.get("repetition_penalty", self.repetition_penalty),
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            max_tokens=self.max_tokens or default_max_tokens,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
             logprobs=self.logprobs_k(),
         )
 
@@ -191,7 +212,9 @@ class ChatRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    logprobs: StrictBool = False  # each output token's log-probability (of the model's logits, before sampling settings)
+    logprobs: StrictBool = (
+        False  # each output token's log-probability (of the model's logits, before sampling settings)
+    )
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def logprobs_k(self) -> int | None:
@@ -225,8 +248,12 @@ def parse_body(raw: bytes, model: type[BaseModel]):
         raise ApiError(400, "body must be a JSON object", None, "invalid_type")
     where = _lone_surrogate(data)
     if where is not None:
-        raise ApiError(400, f"{where}: holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is not text",
-                       where, "invalid_unicode")
+        raise ApiError(
+            400,
+            f"{where}: holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is not text",
+            where,
+            "invalid_unicode",
+        )
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -236,7 +263,11 @@ def parse_body(raw: bytes, model: type[BaseModel]):
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
         value = err.get("input")
-        shown = "" if err["type"] in ("missing", "extra_forbidden") or isinstance(value, (dict, list)) else f" (got {_short(value)})"
+        shown = (
+            ""
+            if err["type"] in ("missing", "extra_forbidden") or isinstance(value, (dict, list))
+            else f" (got {_short(value)})"
+        )
         raise ApiError(400, f"{param}: {msg}{shown}", param, err["type"]) from None
 
 

@@ -21,8 +21,12 @@ def timings(m: RequestMetrics | None) -> dict:
     if m is None:
         return {}
     return {
-        "queue_wait_ms": ms(m.queue_wait), "ttft_ms": ms(m.ttft), "decode_ms": ms(m.decode_time),
-        "tpot_ms": ms(m.tpot), "e2e_ms": ms(m.e2e), "preemptions": m.preemptions,
+        "queue_wait_ms": ms(m.queue_wait),
+        "ttft_ms": ms(m.ttft),
+        "decode_ms": ms(m.decode_time),
+        "tpot_ms": ms(m.tpot),
+        "e2e_ms": ms(m.e2e),
+        "preemptions": m.preemptions,
         "cached_prompt_tokens": m.cached_prompt_tokens,
     }
 
@@ -30,8 +34,10 @@ def timings(m: RequestMetrics | None) -> dict:
 def usage(m: RequestMetrics | None, prompt_tokens: int, completion_tokens: int) -> dict:
     cached = m.cached_prompt_tokens if m else 0
     return {
-        "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -41,11 +47,14 @@ def token_text(tokenizer, token_id: int) -> str:
 
 def chat_logprobs(tokenizer, token_ids: list[int], entries: list) -> list[dict]:
     """`choices[].logprobs.content` items: each token, its log-probability, its bytes, and the top alternatives."""
+
     def item(tid: int, lp: float) -> dict:
         text = token_text(tokenizer, tid)
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
-    return [{**item(tid, lp), "top_logprobs": [item(t, v) for t, v in top]} for tid, (lp, top) in zip(token_ids, entries)]
+    return [
+        {**item(tid, lp), "top_logprobs": [item(t, v) for t, v in top]} for tid, (lp, top) in zip(token_ids, entries)
+    ]
 
 
 def completion_logprobs(tokenizer, token_ids: list[int], entries: list, offset: int = 0) -> dict:
@@ -55,8 +64,12 @@ def completion_logprobs(tokenizer, token_ids: list[int], entries: list, offset: 
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
-            "top_logprobs": [{token_text(tokenizer, t): v for t, v in top} for _, top in entries], "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _ in entries],
+        "top_logprobs": [{token_text(tokenizer, t): v for t, v in top} for _, top in entries],
+        "text_offset": offsets,
+    }
 
 
 def timeout_message(state) -> str:
@@ -91,7 +104,9 @@ async def merged(streams: list) -> "AsyncIterator[tuple[int, object]]":
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def full_response(state, streams: list, base, chat: bool, prompt_tokens: int, tools: bool = False) -> web.Response:
+async def full_response(
+    state, streams: list, base, chat: bool, prompt_tokens: int, tools: bool = False
+) -> web.Response:
     n = len(streams)
     text, count, last = [[] for _ in range(n)], 0, [None] * n
     token_ids, entries, want = [[] for _ in range(n)], [[] for _ in range(n)], False
@@ -121,17 +136,27 @@ async def full_response(state, streams: list, base, chat: bool, prompt_tokens: i
                     choice["finish_reason"] = "tool_calls"
             choice["logprobs"] = {"content": chat_logprobs(state.tokenizer, token_ids[i], entries[i])} if want else None
         else:
-            choice.update(text=content, logprobs=completion_logprobs(state.tokenizer, token_ids[i], entries[i]) if want else None)
+            choice.update(
+                text=content, logprobs=completion_logprobs(state.tokenizer, token_ids[i], entries[i]) if want else None
+            )
         choices.append(choice)
-    return web.json_response({
-        **base, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-        "usage": usage(last[0].metrics, prompt_tokens, count), "minibatch": timings(last[0].metrics),
-    })
+    return web.json_response(
+        {
+            **base,
+            "object": "chat.completion" if chat else "text_completion",
+            "choices": choices,
+            "usage": usage(last[0].metrics, prompt_tokens, count),
+            "minibatch": timings(last[0].metrics),
+        }
+    )
 
 
-async def stream_response(request, state, streams: list, base, chat: bool, prompt_tokens: int, include_usage: bool,
-                          tools: bool = False):
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": base["id"]})
+async def stream_response(
+    request, state, streams: list, base, chat: bool, prompt_tokens: int, include_usage: bool, tools: bool = False
+):
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": base["id"]}
+    )
     await resp.prepare(request)
     obj = "chat.completion.chunk" if chat else "text_completion"
     n = len(streams)
@@ -151,7 +176,11 @@ async def stream_response(request, state, streams: list, base, chat: bool, promp
                 offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         if chat:
             if delta is None:
-                delta = {"role": "assistant", "content": ""} if role else ({} if delta_text is None else {"content": delta_text})
+                delta = (
+                    {"role": "assistant", "content": ""}
+                    if role
+                    else ({} if delta_text is None else {"content": delta_text})
+                )
             choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             choice = {"index": i, "text": delta_text or "", "logprobs": lp, "finish_reason": finish}
@@ -179,7 +208,14 @@ async def stream_response(request, state, streams: list, base, chat: bool, promp
                         if rest:
                             await send(chunk(i, rest, None))
                         if found:
-                            await send(chunk(i, None, None, delta={"tool_calls": [{"index": k, **c} for k, c in enumerate(found)]}))
+                            await send(
+                                chunk(
+                                    i,
+                                    None,
+                                    None,
+                                    delta={"tool_calls": [{"index": k, **c} for k, c in enumerate(found)]},
+                                )
+                            )
                             finish = "tool_calls"
                 if text or (carries and not out.finished):
                     await send(chunk(i, text, None, out=out))

@@ -44,8 +44,9 @@ def load_engine(config: EngineConfig):
     return AsyncEngine(engine, max_queue=config.max_queue), engine.tokenizer
 
 
-def start_engine_thread(config: EngineConfig, loop: asyncio.AbstractEventLoop,
-                        stopped: asyncio.Event | None = None) -> asyncio.Future:
+def start_engine_thread(
+    config: EngineConfig, loop: asyncio.AbstractEventLoop, stopped: asyncio.Event | None = None
+) -> asyncio.Future:
     """Load the model and run the step loop on one thread of their own; the future gets (engine, tokenizer).
 
     One thread does all tensor work, so the process keeps one OpenMP thread
@@ -88,11 +89,18 @@ async def serve(config: DaemonConfig) -> int:
     except LifecycleError as exc:
         log.error("%s", exc)
         return 1
-    state = DaemonState(model_name=config.engine.model, request_timeout=config.request_timeout, body_timeout=config.read_timeout)
+    state = DaemonState(
+        model_name=config.engine.model, request_timeout=config.request_timeout, body_timeout=config.read_timeout
+    )
     # keepalive_timeout also drops a connection whose request headers stall (none arrive in time).
     guard = config.guard or Guard()
-    runner = web.AppRunner(create_app(state, guard), handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
-                           keepalive_timeout=config.read_timeout)
+    runner = web.AppRunner(
+        create_app(state, guard),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=1.0,
+        keepalive_timeout=config.read_timeout,
+    )
     stop, engine_stopped = asyncio.Event(), asyncio.Event()
     try:
         await runner.setup()
@@ -103,8 +111,11 @@ async def serve(config: DaemonConfig) -> int:
             await web.TCPSite(runner, config.host or "127.0.0.1", config.port).start()
             log.info("also listening on http://%s:%d", config.host or "127.0.0.1", config.port)
             if guard.insecure_no_auth and not guard.api_keys and not is_loopback(guard.listen_host):
-                log.warning("--insecure-no-auth: anyone who can reach %s:%d may use this daemon without a key",
-                            guard.listen_host, config.port)
+                log.warning(
+                    "--insecure-no-auth: anyone who can reach %s:%d may use this daemon without a key",
+                    guard.listen_host,
+                    config.port,
+                )
         log.info("access: %s", guard.describe())
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
@@ -125,9 +136,19 @@ async def serve(config: DaemonConfig) -> int:
         state.grammars = grammar_compiler(engine, tokenizer)
         info = state.info = engine.info
         state.status = "ready"
-        log.info("ready in %.1f s: %s (%s, %.0f MB) on %s (%s), %d KV blocks of %d tokens (%s), mode %s",
-                 time.perf_counter() - started, config.engine.model, info.weights, info.memory.loaded_bytes / 1e6,
-                 info.device, info.dtype, info.num_kv_blocks, info.block_size, info.kv_budget, engine.mode)
+        log.info(
+            "ready in %.1f s: %s (%s, %.0f MB) on %s (%s), %d KV blocks of %d tokens (%s), mode %s",
+            time.perf_counter() - started,
+            config.engine.model,
+            info.weights,
+            info.memory.loaded_bytes / 1e6,
+            info.device,
+            info.dtype,
+            info.num_kv_blocks,
+            info.block_size,
+            info.kv_budget,
+            engine.mode,
+        )
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(engine_stopped.wait())]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:

@@ -39,7 +39,11 @@ class DaemonState:
         if self.status == "draining":
             raise ApiError(503, "the daemon is shutting down", None, "shutting_down", "unavailable")
         if self.status != "ready" or self.engine is None:
-            msg = "the model is still loading" if self.status == "loading" else f"the engine is not available: {self.load_error}"
+            msg = (
+                "the model is still loading"
+                if self.status == "loading"
+                else f"the engine is not available: {self.load_error}"
+            )
             raise ApiError(503, msg, None, "not_ready", "unavailable", {"Retry-After": "2"})
         if not self.engine.alive:
             why = self.engine.fatal_error or "the engine thread has stopped"
@@ -66,18 +70,36 @@ async def read_body(request: web.Request, state: DaemonState, model):
 def check_model(state: DaemonState, name: str | None) -> None:
     # Ollama's names carry a tag; clients that list models over /api/tags send it back here (as oterm does)
     if name is not None and name not in (state.model_name, f"{state.model_name}:latest", "default"):
-        raise ApiError(404, f"model {name!r} does not exist; this daemon serves {state.model_name!r}", "model", "model_not_found")
+        raise ApiError(
+            404, f"model {name!r} does not exist; this daemon serves {state.model_name!r}", "model", "model_not_found"
+        )
 
 
-def submit(state: DaemonState, engine, body, ids: list[int], request_id: str, grammar=None, index: int = 0,
-           share_prompt_with: str | None = None) -> None:
+def submit(
+    state: DaemonState,
+    engine,
+    body,
+    ids: list[int],
+    request_id: str,
+    grammar=None,
+    index: int = 0,
+    share_prompt_with: str | None = None,
+) -> None:
     limit = state.info.max_model_len
     if not ids:
-        raise ApiError(400, "the prompt is empty", "messages" if isinstance(body, ChatRequest) else "prompt", "empty_prompt")
+        raise ApiError(
+            400, "the prompt is empty", "messages" if isinstance(body, ChatRequest) else "prompt", "empty_prompt"
+        )
     if limit and len(ids) >= limit:
-        raise ApiError(400, f"the prompt has {len(ids)} tokens; the context limit is {limit}", "messages", "context_length_exceeded")
-    params = body.sampling_params(min(DEFAULT_MAX_TOKENS, limit - len(ids)) if limit else DEFAULT_MAX_TOKENS,
-                                  state.info.generation_defaults)
+        raise ApiError(
+            400,
+            f"the prompt has {len(ids)} tokens; the context limit is {limit}",
+            "messages",
+            "context_length_exceeded",
+        )
+    params = body.sampling_params(
+        min(DEFAULT_MAX_TOKENS, limit - len(ids)) if limit else DEFAULT_MAX_TOKENS, state.info.generation_defaults
+    )
     params.grammar = grammar
     if index and params.seed is not None:  # the n completions of one request draw differently, reproducibly
         params.seed = (params.seed + index) % 2**63
@@ -86,4 +108,6 @@ def submit(state: DaemonState, engine, body, ids: list[int], request_id: str, gr
     except QueueFull as exc:
         raise ApiError(429, str(exc), None, "queue_full", "rate_limit_error", {"Retry-After": "1"}) from None
     except RequestRejected as exc:
-        raise ApiError(exc.status, str(exc), exc.field, "context_length_exceeded" if "context" in str(exc) else "rejected") from None
+        raise ApiError(
+            exc.status, str(exc), exc.field, "context_length_exceeded" if "context" in str(exc) else "rejected"
+        ) from None

@@ -21,7 +21,9 @@ def tool_specs(body) -> list[dict] | None:
     """The request's tools as the template and the grammar take them, or None when none apply."""
     if not body.tools or body.tool_choice == "none":
         if body.tool_choice not in (None, "none", "auto"):
-            raise ApiError(400, "tool_choice: a call is required but the request offers no tools", "tool_choice", "invalid_value")
+            raise ApiError(
+                400, "tool_choice: a call is required but the request offers no tools", "tool_choice", "invalid_value"
+            )
         return None
     return [t.model_dump(exclude_none=True) for t in body.tools]
 
@@ -29,12 +31,21 @@ def tool_specs(body) -> list[dict] | None:
 def check_template(tokenizer) -> None:
     """The model's template must show it the tools and teach it a call layout we can read back."""
     if not tokenizer.supports_tools:
-        raise ApiError(400, "tools: this model's chat template does not render tools, so the model would never see "
-                       "them; send the request without tools (or use a model whose template supports them)",
-                       "tools", "unsupported")
+        raise ApiError(
+            400,
+            "tools: this model's chat template does not render tools, so the model would never see "
+            "them; send the request without tools (or use a model whose template supports them)",
+            "tools",
+            "unsupported",
+        )
     if tokenizer.tool_call_format != "hermes":
-        raise ApiError(400, "tools: this model's chat template renders tools, but in a call layout minibatch does not "
-                       "read back (it reads <tool_call>{...}</tool_call>)", "tools", "unsupported")
+        raise ApiError(
+            400,
+            "tools: this model's chat template renders tools, but in a call layout minibatch does not "
+            "read back (it reads <tool_call>{...}</tool_call>)",
+            "tools",
+            "unsupported",
+        )
 
 
 def parse_calls(text: str) -> tuple[str | None, list[dict]]:
@@ -43,14 +54,22 @@ def parse_calls(text: str) -> tuple[str | None, list[dict]]:
     while (start := text.find(OPEN, pos)) >= 0:
         end = text.find(CLOSE, start)
         try:
-            obj = json.loads(text[start + len(OPEN):end if end >= 0 else len(text)])
+            obj = json.loads(text[start + len(OPEN) : end if end >= 0 else len(text)])
         except ValueError:
             obj = None
         if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
             break
         args = obj.get("arguments", obj.get("parameters", {}))
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {
-            "name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}})
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": obj["name"],
+                    "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+                },
+            }
+        )
         content.append(text[pos:start])
         pos = len(text) if end < 0 else end + len(CLOSE)
     content.append(text[pos:])
@@ -75,12 +94,12 @@ class CallSplitter:
             upto = start
         else:  # keep back a tail that could be the start of <tool_call>
             upto = len(self.text) - next((k for k in range(len(OPEN) - 1, 0, -1) if self.text.endswith(OPEN[:k])), 0)
-        out, self.sent = self.text[self.sent:upto], max(self.sent, upto)
+        out, self.sent = self.text[self.sent : upto], max(self.sent, upto)
         return out
 
     def finish(self) -> tuple[str, list[dict]]:
         """(the content still to send, the calls) at the end of the output."""
-        rest = self.text[self.sent:]
+        rest = self.text[self.sent :]
         if not self.in_call:
             return rest, []
         content, calls = parse_calls(rest)

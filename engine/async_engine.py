@@ -86,8 +86,13 @@ class AsyncEngine:
         return self.fatal_error is None and self._thread.is_alive()
 
     # -- requests ---------------------------------------------------------
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-               share_prompt_with: str | None = None) -> str:
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        share_prompt_with: str | None = None,
+    ) -> str:
         """Check and queue a request (from the event loop); raises RequestRejected or QueueFull at once."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
@@ -189,8 +194,13 @@ class AsyncEngine:
         bm = self.engine.scheduler.blocks
         owners = {rid: [b.block_id for b in blocks] for rid, blocks in bm.req_blocks.items()}
         shared = sorted({b.block_id for blocks in bm.req_blocks.values() for b in blocks if b.ref_count > 1})
-        self.block_map = {"total": bm.num_usable_blocks, "block_size": bm.block_size, "owners": owners, "shared": shared,
-                          "cached_free": sum(1 for b in bm.free_queue.values() if b.block_hash is not None)}
+        self.block_map = {
+            "total": bm.num_usable_blocks,
+            "block_size": bm.block_size,
+            "owners": owners,
+            "shared": shared,
+            "cached_free": sum(1 for b in bm.free_queue.values() if b.block_hash is not None),
+        }
         self._block_map_at = time.monotonic()
 
     @property

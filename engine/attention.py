@@ -176,13 +176,16 @@ class TorchAttentionBackend:
                 width = max(-(-n // bs) for n in decode_lens)
                 plan.decode_tables = torch.tensor(
                     [t[: -(-n // bs)] + [0] * (width - -(-n // bs)) for t, n in zip(decode_tables, decode_lens)],
-                    dtype=torch.int32, device=device,
+                    dtype=torch.int32,
+                    device=device,
                 )
                 plan.decode_lens = torch.tensor(decode_lens, dtype=torch.int32, device=device)
             else:
                 max_ctx = max(decode_lens)
                 lens = torch.tensor(decode_lens, device=device)
-                slots = torch.stack([_context_slots(t, max_ctx, bs, device, valid=n) for t, n in zip(decode_tables, decode_lens)])
+                slots = torch.stack(
+                    [_context_slots(t, max_ctx, bs, device, valid=n) for t, n in zip(decode_tables, decode_lens)]
+                )
                 plan.decode_slots = slots.reshape(-1)
                 pos = torch.arange(max_ctx, device=device)[None, :]
                 keep = pos < lens[:, None]
@@ -196,8 +199,9 @@ class TorchAttentionBackend:
         plan: _TorchPlan = meta.plan
         window = meta.window
         if plan.all_decode and plan.decode_tables is not None and self.store_decode_kernel is not None:
-            return self.store_decode_kernel(q, k, v, kv_cache, meta.slot_mapping, plan.decode_tables, plan.decode_lens, scale,
-                                            window, meta.softcap)
+            return self.store_decode_kernel(
+                q, k, v, kv_cache, meta.slot_mapping, plan.decode_tables, plan.decode_lens, scale, window, meta.softcap
+            )
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
@@ -208,8 +212,11 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         if plan.decode_tables is not None:
             qd = q.index_select(0, plan.decode_tokens)  # [n, heads, head_dim]
-            out.index_copy_(0, plan.decode_tokens,
-                            self.decode_kernel(qd, kv_cache, plan.decode_tables, plan.decode_lens, scale, window, meta.softcap))
+            out.index_copy_(
+                0,
+                plan.decode_tokens,
+                self.decode_kernel(qd, kv_cache, plan.decode_tables, plan.decode_lens, scale, window, meta.softcap),
+            )
         elif plan.decode_tokens is not None:
             n = plan.decode_tokens.numel()
             kd = k_flat.index_select(0, plan.decode_slots).view(n, plan.decode_ctx, num_kv_heads, head_dim)

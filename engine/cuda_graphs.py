@@ -116,7 +116,9 @@ class DecodeInputs:
 class DecodeGraphs:
     """Captured decode forwards keyed by padded batch size (CUDA only)."""
 
-    def __init__(self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int, max_num_seqs: int) -> None:
+    def __init__(
+        self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int, max_num_seqs: int
+    ) -> None:
         from .triton_backend import _TritonPlan
 
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size

@@ -49,7 +49,9 @@ class EngineConfig:
         if self.weights not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
-            raise ValueError(f"kv_cache_tokens must be at least one block ({self.block_size}), got {self.kv_cache_tokens}")
+            raise ValueError(
+                f"kv_cache_tokens must be at least one block ({self.block_size}), got {self.kv_cache_tokens}"
+            )
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         if self.timeline_steps < 1:
@@ -108,7 +110,11 @@ def generation_config(model_dir) -> tuple[set[int], dict]:
         return set(), {}
     eos = gen.get("eos_token_id")
     ids = set(eos) if isinstance(eos, list) else ({eos} if isinstance(eos, int) else set())
-    defaults = {k: gen[k] for k in SAMPLING_DEFAULT_FIELDS if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)}
+    defaults = {
+        k: gen[k]
+        for k in SAMPLING_DEFAULT_FIELDS
+        if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool)
+    }
     return ids, defaults
 
 
@@ -152,7 +158,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
     elif config.kv_cache_tokens is not None:  # and the null block
-        num_blocks, budget_rule = -(-config.kv_cache_tokens // config.block_size) + 1, f"--kv-cache-tokens {config.kv_cache_tokens}"
+        num_blocks, budget_rule = (
+            -(-config.kv_cache_tokens // config.block_size) + 1,
+            f"--kv-cache-tokens {config.kv_cache_tokens}",
+        )
     else:
         budget, budget_rule = kv_budget(config, device)
         num_blocks = num_blocks_for_budget(cfg, config.block_size, dtype, budget)
@@ -162,7 +171,12 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         raise ValueError(f"the KV-cache budget gives {num_blocks} blocks; need at least 2")
     caches = allocate_kv_cache(cfg, num_blocks, config.block_size, dtype, device)
     runner = ModelRunner(model, caches, config.block_size)
-    if device == "cuda" and backend.name == "triton" and config.cuda_graphs and os.environ.get("MINIBATCH_CUDA_GRAPHS", "1") != "0":
+    if (
+        device == "cuda"
+        and backend.name == "triton"
+        and config.cuda_graphs
+        and os.environ.get("MINIBATCH_CUDA_GRAPHS", "1") != "0"
+    ):
         from .cuda_graphs import DecodeGraphs
 
         runner.graphs = DecodeGraphs(model, caches, config.block_size, max_model_len, config.max_num_seqs)
@@ -191,12 +205,22 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         timeline_steps=config.timeline_steps,
     )
     engine.info = EngineInfo(
-        model=config.model, model_dir=str(model_dir), family=cfg.model_type, device=device, dtype=dtype_name,
+        model=config.model,
+        model_dir=str(model_dir),
+        family=cfg.model_type,
+        device=device,
+        dtype=dtype_name,
         weights=model.weights_desc,
         attention=backend.name if getattr(backend, "decode_kernel", None) is None else "torch+cpu-decode-kernel",
-        ops=ops.name, block_size=config.block_size, num_kv_blocks=num_blocks, kv_budget=budget_rule,
-        max_model_len=max_model_len, max_num_seqs=config.max_num_seqs, vocab_size=cfg.vocab_size,
-        eos_token_ids=tuple(sorted(eos)), generation_defaults=gen_defaults,
+        ops=ops.name,
+        block_size=config.block_size,
+        num_kv_blocks=num_blocks,
+        kv_budget=budget_rule,
+        max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        vocab_size=cfg.vocab_size,
+        eos_token_ids=tuple(sorted(eos)),
+        generation_defaults=gen_defaults,
         # which LongRoPE factors this run rotates with (use_context)
         rope_factors=("long" if model.model.rotary.long else "short") if cfg.rope.rope_type == "longrope" else None,
         memory=weight_facts(model),

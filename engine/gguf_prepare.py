@@ -27,15 +27,34 @@ from .gguf_vocab import NAMED, can_write, write_tokenizer
 if TYPE_CHECKING:
     from .weights.gguf_reader import GGUFFile
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")  # GGUF names of what our forward runs
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-               "phi3": "Phi3ForCausalLM"}
+ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+)  # GGUF names of what our forward runs
+_HF_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
 # Tokens llama.cpp ends generation on by their text, whatever the metadata says (its end-of-generation set).
 END_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>")
 # Default sampling a GGUF may carry (general.sampling.*) -> generation_config.json's names.
-_SAMPLING = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-             "penalty_repeat": "repetition_penalty"}
+_SAMPLING = {
+    "temp": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "penalty_repeat": "repetition_penalty",
+}
 
 
 def can_prepare(gguf: GGUFFile) -> str | None:
@@ -150,9 +169,11 @@ def _phi3_config(gguf: GGUFFile, config: dict) -> None:
     factors = {info.name: info for info in gguf.tensors if info.name.startswith("rope_factors_")}
     if factors:  # LongRoPE (the 128k models): per-frequency divisors stored as tensors
         config["rope_parameters"].update(
-            rope_type="longrope", short_factor=_f32_tensor(gguf, factors["rope_factors_short.weight"]),
+            rope_type="longrope",
+            short_factor=_f32_tensor(gguf, factors["rope_factors_short.weight"]),
             long_factor=_f32_tensor(gguf, factors["rope_factors_long.weight"]),
-            original_max_position_embeddings=meta.get("phi3.rope.scaling.original_context_length", context))
+            original_max_position_embeddings=meta.get("phi3.rope.scaling.original_context_length", context),
+        )
         if isinstance(meta.get("phi3.rope.scaling.attn_factor"), float):
             config["rope_parameters"]["attention_factor"] = _decimal(meta["phi3.rope.scaling.attn_factor"])
 
@@ -183,8 +204,11 @@ def write_config_and_tokenizer(gguf: Path, out: Path) -> str:
     if why_not is None:
         write_model_files(f, out)
         return "minibatch"
-    print(f"minibatch: reading {gguf.name}'s config and tokenizer with transformers, once ({why_not} is not covered "
-          "by our reader)", file=sys.stderr)
+    print(
+        f"minibatch: reading {gguf.name}'s config and tokenizer with transformers, once ({why_not} is not covered "
+        "by our reader)",
+        file=sys.stderr,
+    )
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)

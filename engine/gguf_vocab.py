@@ -44,8 +44,12 @@ PRE_TOKENIZERS = {
 }
 # llama.cpp's token types
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
-NAMED = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
-         "pad_token": "padding_token_id"}
+NAMED = {
+    "bos_token": "bos_token_id",
+    "eos_token": "eos_token_id",
+    "unk_token": "unknown_token_id",
+    "pad_token": "padding_token_id",
+}
 _SPACE = "\u2581"  # SentencePiece's "▁"
 
 
@@ -73,31 +77,45 @@ def write_tokenizer(gguf: GGUFFile, tokens: list[str], out: Path) -> None:
         tok, whole = _sentencepiece(gguf, tokens, types)
     else:
         tok, whole = _byte_level(gguf, tokens)
-    named = {name: tokens[meta[f"tokenizer.ggml.{key}"]] for name, key in NAMED.items()
-             if isinstance(meta.get(f"tokenizer.ggml.{key}"), int) and meta[f"tokenizer.ggml.{key}"] < len(tokens)}
+    named = {
+        name: tokens[meta[f"tokenizer.ggml.{key}"]]
+        for name, key in NAMED.items()
+        if isinstance(meta.get(f"tokenizer.ggml.{key}"), int) and meta[f"tokenizer.ggml.{key}"] < len(tokens)
+    }
     special = [t for t, k in zip(tokens, types) if k == _CONTROL and whole(t)]
     special += [t for t in named.values() if t not in special]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
+    tok.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+    )
 
     # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama"))
     add_bos = add_bos and "bos_token" in named
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and "eos_token" in named
     if add_bos or add_eos:
-        added = [(name, meta[f"tokenizer.ggml.{name}_token_id"]) for name, on in (("bos", add_bos), ("eos", add_eos)) if on]
+        added = [
+            (name, meta[f"tokenizer.ggml.{name}_token_id"]) for name, on in (("bos", add_bos), ("eos", add_eos)) if on
+        ]
         bos, eos = named.get("bos_token"), named.get("eos_token")
 
         def around(text: str, seq: int) -> str:  # one sequence with the BOS before it and the EOS after it
             return " ".join([f"{bos}:{seq}"] * add_bos + [f"{text}:{seq}"] + [f"{eos}:{seq}"] * add_eos)
 
         tok.post_processor = processors.TemplateProcessing(
-            single=around("$A", 0), pair=f"{around('$A', 0)} {around('$B', 1)}",
-            special_tokens=[(named[f"{name}_token"], token_id) for name, token_id in added])
+            single=around("$A", 0),
+            pair=f"{around('$A', 0)} {around('$B', 1)}",
+            special_tokens=[(named[f"{name}_token"], token_id) for name, token_id in added],
+        )
     tok.save(str(out / "tokenizer.json"))
 
-    config = {"tokenizer_class": "TokenizersBackend", "add_bos_token": add_bos, "add_eos_token": add_eos,
-              "clean_up_tokenization_spaces": False, **named}
+    config = {
+        "tokenizer_class": "TokenizersBackend",
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "clean_up_tokenization_spaces": False,
+        **named,
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     template = meta.get("tokenizer.chat_template")
     if isinstance(template, str) and template:
@@ -114,10 +132,15 @@ def _byte_level(gguf: GGUFFile, tokens: list[str]):
     # A token outside the byte alphabet is stored as raw text: spell it in the alphabet as the BPE sees it.
     spelled = [t if letters.issuperset(t) else "".join(alphabet[b] for b in t.encode()) for t in tokens]
     merges = gguf.array("tokenizer.ggml.merges") or []
-    tok = Tokenizer(models.BPE(
-        {t: i for i, t in enumerate(spelled)}, [tuple(m.split(" ", 1)) for m in merges],
-        fuse_unk=False, byte_fallback=False, ignore_merges=ignore_merges,
-    ))
+    tok = Tokenizer(
+        models.BPE(
+            {t: i for i, t in enumerate(spelled)},
+            [tuple(m.split(" ", 1)) for m in merges],
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=ignore_merges,
+        )
+    )
     if nfc:
         tok.normalizer = normalizers.NFC()
     steps = []
@@ -148,13 +171,16 @@ def _sentencepiece(gguf: GGUFFile, tokens: list[str], types: list[int]):
     for piece, score, kind in zip(tokens, scores, types):
         if kind in (_UNUSED, _BYTE) or len(piece) < 2:
             continue
-        merges.extend((score, piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab)
+        merges.extend(
+            (score, piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab
+        )
     # best score first; among equal scores llama.cpp joins the leftmost pair, which no rank can say: keep file order
     merges.sort(key=lambda m: -m[0])
     unk = meta.get("tokenizer.ggml.unknown_token_id")
     unk_token = tokens[unk] if isinstance(unk, int) and unk < len(tokens) else None
-    tok = Tokenizer(models.BPE(vocab, [(a, b) for _, a, b in merges], unk_token=unk_token, fuse_unk=True,
-                               byte_fallback=True))
+    tok = Tokenizer(
+        models.BPE(vocab, [(a, b) for _, a, b in merges], unk_token=unk_token, fuse_unk=True, byte_fallback=True)
+    )
     prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
     replace = normalizers.Replace(" ", _SPACE)
     tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), replace]) if prefix else replace

@@ -38,5 +38,5 @@ def allocate_kv_cache(
     total = cfg.num_layers * per_layer
     raw = np.zeros(total + 64, dtype=np.uint8)
     start = -raw.ctypes.data % 64  # cache-line aligned, as torch's allocator would give
-    pool = torch.from_numpy(raw[start:start + total])
-    return [pool[i * per_layer:(i + 1) * per_layer].view(dtype).view(shape) for i in range(cfg.num_layers)]
+    pool = torch.from_numpy(raw[start : start + total])
+    return [pool[i * per_layer : (i + 1) * per_layer].view(dtype).view(shape) for i in range(cfg.num_layers)]

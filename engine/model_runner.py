@@ -24,10 +24,12 @@ def token_logprobs(logprobs: torch.Tensor, tokens: list[int], reqs: list[Request
     """Per request: the chosen token's log-probability and its k most likely alternatives, from one topk."""
     k = max(r.params.logprobs for r in reqs)
     chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None]).squeeze(1).tolist()
-    top_vals, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long()))
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
     top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    return {r.request_id: (chosen[j], list(zip(top_ids[j][: r.params.logprobs], top_vals[j][: r.params.logprobs])))
-            for j, r in enumerate(reqs)}
+    return {
+        r.request_id: (chosen[j], list(zip(top_ids[j][: r.params.logprobs], top_vals[j][: r.params.logprobs])))
+        for j, r in enumerate(reqs)
+    }
 
 
 class ModelRunner:

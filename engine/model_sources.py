@@ -63,6 +63,7 @@ def models_dir() -> Path:
 
 # -- Ollama -------------------------------------------------------------------
 
+
 def _ollama_name(manifest: Path, root: Path) -> str:
     registry, *rest = manifest.relative_to(root).parts
     *repo, tag = rest
@@ -76,7 +77,9 @@ def _ollama_manifests() -> dict[str, Path]:
     root = ollama_dir() / "manifests"
     if not root.is_dir():
         return {}
-    return {_ollama_name(p, root): p for p in sorted(root.rglob("*")) if p.is_file() and len(p.relative_to(root).parts) >= 3}
+    return {
+        _ollama_name(p, root): p for p in sorted(root.rglob("*")) if p.is_file() and len(p.relative_to(root).parts) >= 3
+    }
 
 
 def _ollama_blob(name: str, manifest: Path) -> Path:
@@ -89,7 +92,9 @@ def _ollama_blob(name: str, manifest: Path) -> Path:
         raise SourceError(f"ollama:{name}: the manifest lists no model layer ({OLLAMA_MODEL_MEDIA})")
     blob = ollama_dir() / "blobs" / model["digest"].replace(":", "-")
     if not blob.is_file():
-        raise SourceError(f"ollama:{name}: its model blob {blob.name} is missing from {blob.parent} (`ollama pull` it again)")
+        raise SourceError(
+            f"ollama:{name}: its model blob {blob.name} is missing from {blob.parent} (`ollama pull` it again)"
+        )
     return blob
 
 
@@ -104,6 +109,7 @@ def resolve_ollama(spec: str) -> Path:
 
 
 # -- the hub cache ------------------------------------------------------------
+
 
 def _hf_snapshot(repo_dir: Path) -> Path | None:
     ref = repo_dir / "refs" / "main"
@@ -133,11 +139,12 @@ def _hf_repos() -> list[tuple[str, Path]]:
     for d in sorted(root.glob("models--*")):
         snap = _hf_snapshot(d)
         if snap is not None and (snap / "config.json").exists():
-            out.append((d.name[len("models--"):].replace("--", "/"), snap))
+            out.append((d.name[len("models--") :].replace("--", "/"), snap))
     return out
 
 
 # -- describing ----------------------------------------------------------------
+
 
 def describe_gguf(path: Path) -> tuple[str, str]:
     """(architecture, the type of most of its matrices) from the header alone."""

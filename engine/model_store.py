@@ -82,9 +82,9 @@ def resolve_model(spec: str = DEFAULT_MODEL, cache_dir: Path | None = None) -> P
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     try:
         if spec.startswith("ollama:"):
-            return prepare_gguf(sources.resolve_ollama(spec[len("ollama:"):]), cache_dir)
+            return prepare_gguf(sources.resolve_ollama(spec[len("ollama:") :]), cache_dir)
         if spec.startswith("hf:"):
-            return check_model_dir(sources.resolve_hf(spec[len("hf:"):]))
+            return check_model_dir(sources.resolve_hf(spec[len("hf:") :]))
     except sources.SourceError as exc:
         raise ModelNotFoundError(str(exc)) from None
     if spec in BUILTIN_MODELS:
@@ -103,7 +103,9 @@ def resolve_model(spec: str = DEFAULT_MODEL, cache_dir: Path | None = None) -> P
     ollama_name = spec if ":" in spec else f"{spec}:latest"
     in_ollama = f"ollama:{ollama_name}" in {m.name for m in _ollama_entries()}
     if local is not None and in_ollama:
-        raise ModelNotFoundError(f"{spec!r} is both {local} and ollama:{ollama_name}: say which (a path, or ollama:{ollama_name})")
+        raise ModelNotFoundError(
+            f"{spec!r} is both {local} and ollama:{ollama_name}: say which (a path, or ollama:{ollama_name})"
+        )
     if local is not None:
         return check_model_dir(local) if local.is_dir() else prepare_gguf(local, cache_dir)
     if in_ollama:
@@ -180,9 +182,14 @@ def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
         try:
             started = time.perf_counter()
             reader = write_config_and_tokenizer(gguf, tmp)
-            source = {"gguf": str(gguf.resolve()), "weights_from_gguf": True, "prepared_by": reader,
-                      "format": PREPARED_FORMAT, "sha256_prefix": key.rsplit("-", 1)[1],
-                      "seconds": round(time.perf_counter() - started, 3)}
+            source = {
+                "gguf": str(gguf.resolve()),
+                "weights_from_gguf": True,
+                "prepared_by": reader,
+                "format": PREPARED_FORMAT,
+                "sha256_prefix": key.rsplit("-", 1)[1],
+                "seconds": round(time.perf_counter() - started, 3),
+            }
             (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=2))
             os.rename(tmp, dest)
         except BaseException:
@@ -210,13 +217,17 @@ def _from_hub(repo_id: str) -> Path:
         return check_model_dir(Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)))
     except Exception:
         pass
-    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get("TRANSFORMERS_OFFLINE", "") not in ("", "0")
+    offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0") or os.environ.get(
+        "TRANSFORMERS_OFFLINE", ""
+    ) not in ("", "0")
     hint = (
         f"download it on a connected machine and pass its directory (config.json + *.safetensors), "
         f"or use the built-in model ({DEFAULT_MODEL})"
     )
     if offline:
-        raise ModelNotFoundError(f"model {repo_id!r} is not in the local Hugging Face cache and the hub is offline: {hint}")
+        raise ModelNotFoundError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and the hub is offline: {hint}"
+        )
     try:
         return check_model_dir(Path(snapshot_download(repo_id, allow_patterns=patterns)))
     except ModelNotFoundError:

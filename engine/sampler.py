@@ -50,7 +50,9 @@ class Sampler:
         top_k = [r.params.top_k for r in reqs]
         if any(k > 0 for k in top_k):
             ks = torch.tensor([k if k > 0 else logits.shape[1] for k in top_k], device=logits.device)
-            kth = logits.sort(dim=-1, descending=True).values.gather(1, (ks - 1).clamp(max=logits.shape[1] - 1)[:, None])
+            kth = logits.sort(dim=-1, descending=True).values.gather(
+                1, (ks - 1).clamp(max=logits.shape[1] - 1)[:, None]
+            )
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = logits.softmax(dim=-1)
         top_p = torch.tensor([r.params.top_p for r in reqs], device=logits.device)
@@ -84,7 +86,9 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], reqs: list[Reques
     words = np.zeros((len(rows), (vocab + 31) // 32), dtype=np.int32)
     for j, r in enumerate(reqs):
         r.params.grammar.fill_mask(words[j])
-    bits = torch.from_numpy(words).to(logits.device).unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = torch.from_numpy(words).to(logits.device).unsqueeze(-1) >> torch.arange(
+        32, dtype=torch.int32, device=logits.device
+    )
     allowed = (bits & 1).bool().reshape(len(rows), -1)[:, :vocab]
     index = torch.tensor(rows, device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
@@ -93,7 +97,9 @@ def apply_grammar_masks(logits: torch.Tensor, rows: list[int], reqs: list[Reques
 def apply_penalties(row: torch.Tensor, r: Request) -> None:  # row: [vocab], changed in place
     p = r.params
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), dtype=torch.long, device=row.device)
+        seen = torch.tensor(
+            sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), dtype=torch.long, device=row.device
+        )
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if r.output_token_ids and (p.presence_penalty or p.frequency_penalty):

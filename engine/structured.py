@@ -87,8 +87,7 @@ class GrammarCompiler:
                 import llguidance
 
                 spec = self._tokenizer_json() if callable(self._tokenizer_json) else self._tokenizer_json
-                self._tokenizer = llguidance.LLTokenizer(spec, n_vocab=self._vocab_size,
-                                                         eos_token=self._eos)
+                self._tokenizer = llguidance.LLTokenizer(spec, n_vocab=self._vocab_size, eos_token=self._eos)
             return self._tokenizer
 
     def json_schema(self, schema: dict | bool) -> Grammar:
@@ -98,7 +97,9 @@ class GrammarCompiler:
         if not isinstance(schema, (dict, bool)):
             raise GrammarError(f"the schema must be a JSON object, got {type(schema).__name__}")
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(bound_integers(schema)), defaults=JSON_LAYOUT)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                json.dumps(bound_integers(schema)), defaults=JSON_LAYOUT
+            )
         except ValueError as exc:
             raise GrammarError(str(exc)) from exc
         return self._matcher(grammar)
@@ -113,9 +114,19 @@ class GrammarCompiler:
         arguments following that function's parameters schema."""
         import llguidance
 
-        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"], "properties": {
-            "name": {"const": t["name"]}, "arguments": bound_integers(t.get("parameters") or {"type": "object"})}}
-            for t in tools if name is None or t["name"] == name]
+        calls = [
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "arguments"],
+                "properties": {
+                    "name": {"const": t["name"]},
+                    "arguments": bound_integers(t.get("parameters") or {"type": "object"}),
+                },
+            }
+            for t in tools
+            if name is None or t["name"] == name
+        ]
         if not calls:
             raise GrammarError(f"no function named {name!r} among the tools")
         schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}

@@ -76,7 +76,10 @@ class TextTokenizer:
         """Whether the chat template shows the model its tools (rendering with one changes the prompt)."""
         if self._renders_tools is None:
             probe = [{"role": "user", "content": "hi"}]
-            tool = {"type": "function", "function": {"name": "probe_tool_x", "description": "d", "parameters": {"type": "object"}}}
+            tool = {
+                "type": "function",
+                "function": {"name": "probe_tool_x", "description": "d", "parameters": {"type": "object"}},
+            }
             try:
                 self._renders_tools = self.has_chat_template and "probe_tool_x" in self.render_chat(probe, tools=[tool])
             except ValueError:
@@ -88,7 +91,9 @@ class TextTokenizer:
         """How the model writes a call, as far as we parse it: "hermes" (<tool_call>{json}</tool_call>) or None."""
         return "hermes" if self.chat_template and "<tool_call>" in self.chat_template else None
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+    def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         """The conversation as text, rendered with the model's chat template (and its tools, if given)."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
@@ -96,16 +101,22 @@ class TextTokenizer:
 
         try:
             if self._tok is None:
-                return self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                                   tokenize=False)
+                return self.hf.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+                )
             return _compiled(self.chat_template).render(
-                messages=[_with_reasoning_aliases(m) for m in messages], tools=tools, documents=None,
-                add_generation_prompt=add_generation_prompt, **self._special,
+                messages=[_with_reasoning_aliases(m) for m in messages],
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self._special,
             )
         except jinja2.TemplateError as exc:  # raise_exception() in the template, or a template bug
             raise ValueError(f"the model's chat template refused these messages: {exc}") from exc
 
-    def chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
+    def chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         """Token ids of the conversation rendered with the model's chat template (no special tokens added)."""
         return self.encode(self.render_chat(messages, add_generation_prompt, tools))
 
@@ -149,7 +160,9 @@ def _chat_template(model_dir: Path, config: dict) -> str | None:
 
 def _with_reasoning_aliases(message: dict) -> dict:
     """Templates read a message's reasoning as reasoning_content (or thinking); fill both from whichever is set."""
-    reasoning = next((message[k] for k in ("reasoning_content", "thinking", "reasoning") if message.get(k) is not None), None)
+    reasoning = next(
+        (message[k] for k in ("reasoning_content", "thinking", "reasoning") if message.get(k) is not None), None
+    )
     return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
@@ -207,7 +220,9 @@ def _compiled(template: str):
         def fromkeys(self, *args, **kwargs):
             return dict.fromkeys(*args, **kwargs)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals.update(
         raise_exception=raise_exception,

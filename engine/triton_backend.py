@@ -35,7 +35,9 @@ class TritonAttentionBackend:
             tables[i, :k] = torch.tensor(t[:k], dtype=torch.int32)
         if device.type == "cuda":
             host = host.pin_memory().to(device, non_blocking=True)
-        meta.plan = _TritonPlan(host[2 * rows + 1 :].view(rows, width), host[rows : 2 * rows + 1], host[:rows], max(meta.query_lens))
+        meta.plan = _TritonPlan(
+            host[2 * rows + 1 :].view(rows, width), host[rows : 2 * rows + 1], host[:rows], max(meta.query_lens)
+        )
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         from minibatch.kernels.kv_store import store_kv
@@ -43,12 +45,27 @@ class TritonAttentionBackend:
 
         store_kv(k.contiguous(), v.contiguous(), kv_cache, meta.slot_mapping)
         plan: _TritonPlan = meta.plan
-        return paged_attention(q.contiguous(), kv_cache, plan.block_tables, plan.query_start_loc, plan.seq_lens, scale,
-                               plan.max_query_len, meta.window, meta.softcap)
+        return paged_attention(
+            q.contiguous(),
+            kv_cache,
+            plan.block_tables,
+            plan.query_start_loc,
+            plan.seq_lens,
+            scale,
+            plan.max_query_len,
+            meta.window,
+            meta.softcap,
+        )
 
 
 # What the Triton kernels support, checked when the engine is built (never a failure mid-serving).
-GPU_BLOCK_SIZES = (8, 16, 32, 64, 128)  # powers of two; past 128 a key tile no longer fits shared memory at head_dim 256
+GPU_BLOCK_SIZES = (
+    8,
+    16,
+    32,
+    64,
+    128,
+)  # powers of two; past 128 a key tile no longer fits shared memory at head_dim 256
 GPU_HEAD_DIMS = (16, 32, 64, 128, 256)  # tl.dot needs >= 16 and a power of two; 256 is the largest tile we size for
 
 
@@ -76,7 +93,11 @@ def select_backend(device: str, dtype: torch.dtype):
             return TorchAttentionBackend(), TorchOps()
         return TritonAttentionBackend(), TritonOps()
     if dtype == torch.float32:
-        from minibatch.kernels.cpu_paged_attention import load_extension, paged_decode_attention, store_and_decode_attention
+        from minibatch.kernels.cpu_paged_attention import (
+            load_extension,
+            paged_decode_attention,
+            store_and_decode_attention,
+        )
 
         ext = load_extension()  # compiled on first use, then cached
         if ext is not None:

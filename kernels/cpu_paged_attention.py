@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from .cpu_ext import load_cpu_extension
 
 
-
 def load_extension():
     """The compiled CPU extension, or None (then the PyTorch twin runs)."""
     return load_cpu_extension()
@@ -32,8 +31,9 @@ def paged_decode_attention(
     ext = load_extension()
     if ext is None:
         return paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, window, softcap)
-    return ext.paged_decode_attention(q.contiguous(), kv_cache[0], kv_cache[1], block_tables, seq_lens, scale, window,
-                                      float(softcap or 0.0))
+    return ext.paged_decode_attention(
+        q.contiguous(), kv_cache[0], kv_cache[1], block_tables, seq_lens, scale, window, float(softcap or 0.0)
+    )
 
 
 def store_and_decode_attention(
@@ -51,12 +51,17 @@ def store_and_decode_attention(
     """Write the new K/V into the cache, then attend: one kernel call per layer at decode."""
     ext = load_extension()
     if ext is None:
-        return store_and_decode_attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale, window, softcap)
-    return ext.store_and_decode_attention(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale, window,
-                                          float(softcap or 0.0))
+        return store_and_decode_attention_ref(
+            q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale, window, softcap
+        )
+    return ext.store_and_decode_attention(
+        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale, window, float(softcap or 0.0)
+    )
 
 
-def store_and_decode_attention_ref(q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale, window=0, softcap=None):
+def store_and_decode_attention_ref(
+    q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale, window=0, softcap=None
+):
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
@@ -70,7 +75,9 @@ def paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, windo
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     max_len = int(seq_lens.max())
     pos = torch.arange(max_len, device=q.device)
-    blocks = block_tables.long().gather(1, (pos // block_size).expand(num_seqs, -1).clamp(max=block_tables.shape[1] - 1))
+    blocks = block_tables.long().gather(
+        1, (pos // block_size).expand(num_seqs, -1).clamp(max=block_tables.shape[1] - 1)
+    )
     slots = blocks * block_size + pos % block_size  # [num_seqs, max_len]
     k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)[slots]  # [num_seqs, max_len, kv_heads, head_dim]
     v = kv_cache[1].reshape(-1, num_kv_heads, head_dim)[slots]

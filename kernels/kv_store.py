@@ -11,11 +11,17 @@ from .triton_support import next_power_of_2
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr,  # [num_tokens, num_kv_heads * head_dim]
-    k_cache_ptr, v_cache_ptr,  # [num_slots, num_kv_heads * head_dim]
+    k_ptr,
+    v_ptr,  # [num_tokens, num_kv_heads * head_dim]
+    k_cache_ptr,
+    v_cache_ptr,  # [num_slots, num_kv_heads * head_dim]
     slot_ptr,  # [num_tokens] int64; a negative slot is padding and is skipped
-    stride_k, stride_v, stride_kc, stride_vc,
-    WIDTH: tl.constexpr, BLOCK: tl.constexpr,
+    stride_k,
+    stride_v,
+    stride_kc,
+    stride_vc,
+    WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
@@ -44,8 +50,19 @@ def store_kv(
         raise ValueError("k and v rows must be contiguous")
     kc, vc = kv_cache[0].view(-1, width), kv_cache[1].view(-1, width)
     if k.shape[0]:
-        _store_kv_kernel[(k.shape[0],)](k2, v2, kc, vc, slot_mapping, k2.stride(0), v2.stride(0), kc.stride(0), vc.stride(0),
-                                         WIDTH=width, BLOCK=next_power_of_2(width))
+        _store_kv_kernel[(k.shape[0],)](
+            k2,
+            v2,
+            kc,
+            vc,
+            slot_mapping,
+            k2.stride(0),
+            v2.stride(0),
+            kc.stride(0),
+            vc.stride(0),
+            WIDTH=width,
+            BLOCK=next_power_of_2(width),
+        )
 
 
 def store_kv_ref(k, v, kv_cache, slot_mapping) -> None:

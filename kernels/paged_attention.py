@@ -31,10 +31,16 @@ def _paged_attention_kernel(
     scale,
     window,  # > 0: a query attends to the last `window` positions only (sliding window); 0: all
     softcap,  # with SOFTCAP: scores -> softcap * tanh(scores / softcap)
-    stride_qt, stride_qh,
-    stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
     stride_bt,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -55,8 +61,11 @@ def _paged_attention_kernel(
         offs_m = qblock * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
         m_valid = offs_m < q_len
-        q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                    mask=m_valid[:, None], other=0.0)
+        q = tl.load(
+            q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+            mask=m_valid[:, None],
+            other=0.0,
+        )
         q_pos = ctx - q_len + offs_m  # absolute position of each query token
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -68,10 +77,19 @@ def _paged_attention_kernel(
             k_pos = start + tl.arange(0, BLOCK_N)
             k_valid = k_pos < last
             # int64: block id x block stride passes 2**31 elements in a cache of 4+ GiB per layer (bf16)
-            block = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+            block = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(
+                tl.int64
+            )
             within = k_pos % BLOCK_SIZE
-            k = tl.load(k_cache_ptr + block[:, None] * stride_kb + within[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-                        mask=k_valid[:, None], other=0.0)
+            k = tl.load(
+                k_cache_ptr
+                + block[:, None] * stride_kb
+                + within[:, None] * stride_ks
+                + kv_head * stride_kh
+                + offs_d[None, :],
+                mask=k_valid[:, None],
+                other=0.0,
+            )
             if FP32_DOT:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -89,16 +107,26 @@ def _paged_attention_kernel(
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_cache_ptr + block[:, None] * stride_vb + within[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-                        mask=k_valid[:, None], other=0.0)
+            v = tl.load(
+                v_cache_ptr
+                + block[:, None] * stride_vb
+                + within[:, None] * stride_vs
+                + kv_head * stride_vh
+                + offs_d[None, :],
+                mask=k_valid[:, None],
+                other=0.0,
+            )
             if FP32_DOT:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
+        tl.store(
+            out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=m_valid[:, None],
+        )
 
 
 def paged_attention(
@@ -132,19 +160,41 @@ def paged_attention(
     block_n = max(16, block_size)
     grid = (seq_lens.numel(), num_heads, triton.cdiv(max_query_len, block_m))
     _paged_attention_kernel[grid](
-        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window, float(softcap or 0.0),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        window,
+        float(softcap or 0.0),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        FP32_DOT=q.dtype == torch.float32, SOFTCAP=bool(softcap),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        FP32_DOT=q.dtype == torch.float32,
+        SOFTCAP=bool(softcap),
     )
     return out
 
 
-def paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, window=0,
-                        softcap=None):
+def paged_attention_ref(
+    q, kv_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, window=0, softcap=None
+):
     """The PyTorch twin: gather each sequence's context through its table, attend causally."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     out = torch.empty_like(q)
@@ -165,6 +215,8 @@ def paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, sc
             scores = torch.tanh(qi @ k.repeat_interleave(groups, 0).transpose(1, 2) * scale / softcap) * softcap
             o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.repeat_interleave(groups, 0)
         else:
-            o = F.scaled_dot_product_attention(qi[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True)[0]
+            o = F.scaled_dot_product_attention(
+                qi[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+            )[0]
         out[a:b] = o.transpose(0, 1).to(q.dtype)
     return out

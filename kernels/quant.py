@@ -113,8 +113,9 @@ def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor
     return q, d, bs
 
 
-def quant_linear_q8(acts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], qweight: torch.Tensor,
-                    qtype: QuantType) -> torch.Tensor:  # [rows, N] fp32
+def quant_linear_q8(
+    acts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], qweight: torch.Tensor, qtype: QuantType
+) -> torch.Tensor:  # [rows, N] fp32
     """x W^T in integers, from `quantize_activations(x, qtype.block_elems)` and a block-quantized W."""
     ext = load_cpu_extension()
     if ext is None:
@@ -137,8 +138,9 @@ def quantize_activations_ref(x: torch.Tensor, block: int = 32) -> tuple[torch.Te
     return q.to(torch.int8), d, bsums
 
 
-def quant_linear_q8_ref(acts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], qweight: torch.Tensor,
-                        qtype: QuantType) -> torch.Tensor:
+def quant_linear_q8_ref(
+    acts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], qweight: torch.Tensor, qtype: QuantType
+) -> torch.Tensor:
     """The dequantised weights times the dequantised 8-bit activations, summed in float64."""
     q, d, _ = acts
     rows, k = q.shape

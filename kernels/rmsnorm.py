@@ -11,9 +11,16 @@ from .triton_support import next_power_of_2
 
 @triton.jit
 def _add_rmsnorm_kernel(
-    out_ptr, x_ptr, res_ptr, w_ptr,  # rows of [num_tokens, hidden]; weight [hidden]
-    stride_o, stride_x, stride_r, eps,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+    out_ptr,
+    x_ptr,
+    res_ptr,
+    w_ptr,  # rows of [num_tokens, hidden]; weight [hidden]
+    stride_o,
+    stride_x,
+    stride_r,
+    eps,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -41,8 +48,18 @@ def fused_add_rmsnorm(
         raise ValueError("rows must be contiguous")
     out = torch.empty_like(x)
     if x.shape[0]:
-        _add_rmsnorm_kernel[(x.shape[0],)](out, x, residual, weight, out.stride(0), x.stride(0), residual.stride(0), eps,
-                                           HIDDEN=x.shape[1], BLOCK=next_power_of_2(x.shape[1]))
+        _add_rmsnorm_kernel[(x.shape[0],)](
+            out,
+            x,
+            residual,
+            weight,
+            out.stride(0),
+            x.stride(0),
+            residual.stride(0),
+            eps,
+            HIDDEN=x.shape[1],
+            BLOCK=next_power_of_2(x.shape[1]),
+        )
     return out
 
 

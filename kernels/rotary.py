@@ -12,9 +12,15 @@ from .triton_support import next_power_of_2
 @triton.jit
 def _rotary_kernel(
     x_ptr,  # [num_tokens, heads, head_dim]
-    pos_ptr, cos_ptr, sin_ptr,  # positions [num_tokens]; tables [max_position, head_dim // 2]
-    stride_t, stride_h, stride_c,
-    HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,  # positions [num_tokens]; tables [max_position, head_dim // 2]
+    stride_t,
+    stride_h,
+    stride_c,
+    HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
@@ -40,13 +46,25 @@ def rotary_inplace(
 ) -> None:
     half = q.shape[-1] // 2
     if k.shape[-1] != q.shape[-1] or cos.shape[-1] != half or half & (half - 1):
-        raise ValueError(f"head_dim {q.shape[-1]} (half a power of two) must match k {k.shape[-1]} and the tables {cos.shape[-1]}")
+        raise ValueError(
+            f"head_dim {q.shape[-1]} (half a power of two) must match k {k.shape[-1]} and the tables {cos.shape[-1]}"
+        )
     if q.stride(-1) != 1 or k.stride(-1) != 1 or not cos.is_contiguous() or not sin.is_contiguous():
         raise ValueError("head_dim must be contiguous")
     for x in (q, k):
         if x.shape[0]:
-            _rotary_kernel[(x.shape[0],)](x, positions, cos, sin, x.stride(0), x.stride(1), cos.stride(0),
-                                          HEADS=x.shape[1], HALF=half, BLOCK_H=next_power_of_2(x.shape[1]))
+            _rotary_kernel[(x.shape[0],)](
+                x,
+                positions,
+                cos,
+                sin,
+                x.stride(0),
+                x.stride(1),
+                cos.stride(0),
+                HEADS=x.shape[1],
+                HALF=half,
+                BLOCK_H=next_power_of_2(x.shape[1]),
+            )
 
 
 def rotary_inplace_ref(q, k, positions, cos, sin) -> None:

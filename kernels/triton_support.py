@@ -36,5 +36,7 @@ def cuda_device_unusable() -> str | None:
         return None
     if torch.version.cuda is None:
         return f"this machine has an NVIDIA GPU but torch {torch.__version__} is a CPU build"
-    return (f"this machine has an NVIDIA GPU but torch {torch.__version__} (CUDA {torch.version.cuda}) cannot use it: "
-            "the driver may be older than that CUDA version (see nvidia-smi)")
+    return (
+        f"this machine has an NVIDIA GPU but torch {torch.__version__} (CUDA {torch.version.cuda}) cannot use it: "
+        "the driver may be older than that CUDA version (see nvidia-smi)"
+    )

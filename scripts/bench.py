@@ -40,8 +40,9 @@ def body_of(item: TraceItem) -> tuple[dict, bool]:
     return {"prompt": item.prompt_ids, **common}, False
 
 
-async def replay(s, trace: list[TraceItem], concurrency: int | None, progress=None,
-                 native: bool = True) -> tuple[list[Result], float, dict]:
+async def replay(
+    s, trace: list[TraceItem], concurrency: int | None, progress=None, native: bool = True
+) -> tuple[list[Result], float, dict]:
     """Send the trace on its schedule (at most `concurrency` in flight); sample minibatchd's engine meanwhile."""
     sem = asyncio.Semaphore(concurrency) if concurrency else None
     samples: list[dict] = []
@@ -97,9 +98,12 @@ def hf_static(model_dir: str, trace: list[TraceItem], batch: int, tokenizer) -> 
 
     hf = load_hf_reference(model_dir)
     hf.generation_config.eos_token_id = None
-    prompts = [it.prompt_ids if it.prompt_ids is not None else
-               list(tokenizer.apply_chat_template(it.messages, add_generation_prompt=True, tokenize=True)["input_ids"])
-               for it in trace]
+    prompts = [
+        it.prompt_ids
+        if it.prompt_ids is not None
+        else list(tokenizer.apply_chat_template(it.messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+        for it in trace
+    ]
     t0 = time.monotonic()
     results = []
     for s in range(0, len(trace), batch):
@@ -108,7 +112,13 @@ def hf_static(model_dir: str, trace: list[TraceItem], batch: int, tokenizer) -> 
         ids = torch.tensor([[0] * (width - len(prompts[i])) + prompts[i] for i in group])
         mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(prompts[i]) for i in group])[:, None]).long()
         with torch.no_grad():
-            hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(trace[i].max_tokens for i in group), pad_token_id=0)
+            hf.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=max(trace[i].max_tokens for i in group),
+                pad_token_id=0,
+            )
         end = time.monotonic() - t0
         for i in group:  # a padded batch returns everything at its end
             r = Result(i, t0, ok=True, e2e=end, output_tokens=trace[i].max_tokens, finish_reason="length")
@@ -157,9 +167,11 @@ def ceilings_line(c: dict) -> str:
     line = f"machine: memory {c['memory_bandwidth_gb_s']:.1f} GB/s, fp32 matmul {c['matmul_gflop_s']:.0f} GFLOP/s"
     if "batch1_bandwidth_bound_tok_s" not in c:
         return line + " (the server does not publish its weights: no model bounds)"
-    return (line + f"; model {c['model_params'] / 1e6:.0f}M parameters, {c['matmul_bytes_per_step'] / 1e6:.0f} MB read "
-            f"per decode step -> batch-1 bandwidth bound {c['batch1_bandwidth_bound_tok_s']:.1f} tok/s, "
-            f"fp32 compute bound {c['compute_bound_tok_s']:.0f} tok/s")
+    return (
+        line + f"; model {c['model_params'] / 1e6:.0f}M parameters, {c['matmul_bytes_per_step'] / 1e6:.0f} MB read "
+        f"per decode step -> batch-1 bandwidth bound {c['batch1_bandwidth_bound_tok_s']:.1f} tok/s, "
+        f"fp32 compute bound {c['compute_bound_tok_s']:.0f} tok/s"
+    )
 
 
 def table(rows: list[dict]) -> str:
@@ -187,8 +199,20 @@ def plots(rows: list[dict], ttft: dict[str, list[float]], out: Path) -> list[Pat
     colors = {"continuous": "tab:blue", "static": "tab:orange", "hf-static": "tab:gray"}
     for kind, xlabel, ylabel, key, fname in (
         ("concurrency", "concurrent requests", "output tokens/s", "output_throughput", "throughput_vs_concurrency.png"),
-        ("rate", "request rate (req/s)", "normalized latency (s / output token)", "normalized_latency", "latency_vs_rate.png"),
-        ("variance", "output-length standard deviation (tokens)", "output tokens/s", "output_throughput", "throughput_vs_variance.png"),
+        (
+            "rate",
+            "request rate (req/s)",
+            "normalized latency (s / output token)",
+            "normalized_latency",
+            "latency_vs_rate.png",
+        ),
+        (
+            "variance",
+            "output-length standard deviation (tokens)",
+            "output tokens/s",
+            "output_throughput",
+            "throughput_vs_variance.png",
+        ),
     ):
         pts = [r for r in rows if r["kind"] == kind]
         if not pts:
@@ -198,8 +222,12 @@ def plots(rows: list[dict], ttft: dict[str, list[float]], out: Path) -> list[Pat
             vs = sorted((r for r in pts if r["variant"] == variant), key=lambda r: r["x"])
             xs = [r["x"] for r in vs]
             if key == "normalized_latency":
-                ax.plot(xs, [r["summary"][key]["p50"] for r in vs], "o-", color=colors.get(variant), label=f"{variant} p50")
-                ax.plot(xs, [r["summary"][key]["p95"] for r in vs], "o--", color=colors.get(variant), label=f"{variant} p95")
+                ax.plot(
+                    xs, [r["summary"][key]["p50"] for r in vs], "o-", color=colors.get(variant), label=f"{variant} p50"
+                )
+                ax.plot(
+                    xs, [r["summary"][key]["p95"] for r in vs], "o--", color=colors.get(variant), label=f"{variant} p95"
+                )
             else:
                 ax.plot(xs, [r["summary"][key] for r in vs], "o-", color=colors.get(variant), label=variant)
         ax.set_xlabel(xlabel)
@@ -288,8 +316,12 @@ async def run(args) -> int:
                     if native:
                         await wait_mode(s, mode)
                     if warm:
-                        await replay(s, [TraceItem(0.0, w.prompt_ids, w.messages, min(8, w.max_tokens)) for w in warm], None,
-                                     native=native)
+                        await replay(
+                            s,
+                            [TraceItem(0.0, w.prompt_ids, w.messages, min(8, w.max_tokens)) for w in warm],
+                            None,
+                            native=native,
+                        )
                     record = native and rep == 0 and x == largest
                     before = (await steps_since(s, 1 << 62))["last_step"] if record else 0
                     results, wall, engine = await replay(s, trace, concurrency, progress, native=native)
@@ -301,21 +333,54 @@ async def run(args) -> int:
                     runs.append(summary)
                     engines.append(engine)
                     if kind in ("main", "concurrency") and x == largest:
-                        ttft.setdefault(mode, []).extend(r.ttft for r in results if r.ok)  # main run, or the largest point
+                        ttft.setdefault(mode, []).extend(
+                            r.ttft for r in results if r.ok
+                        )  # main run, or the largest point
                     (out / f"run-{kind}-{label.replace(' ', '').replace('/', '')}-{mode}-{rep}.json").write_text(
-                        json.dumps({"point": label, "mode": mode, "summary": summary, "engine": engine,
-                                    "requests": [asdict(r) | {"itl": r.itl} for r in results]}, default=str))
+                        json.dumps(
+                            {
+                                "point": label,
+                                "mode": mode,
+                                "summary": summary,
+                                "engine": engine,
+                                "requests": [asdict(r) | {"itl": r.itl} for r in results],
+                            },
+                            default=str,
+                        )
+                    )
                 engine = {k: statistics.median(e[k] for e in engines) for k in engines[0]} if native else {}
-                rows.append({"kind": kind, "x": x, "point": label, "variant": mode, "summary": median_summary(runs), "engine": engine})
+                rows.append(
+                    {
+                        "kind": kind,
+                        "x": x,
+                        "point": label,
+                        "variant": mode,
+                        "summary": median_summary(runs),
+                        "engine": engine,
+                    }
+                )
             if args.hf_baseline:
-                rows.append({"kind": kind, "x": x, "point": label, "variant": "hf-static",
-                             "summary": hf_static(str(model_dir), trace, concurrency or args.max_batch, tokenizer), "engine": {}})
+                rows.append(
+                    {
+                        "kind": kind,
+                        "x": x,
+                        "point": label,
+                        "variant": "hf-static",
+                        "summary": hf_static(str(model_dir), trace, concurrency or args.max_batch, tokenizer),
+                        "engine": {},
+                    }
+                )
     progress.close()
     ceilings = machine_ceilings(health.get("memory"))
     md = table(rows)
     (out / "table.md").write_text(md + "\n")
-    (out / "summary.json").write_text(json.dumps({"args": vars(args), "daemon": health, "ceilings": ceilings, "rows": rows,
-                                                        "timeline": timelines}, indent=2, default=str))
+    (out / "summary.json").write_text(
+        json.dumps(
+            {"args": vars(args), "daemon": health, "ceilings": ceilings, "rows": rows, "timeline": timelines},
+            indent=2,
+            default=str,
+        )
+    )
     made = plots(rows, ttft, out)
     print(md)
     print("\n" + ceilings_line(ceilings))
@@ -352,13 +417,21 @@ async def run_peers(args, out: Path) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--socket", default=None)
-    ap.add_argument("--model", default=None, help="model for the tokenizer and HF baseline (default: the daemon's); "
-                    "with --peers, the .gguf every server runs")
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="model for the tokenizer and HF baseline (default: the daemon's); "
+        "with --peers, the .gguf every server runs",
+    )
     ap.add_argument("--workload", choices=["synthetic", "chat"], default="synthetic")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=lambda v: tuple(map(int, v.split(","))), default=(32, 256))
-    ap.add_argument("--output-len", type=lambda v: tuple(map(int, v.split(","))), default=None,
-                    help="output tokens, min,max (default 16,256; with --peers 8,128)")
+    ap.add_argument(
+        "--output-len",
+        type=lambda v: tuple(map(int, v.split(","))),
+        default=None,
+        help="output tokens, min,max (default 16,256; with --peers 8,128)",
+    )
     ap.add_argument("--arrivals", default="all", help="all, poisson:RATE or gamma:RATE:CV")
     ap.add_argument("--concurrency", type=int, default=None, help="at most this many in flight (default: unlimited)")
     ap.add_argument("--modes", default="continuous,static")
@@ -368,19 +441,30 @@ def main() -> int:
     ap.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO: TTFT at most this many seconds")
     ap.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO: TPOT at most this many seconds")
     ap.add_argument("--sweep", default=None, help="concurrency:1,4,16 | rate:0.5,1,2 | variance")
-    ap.add_argument("--hf-baseline", action="store_true", help="also run HF generate in padded static batches (in-process)")
+    ap.add_argument(
+        "--hf-baseline", action="store_true", help="also run HF generate in padded static batches (in-process)"
+    )
     ap.add_argument("--max-batch", type=int, default=32, help="HF baseline batch size when no concurrency is set")
     ap.add_argument("--out", default="results/bench")
-    ap.add_argument("--url", default=None, help="benchmark any OpenAI-compatible server at this URL instead of the socket")
+    ap.add_argument(
+        "--url", default=None, help="benchmark any OpenAI-compatible server at this URL instead of the socket"
+    )
     ap.add_argument("--api-key", default=None, help="API key to send (default: $MINIBATCH_API_KEY)")
-    peers = ap.add_argument_group("peers (--peers): the same text trace against minibatchd and other servers, one at a time")
-    peers.add_argument("--peers", default=None,
-                       help="comma list of minibatch[:native|native-exact|float32], llama.cpp[:file|Q4_1|Q8_0|F32], vllm, hf")
+    peers = ap.add_argument_group(
+        "peers (--peers): the same text trace against minibatchd and other servers, one at a time"
+    )
+    peers.add_argument(
+        "--peers",
+        default=None,
+        help="comma list of minibatch[:native|native-exact|float32], llama.cpp[:file|Q4_1|Q8_0|F32], vllm, hf",
+    )
     peers.add_argument("--concurrencies", default="1,4,16,64", help="closed-loop concurrency points")
     peers.add_argument("--repeat-at", default="1,16", help="points measured --repeats times (median); others once")
     peers.add_argument("--words", type=lambda v: tuple(map(int, v.split(","))), default=(16, 64), help="prompt words")
     peers.add_argument("--llama-server", default=None, help="llama-server binary (else $LLAMA_SERVER or PATH)")
-    peers.add_argument("--gguf", default=None, help="the Q4_1 GGUF the llama.cpp variants start from (default: built-in)")
+    peers.add_argument(
+        "--gguf", default=None, help="the Q4_1 GGUF the llama.cpp variants start from (default: built-in)"
+    )
     peers.add_argument("--peer-model", default="smollm2-135m-instruct", help="model minibatchd serves")
     peers.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads of every server")
     peers.add_argument("--port", type=int, default=18931, help="loopback port for TCP peers")

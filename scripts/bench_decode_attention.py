@@ -30,13 +30,27 @@ from minibatch.kernels.cpu_paged_attention import (  # noqa: E402
 SHAPES = {"gemma2-2b": (8, 4, 256), "smollm2-135m": (9, 3, 64), "mistral-7b": (32, 8, 128)}
 
 
-def time_forward(backend, batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                 softcap: float | None, window: int, repeats: int) -> float:
+def time_forward(
+    backend,
+    batch: int,
+    ctx: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    softcap: float | None,
+    window: int,
+    repeats: int,
+) -> float:
     per_seq = -(-ctx // block_size)
     cache = torch.randn(2, batch * per_seq + 1, block_size, kv_heads, head_dim)
     tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
     slots = torch.tensor([t[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size for t in tables])
-    q, k, v = torch.randn(batch, heads, head_dim), torch.randn(batch, kv_heads, head_dim), torch.randn(batch, kv_heads, head_dim)
+    q, k, v = (
+        torch.randn(batch, heads, head_dim),
+        torch.randn(batch, kv_heads, head_dim),
+        torch.randn(batch, kv_heads, head_dim),
+    )
     meta = AttentionMetadata([1] * batch, [ctx] * batch, block_size, slots, tables, window=window, softcap=softcap)
     backend.prepare(meta)
     times = []
@@ -63,17 +77,27 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     heads, kv_heads, head_dim = SHAPES[args.shape]
     softcap = args.softcap or None
-    backends = {"pytorch": TorchAttentionBackend(),
-                "c++ kernel": TorchAttentionBackend(paged_decode_attention, store_and_decode_attention)}
-    print(f"{args.shape} ({heads}/{kv_heads} heads, head_dim {head_dim}), softcap {softcap}, window {args.window}, "
-          f"{args.threads} threads; ms per layer call, median of {args.repeats}")
+    backends = {
+        "pytorch": TorchAttentionBackend(),
+        "c++ kernel": TorchAttentionBackend(paged_decode_attention, store_and_decode_attention),
+    }
+    print(
+        f"{args.shape} ({heads}/{kv_heads} heads, head_dim {head_dim}), softcap {softcap}, window {args.window}, "
+        f"{args.threads} threads; ms per layer call, median of {args.repeats}"
+    )
     print("| batch x context | PyTorch path | C++ kernel | ratio |\n| --- | --- | --- | --- |")
     with torch.inference_mode():
         for case in args.cases.split(","):
             batch, ctx = (int(x) for x in case.split("x"))
-            ms = {name: time_forward(b, batch, ctx, heads, kv_heads, head_dim, args.block_size, softcap, args.window,
-                                     args.repeats) for name, b in backends.items()}
-            print(f"| {batch} x {ctx} | {ms['pytorch']:.2f} | {ms['c++ kernel']:.2f} | {ms['pytorch'] / ms['c++ kernel']:.1f}x |")
+            ms = {
+                name: time_forward(
+                    b, batch, ctx, heads, kv_heads, head_dim, args.block_size, softcap, args.window, args.repeats
+                )
+                for name, b in backends.items()
+            }
+            print(
+                f"| {batch} x {ctx} | {ms['pytorch']:.2f} | {ms['c++ kernel']:.2f} | {ms['pytorch'] / ms['c++ kernel']:.1f}x |"
+            )
     return 0
 
 

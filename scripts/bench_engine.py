@@ -59,7 +59,9 @@ def run_ours(engine, trace, mode):
         engine.step()
     t0 = engine.clock()
     reqs = [
-        engine.add_request(f"{mode}-{i}-{time.monotonic_ns()}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        engine.add_request(
+            f"{mode}-{i}-{time.monotonic_ns()}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        )
         for i, (p, n) in enumerate(trace)
     ]
     while engine.has_work():
@@ -78,7 +80,9 @@ def run_hf_static(hf, trace, batch):
         ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in group])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])
         with torch.no_grad():
-            hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(n for _, n in group), pad_token_id=0)
+            hf.generate(
+                ids, attention_mask=mask, do_sample=False, max_new_tokens=max(n for _, n in group), pad_token_id=0
+            )
         done = time.monotonic() - t0
         e2e += [done] * len(group)
     return summarize("hf-static", time.monotonic() - t0, e2e, sum(n for _, n in trace))
@@ -102,7 +106,9 @@ def run_hf_cb(hf, trace, batch):
 
 
 def batch1_decode(engine, hf, prompt, n):
-    r = engine.add_request(f"b1-{time.monotonic_ns()}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    r = engine.add_request(
+        f"b1-{time.monotonic_ns()}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    )
     while engine.has_work():
         engine.step()
     ours = (n - 1) / (r.token_times[-1] - r.first_token_time)
@@ -125,7 +131,11 @@ def efficiency(engine, rows=64, context=192, steps=8):
     model = engine.runner.model
     rng = random.Random(1)
     for i in range(rows):
-        engine.add_request(f"eff-{i}", [rng.randrange(200, 40000) for _ in range(context)], SamplingParams(temperature=0, max_tokens=steps + 40, ignore_eos=True))
+        engine.add_request(
+            f"eff-{i}",
+            [rng.randrange(200, 40000) for _ in range(context)],
+            SamplingParams(temperature=0, max_tokens=steps + 40, ignore_eos=True),
+        )
     decode_times = []
     while engine.has_work() and len(decode_times) < steps:
         _, st = engine.step()
@@ -147,9 +157,17 @@ def efficiency(engine, rows=64, context=192, steps=8):
         lin_times.append(time.perf_counter() - t0)
     step, lin = statistics.median(decode_times), statistics.median(lin_times)
     streamed = engine.info.memory.matmul_bytes_per_step
-    return {"rows": rows, "context": context, "decode_step_ms": step * 1e3, "linears_ms": lin * 1e3, "efficiency": lin / step,
-            "matmul_bytes_per_step": streamed, "matmul_read_gb_s": streamed / lin / 1e9,
-            "matmuls": len(layers) + 1, "weights": engine.info.weights}
+    return {
+        "rows": rows,
+        "context": context,
+        "decode_step_ms": step * 1e3,
+        "linears_ms": lin * 1e3,
+        "efficiency": lin / step,
+        "matmul_bytes_per_step": streamed,
+        "matmul_read_gb_s": streamed / lin / 1e9,
+        "matmuls": len(layers) + 1,
+        "weights": engine.info.weights,
+    }
 
 
 def main() -> None:
@@ -172,15 +190,25 @@ def main() -> None:
     omin, omax = map(int, args.output.split(","))
     trace = make_trace(args.requests, pmin, pmax, omin, omax, args.seed)
     variants = args.variants.split(",")
-    print(f"trace: {len(trace)} requests, prompts {pmin}-{pmax}, outputs {omin}-{omax} "
-          f"({sum(n for _, n in trace)} output tokens), max running {args.max_running}, "
-          f"threads {torch.get_num_threads()}", file=sys.stderr)
+    print(
+        f"trace: {len(trace)} requests, prompts {pmin}-{pmax}, outputs {omin}-{omax} "
+        f"({sum(n for _, n in trace)} output tokens), max running {args.max_running}, "
+        f"threads {torch.get_num_threads()}",
+        file=sys.stderr,
+    )
 
     # Prefix caching off: replaying one trace would otherwise hit the previous run's cached prompts,
     # a head start the HF baseline does not get.
-    engine = build_engine(EngineConfig(model=args.model, max_num_seqs=max(64, args.max_running),
-                                       max_num_batched_tokens=1024, kv_cache_gb=3.0, max_wait_ms=0,
-                                       enable_prefix_caching=False))
+    engine = build_engine(
+        EngineConfig(
+            model=args.model,
+            max_num_seqs=max(64, args.max_running),
+            max_num_batched_tokens=1024,
+            kv_cache_gb=3.0,
+            max_wait_ms=0,
+            enable_prefix_caching=False,
+        )
+    )
     engine.scheduler.config.max_num_seqs = args.max_running
     import transformers
 
@@ -208,7 +236,10 @@ def main() -> None:
                 variants = [x for x in variants if x != v]
                 continue
             results[v].append(res)
-            print(f"  rep {rep + 1} {v:<11} {res['output_tok_s']:7.1f} tok/s  p50 {res['p50_e2e_s']:6.1f} s  p95 {res['p95_e2e_s']:6.1f} s", file=sys.stderr)
+            print(
+                f"  rep {rep + 1} {v:<11} {res['output_tok_s']:7.1f} tok/s  p50 {res['p50_e2e_s']:6.1f} s  p95 {res['p95_e2e_s']:6.1f} s",
+                file=sys.stderr,
+            )
 
     engine.set_mode("continuous")
     while engine.has_work():
@@ -217,7 +248,11 @@ def main() -> None:
     b1 = [batch1_decode(engine, hf, trace[0][0][:64], 64 if args.quick else 128) for _ in range(args.repeats)]
     eff = efficiency(engine, rows=16 if args.quick else 64, context=64 if args.quick else 192)
 
-    med = {v: {k: statistics.median(r[k] for r in rs) for k in ("output_tok_s", "p50_e2e_s", "p95_e2e_s")} for v, rs in results.items() if rs}
+    med = {
+        v: {k: statistics.median(r[k] for r in rs) for k in ("output_tok_s", "p50_e2e_s", "p95_e2e_s")}
+        for v, rs in results.items()
+        if rs
+    }
     print("\n| variant | runs | output tok/s | p50 e2e (s) | p95 e2e (s) |\n|---|---:|---:|---:|---:|")
     for v, m in med.items():
         print(f"| {v} | {len(results[v])} | {m['output_tok_s']:.1f} | {m['p50_e2e_s']:.1f} | {m['p95_e2e_s']:.1f} |")
@@ -225,19 +260,36 @@ def main() -> None:
         print(f"| {v} | failed: {e} | | |")
     ours_b1 = statistics.median(b for b, _ in b1)
     hf_b1 = statistics.median(h for _, h in b1)
-    print(f"\nbatch-1 decode: minibatch {ours_b1:.1f} tok/s, HF generate {hf_b1:.1f} tok/s, ratio {ours_b1 / hf_b1:.2f}")
-    print(f"engine efficiency at {eff['rows']} running (context ~{eff['context']}), {eff['weights']}: "
-          f"{eff['matmuls']} matmuls {eff['linears_ms']:.0f} ms / decode step {eff['decode_step_ms']:.0f} ms = {eff['efficiency']:.2f}; "
-          f"the matmuls read {eff['matmul_bytes_per_step'] / 1e6:.0f} MB of weights per step ({eff['matmul_read_gb_s']:.1f} GB/s)")
+    print(
+        f"\nbatch-1 decode: minibatch {ours_b1:.1f} tok/s, HF generate {hf_b1:.1f} tok/s, ratio {ours_b1 / hf_b1:.2f}"
+    )
+    print(
+        f"engine efficiency at {eff['rows']} running (context ~{eff['context']}), {eff['weights']}: "
+        f"{eff['matmuls']} matmuls {eff['linears_ms']:.0f} ms / decode step {eff['decode_step_ms']:.0f} ms = {eff['efficiency']:.2f}; "
+        f"the matmuls read {eff['matmul_bytes_per_step'] / 1e6:.0f} MB of weights per step ({eff['matmul_read_gb_s']:.1f} GB/s)"
+    )
     if "continuous" in med:
         for other in ("static", "hf-static", "hf-cb"):
             if other in med:
-                print(f"continuous / {other}: throughput x{med['continuous']['output_tok_s'] / med[other]['output_tok_s']:.2f}, "
-                      f"p95 e2e x{med['continuous']['p95_e2e_s'] / med[other]['p95_e2e_s']:.2f}")
+                print(
+                    f"continuous / {other}: throughput x{med['continuous']['output_tok_s'] / med[other]['output_tok_s']:.2f}, "
+                    f"p95 e2e x{med['continuous']['p95_e2e_s'] / med[other]['p95_e2e_s']:.2f}"
+                )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "runs": results, "median": med,
-                                         "errors": errors, "batch1": b1, "efficiency": eff}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "args": vars(args) | {"json": str(args.json)},
+                    "runs": results,
+                    "median": med,
+                    "errors": errors,
+                    "batch1": b1,
+                    "efficiency": eff,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,11 @@ import numpy as np
 
 SCHEMAS = {
     "object with required fields": (
-        {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                                          "email": {"type": "string"}}, "required": ["name", "age", "email"]},
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "email": {"type": "string"}},
+            "required": ["name", "age", "email"],
+        },
         {"name": "Ada Lovelace", "age": 36, "email": "ada@example.org"},
     ),
     "enum": (
@@ -37,9 +40,18 @@ SCHEMAS = {
         [1.5, -2, 3.25, 4e3],
     ),
     "nested": (
-        {"type": "object", "properties": {"user": {"type": "object", "properties": {
-            "id": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}},
-            "required": ["id", "tags"]}, "ok": {"type": "boolean"}}, "required": ["user", "ok"]},
+        {
+            "type": "object",
+            "properties": {
+                "user": {
+                    "type": "object",
+                    "properties": {"id": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}},
+                    "required": ["id", "tags"],
+                },
+                "ok": {"type": "boolean"},
+            },
+            "required": ["user", "ok"],
+        },
         {"user": {"id": 7, "tags": ["a", "bc"]}, "ok": True},
     ),
     "any JSON object": ({"type": "object"}, {"k": [1, {"x": None}], "s": "text"}),
@@ -93,7 +105,12 @@ def bench_llguidance(tok_json: str, vocab: int, eos: int, schema: dict, ids: lis
         batch_times.append(time.perf_counter() - started)
         if not all(m.consume_token(tid) for m in matchers):
             break
-    return {"compile_ms": compile_s * 1e3, "tokens": n, **_stats(times, "mask"), **_stats(batch_times, f"mask_x{batch}")}
+    return {
+        "compile_ms": compile_s * 1e3,
+        "tokens": n,
+        **_stats(times, "mask"),
+        **_stats(batch_times, f"mask_x{batch}"),
+    }
 
 
 def bench_xgrammar(tok_dir: Path, vocab: int, schema: dict, ids: list[int], batch: int) -> dict:
@@ -126,7 +143,12 @@ def bench_xgrammar(tok_dir: Path, vocab: int, schema: dict, ids: list[int], batc
         if not all(m.accept_token(tid) for m in matchers):
             break
     del torch
-    return {"compile_ms": compile_s * 1e3, "tokens": n, **_stats(times, "mask"), **_stats(batch_times, f"mask_x{batch}")}
+    return {
+        "compile_ms": compile_s * 1e3,
+        "tokens": n,
+        **_stats(times, "mask"),
+        **_stats(batch_times, f"mask_x{batch}"),
+    }
 
 
 def bench_engine_step(batches: list[int], steps: int = 24) -> list[dict]:
@@ -148,14 +170,19 @@ def bench_engine_step(batches: list[int], steps: int = 24) -> list[dict]:
         for label, guided in (("free", False), ("grammar", True)):
             for i in range(batch):
                 grammar = compiler.json_schema(schema) if guided else None
-                engine.add_request(f"{label}{batch}-{i}", prompt, SamplingParams(temperature=0, max_tokens=steps + 8,
-                                                                                 ignore_eos=True, grammar=grammar))
+                engine.add_request(
+                    f"{label}{batch}-{i}",
+                    prompt,
+                    SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True, grammar=grammar),
+                )
             times = []
             while engine.has_work():
                 started = time.perf_counter()
                 engine.step()
                 took = time.perf_counter() - started
-                if len(engine.scheduler.running) == batch and all(r.num_computed_tokens >= len(prompt) for r in engine.scheduler.running):
+                if len(engine.scheduler.running) == batch and all(
+                    r.num_computed_tokens >= len(prompt) for r in engine.scheduler.running
+                ):
                     times.append(took)
             result[f"{label}_step_ms"] = statistics.median(times) * 1e3 if times else float("nan")
         result["added_ms"] = result["grammar_step_ms"] - result["free_step_ms"]
@@ -182,6 +209,7 @@ def main() -> int:
     tok_json = (model_dir / "tokenizer.json").read_text()
     try:
         import xgrammar  # noqa: F401
+
         have_xgr = True
     except ImportError:
         have_xgr = False
@@ -189,22 +217,31 @@ def main() -> int:
     rows = []
     for name, (schema, instance) in SCHEMAS.items():
         ids = tok.encode(json.dumps(instance))
-        row = {"schema": name, "llguidance": bench_llguidance(tok_json, vocab, tok.eos_token_id, schema, ids, args.batch)}
+        row = {
+            "schema": name,
+            "llguidance": bench_llguidance(tok_json, vocab, tok.eos_token_id, schema, ids, args.batch),
+        }
         if have_xgr:
             row["xgrammar"] = bench_xgrammar(model_dir, vocab, schema, ids, args.batch)
         rows.append(row)
     libs = ["llguidance"] + (["xgrammar"] if have_xgr else [])
     b = args.batch
-    print(f"{'schema':30s} {'library':11s} {'compile ms':>10s} {'tokens':>6s} {'mask p50/p95 ms':>16s} {f'x{b} p50/p95 ms':>16s}")
+    print(
+        f"{'schema':30s} {'library':11s} {'compile ms':>10s} {'tokens':>6s} {'mask p50/p95 ms':>16s} {f'x{b} p50/p95 ms':>16s}"
+    )
     for row in rows:
         for lib in libs:
             r = row[lib]
-            print(f"{row['schema']:30s} {lib:11s} {r['compile_ms']:10.1f} {r['tokens']:6d} "
-                  f"{r['mask_p50_ms']:7.3f}/{r['mask_p95_ms']:<8.3f} {r[f'mask_x{b}_p50_ms']:7.3f}/{r[f'mask_x{b}_p95_ms']:.3f}")
+            print(
+                f"{row['schema']:30s} {lib:11s} {r['compile_ms']:10.1f} {r['tokens']:6d} "
+                f"{r['mask_p50_ms']:7.3f}/{r['mask_p95_ms']:<8.3f} {r[f'mask_x{b}_p50_ms']:7.3f}/{r[f'mask_x{b}_p95_ms']:.3f}"
+            )
     steps = bench_engine_step(sorted({1, args.batch}))
     print(f"\n{'decode step, built-in model':30s} {'free ms':>8s} {'grammar ms':>10s} {'added ms':>9s}")
     for r in steps:
-        print(f"{'batch ' + str(r['batch']):30s} {r['free_step_ms']:8.2f} {r['grammar_step_ms']:10.2f} {r['added_ms']:9.2f}")
+        print(
+            f"{'batch ' + str(r['batch']):30s} {r['free_step_ms']:8.2f} {r['grammar_step_ms']:10.2f} {r['added_ms']:9.2f}"
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"masks": rows, "engine_steps": steps}, indent=2))

@@ -49,8 +49,14 @@ async def over_socket(items, args, sock: str) -> float:
     async with session(sock) as s:
         for _ in range(args.repeats):
             t0 = time.monotonic()
-            results = await asyncio.gather(*(stream_request(s, i, {"prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}, chat=False)
-                                             for i, (p, n) in enumerate(items)))
+            results = await asyncio.gather(
+                *(
+                    stream_request(
+                        s, i, {"prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True}, chat=False
+                    )
+                    for i, (p, n) in enumerate(items)
+                )
+            )
             wall = time.monotonic() - t0
             assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
             rates.append(sum(r.output_tokens for r in results) / wall)
@@ -71,8 +77,24 @@ def main() -> int:
         sock = str(Path(d) / "d.sock")
         cli = [sys.executable, "-m", "minibatch.daemon.cli"]
         # `minibatchd start` returns once the daemon answers /health (or fails with the reason)
-        subprocess.run([*cli, "start", "--socket", sock, "--log-file", str(Path(d) / "d.log"), "--max-num-seqs", str(args.requests),
-                        "--max-num-batched-tokens", str(args.budget), "--kv-cache-gb", "2.0"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                *cli,
+                "start",
+                "--socket",
+                sock,
+                "--log-file",
+                str(Path(d) / "d.log"),
+                "--max-num-seqs",
+                str(args.requests),
+                "--max-num-batched-tokens",
+                str(args.budget),
+                "--kv-cache-gb",
+                "2.0",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         try:
             remote = asyncio.run(over_socket(items, args, sock))
         finally:

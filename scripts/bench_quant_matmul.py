@@ -53,7 +53,9 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     k, n = SHAPES[args.shape]
-    print(f"{args.shape}: [{n} x {k}] weights, {torch.get_num_threads()} threads, ms per call (median of {args.repeats})")
+    print(
+        f"{args.shape}: [{n} x {k}] weights, {torch.get_num_threads()} threads, ms per call (median of {args.repeats})"
+    )
     print("| type | rows | exact ms | integer ms | integer GB/s | exact / integer | faster |")
     print("|---|---:|---:|---:|---:|---:|---|")
     with torch.inference_mode():
@@ -66,9 +68,14 @@ def main() -> int:
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, k)
                 exact = timed(lambda: quant_linear(x, blocks, qtype), args.repeats)
-                fast = timed(lambda: quant_linear_q8(quantize_activations(x, qtype.block_elems), blocks, qtype), args.repeats)
-                print(f"| {name} | {rows} | {exact * 1e3:.2f} | {fast * 1e3:.2f} | {blocks.numel() / fast / 1e9:.1f} | "
-                      f"{exact / fast:.2f} | {'integer' if fast < exact else 'exact'} |", flush=True)
+                fast = timed(
+                    lambda: quant_linear_q8(quantize_activations(x, qtype.block_elems), blocks, qtype), args.repeats
+                )
+                print(
+                    f"| {name} | {rows} | {exact * 1e3:.2f} | {fast * 1e3:.2f} | {blocks.numel() / fast / 1e9:.1f} | "
+                    f"{exact / fast:.2f} | {'integer' if fast < exact else 'exact'} |",
+                    flush=True,
+                )
     return 0
 
 

@@ -48,8 +48,9 @@ def arrival_times(n: int, spec: str, seed: int) -> list[float]:
     return out
 
 
-def synthetic_trace(n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], arrivals: str, seed: int,
-                    corpus_ids: list[int]) -> list[TraceItem]:
+def synthetic_trace(
+    n: int, prompt_len: tuple[int, int], output_len: tuple[int, int], arrivals: str, seed: int, corpus_ids: list[int]
+) -> list[TraceItem]:
     """Prompts of exact token lengths cut from real tokenized text; output lengths drawn in range."""
     rng = random.Random(seed)
     times = arrival_times(n, arrivals, seed + 1)
@@ -62,8 +63,9 @@ def synthetic_trace(n: int, prompt_len: tuple[int, int], output_len: tuple[int, 
     return items
 
 
-def text_trace(n: int, words: tuple[int, int], output_len: tuple[int, int], seed: int,
-               path: Path = CHAT_SET) -> list[TraceItem]:
+def text_trace(
+    n: int, words: tuple[int, int], output_len: tuple[int, int], seed: int, path: Path = CHAT_SET
+) -> list[TraceItem]:
     """Plain-text prompts of `words` words cut from the chat set, for servers with their own tokenizers."""
     rows = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
     corpus = " ".join(rows).split()
@@ -81,7 +83,9 @@ def chat_trace(n: int, arrivals: str, seed: int, path: Path = CHAT_SET) -> list[
     rng = random.Random(seed)
     times = arrival_times(n, arrivals, seed + 1)
     picks = [rows[rng.randrange(len(rows))] for _ in range(n)]
-    return [TraceItem(t, None, [{"role": "user", "content": r["prompt"]}], r["max_tokens"]) for t, r in zip(times, picks)]
+    return [
+        TraceItem(t, None, [{"role": "user", "content": r["prompt"]}], r["max_tokens"]) for t, r in zip(times, picks)
+    ]
 
 
 def summarize(results: list[Result], wall: float, slo_ttft: float | None = None, slo_tpot: float | None = None) -> dict:
@@ -92,7 +96,12 @@ def summarize(results: list[Result], wall: float, slo_ttft: float | None = None,
         vals = [v for v in values if v is not None]
         if not vals:
             return {"mean": None, "p50": None, "p95": None, "p99": None}
-        return {"mean": statistics.fmean(vals), "p50": percentile(vals, 50), "p95": percentile(vals, 95), "p99": percentile(vals, 99)}
+        return {
+            "mean": statistics.fmean(vals),
+            "p50": percentile(vals, 50),
+            "p95": percentile(vals, 95),
+            "p99": percentile(vals, 99),
+        }
 
     def good(r: Result) -> bool:
         return (slo_ttft is None or (r.ttft is not None and r.ttft <= slo_ttft)) and (

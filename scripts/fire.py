@@ -59,8 +59,10 @@ async def run(args) -> int:
                     print(f"fire: mode switch failed: {await r.text()}", file=sys.stderr)
                     return 1
         started = time.monotonic()
-        tasks = [asyncio.create_task(stream_request(s, i, {"messages": [{"role": "user", "content": p}], **params}))
-                 for i, p in enumerate(chosen)]
+        tasks = [
+            asyncio.create_task(stream_request(s, i, {"messages": [{"role": "user", "content": p}], **params}))
+            for i, p in enumerate(chosen)
+        ]
         results = []
         for fut in asyncio.as_completed(tasks):
             r = await fut
@@ -70,15 +72,19 @@ async def run(args) -> int:
                 continue
             rate = (r.output_tokens - 1) / (r.e2e - r.ttft) if r.output_tokens > 1 and r.e2e > r.ttft else 0.0
             words = " ".join(r.text.split()[:10])
-            print(f"#{r.index:<3} TTFT {1000 * r.ttft:7.0f} ms  {r.output_tokens:4d} tok  {rate:6.1f} tok/s  "
-                  f"{r.finish_reason:<6} | {words}")
+            print(
+                f"#{r.index:<3} TTFT {1000 * r.ttft:7.0f} ms  {r.output_tokens:4d} tok  {rate:6.1f} tok/s  "
+                f"{r.finish_reason:<6} | {words}"
+            )
         wall = time.monotonic() - started
     ok = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in ok)
     p = lambda vals, q: percentile(vals, q) or 0.0  # noqa: E731
-    print(f"\n{len(ok)}/{len(results)} ok in {wall:.1f} s: {tokens} tokens, {tokens / wall:.1f} tok/s overall; "
-          f"TTFT p50 {1000 * p([r.ttft for r in ok], 50):.0f} ms p95 {1000 * p([r.ttft for r in ok], 95):.0f} ms; "
-          f"e2e p50 {p([r.e2e for r in ok], 50):.1f} s p95 {p([r.e2e for r in ok], 95):.1f} s")
+    print(
+        f"\n{len(ok)}/{len(results)} ok in {wall:.1f} s: {tokens} tokens, {tokens / wall:.1f} tok/s overall; "
+        f"TTFT p50 {1000 * p([r.ttft for r in ok], 50):.0f} ms p95 {1000 * p([r.ttft for r in ok], 95):.0f} ms; "
+        f"e2e p50 {p([r.e2e for r in ok], 50):.1f} s p95 {p([r.e2e for r in ok], 95):.1f} s"
+    )
     return 0 if len(ok) == len(results) else 1
 
 

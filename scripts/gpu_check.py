@@ -51,10 +51,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("engine", "kernels", "daemon", "tui")
-MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
-               "special_tokens_map.json")
-PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain recursion briefly.",
-           "List three prime numbers and explain why they are prime."]
+MODEL_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "special_tokens_map.json",
+)
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain recursion briefly.",
+    "List three prime numbers and explain why they are prime.",
+]
 GPU_TESTS = ["tests/kernels/test_triton_kernels.py", "tests/engine/test_cuda_graphs.py"]
 
 
@@ -79,9 +89,11 @@ def bootstrap(work: Path, wheels: Path | None, needed: tuple[str, ...] = NEEDED)
     missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
         if wheels is None or not any(wheels.glob("*.whl")):
-            raise SystemExit(f"gpu-check: {', '.join(missing)} cannot be imported and there is no wheel folder at {wheels}: "
-                             "run scripts/gpu_wheels.sh (or make gpu-prepare) on a machine with a package registry and bring "
-                             "its folder along")
+            raise SystemExit(
+                f"gpu-check: {', '.join(missing)} cannot be imported and there is no wheel folder at {wheels}: "
+                "run scripts/gpu_wheels.sh (or make gpu-prepare) on a machine with a package registry and bring "
+                "its folder along"
+            )
         site = work / "site"
         site.mkdir(parents=True, exist_ok=True)
         for whl in sorted(wheels.glob("*.whl")):
@@ -95,8 +107,10 @@ def bootstrap(work: Path, wheels: Path | None, needed: tuple[str, ...] = NEEDED)
         importlib.invalidate_caches()
         still = [m for m in missing if importlib.util.find_spec(m) is None]
         if still:
-            raise SystemExit(f"gpu-check: the wheel folder {wheels} does not provide {', '.join(still)} for Python "
-                             f"{platform.python_version()}")
+            raise SystemExit(
+                f"gpu-check: the wheel folder {wheels} does not provide {', '.join(still)} for Python "
+                f"{platform.python_version()}"
+            )
     return added
 
 
@@ -134,8 +148,12 @@ def environment() -> dict:
         p = torch.cuda.get_device_properties(0)
         env.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), capability=f"{p.major}.{p.minor}")
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
-                                 text=True, timeout=20)
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
             env["driver"] = out.stdout.strip() or None
         except (OSError, subprocess.SubprocessError):
             env["driver"] = None
@@ -143,6 +161,7 @@ def environment() -> dict:
 
 
 # -- the model ----------------------------------------------------------------
+
 
 def model_files(prepared: Path) -> Path:
     """SmolLM2-135M's config and tokenizer: from `make gpu-prepare`'s folder, else the built-in model's cache."""
@@ -189,12 +208,23 @@ def random_model(files: Path, out: Path, device: str, seed: int = 0, tiny: bool 
 
 # -- measurements -------------------------------------------------------------
 
+
 def build(model_dir: Path, device: str, dtype: str, max_num_seqs: int, graphs: bool, kv_gb: float):
     from minibatch.engine.factory import EngineConfig, build_engine
 
-    return build_engine(EngineConfig(model=str(model_dir), device=device, dtype=dtype, max_num_seqs=max_num_seqs,
-                                     max_num_batched_tokens=max(512, max_num_seqs), kv_cache_gb=kv_gb, cuda_graphs=graphs,
-                                     enable_prefix_caching=False, weights="float32"))
+    return build_engine(
+        EngineConfig(
+            model=str(model_dir),
+            device=device,
+            dtype=dtype,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max(512, max_num_seqs),
+            kv_cache_gb=kv_gb,
+            cuda_graphs=graphs,
+            enable_prefix_caching=False,
+            weights="float32",
+        )
+    )
 
 
 def release() -> None:
@@ -215,8 +245,12 @@ def prompt_ids(engine) -> list[list[int]]:
 def greedy(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
     from minibatch.engine.core.sampling_params import SamplingParams
 
-    reqs = [engine.add_request(f"g{i}-{time.monotonic_ns()}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        engine.add_request(
+            f"g{i}-{time.monotonic_ns()}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        )
+        for i, p in enumerate(prompts)
+    ]
     while engine.has_work():
         engine.step()
     return [list(r.output_token_ids) for r in reqs]
@@ -253,7 +287,7 @@ def hf_greedy(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
         for p in prompts:
             ids = torch.tensor([p], device=hf.device)
             gen = hf.generate(ids, max_new_tokens=n, do_sample=False)
-            out.append(gen[0, len(p):].tolist())
+            out.append(gen[0, len(p) :].tolist())
     return out
 
 
@@ -274,8 +308,13 @@ def compare_greedy(name: str, ref: list[list[int]], got: list[list[int]], prompt
         row = {"prompt": i, "agree": len(r) if j is None else j, "of": len(r)}
         if j is not None:
             logits = logits_fn(prompts[i] + r[:j])
-            row.update(ref_token=r[j], got_token=g[j], margin=float(logits[r[j]] - logits[g[j]]),
-                       spacing=bf16_spacing(float(logits[r[j]])), logit=float(logits[r[j]]))
+            row.update(
+                ref_token=r[j],
+                got_token=g[j],
+                margin=float(logits[r[j]] - logits[g[j]]),
+                spacing=bf16_spacing(float(logits[r[j]])),
+                logit=float(logits[r[j]]),
+            )
         rows.append(row)
     return rows
 
@@ -284,8 +323,11 @@ def decode_rate(engine, batch: int, steps: int, sync) -> float:
     from minibatch.engine.core.sampling_params import SamplingParams
 
     for i in range(batch):
-        engine.add_request(f"b{batch}-{i}-{time.monotonic_ns()}", list(range(100, 164)),
-                           SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True))
+        engine.add_request(
+            f"b{batch}-{i}-{time.monotonic_ns()}",
+            list(range(100, 164)),
+            SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),
+        )
     tokens, seconds = 0, 0.0
     while engine.has_work():
         sync()
@@ -310,8 +352,12 @@ def run_trace_ours(engine, prompts, new_tokens: int, sync) -> dict:
 
     sync()
     t = time.perf_counter()
-    reqs = [engine.add_request(f"t{i}-{time.monotonic_ns()}", p, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        engine.add_request(
+            f"t{i}-{time.monotonic_ns()}", p, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+        )
+        for i, p in enumerate(prompts)
+    ]
     while engine.has_work():
         engine.step()
     sync()
@@ -364,24 +410,46 @@ def attention_bandwidth() -> dict:
         b.copy_(a)
     torch.cuda.synchronize()
     copy = 10 * 2 * a.numel() * 2 / (time.perf_counter() - t)
-    return {"kernel_gb_s": round(kernel / 1e9, 1), "copy_gb_s": round(copy / 1e9, 1), "fraction": round(kernel / copy, 3)}
+    return {
+        "kernel_gb_s": round(kernel / 1e9, 1),
+        "copy_gb_s": round(copy / 1e9, 1),
+        "fraction": round(kernel / copy, 3),
+    }
 
 
 def run_pytest(paths: list[str], pythonpath: list[str], timeout: float) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath + [os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(pythonpath + [os.environ.get("PYTHONPATH", "")]).strip(os.pathsep),
+    }
     t = time.monotonic()
     try:
-        p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *paths],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired as exc:
-        return {"ok": False, "summary": f"timed out after {timeout:.0f} s", "tail": (exc.stdout or "")[-3000:] if isinstance(exc.stdout, str) else ""}
+        return {
+            "ok": False,
+            "summary": f"timed out after {timeout:.0f} s",
+            "tail": (exc.stdout or "")[-3000:] if isinstance(exc.stdout, str) else "",
+        }
     lines = [line for line in p.stdout.splitlines() if line.strip()]
     summary = lines[-1] if lines else p.stderr.strip()[-300:]
-    return {"ok": p.returncode == 0, "summary": summary, "seconds": round(time.monotonic() - t, 1),
-            "tail": "" if p.returncode == 0 else (p.stdout + p.stderr)[-4000:]}
+    return {
+        "ok": p.returncode == 0,
+        "summary": summary,
+        "seconds": round(time.monotonic() - t, 1),
+        "tail": "" if p.returncode == 0 else (p.stdout + p.stderr)[-4000:],
+    }
 
 
 # -- the run ------------------------------------------------------------------
+
 
 def check(args) -> tuple[dict, bool]:
     import torch
@@ -408,8 +476,11 @@ def check(args) -> tuple[dict, bool]:
     try:
         files = model_files(args.prepared)
         model_dir = random_model(files, work / "model", device, tiny=smoke)
-        report["model"] = {"architecture": "SmolLM2-135M" if not smoke else "SmolLM2 tokenizer, tiny 2-layer model",
-                           "weights": "random, seed 0 (transformers' init)", "files_from": str(files)}
+        report["model"] = {
+            "architecture": "SmolLM2-135M" if not smoke else "SmolLM2 tokenizer, tiny 2-layer model",
+            "weights": "random, seed 0 (transformers' init)",
+            "files_from": str(files),
+        }
 
         step("fp32 on the device against transformers")
         from minibatch.engine.weights.reference import load_hf_reference
@@ -431,14 +502,19 @@ def check(args) -> tuple[dict, bool]:
         eager_tokens = greedy(eager, prompts, args.tokens)
         graphs_used = getattr(fp32.runner, "graphs", None) is not None
         same = eager_tokens == ours
-        report["graphs_vs_eager"] = {"graphs_captured": graphs_used, "equal": same,
-                                     "greedy": compare_greedy("graphs", eager_tokens, ours, prompts, lambda ids: engine_logits(eager, ids))}
+        report["graphs_vs_eager"] = {
+            "graphs_captured": graphs_used,
+            "equal": same,
+            "greedy": compare_greedy("graphs", eager_tokens, ours, prompts, lambda ids: engine_logits(eager, ids)),
+        }
         ok &= same and (graphs_used or smoke)
         eager = None
         release()
 
         step("bf16 against fp32")
-        bf16 = build(model_dir, device, "bfloat16", 256 if not smoke else 16, graphs=True, kv_gb=8 if not smoke else 0.2)
+        bf16 = build(
+            model_dir, device, "bfloat16", 256 if not smoke else 16, graphs=True, kv_gb=8 if not smoke else 0.2
+        )
         sims, errs = [], []
         for p in prompts:
             a, b = engine_logits(fp32, p), engine_logits(bf16, p)
@@ -448,8 +524,13 @@ def check(args) -> tuple[dict, bool]:
         rows = compare_greedy("bf16", ours, got, prompts, lambda ids: engine_logits(fp32, ids))
         bad = [r for r in rows if r["agree"] < r["of"] and r["margin"] > max(r["spacing"], 2 * errs[r["prompt"]])]
         bf16_ok = not bad and min(sims) >= 0.999
-        report["bf16_vs_fp32"] = {"greedy": rows, "prompt_logit_cosine": sims, "prompt_logit_max_abs_diff": errs,
-                                  "unexplained_divergences": bad, "ok": bf16_ok}
+        report["bf16_vs_fp32"] = {
+            "greedy": rows,
+            "prompt_logit_cosine": sims,
+            "prompt_logit_max_abs_diff": errs,
+            "unexplained_divergences": bad,
+            "ok": bf16_ok,
+        }
         ok &= bf16_ok
         fp32 = hf = None
         release()
@@ -460,8 +541,14 @@ def check(args) -> tuple[dict, bool]:
         no_graphs = build(model_dir, device, "bfloat16", max(sizes), graphs=False, kv_gb=8 if not smoke else 0.2)
         rates = {}
         for b in sizes:
-            rates[b] = {"graphs": round(decode_rate(bf16, b, steps, sync), 1), "eager": round(decode_rate(no_graphs, b, steps, sync), 1)}
-            print(f"    batch {b:>3}: {rates[b]['graphs']:9.1f} tok/s with graphs, {rates[b]['eager']:9.1f} without", flush=True)
+            rates[b] = {
+                "graphs": round(decode_rate(bf16, b, steps, sync), 1),
+                "eager": round(decode_rate(no_graphs, b, steps, sync), 1),
+            }
+            print(
+                f"    batch {b:>3}: {rates[b]['graphs']:9.1f} tok/s with graphs, {rates[b]['eager']:9.1f} without",
+                flush=True,
+            )
         report["decode_tok_s"] = rates
         no_graphs = None
         release()
@@ -495,31 +582,42 @@ def check(args) -> tuple[dict, bool]:
 
 def summary(report: dict) -> str:
     env = report["environment"]
-    lines = [f"gpu-check ({report['mode']}): {'PASS' if report['ok'] else 'FAIL'} in {report['seconds']:.0f} s",
-             f"  {env.get('gpu', 'CPU')} · driver {env.get('driver')} · python {env['python']} · torch {env['torch']} "
-             f"(CUDA {env['cuda']}) · triton {env['triton']} · transformers {env['transformers']}",
-             f"  tests: {report['pytest']['summary']}"]
+    lines = [
+        f"gpu-check ({report['mode']}): {'PASS' if report['ok'] else 'FAIL'} in {report['seconds']:.0f} s",
+        f"  {env.get('gpu', 'CPU')} · driver {env.get('driver')} · python {env['python']} · torch {env['torch']} "
+        f"(CUDA {env['cuda']}) · triton {env['triton']} · transformers {env['transformers']}",
+        f"  tests: {report['pytest']['summary']}",
+    ]
     p = report["fp32_parity"]
     agree = ", ".join(f"{r['agree']}/{r['of']}" for r in p["greedy"])
     lines.append(f"  fp32 vs transformers: max |logit diff| {p['max_abs_logit_diff']:.2e}; greedy agreement {agree}")
     g = report["graphs_vs_eager"]
-    lines.append(f"  CUDA graphs vs eager (fp32): {'equal' if g['equal'] else 'DIFFERENT'} (captured: {g['graphs_captured']})")
+    lines.append(
+        f"  CUDA graphs vs eager (fp32): {'equal' if g['equal'] else 'DIFFERENT'} (captured: {g['graphs_captured']})"
+    )
     b = report["bf16_vs_fp32"]
     parts = []
     for r in b["greedy"]:
-        parts.append(f"{r['agree']}/{r['of']}" + (f" (margin {r['margin']:.3g}, spacing {r['spacing']:.3g})" if r["agree"] < r["of"] else ""))
+        parts.append(
+            f"{r['agree']}/{r['of']}"
+            + (f" (margin {r['margin']:.3g}, spacing {r['spacing']:.3g})" if r["agree"] < r["of"] else "")
+        )
     lines.append(f"  bf16 vs fp32: {'; '.join(parts)}; prompt logits cosine >= {min(b['prompt_logit_cosine']):.5f}")
     for size, r in report["decode_tok_s"].items():
         lines.append(f"  decode batch {size:>3}: {r['graphs']:9.1f} tok/s with graphs, {r['eager']:9.1f} without")
     if "attention_bandwidth" in report:
         a = report["attention_bandwidth"]
-        lines.append(f"  paged attention: {a['kernel_gb_s']:.0f} GB/s = {a['fraction']:.2f} of a device copy ({a['copy_gb_s']:.0f} GB/s)")
+        lines.append(
+            f"  paged attention: {a['kernel_gb_s']:.0f} GB/s = {a['fraction']:.2f} of a device copy ({a['copy_gb_s']:.0f} GB/s)"
+        )
     peer = report["peer"]
     hf = peer["transformers_generate_batch"]
     theirs = f"{hf['tok_s']:.1f} tok/s" if "tok_s" in hf else hf["error"]
-    lines.append(f"  trace {peer['requests']} x ({peer['prompt_tokens']} + {peer['new_tokens']}): minibatch "
-                 f"{peer['minibatch']['tok_s']:.1f} tok/s, transformers generate_batch {theirs}"
-                 + (f" ({peer['ratio']:.2f}x)" if "ratio" in peer else ""))
+    lines.append(
+        f"  trace {peer['requests']} x ({peer['prompt_tokens']} + {peer['new_tokens']}): minibatch "
+        f"{peer['minibatch']['tok_s']:.1f} tok/s, transformers generate_batch {theirs}"
+        + (f" ({peer['ratio']:.2f}x)" if "ratio" in peer else "")
+    )
     return "\n".join(lines)
 
 
@@ -528,7 +626,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", type=Path, default=ROOT / "results" / "gpu-check.json", help="JSON report path")
     ap.add_argument("--prepared", type=Path, default=ROOT / "build" / "gpu", help="folder from `make gpu-prepare`")
     ap.add_argument("--wheels", type=Path, default=None, help="wheel folder (default: PREPARED/wheels)")
-    ap.add_argument("--prepare", action="store_true", help="copy the model's config and tokenizer into --prepared and stop")
+    ap.add_argument(
+        "--prepare", action="store_true", help="copy the model's config and tokenizer into --prepared and stop"
+    )
     ap.add_argument("--smoke-cpu", action="store_true", help="run the pipeline on the CPU with a tiny model")
     ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt for the parity checks")
     ap.add_argument("--decode-steps", type=int, default=128)
@@ -541,7 +641,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.smoke_cpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        args.tokens, args.decode_steps, args.trace_tokens = min(args.tokens, 8), min(args.decode_steps, 8), min(args.trace_tokens, 8)
+        args.tokens, args.decode_steps, args.trace_tokens = (
+            min(args.tokens, 8),
+            min(args.decode_steps, 8),
+            min(args.trace_tokens, 8),
+        )
     else:
         state, why = gpu_state()
         if state != "ok":

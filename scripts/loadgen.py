@@ -62,10 +62,14 @@ def session(socket: str | None = None, url: str | None = None, api_key: str | No
     if url is not None:
         # One connection per request: servers close idle keep-alive connections on their own
         # schedule (llama-server does), and a request sent on one that is closing fails.
-        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True), base_url=url, timeout=timeout,
-                                     headers=headers)
+        return aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True), base_url=url, timeout=timeout, headers=headers
+        )
     return aiohttp.ClientSession(
-        connector=aiohttp.UnixConnector(path=socket, limit=0), base_url="http://localhost", timeout=timeout, headers=headers,
+        connector=aiohttp.UnixConnector(path=socket, limit=0),
+        base_url="http://localhost",
+        timeout=timeout,
+        headers=headers,
     )
 
 

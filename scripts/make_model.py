@@ -48,7 +48,15 @@ SHAPES = {  # from each model's config.json (the vocabulary is the built-in one'
     "llama-3.1-8b": Shape("llama", 4096, 14336, 32, 32, 8, 128, False, False, 5e5, 1e-5, 131072),
 }
 OWN_QUANTIZERS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
-FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9}  # llama.cpp's general.file_type
+FILE_TYPES = {
+    "F32": 0,
+    "F16": 1,
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "Q8_0": 7,
+    "Q5_0": 8,
+    "Q5_1": 9,
+}  # llama.cpp's general.file_type
 
 
 def builtin_tokenizer_fields():
@@ -140,13 +148,18 @@ def main() -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--dtype", choices=["F16", "F32"], default="F16", help="the unquantized file's type")
-    ap.add_argument("--quantize", default=None,
-                    help="a llama-quantize preset (Q4_K_M, Q5_0, IQ4_XS...) with --llama-quantize, else one of "
-                         + ", ".join(OWN_QUANTIZERS))
+    ap.add_argument(
+        "--quantize",
+        default=None,
+        help="a llama-quantize preset (Q4_K_M, Q5_0, IQ4_XS...) with --llama-quantize, else one of "
+        + ", ".join(OWN_QUANTIZERS),
+    )
     ap.add_argument("--llama-quantize", default=None, help="llama.cpp's llama-quantize binary")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the model has (each still its true shape)")
+    ap.add_argument(
+        "--layers", type=int, default=None, help="fewer layers than the model has (each still its true shape)"
+    )
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     if args.layers is not None:
@@ -155,14 +168,19 @@ def main() -> int:
     started = time.perf_counter()
     if args.quantize and not args.llama_quantize:
         if args.quantize not in OWN_QUANTIZERS:
-            raise SystemExit(f"make_model: --quantize {args.quantize} needs --llama-quantize; without it: "
-                             + ", ".join(OWN_QUANTIZERS))
+            raise SystemExit(
+                f"make_model: --quantize {args.quantize} needs --llama-quantize; without it: "
+                + ", ".join(OWN_QUANTIZERS)
+            )
         write_gguf(args.shape, shape, args.out, args.dtype, args.quantize, args.seed)
     elif args.quantize:
         base = args.out.with_name(args.out.stem + f".{args.dtype.lower()}.gguf")
         write_gguf(args.shape, shape, base, args.dtype, None, args.seed)
-        subprocess.run([args.llama_quantize, str(base), str(args.out), args.quantize, str(args.threads)], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [args.llama_quantize, str(base), str(args.out), args.quantize, str(args.threads)],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         base.unlink()
     else:
         write_gguf(args.shape, shape, args.out, args.dtype, None, args.seed)

@@ -44,7 +44,11 @@ def chunk_logprobs(model, tokens: list[int], block_size: int = 16) -> torch.Tens
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--weights", default="native,native-exact", help="weight paths, comma-separated; the first is the reference for KL")
+    ap.add_argument(
+        "--weights",
+        default="native,native-exact",
+        help="weight paths, comma-separated; the first is the reference for KL",
+    )
     ap.add_argument("--text", type=Path, default=TEXT)
     ap.add_argument("--ctx", type=int, default=512, help="tokens per chunk")
     ap.add_argument("--chunks", type=int, default=16, help="chunks scored (at most what the text holds)")
@@ -60,8 +64,11 @@ def main() -> int:
         raise SystemExit(f"perplexity: the text has {len(ids)} tokens, fewer than one chunk of {args.ctx}")
     paths = args.weights.split(",")
     models = {w: load_model(model_dir, TorchAttentionBackend(), weights=w) for w in paths}
-    print(f"{args.model}: {len(ids)} tokens, {chunks} chunks of {args.ctx}, {(args.ctx // 2 - 1) * chunks} scored tokens; "
-          f"{torch.get_num_threads()} threads", file=sys.stderr)
+    print(
+        f"{args.model}: {len(ids)} tokens, {chunks} chunks of {args.ctx}, {(args.ctx // 2 - 1) * chunks} scored tokens; "
+        f"{torch.get_num_threads()} threads",
+        file=sys.stderr,
+    )
     nll = {w: [] for w in paths}
     kl = {w: [] for w in paths[1:]}
     same = {w: 0 for w in paths[1:]}
@@ -80,7 +87,11 @@ def main() -> int:
             else:
                 kl[w].extend((ref.exp() * (ref - lp)).sum(-1).tolist())
                 same[w] += int((ref.argmax(-1) == lp.argmax(-1)).sum())
-        print(f"[{c + 1}] " + " ".join(f"{w} {math.exp(sum(v) / len(v)):.4f}" for w, v in nll.items()), file=sys.stderr, flush=True)
+        print(
+            f"[{c + 1}] " + " ".join(f"{w} {math.exp(sum(v) / len(v)):.4f}" for w, v in nll.items()),
+            file=sys.stderr,
+            flush=True,
+        )
     print("| weights | perplexity | ± | KL vs " + paths[0] + " | same top token | s per chunk |")
     print("|---|---:|---:|---:|---:|---:|")
     for w in paths:

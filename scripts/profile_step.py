@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from minibatch.engine.factory import EngineConfig, build_engine  # noqa: E402
 from minibatch.engine.core.sampling_params import SamplingParams  # noqa: E402
 
+
 class Timers:
     """Wall time per part of the step, from wrappers around the parts' entry points."""
 
@@ -71,7 +72,9 @@ def fill(engine, rows: int, context: int) -> None:
     for i in range(rows):
         prompt = [100 + (i * 37 + j) % 30000 for j in range(context)]
         engine.add_request(f"p{i}", prompt, SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
+    while (
+        any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting
+    ):
         engine.step()
 
 
@@ -91,8 +94,11 @@ def profile(engine, steps: int) -> tuple[float, float, dict[str, float]]:
     timers = instrument(engine)
     for _ in range(steps):
         engine.step()
-    return (statistics.median(times[True]) * 1e3, statistics.median(times[False]) * 1e3,
-            {k: v / steps for k, v in timers.ms.items()})
+    return (
+        statistics.median(times[True]) * 1e3,
+        statistics.median(times[False]) * 1e3,
+        {k: v / steps for k, v in timers.ms.items()},
+    )
 
 
 def main() -> int:
@@ -104,22 +110,35 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10)
     args = ap.parse_args()
     for rows in (int(r) for r in args.rows.split(",")):
-        engine = build_engine(EngineConfig(model=args.model, weights=args.weights, max_num_seqs=max(rows, 1), enable_prefix_caching=False,
-                                           max_num_batched_tokens=max(512, rows), kv_cache_gb=1.0))
+        engine = build_engine(
+            EngineConfig(
+                model=args.model,
+                weights=args.weights,
+                max_num_seqs=max(rows, 1),
+                enable_prefix_caching=False,
+                max_num_batched_tokens=max(512, rows),
+                kv_cache_gb=1.0,
+            )
+        )
         fill(engine, rows, args.context)
         step_ms, unrecorded_ms, parts = profile(engine, args.steps)
-        print(f"\n{engine.info.weights}, {rows} running, context ~{args.context}: step {step_ms:.1f} ms "
-              f"({rows / step_ms * 1e3:.1f} tok/s; {unrecorded_ms:.1f} ms without the timeline, interleaved); per step, instrumented:")
-        inside = sum(v for k, v in parts.items() if k not in ("runner (all of the above)", "scheduler", "timeline record"))
+        print(
+            f"\n{engine.info.weights}, {rows} running, context ~{args.context}: step {step_ms:.1f} ms "
+            f"({rows / step_ms * 1e3:.1f} tok/s; {unrecorded_ms:.1f} ms without the timeline, interleaved); per step, instrumented:"
+        )
+        inside = sum(
+            v for k, v in parts.items() if k not in ("runner (all of the above)", "scheduler", "timeline record")
+        )
         for group, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
             print(f"  {group:<28} {ms:7.2f} ms")
         streamed = engine.info.memory.matmul_bytes_per_step
-        print(f"  the matmuls read {streamed / 1e6:.0f} MB of weights per step: "
-              f"{streamed / parts.get('matmul', float('nan')) / 1e6:.1f} GB/s")
+        print(
+            f"  the matmuls read {streamed / 1e6:.0f} MB of weights per step: "
+            f"{streamed / parts.get('matmul', float('nan')) / 1e6:.1f} GB/s"
+        )
         print(f"  {'rest of the runner':<28} {parts['runner (all of the above)'] - inside:7.2f} ms  (inputs, glue ops)")
         rest = step_ms - parts["runner (all of the above)"] - parts["scheduler"] - parts["timeline record"]
-        print(f"  {'rest of the step':<28} {rest:7.2f} ms  "
-              "(update, detokenize, stats; timed without the wrappers)")
+        print(f"  {'rest of the step':<28} {rest:7.2f} ms  (update, detokenize, stats; timed without the wrappers)")
     return 0
 
 

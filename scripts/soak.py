@@ -49,7 +49,10 @@ async def main_async(args) -> int:
 
         async def one(i: int) -> None:
             row = json.loads(PROMPTS[rng.randrange(len(PROMPTS))])
-            body = {"messages": [{"role": "user", "content": row["prompt"]}], "max_tokens": min(row["max_tokens"], args.max_tokens)}
+            body = {
+                "messages": [{"role": "user", "content": row["prompt"]}],
+                "max_tokens": min(row["max_tokens"], args.max_tokens),
+            }
             bucket = current
             if rng.random() < args.cancel:
                 task = asyncio.ensure_future(stream_request(s, i, body))
@@ -76,12 +79,22 @@ async def main_async(args) -> int:
                 async with s.get("/v1/engine/stats?steps=0") as r:
                     st = await r.json()
                 p99 = percentile(current["ttft"], 99)
-                minutes.append({"minute": len(minutes) + 1, "rss_kib": rss, "fds": fds, "kv_percent": st["kv_usage_percent"],
-                                "p99_ttft": p99, **{k: current[k] for k in ("ok", "cancelled", "failed")}})
+                minutes.append(
+                    {
+                        "minute": len(minutes) + 1,
+                        "rss_kib": rss,
+                        "fds": fds,
+                        "kv_percent": st["kv_usage_percent"],
+                        "p99_ttft": p99,
+                        **{k: current[k] for k in ("ok", "cancelled", "failed")},
+                    }
+                )
                 m = minutes[-1]
-                print(f"{unit} {m['minute']:>3}: RSS {rss / 1024:7.1f} MiB  fds {fds:4d}  KV {m['kv_percent']:5.1f}%  "
-                      f"p99 TTFT {p99 if p99 is None else f'{p99:.2f} s'}  ok {m['ok']} cancelled {m['cancelled']} failed {m['failed']}",
-                      flush=True)
+                print(
+                    f"{unit} {m['minute']:>3}: RSS {rss / 1024:7.1f} MiB  fds {fds:4d}  KV {m['kv_percent']:5.1f}%  "
+                    f"p99 TTFT {p99 if p99 is None else f'{p99:.2f} s'}  ok {m['ok']} cancelled {m['cancelled']} failed {m['failed']}",
+                    flush=True,
+                )
                 current = {"ttft": [], "ok": 0, "cancelled": 0, "failed": 0}
                 next_report += args.window
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -97,7 +110,9 @@ async def main_async(args) -> int:
         return 1
     first, last = minutes[0], minutes[-1]
     rss_growth = (rss_end - first["rss_kib"]) / first["rss_kib"]
-    drift = (last["p99_ttft"] - first["p99_ttft"]) / first["p99_ttft"] if first["p99_ttft"] and last["p99_ttft"] else None
+    drift = (
+        (last["p99_ttft"] - first["p99_ttft"]) / first["p99_ttft"] if first["p99_ttft"] and last["p99_ttft"] else None
+    )
     checks = {
         "RSS growth < 5%": rss_growth < 0.05,
         f"open fds stable (within 5 of {unit} 1)": abs(fds_end - first["fds"]) <= 5,
@@ -105,10 +120,12 @@ async def main_async(args) -> int:
         "p99 TTFT drift < 10%": drift is not None and drift < 0.10,
         "no failed requests": all(m["failed"] == 0 for m in minutes),
     }
-    print(f"\nsent {sent} requests in {(time.monotonic() - start) / 60:.1f} min; RSS {first['rss_kib'] / 1024:.1f} -> "
-          f"{rss_end / 1024:.1f} MiB ({100 * rss_growth:+.1f}%), fds {first['fds']} -> {fds_end}, KV used at rest "
-          f"{st['kv_blocks_used']} (baseline {baseline_kv}), p99 TTFT first {first['p99_ttft']} last {last['p99_ttft']} "
-          f"(drift {'n/a' if drift is None else f'{100 * drift:+.1f}%'})")
+    print(
+        f"\nsent {sent} requests in {(time.monotonic() - start) / 60:.1f} min; RSS {first['rss_kib'] / 1024:.1f} -> "
+        f"{rss_end / 1024:.1f} MiB ({100 * rss_growth:+.1f}%), fds {first['fds']} -> {fds_end}, KV used at rest "
+        f"{st['kv_blocks_used']} (baseline {baseline_kv}), p99 TTFT first {first['p99_ttft']} last {last['p99_ttft']} "
+        f"(drift {'n/a' if drift is None else f'{100 * drift:+.1f}%'})"
+    )
     for name, ok in checks.items():
         print(f"  {'PASS' if ok else 'FAIL'}  {name}")
     return 0 if all(checks.values()) else 1
@@ -123,7 +140,9 @@ def main() -> int:
     ap.add_argument("--cancel", type=float, default=0.10, help="fraction of requests cancelled mid-way")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--window", type=float, default=60, help="seconds per report line (the verdict compares the first and last)")
+    ap.add_argument(
+        "--window", type=float, default=60, help="seconds per report line (the verdict compares the first and last)"
+    )
     args = ap.parse_args()
     args.socket = env_socket(args.socket)
     return asyncio.run(main_async(args))

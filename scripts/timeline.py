@@ -33,8 +33,15 @@ def trace(n: int, seed: int) -> list[dict]:
     """Chat requests with output lengths from 8 to 96 tokens: uneven, so static mode's padding shows."""
     rng = random.Random(seed)
     topics = ["the sea", "a city at night", "recursion", "prime numbers", "a sunrise", "tea", "trains", "winter"]
-    return [{"messages": [{"role": "user", "content": f"Write about {rng.choice(topics)}."}],
-             "max_tokens": rng.choice([8, 16, 24, 48, 64, 96]), "temperature": 0, "ignore_eos": True} for _ in range(n)]
+    return [
+        {
+            "messages": [{"role": "user", "content": f"Write about {rng.choice(topics)}."}],
+            "max_tokens": rng.choice([8, 16, 24, 48, 64, 96]),
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        for _ in range(n)
+    ]
 
 
 async def replay(s, bodies: list[dict]) -> dict:
@@ -132,11 +139,18 @@ def draw(panels: list[tuple[str, dict]], out: Path) -> Path:
         wax.fill_between(range(len(waiting)), waiting, step="post", alpha=0.3, color="tab:orange")
         wax.set_ylabel("waiting", fontsize=8)
         wax.set_xlabel("engine step" if i == len(panels) - 1 else "")
-    fig.legend(handles=[Patch(color="tab:blue", label="decode (one colour per request)"),
-                        Patch(color=(0.7, 0.8, 0.9), label="prefill chunk"),
-                        Patch(facecolor=(0.93, 0.42, 0.42), hatch="////", edgecolor="white", label="padding (static: wasted)"),
-                        Patch(facecolor="white", edgecolor="grey", label="empty row")],
-               loc="lower center", ncol=4, fontsize=9, frameon=False)
+    fig.legend(
+        handles=[
+            Patch(color="tab:blue", label="decode (one colour per request)"),
+            Patch(color=(0.7, 0.8, 0.9), label="prefill chunk"),
+            Patch(facecolor=(0.93, 0.42, 0.42), hatch="////", edgecolor="white", label="padding (static: wasted)"),
+            Patch(facecolor="white", edgecolor="grey", label="empty row"),
+        ],
+        loc="lower center",
+        ncol=4,
+        fontsize=9,
+        frameon=False,
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)

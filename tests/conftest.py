@@ -86,7 +86,13 @@ def short_tmp():
         yield Path(d)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 
 
 @pytest.fixture(scope="session")
@@ -99,8 +105,12 @@ def tiny_chat_model_dir(tmp_path_factory, builtin_model_dir) -> Path:
 
     path = tmp_path_factory.mktemp("tiny-chat")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(**{**TINY_COMMON, "vocab_size": 49152, "max_position_embeddings": 1024},
-                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    cfg = transformers.LlamaConfig(
+        **{**TINY_COMMON, "vocab_size": 49152, "max_position_embeddings": 1024},
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     for name in TOKENIZER_FILES:
         if (builtin_model_dir / name).exists():

@@ -7,8 +7,14 @@ import subprocess
 import sys
 
 SUBPACKAGES = [
-    "minibatch.engine", "minibatch.engine.models", "minibatch.engine.weights", "minibatch.kernels", "minibatch.daemon",
-    "minibatch.tui", "minibatch.tui.widgets", "minibatch.tui.screens",
+    "minibatch.engine",
+    "minibatch.engine.models",
+    "minibatch.engine.weights",
+    "minibatch.kernels",
+    "minibatch.daemon",
+    "minibatch.tui",
+    "minibatch.tui.widgets",
+    "minibatch.tui.screens",
 ]
 
 

@@ -34,27 +34,47 @@ def start_daemon(socket: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="minibatch-chat", description="Chat with several panes at once and watch the batch.")
-    ap.add_argument("--socket", type=Path, default=None, help=f"daemon socket (env MINIBATCH_SOCKET; default {default_socket()})")
-    ap.add_argument("--url", default=os.environ.get("MINIBATCH_URL"),
-                    help="talk to a daemon's TCP listener instead, e.g. http://127.0.0.1:8000 (env MINIBATCH_URL)")
-    ap.add_argument("--api-key", default=os.environ.get("MINIBATCH_API_KEY"),
-                    help="API key to send (env MINIBATCH_API_KEY; needed over TCP when the daemon has one)")
-    ap.add_argument("--start", action="store_true", help="start the daemon (built-in model) if it is not running, without asking")
+    ap = argparse.ArgumentParser(
+        prog="minibatch-chat", description="Chat with several panes at once and watch the batch."
+    )
+    ap.add_argument(
+        "--socket", type=Path, default=None, help=f"daemon socket (env MINIBATCH_SOCKET; default {default_socket()})"
+    )
+    ap.add_argument(
+        "--url",
+        default=os.environ.get("MINIBATCH_URL"),
+        help="talk to a daemon's TCP listener instead, e.g. http://127.0.0.1:8000 (env MINIBATCH_URL)",
+    )
+    ap.add_argument(
+        "--api-key",
+        default=os.environ.get("MINIBATCH_API_KEY"),
+        help="API key to send (env MINIBATCH_API_KEY; needed over TCP when the daemon has one)",
+    )
+    ap.add_argument(
+        "--start", action="store_true", help="start the daemon (built-in model) if it is not running, without asking"
+    )
     ap.add_argument("--new", action="store_true", help="start with empty history")
-    ap.add_argument("--db", type=Path, default=None, help=f"chat history file (env MINIBATCH_CHAT_DB; default {default_db()})")
+    ap.add_argument(
+        "--db", type=Path, default=None, help=f"chat history file (env MINIBATCH_CHAT_DB; default {default_db()})"
+    )
     args = ap.parse_args(argv)
     socket = args.socket or default_socket()
     url = args.url.rstrip("/") if args.url else None
     if url and not url.startswith("http://"):
-        print("minibatch-chat: --url must start with http:// (for https, use a reverse proxy's plain side)", file=sys.stderr)
+        print(
+            "minibatch-chat: --url must start with http:// (for https, use a reverse proxy's plain side)",
+            file=sys.stderr,
+        )
         return 2
     target = url or str(socket)
 
     status, health = daemon_health(target, args.api_key)
     if status == 401:
-        print(f"minibatch-chat: {target} needs an API key: --api-key or MINIBATCH_API_KEY "
-              f"({health.get('error', {}).get('message', 'unauthorized')})", file=sys.stderr)
+        print(
+            f"minibatch-chat: {target} needs an API key: --api-key or MINIBATCH_API_KEY "
+            f"({health.get('error', {}).get('message', 'unauthorized')})",
+            file=sys.stderr,
+        )
         return 1
     if status is None and url:
         print(f"minibatch-chat: no daemon answers at {url}", file=sys.stderr)
@@ -62,8 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     if status is None:
         if not args.start:
             if not sys.stdin.isatty():
-                print(f"minibatch-chat: no daemon answers on {socket}; start one with `minibatchd start` "
-                      "or run minibatch-chat --start", file=sys.stderr)
+                print(
+                    f"minibatch-chat: no daemon answers on {socket}; start one with `minibatchd start` "
+                    "or run minibatch-chat --start",
+                    file=sys.stderr,
+                )
                 return 1
             answer = input(f"No minibatchd is running on {socket}. Start one now? [Y/n] ").strip().lower()
             if answer not in ("", "y", "yes"):

@@ -39,7 +39,8 @@ class DaemonClient:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector() if tcp else aiohttp.UnixConnector(path=self.target),
-                base_url=self.target if tcp else "http://localhost", headers=headers,
+                base_url=self.target if tcp else "http://localhost",
+                headers=headers,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
             )
         return self._session
@@ -108,6 +109,8 @@ class DaemonClient:
                     choice = chunk["choices"][0]
                     text = choice["delta"].get("content") or ""
                     if text or choice["finish_reason"]:
-                        yield Delta(text=text, finish_reason=choice["finish_reason"], timings=chunk.get("minibatch", {}))
+                        yield Delta(
+                            text=text, finish_reason=choice["finish_reason"], timings=chunk.get("minibatch", {})
+                        )
         except (aiohttp.ClientConnectionError, OSError) as exc:
             raise DaemonUnavailable(str(exc)) from exc

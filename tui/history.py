@@ -66,7 +66,9 @@ class History:
         ).fetchall()
         out = []
         for pid, sp, t, p, m, seed in rows:
-            msgs = self.db.execute("SELECT role, content FROM messages WHERE pane_id = ? ORDER BY id", (pid,)).fetchall()
+            msgs = self.db.execute(
+                "SELECT role, content FROM messages WHERE pane_id = ? ORDER BY id", (pid,)
+            ).fetchall()
             out.append(StoredPane(pid, PaneSettings(sp, t, p, m, seed), [{"role": r, "content": c} for r, c in msgs]))
         return out
 
@@ -83,13 +85,22 @@ class History:
         with self.db:
             self.db.execute(
                 "UPDATE panes SET system_prompt = ?, temperature = ?, top_p = ?, max_tokens = ?, seed = ? WHERE id = ?",
-                (settings.system_prompt, settings.temperature, settings.top_p, settings.max_tokens, settings.seed, pane_id),
+                (
+                    settings.system_prompt,
+                    settings.temperature,
+                    settings.top_p,
+                    settings.max_tokens,
+                    settings.seed,
+                    pane_id,
+                ),
             )
 
     def add_message(self, pane_id: int, role: str, content: str) -> None:
         with self.db:
-            self.db.execute("INSERT INTO messages (pane_id, role, content, created) VALUES (?, ?, ?, ?)",
-                            (pane_id, role, content, time.time()))
+            self.db.execute(
+                "INSERT INTO messages (pane_id, role, content, created) VALUES (?, ?, ?, ?)",
+                (pane_id, role, content, time.time()),
+            )
 
     def clear(self, pane_id: int) -> None:
         with self.db:

@@ -226,13 +226,17 @@ class BlockManager:
         for req_id, blocks in self.req_blocks.items():
             released = self.req_num_released.get(req_id, 0)
             assert all(b.block_id == NULL_BLOCK for b in blocks[:released]), f"{req_id}: a released block still held"
-            assert all(b.block_id != NULL_BLOCK for b in blocks[released:]), f"{req_id}: the null block inside the window"
+            assert all(b.block_id != NULL_BLOCK for b in blocks[released:]), (
+                f"{req_id}: the null block inside the window"
+            )
             for b in blocks[released:]:
                 refs[b.block_id] += 1
         null = self.blocks[NULL_BLOCK]
         assert null.ref_count == 0 and NULL_BLOCK not in self.free_queue and refs[NULL_BLOCK] == 0, "null block used"
         for b in self.blocks[1:]:
-            assert b.ref_count == refs[b.block_id], f"block {b.block_id}: ref_count {b.ref_count} != {refs[b.block_id]} owners"
+            assert b.ref_count == refs[b.block_id], (
+                f"block {b.block_id}: ref_count {b.ref_count} != {refs[b.block_id]} owners"
+            )
             assert (b.ref_count == 0) == (b.block_id in self.free_queue), f"block {b.block_id} free-queue mismatch"
         for h, b in self.cached.items():
             assert b.block_hash == h, f"cached block {b.block_id} hash mismatch"

@@ -59,8 +59,9 @@ class LLMEngine:
         self.info: EngineInfo | None = None  # the model's facts, set by whoever built the runner (factory.build_engine)
 
     # -- requests ---------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    share_prompt_with: str | None = None) -> Request:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, share_prompt_with: str | None = None
+    ) -> Request:
         """Queue a request; raises RequestRejected (or QueueFull) with the reason.
 
         `share_prompt_with` names an earlier request with the same prompt (n > 1): this one then waits until
@@ -118,8 +119,17 @@ class LLMEngine:
         seen = {rid for rid, _, _ in computed}
         seen.update(padding)
         held = [r.request_id for r in self.scheduler.running if r.request_id not in seen and not r.status.finished]
-        self.timeline.record(stats.step, stats.timestamp, stats.step_time, stats.mode, stats.waiting, computed, padding, held,
-                             [r.request_id for r in sched.preempted])
+        self.timeline.record(
+            stats.step,
+            stats.timestamp,
+            stats.step_time,
+            stats.mode,
+            stats.waiting,
+            computed,
+            padding,
+            held,
+            [r.request_id for r in sched.preempted],
+        )
 
     def _process(self, req: Request) -> RequestOutput | None:
         """Detokenize the new token, apply stop conditions, build the delta."""
@@ -190,11 +200,21 @@ class LLMEngine:
         """The engine now (call on the thread that steps it)."""
         s, bm = self.scheduler, self.scheduler.blocks
         return EngineState(
-            step=self.num_steps, timestamp=time.time(), mode=s.mode, pending_mode=s.pending_mode, running=len(s.running),
-            max_num_seqs=s.config.max_num_seqs, waiting=len(s.waiting), kv_blocks_used=bm.num_used_blocks,
-            kv_blocks_total=bm.num_usable_blocks, block_size=bm.block_size, kv_window=bm.window,
-            kv_blocks_released_out_of_window=bm.released_blocks, prefix_cache_hit_blocks=bm.prefix_hits,
-            preemptions=s.num_preemptions, wasted_row_steps=s.wasted_row_steps,
+            step=self.num_steps,
+            timestamp=time.time(),
+            mode=s.mode,
+            pending_mode=s.pending_mode,
+            running=len(s.running),
+            max_num_seqs=s.config.max_num_seqs,
+            waiting=len(s.waiting),
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_total=bm.num_usable_blocks,
+            block_size=bm.block_size,
+            kv_window=bm.window,
+            kv_blocks_released_out_of_window=bm.released_blocks,
+            prefix_cache_hit_blocks=bm.prefix_hits,
+            preemptions=s.num_preemptions,
+            wasted_row_steps=s.wasted_row_steps,
         )
 
     def _stats(self, sched: SchedulerOutput, step_time: float) -> StepStats:

@@ -30,8 +30,15 @@ class StepRecord:
     preempted: tuple[str, ...] = ()  # requests sent back to the queue this step
 
     def as_dict(self) -> dict:
-        return {"step": self.step, "t": round(self.time, 4), "ms": round(self.duration * 1e3, 3), "mode": self.mode,
-                "waiting": self.waiting, "rows": [list(r) for r in self.rows], "preempted": list(self.preempted)}
+        return {
+            "step": self.step,
+            "t": round(self.time, 4),
+            "ms": round(self.duration * 1e3, 3),
+            "mode": self.mode,
+            "waiting": self.waiting,
+            "rows": [list(r) for r in self.rows],
+            "preempted": list(self.preempted),
+        }
 
 
 class Timeline:
@@ -57,8 +64,18 @@ class Timeline:
             self._rows[request_id] = row
         return row
 
-    def record(self, step: int, time: float, duration: float, mode: str, waiting: int,
-               computed: list[tuple[str, int, bool]], padding: list[str], held: list[str], preempted: list[str]) -> StepRecord:
+    def record(
+        self,
+        step: int,
+        time: float,
+        duration: float,
+        mode: str,
+        waiting: int,
+        computed: list[tuple[str, int, bool]],
+        padding: list[str],
+        held: list[str],
+        preempted: list[str],
+    ) -> StepRecord:
         """computed: (request id, tokens, is a decode) in batch order; padding and held: request ids; preempted: ids."""
         members = {rid for rid, _, _ in computed} | set(padding) | set(held)
         for rid in [r for r in self._rows if r not in members]:  # left the batch: its row is free for the next one

@@ -96,8 +96,7 @@ class ModelConfig:
             )
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
-                f"model_type {model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         if model_type in GEMMA:
             return _gemma(cfg)
@@ -115,7 +114,9 @@ class ModelConfig:
         window = cfg.get("sliding_window") if model_type in ("mistral", "phi3") else None
         partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
         if partial not in (None, 1, 1.0):
-            raise UnsupportedModelError(f"partial_rotary_factor {partial} (rotary on part of each head) is not supported")
+            raise UnsupportedModelError(
+                f"partial_rotary_factor {partial} (rotary on part of each head) is not supported"
+            )
         if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
             # Qwen's windows apply to layers past max_window_layers only: a per-layer window we do not run.
             raise UnsupportedModelError("use_sliding_window (Qwen's per-layer sliding windows) is not supported")
@@ -182,18 +183,34 @@ def _gemma(cfg: dict) -> ModelConfig:
         local = RopeConfig(theta=float(base)) if base is not None and model_type == "gemma3_text" else full
     eos = cfg.get("eos_token_id")
     return ModelConfig(
-        model_type=model_type, vocab_size=cfg["vocab_size"], hidden_size=hidden,
-        intermediate_size=cfg["intermediate_size"], num_layers=layers, num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), max_position=cfg.get("max_position_embeddings", 8192),
-        rope=full, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        qkv_bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)), mlp_bias=False,
+        model_type=model_type,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        max_position=cfg.get("max_position_embeddings", 8192),
+        rope=full,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        o_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=False,
         eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
-        bos_token_id=cfg.get("bos_token_id"), sliding_window=None, qk_norm=model_type == "gemma3_text",
-        hidden_act="gelu_tanh", embed_scale=hidden**0.5, norm_plus_one=True, sandwich_norms=True,
+        bos_token_id=cfg.get("bos_token_id"),
+        sliding_window=None,
+        qk_norm=model_type == "gemma3_text",
+        hidden_act="gelu_tanh",
+        embed_scale=hidden**0.5,
+        norm_plus_one=True,
+        sandwich_norms=True,
         query_scale=float(cfg.get("query_pre_attn_scalar") or head_dim) ** -0.5,
-        attn_softcap=cfg.get("attn_logit_softcapping"), final_softcap=cfg.get("final_logit_softcapping"),
-        layer_windows=windows, rope_local=local if local != full else None,
+        attn_softcap=cfg.get("attn_logit_softcapping"),
+        final_softcap=cfg.get("final_logit_softcapping"),
+        layer_windows=windows,
+        rope_local=local if local != full else None,
     )
 
 
@@ -208,16 +225,23 @@ def _rope_from_dict(cfg: dict) -> RopeConfig:
     if rope_type == "default":
         return RopeConfig(theta=float(theta))
     if rope_type in ("longrope", "su"):
-        original = int(merged.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
-                       or cfg.get("max_position_embeddings", 2048))
+        original = int(
+            merged.get("original_max_position_embeddings")
+            or cfg.get("original_max_position_embeddings")
+            or cfg.get("max_position_embeddings", 2048)
+        )
         factor = merged.get("factor") or cfg.get("max_position_embeddings", original) / original
         attention = merged.get("attention_factor")
         if attention is None:
             attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-        return RopeConfig(theta=float(theta), rope_type="longrope", original_max_position=original,
-                          short_factor=tuple(float(f) for f in merged["short_factor"]),
-                          long_factor=tuple(float(f) for f in merged.get("long_factor") or merged["short_factor"]),
-                          attention_factor=float(attention))
+        return RopeConfig(
+            theta=float(theta),
+            rope_type="longrope",
+            original_max_position=original,
+            short_factor=tuple(float(f) for f in merged["short_factor"]),
+            long_factor=tuple(float(f) for f in merged.get("long_factor") or merged["short_factor"]),
+            attention_factor=float(attention),
+        )
     if rope_type == "linear":
         return RopeConfig(theta=float(theta), rope_type="linear", factor=float(merged["factor"]))
     if rope_type != "llama3":

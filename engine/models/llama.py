@@ -44,7 +44,9 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.
     high_wavelen = rope.original_max_position / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
@@ -71,7 +73,6 @@ class RotaryEmbedding(nn.Module):
             self.cos, self.sin = self.cos * self.rope.attention_factor, self.sin * self.rope.attention_factor
 
 
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: TorchOps) -> None:
         super().__init__()
@@ -93,8 +94,12 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.reshape(n, self.num_heads, self.head_dim), k.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q = self.ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.eps).view(n, self.num_heads, self.head_dim)
-            k = self.ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.eps).view(n, self.num_kv_heads, self.head_dim)
+            q = self.ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.eps).view(
+                n, self.num_heads, self.head_dim
+            )
+            k = self.ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.eps).view(
+                n, self.num_kv_heads, self.head_dim
+            )
         q, k = self.ops.rotary(positions, q, k, self.rotary.cos, self.rotary.sin)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
@@ -117,8 +122,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: TorchOps,
-                 window: int = 0) -> None:
+    def __init__(
+        self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: TorchOps, window: int = 0
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, rotary, backend, ops)
         self.mlp = MLP(cfg, ops)
@@ -139,10 +145,17 @@ class LlamaBody(nn.Module):
         self.rotary_local = RotaryEmbedding(cfg.rope_local, cfg.head_dim, cfg.max_position) if cfg.rope_local else None
         # An explicit (uninitialised) weight skips the random init, whose first use on the meta
         # device imports torch._refs (~3 s of every start).
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, self.rotary_local if self.rotary_local is not None and cfg.window_of(i) else self.rotary,
-                         backend, ops, cfg.window_of(i))
+            DecoderLayer(
+                cfg,
+                self.rotary_local if self.rotary_local is not None and cfg.window_of(i) else self.rotary,
+                backend,
+                ops,
+                cfg.window_of(i),
+            )
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

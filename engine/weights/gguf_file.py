@@ -114,8 +114,10 @@ class GGUFWeights:
         if short is not None and short.ggml_type == 0:  # F32
             stored = self.file.data(short, 4 * int(np.prod(short.dims))).view(np.float32)
         if cfg.rope.rope_type != "longrope" or stored is None or not np.array_equal(stored, ours):
-            raise GGUFError(f"{self.path}: its LongRoPE factors (rope_factors_short.weight) differ from the rope of the "
-                            f"config beside it ({cfg.rope.rope_type}, {len(ours)} short factors)")
+            raise GGUFError(
+                f"{self.path}: its LongRoPE factors (rope_factors_short.weight) differ from the rope of the "
+                f"config beside it ({cfg.rope.rope_type}, {len(ours)} short factors)"
+            )
 
     def _tensor(self, info: TensorInfo, cfg: ModelConfig) -> GGUFTensor:
         qtype = QUANT_BY_ID.get(info.ggml_type)
@@ -146,8 +148,10 @@ class GGUFWeights:
         return GGUFTensor(hf_name, info.name, qtype, shape, raw, row_order)
 
     def _check_complete(self, cfg: ModelConfig) -> None:
-        expected = {"model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size),
-                    "model.norm.weight": (cfg.hidden_size,)}
+        expected = {
+            "model.embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size),
+            "model.norm.weight": (cfg.hidden_size,),
+        }
         if not cfg.tie_word_embeddings:
             expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -163,17 +167,26 @@ class GGUFWeights:
             "mlp.down_proj.weight": (cfg.hidden_size, cfg.intermediate_size),
         }
         if self.architecture == "phi3":  # fused, as llama.cpp stores them
-            for name in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                         "mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            for name in (
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+                "mlp.gate_proj.weight",
+                "mlp.up_proj.weight",
+            ):
                 del per_layer[name]
             per_layer["self_attn.qkv_proj.weight"] = (q + 2 * kv, cfg.hidden_size)
             per_layer["mlp.gate_up_proj.weight"] = (2 * cfg.intermediate_size, cfg.hidden_size)
         if cfg.qk_norm:
             per_layer["self_attn.q_norm.weight"] = per_layer["self_attn.k_norm.weight"] = (cfg.head_dim,)
         if cfg.sandwich_norms:
-            per_layer["pre_feedforward_layernorm.weight"] = per_layer["post_feedforward_layernorm.weight"] = (cfg.hidden_size,)
+            per_layer["pre_feedforward_layernorm.weight"] = per_layer["post_feedforward_layernorm.weight"] = (
+                cfg.hidden_size,
+            )
         if cfg.qkv_bias:
-            per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)})
+            per_layer.update(
+                {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+            )
         for i in range(cfg.num_layers):
             expected.update({f"model.layers.{i}.{n}": s for n, s in per_layer.items()})
         missing = sorted(set(expected) - set(self.tensors))
@@ -181,7 +194,9 @@ class GGUFWeights:
             expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)  # a tied file may still carry one
         unexpected = sorted(set(self.tensors) - set(expected))
         if missing or unexpected:
-            parts = [f"missing tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"] if missing else []
+            parts = (
+                [f"missing tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"] if missing else []
+            )
             if unexpected:
                 parts.append(f"unexpected tensors: {', '.join(self.tensors[n].gguf_name for n in unexpected[:8])}")
             raise GGUFError(f"{self.path}: {'; '.join(parts)}")

@@ -88,7 +88,7 @@ class GGUFFile:
                 n = struct.unpack_from("<Q", buf, pos)[0] if pos + 8 <= size else size
                 if pos + 8 + n > size:
                     raise GGUFFormatError(f"{self.path}: {key} runs past the end of the file (truncated)")
-                out.append(buf[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"))
+                out.append(buf[pos + 8 : pos + 8 + n].decode("utf-8", errors="replace"))
                 pos += 8 + n
             self._pos = pos
             return out

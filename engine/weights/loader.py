@@ -24,6 +24,7 @@ from ..models.llama import LlamaForCausalLM, RMSNorm
 from ..models.ops import TorchOps
 
 from ..core.info import WEIGHT_MODES
+
 GGUF_SOURCE_FILE = "minibatch-source.json"  # written by the model store beside a GGUF's config
 
 # Hugging Face keeps these projections apart; we stack them: (our name, shard index).
@@ -173,7 +174,7 @@ def fill_parameters(model: LlamaForCausalLM, tensors) -> None:
                 if tensor.shape[0] != bounds[-1]:
                     raise WeightLoadError(f"tensor {key} has {tensor.shape[0]} rows, expected {bounds[-1]}")
                 for i in range(len(bounds) - 1):
-                    _copy(model, params[target], target, i, tensor[bounds[i]:bounds[i + 1]], key)
+                    _copy(model, params[target], target, i, tensor[bounds[i] : bounds[i + 1]], key)
                     pending[target].discard(i)
                 continue
             _copy(model, params[target], target, shard, tensor, key)

@@ -44,8 +44,9 @@ def install_gguf_weights(model: LlamaForCausalLM, gw: GGUFWeights, packed: bool 
             getattr(layer, norm).weight = nn.Parameter(t[f"{prefix}{norm}.weight"].dequantized(), requires_grad=False)
         if cfg.qk_norm:  # Qwen3's per-head q/k norms
             for norm in ("q_norm", "k_norm"):
-                getattr(layer.self_attn, norm).weight = nn.Parameter(t[f"{prefix}self_attn.{norm}.weight"].dequantized(),
-                                                                     requires_grad=False)
+                getattr(layer.self_attn, norm).weight = nn.Parameter(
+                    t[f"{prefix}self_attn.{norm}.weight"].dequantized(), requires_grad=False
+                )
     model.model.norm.weight = nn.Parameter(t["model.norm.weight"].dequantized(), requires_grad=False)
     emb = t["model.embed_tokens.weight"]
     if emb.qtype.name == "F32":
@@ -66,7 +67,9 @@ def _linear(weights: list[GGUFTensor], biases: list[GGUFTensor | None], pack: bo
     k = weights[0].shape[-1]
     bias = None
     if any(b is not None for b in biases):
-        bias = torch.cat([b.dequantized() if b is not None else torch.zeros(w.shape[0]) for w, b in zip(weights, biases)])
+        bias = torch.cat(
+            [b.dequantized() if b is not None else torch.zeros(w.shape[0]) for w, b in zip(weights, biases)]
+        )
     if all(w.qtype.name == "F32" for w in weights):
         dense = torch.cat([w.dequantized() for w in weights])
         if pack:
@@ -110,7 +113,8 @@ def quantize_linears(model: LlamaForCausalLM, type_name: str, int8: bool = True)
     out = emb if model.lm_head is None else model.lm_head.weight
     model.model.embed_tokens = QuantEmbedding(quantize_blocks(emb, qtype), qtype, emb.shape[1])
     model.logits_proj = (
-        model.model.embed_tokens.as_linear(int8) if model.lm_head is None
+        model.model.embed_tokens.as_linear(int8)
+        if model.lm_head is None
         else QuantLinear(quantize_blocks(out, qtype), qtype, out.shape[1], int8=int8)
     )
     model.lm_head = None

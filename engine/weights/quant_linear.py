@@ -5,8 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minibatch.kernels.quant import (INT_DOT_TYPES, QuantType, embedding, quant_linear, quant_linear_q8,
-                                     quantize_activations)
+from minibatch.kernels.quant import (
+    INT_DOT_TYPES,
+    QuantType,
+    embedding,
+    quant_linear,
+    quant_linear_q8,
+    quantize_activations,
+)
 
 
 class QuantLinear(nn.Module):
@@ -16,8 +22,14 @@ class QuantLinear(nn.Module):
     and multiplied in integers (the fast path); otherwise they stay fp32 and every block is dequantised
     exactly (the exact path). Float types (F16, BF16) always take the exact path."""
 
-    def __init__(self, blocks: torch.Tensor, qtype: QuantType, in_features: int, bias: torch.Tensor | None = None,
-                 int8: bool = False) -> None:
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        qtype: QuantType,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+        int8: bool = False,
+    ) -> None:
         super().__init__()
         self.qtype, self.in_features, self.out_features = qtype, in_features, blocks.shape[0]
         self.int8 = int8 and qtype.name in INT_DOT_TYPES
@@ -39,7 +51,9 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, {self.qtype.name}{', int8 activations' if self.int8 else ''}"
+        return (
+            f"{self.in_features} -> {self.out_features}, {self.qtype.name}{', int8 activations' if self.int8 else ''}"
+        )
 
 
 class StackedLinear(nn.Module):

@@ -44,8 +44,9 @@ class Running:
         self.launch = launch
         self.log_path = log_path
         log = log_path.open("wb")
-        self.proc = subprocess.Popen(launch.argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **launch.env},
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            launch.argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **launch.env}, start_new_session=True
+        )
         log.close()
         self.pid = self.proc.pid
 

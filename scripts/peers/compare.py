@@ -32,18 +32,27 @@ class WorkMismatch(RuntimeError):
 
 
 def check_counts(trace: list[TraceItem], results: list[Result], server: str) -> None:
-    bad = [(i, it.max_tokens, r.output_tokens, r.error) for i, (it, r) in enumerate(zip(trace, results))
-           if not r.ok or r.output_tokens != it.max_tokens]
+    bad = [
+        (i, it.max_tokens, r.output_tokens, r.error)
+        for i, (it, r) in enumerate(zip(trace, results))
+        if not r.ok or r.output_tokens != it.max_tokens
+    ]
     if bad:
-        lines = "\n".join(f"  request {i}: asked {want}, got {got}" + (f" ({err})" if err else "") for i, want, got, err in bad[:10])
-        raise WorkMismatch(f"{server}: {len(bad)} of {len(trace)} responses did not generate the tokens asked for:\n{lines}")
+        lines = "\n".join(
+            f"  request {i}: asked {want}, got {got}" + (f" ({err})" if err else "") for i, want, got, err in bad[:10]
+        )
+        raise WorkMismatch(
+            f"{server}: {len(bad)} of {len(trace)} responses did not generate the tokens asked for:\n{lines}"
+        )
 
 
-async def replay_http(target: dict, trace: list[TraceItem], concurrency: int, body_of,
-                      model: str | None = None) -> tuple[list[Result], float]:
+async def replay_http(
+    target: dict, trace: list[TraceItem], concurrency: int, body_of, model: str | None = None
+) -> tuple[list[Result], float]:
     """Closed loop: at most `concurrency` requests in flight, in trace order."""
     sem = asyncio.Semaphore(max(1, concurrency))
     async with session(**target) as s:
+
         async def one(i: int, item: TraceItem) -> Result:
             async with sem:
                 body, chat = body_of(item)
@@ -90,17 +99,29 @@ def launch_for(spec: str, args, concurrency: int, workdir: Path) -> Launch:
     kind, _, variant = spec.partition(":")
     ctx = args.ctx_per_slot
     if kind == "llama.cpp":
-        return llamacpp.launch(variant or "file", args.gguf, args.port, concurrency, args.threads, ctx, args.llama_server)
+        return llamacpp.launch(
+            variant or "file", args.gguf, args.port, concurrency, args.threads, ctx, args.llama_server
+        )
     if kind == "minibatch":
         kv_tokens = max(1, concurrency) * ctx  # the token slots llama.cpp gets
-        return minibatch.launch(str(workdir / f"mb-{variant or 'native'}.sock"), variant or "native", concurrency,
-                                args.threads, args.peer_model, kv_tokens)
+        return minibatch.launch(
+            str(workdir / f"mb-{variant or 'native'}.sock"),
+            variant or "native",
+            concurrency,
+            args.threads,
+            args.peer_model,
+            kv_tokens,
+        )
     if kind == "vllm":
         return vllm.launch(args.hf_dir, args.port, concurrency, ctx)
-    raise SystemExit(f"unknown peer {spec!r}: minibatch[:native|native-exact|float32], llama.cpp[:file|Q4_1|Q8_0|F32], vllm, hf")
+    raise SystemExit(
+        f"unknown peer {spec!r}: minibatch[:native|native-exact|float32], llama.cpp[:file|Q4_1|Q8_0|F32], vllm, hf"
+    )
 
 
-async def measure(launch: Launch, trace: list[TraceItem], concurrency: int, repeats: int, body_of, workdir: Path) -> dict:
+async def measure(
+    launch: Launch, trace: list[TraceItem], concurrency: int, repeats: int, body_of, workdir: Path
+) -> dict:
     target = {"url": launch.url} if launch.url else {"socket": launch.socket}
     running = Running(launch, workdir / f"{launch.name.replace(' ', '_')}-c{concurrency}.log")
     try:
@@ -115,8 +136,14 @@ async def measure(launch: Launch, trace: list[TraceItem], concurrency: int, repe
             check_counts(trace, results, launch.name)
             runs.append(summarize(results, wall))
         task.cancel()
-        return {"server": launch.name, "concurrency": concurrency, "repeats": repeats, "info": launch.info,
-                "rss_peak_mb": sampler.peak / 2**20, "summary": median_summary(runs)}
+        return {
+            "server": launch.name,
+            "concurrency": concurrency,
+            "repeats": repeats,
+            "info": launch.info,
+            "rss_peak_mb": sampler.peak / 2**20,
+            "summary": median_summary(runs),
+        }
     finally:
         running.stop()
 
@@ -128,9 +155,14 @@ def hf_point(args, trace: list[TraceItem], concurrency: int) -> dict:
 
     tok = AutoTokenizer.from_pretrained(args.hf_dir)
     ids_trace = [TraceItem(0.0, tok.encode(it.prompt_text), None, it.max_tokens) for it in trace]
-    return {"server": "HF generate (static)", "concurrency": concurrency, "repeats": 1, "info": {},
-            "rss_peak_mb": psutil.Process().memory_info().rss / 2**20,
-            "summary": hf_static(args.hf_dir, ids_trace, concurrency, tok)}
+    return {
+        "server": "HF generate (static)",
+        "concurrency": concurrency,
+        "repeats": 1,
+        "info": {},
+        "rss_peak_mb": psutil.Process().memory_info().rss / 2**20,
+        "summary": hf_static(args.hf_dir, ids_trace, concurrency, tok),
+    }
 
 
 async def compare(args, body_of) -> list[dict]:
@@ -145,7 +177,9 @@ async def compare(args, body_of) -> list[dict]:
         for c in concurrencies:
             for spec in args.peers.split(","):
                 reps = args.repeats if c in repeat_at else 1
-                print(f"-- {spec} at concurrency {c} ({reps} run{'s' if reps > 1 else ''})", file=sys.stderr, flush=True)
+                print(
+                    f"-- {spec} at concurrency {c} ({reps} run{'s' if reps > 1 else ''})", file=sys.stderr, flush=True
+                )
                 if spec == "hf":
                     row = hf_point(args, trace, c)
                 else:
@@ -156,14 +190,18 @@ async def compare(args, body_of) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| concurrency | server | out tok/s | TTFT p50 / p95 (s) | e2e p95 (s) | peak RSS (MB) | runs |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| concurrency | server | out tok/s | TTFT p50 / p95 (s) | e2e p95 (s) | peak RSS (MB) | runs |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         s = r["summary"]
         ttft = s["ttft"]
         t = "-" if ttft["p50"] is None else f"{ttft['p50']:.2f} / {ttft['p95']:.2f}"
-        lines.append(f"| {r['concurrency']} | {r['server']} | {s['output_throughput']:.1f} | {t} | {s['e2e']['p95']:.1f} | "
-                     f"{r['rss_peak_mb']:.0f} | {r['repeats']} |")
+        lines.append(
+            f"| {r['concurrency']} | {r['server']} | {s['output_throughput']:.1f} | {t} | {s['e2e']['p95']:.1f} | "
+            f"{r['rss_peak_mb']:.0f} | {r['repeats']} |"
+        )
     return "\n".join(lines)
 
 
@@ -197,6 +235,7 @@ def ratios(rows: list[dict]) -> list[str]:
         peers = {k: v for k, v in at.items() if k.startswith("llama.cpp")}
         if ours and peers:
             best = max(peers, key=peers.get)
-            out.append(f"c={c}: minibatch native {ours:.1f} tok/s = {ours / peers[best]:.2f}x {best} ({peers[best]:.1f})")
+            out.append(
+                f"c={c}: minibatch native {ours:.1f} tok/s = {ours / peers[best]:.2f}x {best} ({peers[best]:.1f})"
+            )
     return out
-

@@ -30,8 +30,10 @@ def find_server(explicit: str | None = None) -> Path:
     for candidate in (explicit, os.environ.get("LLAMA_SERVER"), shutil.which("llama-server")):
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return Path(candidate)
-    raise SystemExit("llama.cpp peer: no llama-server found: pass --llama-server PATH or set LLAMA_SERVER "
-                     "(build llama.cpp for the CPU as its README says)")
+    raise SystemExit(
+        "llama.cpp peer: no llama-server found: pass --llama-server PATH or set LLAMA_SERVER "
+        "(build llama.cpp for the CPU as its README says)"
+    )
 
 
 def server_version(binary: Path) -> str:
@@ -43,9 +45,24 @@ def command(binary: Path, model: Path, port: int, concurrency: int, threads: int
     """llama-server for `concurrency` slots; its one KV buffer of -c tokens is split evenly between them."""
     slots = max(1, concurrency)
     return [
-        str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-        "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot),
-        "-cb", "--no-webui", "--log-disable",
+        str(binary),
+        "-m",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * ctx_per_slot),
+        "-cb",
+        "--no-webui",
+        "--log-disable",
     ]
 
 
@@ -107,8 +124,9 @@ def write_dequantised(source: Path, out: Path, requantize: str | None = None) ->
     tmp.rename(out)
 
 
-def launch(variant: str, source: Path, port: int, concurrency: int, threads: int, ctx_per_slot: int,
-           binary: str | None = None) -> Launch:
+def launch(
+    variant: str, source: Path, port: int, concurrency: int, threads: int, ctx_per_slot: int, binary: str | None = None
+) -> Launch:
     exe = find_server(binary)
     model = model_file(variant, source, exe)
     return Launch(

@@ -19,16 +19,31 @@ from minibatch.daemon.client import request_json
 
 
 class Daemon:
-    def __init__(self, socket: Path, model: Path | str, *args: str, env: dict | None = None, umask: int | None = None) -> None:
+    def __init__(
+        self, socket: Path, model: Path | str, *args: str, env: dict | None = None, umask: int | None = None
+    ) -> None:
         self.socket = socket
         # beside the socket, or beside its directory when the daemon is to create that
         self.log = socket.with_suffix(".log") if socket.parent.exists() else socket.parent.with_suffix(".log")
-        cmd = [sys.executable, "-m", "minibatch.daemon.cli", "start", "--foreground", "--socket", str(socket),
-               "--model", str(model), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "minibatch.daemon.cli",
+            "start",
+            "--foreground",
+            "--socket",
+            str(socket),
+            "--model",
+            str(model),
+            *args,
+        ]
         full_env = {**os.environ, **(env or {})}
         self._logf = open(self.log, "ab")
         self.proc = subprocess.Popen(
-            cmd, stdout=self._logf, stderr=subprocess.STDOUT, env=full_env,
+            cmd,
+            stdout=self._logf,
+            stderr=subprocess.STDOUT,
+            env=full_env,
             preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
         )
 

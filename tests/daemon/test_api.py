@@ -41,7 +41,9 @@ def test_health_and_models(daemon, tiny_chat_model_dir):
 def test_chat_completion_non_streaming(daemon):
     async def go():
         async with session(daemon.socket) as s:
-            async with s.post("/v1/chat/completions", json=chat_body(max_tokens=8, temperature=0, ignore_eos=True)) as r:
+            async with s.post(
+                "/v1/chat/completions", json=chat_body(max_tokens=8, temperature=0, ignore_eos=True)
+            ) as r:
                 return r.status, await r.json()
 
     status, body = run(go())
@@ -59,7 +61,9 @@ def test_chat_completion_non_streaming(daemon):
 def test_chat_streaming_sse_format(daemon):
     async def go():
         async with session(daemon.socket) as s:
-            body = chat_body(max_tokens=6, temperature=0, ignore_eos=True, stream=True, stream_options={"include_usage": True})
+            body = chat_body(
+                max_tokens=6, temperature=0, ignore_eos=True, stream=True, stream_options={"include_usage": True}
+            )
             async with s.post("/v1/chat/completions", json=body) as r:
                 assert r.headers["Content-Type"].startswith("text/event-stream")
                 return await read_sse(r)
@@ -71,7 +75,11 @@ def test_chat_streaming_sse_format(daemon):
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
-    assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == "length" and "ttft_ms" in finals[0]["minibatch"]
+    assert (
+        len(finals) == 1
+        and finals[0]["choices"][0]["finish_reason"] == "length"
+        and "ttft_ms" in finals[0]["minibatch"]
+    )
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
     assert len({c["id"] for c in chunks}) == 1
 
@@ -79,9 +87,14 @@ def test_chat_streaming_sse_format(daemon):
 def test_completions_text_and_token_prompt(daemon):
     async def go():
         async with session(daemon.socket) as s:
-            async with s.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0, "ignore_eos": True}) as r:
+            async with s.post(
+                "/v1/completions",
+                json={"prompt": "Once upon a time", "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+            ) as r:
                 a = r.status, await r.json()
-            async with s.post("/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": 3, "stream": True, "ignore_eos": True}) as r:
+            async with s.post(
+                "/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": 3, "stream": True, "ignore_eos": True}
+            ) as r:
                 b = r.status, await read_sse(r)
             return a, b
 
@@ -102,7 +115,12 @@ def test_completions_text_and_token_prompt(daemon):
         (chat_body(max_tokens="5"), 400, "max_tokens", "valid integer"),
         (chat_body(bogus=1), 400, "bogus", "unknown field"),
         ({"messages": []}, 400, "messages", "at least 1"),
-        ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role", "'system', 'user', 'assistant' or 'tool'"),
+        (
+            {"messages": [{"role": "robot", "content": "x"}]},
+            400,
+            "messages.0.role",
+            "'system', 'user', 'assistant' or 'tool'",
+        ),
         (chat_body(n=9), 400, "n", "less than or equal to 8"),
         (chat_body(model="gpt-4"), 404, "model", "does not exist"),
         (chat_body(max_tokens=5000), 400, "max_tokens", "exceeds the context limit of 1024"),
@@ -211,6 +229,7 @@ def test_steps_endpoint_returns_the_rows_of_each_step(daemon):
 
     async def go():
         async with session(daemon.socket) as s:
+
             async def one(n):
                 async with s.post("/v1/chat/completions", json=chat_body(max_tokens=n, ignore_eos=True)) as r:
                     body = await r.json()
@@ -222,7 +241,11 @@ def test_steps_endpoint_returns_the_rows_of_each_step(daemon):
     status, data = daemon.get(f"/v1/engine/steps?since={before}")
     assert status == 200 and data["max_rows"] == 4 and data["capacity"] == 512
     steps = data["steps"]
-    assert steps and steps[0]["step"] == before + 1 and [s["step"] for s in steps] == list(range(before + 1, data["last_step"] + 1))
+    assert (
+        steps
+        and steps[0]["step"] == before + 1
+        and [s["step"] for s in steps] == list(range(before + 1, data["last_step"] + 1))
+    )
     for rid, body in done:
         mine = [(s["step"], row) for s in steps for row in s["rows"] if row[1] == rid]
         states = [row[3] for _, row in mine]
@@ -239,14 +262,20 @@ def test_steps_endpoint_returns_the_rows_of_each_step(daemon):
 def test_logprobs_in_chat_stream_and_completions(daemon):
     async def go():
         async with session(daemon.socket) as s:
-            async with s.post("/v1/chat/completions", json=chat_body(max_tokens=6, ignore_eos=True, temperature=0,
-                                                                     logprobs=True, top_logprobs=3)) as r:
+            async with s.post(
+                "/v1/chat/completions",
+                json=chat_body(max_tokens=6, ignore_eos=True, temperature=0, logprobs=True, top_logprobs=3),
+            ) as r:
                 full = await r.json()
-            async with s.post("/v1/chat/completions", json=chat_body(max_tokens=6, ignore_eos=True, temperature=0,
-                                                                     logprobs=True, stream=True)) as r:
+            async with s.post(
+                "/v1/chat/completions",
+                json=chat_body(max_tokens=6, ignore_eos=True, temperature=0, logprobs=True, stream=True),
+            ) as r:
                 events, _ = await read_sse(r)
-            async with s.post("/v1/completions", json={"prompt": "Once upon", "max_tokens": 5, "ignore_eos": True,
-                                                       "temperature": 0, "logprobs": 2}) as r:
+            async with s.post(
+                "/v1/completions",
+                json={"prompt": "Once upon", "max_tokens": 5, "ignore_eos": True, "temperature": 0, "logprobs": 2},
+            ) as r:
                 legacy = await r.json()
             async with s.post("/v1/chat/completions", json=chat_body(top_logprobs=2)) as r:
                 bad = r.status, await r.json()
@@ -264,7 +293,12 @@ def test_logprobs_in_chat_stream_and_completions(daemon):
         top = item["top_logprobs"]
         assert [t["logprob"] for t in top] == sorted((t["logprob"] for t in top), reverse=True)
         assert top[0]["token"] == item["token"] and top[0]["logprob"] == pytest.approx(item["logprob"])  # greedy
-    streamed = [c for e in events if isinstance(e, dict) and e.get("choices") for c in ((e["choices"][0].get("logprobs") or {}).get("content") or [])]
+    streamed = [
+        c
+        for e in events
+        if isinstance(e, dict) and e.get("choices")
+        for c in ((e["choices"][0].get("logprobs") or {}).get("content") or [])
+    ]
     assert [c["token"] for c in streamed] == [c["token"] for c in content]  # the same greedy tokens, chunk by chunk
     assert all(c["top_logprobs"] == [] for c in streamed)
     lp = legacy["choices"][0]["logprobs"]
@@ -278,7 +312,10 @@ def test_logprobs_in_chat_stream_and_completions(daemon):
 def test_mode_switch_under_load(daemon):
     async def go():
         async with session(daemon.socket) as s:
-            jobs = [asyncio.ensure_future(s.post("/v1/chat/completions", json=chat_body(max_tokens=50, ignore_eos=True))) for _ in range(4)]
+            jobs = [
+                asyncio.ensure_future(s.post("/v1/chat/completions", json=chat_body(max_tokens=50, ignore_eos=True)))
+                for _ in range(4)
+            ]
             await asyncio.sleep(0.3)
             async with s.put("/v1/engine/mode", json={"mode": "static"}) as r:
                 put = r.status, await r.json()
@@ -336,8 +373,13 @@ def test_metrics_prometheus_text(daemon):
 
     status, ctype, text = run(go())
     assert status == 200 and ctype.startswith("text/plain")
-    for name in ("minibatch_running_requests", "minibatch_kv_cache_usage_ratio", "minibatch_time_to_first_token_seconds_bucket",
-                 "minibatch_preemptions_total", "minibatch_mode{mode=\"continuous\"}"):
+    for name in (
+        "minibatch_running_requests",
+        "minibatch_kv_cache_usage_ratio",
+        "minibatch_time_to_first_token_seconds_bucket",
+        "minibatch_preemptions_total",
+        'minibatch_mode{mode="continuous"}',
+    ):
         assert name in text, name
 
 
@@ -345,8 +387,18 @@ def test_metrics_prometheus_text(daemon):
 def test_curl_over_the_unix_socket(daemon):
     body = json.dumps(chat_body(max_tokens=4, ignore_eos=True, stream=True))
     out = subprocess.run(
-        ["curl", "-sN", "--unix-socket", str(daemon.socket), "http://localhost/v1/chat/completions",
-         "-H", "Content-Type: application/json", "-d", body],
-        capture_output=True, timeout=60,
+        [
+            "curl",
+            "-sN",
+            "--unix-socket",
+            str(daemon.socket),
+            "http://localhost/v1/chat/completions",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            body,
+        ],
+        capture_output=True,
+        timeout=60,
     )
     assert out.returncode == 0 and out.stdout.endswith(b"data: [DONE]\n\n") and b"chat.completion.chunk" in out.stdout

@@ -99,6 +99,8 @@ def test_the_key_leaves_the_command_line():
 
 
 def test_describe_never_shows_a_key(tmp_path):
-    g = Guard.from_options(api_key="visible-if-leaked-1", host="127.0.0.1", port=8000, allowed_origins="http://app.example")
+    g = Guard.from_options(
+        api_key="visible-if-leaked-1", host="127.0.0.1", port=8000, allowed_origins="http://app.example"
+    )
     text = g.describe()
     assert "visible-if-leaked-1" not in text and "1 API key" in text and "http://app.example" in text

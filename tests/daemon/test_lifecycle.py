@@ -10,10 +10,14 @@ import sys
 from minibatch.daemon.paths import lock_path
 
 
-
 def cli(*args, env=None, timeout=180):
-    return subprocess.run([sys.executable, "-m", "minibatch.daemon.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "minibatch.daemon.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
 
 
 def test_cli_start_status_stop_in_the_background(tiny_chat_model_dir, short_tmp):
@@ -40,4 +44,6 @@ def test_cli_start_status_stop_in_the_background(tiny_chat_model_dir, short_tmp)
 def test_start_failure_is_reported_with_the_reason(short_tmp):
     env = {"MINIBATCH_LOG_FILE": str(short_tmp / "daemon.log")}
     out = cli("start", "--socket", str(short_tmp / "d.sock"), "--model", "no-such-model", env=env)
-    assert out.returncode == 1 and "unknown model 'no-such-model'" in out.stderr and "exited with status 1" in out.stderr
+    assert (
+        out.returncode == 1 and "unknown model 'no-such-model'" in out.stderr and "exited with status 1" in out.stderr
+    )

@@ -29,16 +29,26 @@ def test_the_ollama_client_lists_chats_and_generates(daemon, tiny_chat_model_dir
     assert [m.model for m in listed.models] == [f"{name}:latest"]
     assert c.show(name).details.family == "llama"
     assert c.ps().models[0].model == f"{name}:latest"
-    answer = c.chat(model=name, messages=[{"role": "user", "content": "Hello!"}], options={"temperature": 0, "num_predict": 5})
+    answer = c.chat(
+        model=name, messages=[{"role": "user", "content": "Hello!"}], options={"temperature": 0, "num_predict": 5}
+    )
     assert answer.message.role == "assistant" and answer.done and answer.eval_count == 5
     assert answer.done_reason == "length" and answer.prompt_eval_count > 0 and answer.total_duration > 0
-    parts = list(c.chat(model=f"{name}:latest", messages=[{"role": "user", "content": "Hello!"}], stream=True,
-                        options={"temperature": 0, "num_predict": 5}))
+    parts = list(
+        c.chat(
+            model=f"{name}:latest",
+            messages=[{"role": "user", "content": "Hello!"}],
+            stream=True,
+            options={"temperature": 0, "num_predict": 5},
+        )
+    )
     assert parts[-1].done and not any(p.done for p in parts[:-1])
     assert "".join(p.message.content for p in parts) == answer.message.content  # greedy: the same text
     gen = c.generate(model=name, prompt="Once upon a time", options={"temperature": 0, "num_predict": 4, "seed": 1})
     assert gen.done and gen.eval_count == 4 and isinstance(gen.response, str)
-    streamed = list(c.generate(model=name, prompt="Once upon a time", stream=True, options={"temperature": 0, "num_predict": 4}))
+    streamed = list(
+        c.generate(model=name, prompt="Once upon a time", stream=True, options={"temperature": 0, "num_predict": 4})
+    )
     assert "".join(p.response for p in streamed) == gen.response
     assert c.generate(model=name, prompt="").done  # an empty prompt only "loads" the model, as Ollama does
 
@@ -52,18 +62,32 @@ def test_ollama_errors_use_its_shape_and_name_the_field(daemon, tiny_chat_model_
         out = {}
         async with session(daemon.socket) as s:
             for key, path, body in (
-                ("temp", "/api/chat", {"model": name, "messages": [{"role": "user", "content": "x"}], "options": {"temperature": 5}}),
+                (
+                    "temp",
+                    "/api/chat",
+                    {"model": name, "messages": [{"role": "user", "content": "x"}], "options": {"temperature": 5}},
+                ),
                 ("model", "/api/chat", {"model": "llama3.2", "messages": [{"role": "user", "content": "x"}]}),
                 ("role", "/api/chat", {"messages": [{"role": "robot", "content": "x"}]}),
                 ("json", "/api/generate", None),
-                ("ignored", "/api/generate", {"prompt": "hi", "stream": False, "keep_alive": "5m",
-                                              "options": {"num_ctx": 4096, "num_predict": 2}}),
+                (
+                    "ignored",
+                    "/api/generate",
+                    {
+                        "prompt": "hi",
+                        "stream": False,
+                        "keep_alive": "5m",
+                        "options": {"num_ctx": 4096, "num_predict": 2},
+                    },
+                ),
             ):
                 kwargs = {"data": b"{nope"} if body is None else {"json": body}
                 async with s.post(path, **kwargs) as r:
                     out[key] = r.status, await r.json()
-            async with s.post("/api/chat", json={"messages": [{"role": "user", "content": "hi"}],
-                                                 "options": {"num_predict": 3, "temperature": 0}}) as r:
+            async with s.post(
+                "/api/chat",
+                json={"messages": [{"role": "user", "content": "hi"}], "options": {"num_predict": 3, "temperature": 0}},
+            ) as r:
                 out["ndjson"] = r.headers["Content-Type"], [json.loads(line) for line in (await r.read()).splitlines()]
             async with s.get("/api/nothing") as r:
                 out["404"] = r.status, await r.json()
@@ -74,7 +98,9 @@ def test_ollama_errors_use_its_shape_and_name_the_field(daemon, tiny_chat_model_
     assert out["model"][0] == 404 and "llama3.2" in out["model"][1]["error"]
     assert out["role"][0] == 400 and "messages.0.role" in out["role"][1]["error"]
     assert out["json"][0] == 400 and "not valid JSON" in out["json"][1]["error"]
-    assert out["ignored"][0] == 200 and out["ignored"][1]["eval_count"] == 2  # unknown options are ignored, as Ollama does
+    assert (
+        out["ignored"][0] == 200 and out["ignored"][1]["eval_count"] == 2
+    )  # unknown options are ignored, as Ollama does
     ctype, lines = out["ndjson"]
     assert ctype.startswith("application/x-ndjson") and lines[-1]["done"] and lines[-1]["eval_count"] == 3
     assert out["404"][0] == 404 and set(out["404"][1]) == {"error"}

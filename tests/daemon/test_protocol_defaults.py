@@ -16,7 +16,9 @@ def test_omitted_fields_take_the_models_defaults():
 
 
 def test_fields_the_request_gives_win_even_when_equal_to_the_api_default():
-    body = ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "temperature": 1.0, "top_k": -1})
+    body = ChatRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], "temperature": 1.0, "top_k": -1}
+    )
     p = body.sampling_params(100, DEFAULTS)
     assert (p.temperature, p.top_k, p.top_p) == (1.0, -1, 0.9)
 
@@ -33,4 +35,4 @@ def test_lone_surrogates_are_refused_naming_the_field_and_pairs_are_text():
         parse_body(b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}', ChatRequest)
     assert err.value.param == "messages.0.content.0.text"
     ok = parse_body(b'{"prompt": "smile \\ud83d\\ude00"}', CompletionRequest)  # a proper pair is one character
-    assert ok.prompt == "smile \U0001F600"
+    assert ok.prompt == "smile \U0001f600"

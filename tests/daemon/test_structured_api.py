@@ -13,19 +13,44 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 ollama = pytest.importorskip("ollama")
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "age": {"type": "integer"},
-                                           "email": {"type": "string", "maxLength": 60}},
-          "required": ["name", "age", "email"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer"},
+        "email": {"type": "string", "maxLength": 60},
+    },
+    "required": ["name", "age", "email"],
+    "additionalProperties": False,
+}
 CASES = [
     ("Invent a person. Reply with their name, age and email.", PERSON),
-    ("What color is the sky on a clear day?",
-     {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]}),
-    ("List the first five prime numbers.", {"type": "array", "items": {"type": "number"}, "minItems": 5, "maxItems": 5}),
-    ("Describe a user with an id, two tags and whether they are active.",
-     {"type": "object", "properties": {
-         "user": {"type": "object", "properties": {"id": {"type": "integer"}, "tags": {
-             "type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3}}, "required": ["id", "tags"]},
-         "active": {"type": "boolean"}}, "required": ["user", "active"]}),
+    (
+        "What color is the sky on a clear day?",
+        {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    ),
+    (
+        "List the first five prime numbers.",
+        {"type": "array", "items": {"type": "number"}, "minItems": 5, "maxItems": 5},
+    ),
+    (
+        "Describe a user with an id, two tags and whether they are active.",
+        {
+            "type": "object",
+            "properties": {
+                "user": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "integer"},
+                        "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+                    },
+                    "required": ["id", "tags"],
+                },
+                "active": {"type": "boolean"},
+            },
+            "required": ["user", "active"],
+        },
+    ),
 ]
 
 
@@ -33,15 +58,27 @@ CASES = [
 def daemon(builtin_model_dir):
     # The exact path: the cases below follow the model's greedy answers, which 8-bit activations change (the
     # 135M model then nests "any JSON object" past max_tokens); the grammar's guarantees hold on both paths.
-    with running_daemon("smollm2-135m-instruct", "--max-num-seqs", "8", "--kv-cache-gb", "0.2", "--weights", "native-exact",
-                        prefix="mbs-") as daemon:
+    with running_daemon(
+        "smollm2-135m-instruct",
+        "--max-num-seqs",
+        "8",
+        "--kv-cache-gb",
+        "0.2",
+        "--weights",
+        "native-exact",
+        prefix="mbs-",
+    ) as daemon:
         yield daemon
 
 
 def sdk(daemon) -> "openai.OpenAI":
     transport = httpx.HTTPTransport(uds=str(daemon.socket))
-    return openai.OpenAI(base_url="http://localhost/v1", api_key="unused", max_retries=0,
-                         http_client=httpx.Client(transport=transport, timeout=120))
+    return openai.OpenAI(
+        base_url="http://localhost/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=httpx.Client(transport=transport, timeout=120),
+    )
 
 
 def schema_format(schema: dict) -> dict:
@@ -52,23 +89,47 @@ def schema_format(schema: dict) -> dict:
 def test_the_openai_sdk_gets_json_that_follows_each_schema(daemon):
     client = sdk(daemon)
     for question, schema in CASES:
-        r = client.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": question}],
-                                           temperature=0, max_tokens=200, response_format=schema_format(schema))
+        r = client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": question}],
+            temperature=0,
+            max_tokens=200,
+            response_format=schema_format(schema),
+        )
         assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
     # sampled, streamed, with logprobs: the chunks join to a valid document
-    chunks = list(client.chat.completions.create(
-        model="smollm2-135m-instruct", messages=[{"role": "user", "content": CASES[0][0]}], temperature=0.8, seed=7,
-        max_tokens=200, stream=True, logprobs=True, response_format=schema_format(PERSON)))
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": CASES[0][0]}],
+            temperature=0.8,
+            seed=7,
+            max_tokens=200,
+            stream=True,
+            logprobs=True,
+            response_format=schema_format(PERSON),
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     jsonschema.validate(json.loads(text), PERSON)
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
     # any JSON object, and the legacy completions endpoint
-    r = client.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "A JSON object, please."}],
-                                       temperature=0, max_tokens=200, response_format={"type": "json_object"})
+    r = client.chat.completions.create(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": "A JSON object, please."}],
+        temperature=0,
+        max_tokens=200,
+        response_format={"type": "json_object"},
+    )
     assert isinstance(json.loads(r.choices[0].message.content), dict)
-    r = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France as JSON:", temperature=0,
-                                  max_tokens=100, extra_body={"response_format": schema_format(CASES[1][1])})
+    r = client.completions.create(
+        model="smollm2-135m-instruct",
+        prompt="The capital of France as JSON:",
+        temperature=0,
+        max_tokens=100,
+        extra_body={"response_format": schema_format(CASES[1][1])},
+    )
     jsonschema.validate(json.loads(r.choices[0].text), CASES[1][1])
     assert daemon.wait_idle()["kv_blocks_used"] == 0
 
@@ -76,13 +137,19 @@ def test_the_openai_sdk_gets_json_that_follows_each_schema(daemon):
 @pytest.mark.model
 def test_a_schema_that_cannot_be_used_is_a_400_naming_the_field(daemon):
     client = sdk(daemon)
-    for fmt, param in [(schema_format({"type": "objectx"}), "response_format.json_schema.schema"),
-                       ({"type": "json_schema"}, "response_format.json_schema"),
-                       ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}, "response_format.json_schema.schema"),
-                       ({"type": "xml"}, "response_format.type")]:
+    for fmt, param in [
+        (schema_format({"type": "objectx"}), "response_format.json_schema.schema"),
+        ({"type": "json_schema"}, "response_format.json_schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}, "response_format.json_schema.schema"),
+        ({"type": "xml"}, "response_format.type"),
+    ]:
         with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=5, response_format=fmt)
+            client.chat.completions.create(
+                model="smollm2-135m-instruct",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=5,
+                response_format=fmt,
+            )
         assert err.value.body["param"] == param, err.value.body
     assert daemon.get("/health")[0] == 200
 
@@ -90,11 +157,22 @@ def test_a_schema_that_cannot_be_used_is_a_400_naming_the_field(daemon):
 @pytest.mark.model
 def test_the_ollama_client_gets_json_for_format(daemon):
     c = ollama.Client(host="http://localhost", transport=httpx.HTTPTransport(uds=str(daemon.socket)))
-    answer = c.chat(model="smollm2-135m-instruct", messages=[{"role": "user", "content": CASES[0][0]}], format=PERSON,
-                    options={"temperature": 0, "num_predict": 200})
+    answer = c.chat(
+        model="smollm2-135m-instruct",
+        messages=[{"role": "user", "content": CASES[0][0]}],
+        format=PERSON,
+        options={"temperature": 0, "num_predict": 200},
+    )
     jsonschema.validate(json.loads(answer.message.content), PERSON)
-    parts = list(c.generate(model="smollm2-135m-instruct", prompt="Three colors as JSON.", format="json", stream=True,
-                            options={"temperature": 0, "num_predict": 200}))
+    parts = list(
+        c.generate(
+            model="smollm2-135m-instruct",
+            prompt="Three colors as JSON.",
+            format="json",
+            stream=True,
+            options={"temperature": 0, "num_predict": 200},
+        )
+    )
     assert parts[-1].done and isinstance(json.loads("".join(p.response for p in parts)), dict)
     with pytest.raises(ollama.ResponseError) as err:
         c.chat(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "hi"}], format={"type": "objectx"})

@@ -31,7 +31,7 @@ class FakeRunner:
             # every block the chunk's queries see is the request's own; with a sliding window (on every
             # layer) the ones wholly before the first query's window may be the null block
             first = max(0, req.num_computed_tokens - self.window + 1) if self.window else 0
-            assert 0 not in req.block_ids[first // self.block_size:], "a block the chunk attends to is the null block"
+            assert 0 not in req.block_ids[first // self.block_size :], "a block the chunk attends to is the null block"
             if end == req.num_tokens:
                 sampled[req.request_id] = self.next_token(req.tokens(0, end))
         return FakeRunnerOutput(sampled)

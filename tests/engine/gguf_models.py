@@ -16,16 +16,27 @@ from ..kernels.quant_blocks import random_blocks
 
 # Hugging Face name pieces -> GGUF's, for one layer.
 LAYER_MAP = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
 # Gemma's norms as llama.cpp's converter names them (its post_attention_layernorm follows attention)
-GEMMA_LAYER_MAP = {**LAYER_MAP, "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-                   "post_feedforward_layernorm": "post_ffw_norm"}
+GEMMA_LAYER_MAP = {
+    **LAYER_MAP,
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
 # Phi-3 keeps q/k/v and gate/up fused
@@ -80,7 +91,9 @@ def write_converter_metadata(writer, cfg: dict, arch: str) -> None:
         writer.add_sliding_window(cfg.get("sliding_window") or 0)
     if arch == "phi3":
         writer.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
-        writer.add_rope_scaling_orig_ctx_len(cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
+        writer.add_rope_scaling_orig_ctx_len(
+            cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
+        )
         if rope.get("rope_type") == "longrope":
             writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
             writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
@@ -106,8 +119,14 @@ def _byte_alphabet() -> dict[int, str]:
     return mapping
 
 
-def write_gguf_model(hf_dir: Path, out_dir: Path, qtype_name: str, arch: str = "llama",
-                     metadata: bool = False, mix: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+def write_gguf_model(
+    hf_dir: Path,
+    out_dir: Path,
+    qtype_name: str,
+    arch: str = "llama",
+    metadata: bool = False,
+    mix: dict[str, str] | None = None,
+) -> dict[str, torch.Tensor]:
     """Write hf_dir's model as a GGUF whose matrices are `qtype_name`, plus a model dir pointing at it
     (holding hf_dir's config; with `metadata`, the GGUF also carries the converter's metadata).
 

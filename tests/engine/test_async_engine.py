@@ -31,7 +31,9 @@ class SlowRunner(FakeRunner):
 
 def make_async(runner=None, queue=None, num_blocks=64, mode="continuous"):
     runner = runner or SlowRunner(4)
-    engine = LLMEngine(runner, CharTokenizer(), BlockManager(num_blocks, 4), SchedulerConfig(4, 32, 256, 10.0), (2,), mode)
+    engine = LLMEngine(
+        runner, CharTokenizer(), BlockManager(num_blocks, 4), SchedulerConfig(4, 32, 256, 10.0), (2,), mode
+    )
     a = AsyncEngine(engine, max_queue=queue)
     a.start()
     return a
@@ -163,14 +165,19 @@ def test_run_on_this_thread_serves_on_the_callers_thread_and_shuts_down():
     import threading
 
     runner = SlowRunner(4)
-    engine = LLMEngine(runner, CharTokenizer(), BlockManager(64, 4), SchedulerConfig(4, 32, 256, 10.0), (2,), "continuous")
+    engine = LLMEngine(
+        runner, CharTokenizer(), BlockManager(64, 4), SchedulerConfig(4, 32, 256, 10.0), (2,), "continuous"
+    )
     a = AsyncEngine(engine)
     step_threads: set[str] = set()
     a.stats_listeners.append(lambda s: step_threads.add(threading.current_thread().name))
     ready = threading.Event()
     seen_alive = []
-    t = threading.Thread(target=lambda: a.run_on_this_thread(ready=lambda: (seen_alive.append(a.alive), ready.set())),
-                         name="builder-and-engine", daemon=True)
+    t = threading.Thread(
+        target=lambda: a.run_on_this_thread(ready=lambda: (seen_alive.append(a.alive), ready.set())),
+        name="builder-and-engine",
+        daemon=True,
+    )
     t.start()
     assert ready.wait(5) and seen_alive == [True]
     try:

@@ -48,10 +48,12 @@ def test_batched_greedy_equals_hf_generate_one_by_one(builtin_model_dir):
             out = hf.generate(
                 torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), generation_config=config
             )
-        expected.append(out[0, len(p):].tolist())
+        expected.append(out[0, len(p) :].tolist())
         assert len(expected[-1]) == NEW_TOKENS
 
     ours = load_model(builtin_model_dir, TorchAttentionBackend(), weights="native-exact")  # the exact path: HF parity
     got = greedy_generate(ours, prompts, NEW_TOKENS, eos_token_ids=(), block_size=16)
     for i, (g, e) in enumerate(zip(got, expected)):
-        assert g == e, f"prompt {i}: first difference at token {next(j for j, (a, b) in enumerate(zip(g, e)) if a != b)}"
+        assert g == e, (
+            f"prompt {i}: first difference at token {next(j for j, (a, b) in enumerate(zip(g, e)) if a != b)}"
+        )

@@ -94,7 +94,13 @@ def test_graph_replay_equals_eager_decode(tiny_llama_dir, tmp_path, kind):
     from minibatch.engine.triton_backend import TritonAttentionBackend
     from minibatch.engine.weights import load_model
 
-    model = load_model(tiny_llama_dir if kind == "llama" else _save(kind, tmp_path / kind), TritonAttentionBackend(), device="cuda", packed=False, ops=TritonOps())
+    model = load_model(
+        tiny_llama_dir if kind == "llama" else _save(kind, tmp_path / kind),
+        TritonAttentionBackend(),
+        device="cuda",
+        packed=False,
+        ops=TritonOps(),
+    )
     caches = allocate_kv_cache(model.config, 32, 8, device="cuda")
     tables = [[1, 2], [3, 4], [5, 6]]
     with torch.no_grad():
@@ -121,7 +127,9 @@ def test_graph_inputs_carry_per_layer_windows_and_soft_capping(tmp_path, kind):
     from minibatch.engine.triton_backend import TritonAttentionBackend
     from minibatch.engine.weights import load_model
 
-    model = load_model(_save(kind, tmp_path / kind), TritonAttentionBackend(), device=DEVICE, packed=False, ops=TritonOps())
+    model = load_model(
+        _save(kind, tmp_path / kind), TritonAttentionBackend(), device=DEVICE, packed=False, ops=TritonOps()
+    )
     caches = allocate_kv_cache(model.config, 8, 8, device=DEVICE)
     tables = [[1, 2, 3], [4, 5, 6]]
     with torch.no_grad():

@@ -59,8 +59,11 @@ def hf_reference(builtin_model_dir, prompts) -> list[list[int]]:
     for p, n in zip(prompts, MAX_TOKENS):
         with torch.no_grad():
             ids = hf.generate(
-                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                do_sample=False, max_new_tokens=n, pad_token_id=2,
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=n,
+                pad_token_id=2,
             )
         out.append(ids[0, len(p) :].tolist())
     return out
@@ -73,7 +76,11 @@ def run_staggered(engine, prompts, max_tokens, every=3, per_wave=4):
     while pending or engine.has_work():
         if pending and step % every == 0:
             for i in pending[:per_wave]:
-                reqs.append(engine.add_request(f"r{i}", prompts[i], SamplingParams(temperature=0, max_tokens=max_tokens[i], ignore_eos=True)))
+                reqs.append(
+                    engine.add_request(
+                        f"r{i}", prompts[i], SamplingParams(temperature=0, max_tokens=max_tokens[i], ignore_eos=True)
+                    )
+                )
             pending = pending[per_wave:]
         engine.step()
         engine.scheduler.blocks.check_integrity()
@@ -92,7 +99,17 @@ def first_diff(a, b):
     ids=["continuous", "continuous-preempting", "static"],
 )
 def test_staggered_mixed_batch_equals_hf_alone(mode, num_blocks, prompts, hf_reference):
-    engine = build_engine(EngineConfig(dtype="float32", weights="native-exact", mode=mode, max_num_seqs=8, max_num_batched_tokens=128, num_kv_blocks=num_blocks or 400, max_wait_ms=0))
+    engine = build_engine(
+        EngineConfig(
+            dtype="float32",
+            weights="native-exact",
+            mode=mode,
+            max_num_seqs=8,
+            max_num_batched_tokens=128,
+            num_kv_blocks=num_blocks or 400,
+            max_wait_ms=0,
+        )
+    )
     reqs = run_staggered(engine, prompts, MAX_TOKENS)
     for i, expected in enumerate(hf_reference):
         got = reqs[f"r{i}"].output_token_ids
@@ -134,7 +151,10 @@ def test_seeded_sampling_is_batch_invariant(prompts):
     alone = engine.add_request("alone", prompts[3], SamplingParams(**params))
     while engine.has_work():
         engine.step()
-    batch = [engine.add_request(f"b{i}", p, SamplingParams(temperature=1.0, max_tokens=20, seed=i)) for i, p in enumerate(prompts[:5])]
+    batch = [
+        engine.add_request(f"b{i}", p, SamplingParams(temperature=1.0, max_tokens=20, seed=i))
+        for i, p in enumerate(prompts[:5])
+    ]
     together = engine.add_request("together", prompts[3], SamplingParams(**params))
     while engine.has_work():
         engine.step()
@@ -148,10 +168,16 @@ def test_stop_string_across_tokens_and_multibyte_text(tokenizer, prompts, hf_ref
     ref = hf_reference[4]
     text = tokenizer.decode(ref, skip_special_tokens=True)
     pieces = [tokenizer.decode(ref[:k], skip_special_tokens=True) for k in range(len(ref) + 1)]
-    k = next(k for k in range(3, len(ref)) if len(pieces[k]) - len(pieces[k - 1]) >= 2 and len(pieces[k + 1]) - len(pieces[k]) >= 2)
+    k = next(
+        k
+        for k in range(3, len(ref))
+        if len(pieces[k]) - len(pieces[k - 1]) >= 2 and len(pieces[k + 1]) - len(pieces[k]) >= 2
+    )
     stop = text[len(pieces[k]) - 2 : len(pieces[k]) + 2]  # last 2 chars of token k-1 + first 2 of token k
     assert stop not in text[: len(pieces[k]) - 2]
-    r = engine.add_request("stop", prompts[4], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=[stop]))
+    r = engine.add_request(
+        "stop", prompts[4], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, stop=[stop])
+    )
     texts = []
     while engine.has_work():
         outs, _ = engine.step()

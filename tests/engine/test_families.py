@@ -34,28 +34,49 @@ def _save(kind: str, path):
         model = transformers.MistralForCausalLM(cfg)
     elif kind == "phi3":  # fused qkv and gate_up, LongRoPE (short factors below the original length), a window
         half = TINY_COMMON["hidden_size"] // TINY_COMMON["num_attention_heads"] // 2
-        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.15 * i for i in range(half)],
-                "long_factor": [2.0 + 0.5 * i for i in range(half)]}
-        cfg = transformers.Phi3Config(**{**common, "max_position_embeddings": 256}, original_max_position_embeddings=64,
-                                      rope_parameters=rope, sliding_window=WINDOW, tie_word_embeddings=False,
-                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.15 * i for i in range(half)],
+            "long_factor": [2.0 + 0.5 * i for i in range(half)],
+        }
+        cfg = transformers.Phi3Config(
+            **{**common, "max_position_embeddings": 256},
+            original_max_position_embeddings=64,
+            rope_parameters=rope,
+            sliding_window=WINDOW,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
         model = transformers.Phi3ForCausalLM(cfg)
     elif kind in ("gemma2", "gemma3"):  # windows alternate by layer; gemma2 soft-caps, gemma3 has two rope bases
-        extra = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW, tie_word_embeddings=True,
-                     num_hidden_layers=4, hidden_activation="gelu_pytorch_tanh", pad_token_id=0)
+        extra = dict(
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=WINDOW,
+            tie_word_embeddings=True,
+            num_hidden_layers=4,
+            hidden_activation="gelu_pytorch_tanh",
+            pad_token_id=0,
+        )
         if kind == "gemma2":
             cfg = transformers.Gemma2Config(**common | extra, attn_logit_softcapping=20.0, final_logit_softcapping=5.0)
             model = transformers.Gemma2ForCausalLM(cfg)
         else:
-            cfg = transformers.Gemma3TextConfig(**common | extra, sliding_window_pattern=2, rope_theta=1e6,
-                                                rope_local_base_freq=1e4)
+            cfg = transformers.Gemma3TextConfig(
+                **common | extra, sliding_window_pattern=2, rope_theta=1e6, rope_local_base_freq=1e4
+            )
             model = transformers.Gemma3ForCausalLM(cfg)
         with torch.no_grad():  # init leaves the norms at zero (a scale of 1 + 0); make them matter
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(0.0, 0.3)
     else:
-        cfg = transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=True, attention_bias=False, rope_theta=1e6)
+        cfg = transformers.Qwen3Config(
+            **common, head_dim=16, tie_word_embeddings=True, attention_bias=False, rope_theta=1e6
+        )
         model = transformers.Qwen3ForCausalLM(cfg)
         with torch.no_grad():  # init leaves the q/k norms at ones; make them matter
             for layer in model.model.layers:
@@ -94,7 +115,9 @@ def test_config_reads_the_family_features(family):
     assert ours.config.qk_norm == (kind in ("qwen3", "gemma3"))
     if kind.startswith("gemma"):  # sliding layers alternate with global ones
         assert ours.config.layer_windows == (WINDOW, 0, WINDOW, 0)
-        assert (ours.config.attn_softcap, ours.config.final_softcap) == ((20.0, 5.0) if kind == "gemma2" else (None, None))
+        assert (ours.config.attn_softcap, ours.config.final_softcap) == (
+            (20.0, 5.0) if kind == "gemma2" else (None, None)
+        )
         assert (ours.config.rope_local is not None) == (kind == "gemma3")
     if kind == "phi3":  # LongRoPE: the model's context is the long one; a server runs the original by default
         assert ours.config.rope.rope_type == "longrope" and ours.config.max_position == 256
@@ -162,7 +185,7 @@ def test_greedy_generation_in_a_mixed_batch_equals_hf_generate(family):
     for p in prompts:
         with torch.no_grad():
             ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-        expected.append(ref[0, len(p):].tolist())
+        expected.append(ref[0, len(p) :].tolist())
     # a window on every layer (Mistral, Phi-3): blocks out of it are handed back while requests decode,
     # through both attention paths; Gemma's global layers keep every block
     windowed = kind in ("mistral", "phi3")

@@ -32,13 +32,27 @@ def _tiny(path, kind: str):
     """Tiny models whose values llama.cpp's converter either writes or takes by default (so a GGUF says them)."""
     torch.manual_seed(5)
     if kind == "gemma2":  # sliding layers of 8 alternating with global ones, both caps
-        cfg = transformers.Gemma2Config(**TINY_COMMON, **_IDS, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
-                                        attn_logit_softcapping=20.0, final_logit_softcapping=5.0)
+        cfg = transformers.Gemma2Config(
+            **TINY_COMMON,
+            **_IDS,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            attn_logit_softcapping=20.0,
+            final_logit_softcapping=5.0,
+        )
         model = transformers.Gemma2ForCausalLM(cfg)
     elif kind == "gemma3":  # six layers: five sliding, one global; the global rope base and a linear scaling
-        cfg = transformers.Gemma3TextConfig(**TINY_COMMON | {"num_hidden_layers": 6}, **_IDS, head_dim=16,
-                                            query_pre_attn_scalar=16, sliding_window=8, rope_theta=1e6,
-                                            rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 4.0})
+        cfg = transformers.Gemma3TextConfig(
+            **TINY_COMMON | {"num_hidden_layers": 6},
+            **_IDS,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=8,
+            rope_theta=1e6,
+            rope_local_base_freq=1e4,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+        )
         model = transformers.Gemma3ForCausalLM(cfg)
     elif kind == "phi3":  # a window of 8
         cfg = transformers.Phi3Config(**TINY_COMMON, **_IDS, sliding_window=8, tie_word_embeddings=False)
@@ -46,11 +60,19 @@ def _tiny(path, kind: str):
     else:  # phi3-longrope: LongRoPE, its factors stored as tensors; 37 tokens stay below the original 48
         head_half = TINY_COMMON["hidden_size"] // TINY_COMMON["num_attention_heads"] // 2
         rng = np.random.default_rng(0)
-        scaling = {"rope_type": "longrope", "short_factor": (1 + rng.random(head_half)).round(4).tolist(),
-                   "long_factor": (2 + 4 * rng.random(head_half)).round(4).tolist()}  # as configs write them
-        cfg = transformers.Phi3Config(**TINY_COMMON | {"max_position_embeddings": 192}, **_IDS, sliding_window=None,
-                                      tie_word_embeddings=False, original_max_position_embeddings=48,
-                                      rope_scaling=scaling)
+        scaling = {
+            "rope_type": "longrope",
+            "short_factor": (1 + rng.random(head_half)).round(4).tolist(),
+            "long_factor": (2 + 4 * rng.random(head_half)).round(4).tolist(),
+        }  # as configs write them
+        cfg = transformers.Phi3Config(
+            **TINY_COMMON | {"max_position_embeddings": 192},
+            **_IDS,
+            sliding_window=None,
+            tie_word_embeddings=False,
+            original_max_position_embeddings=48,
+            rope_scaling=scaling,
+        )
         model = transformers.Phi3ForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -77,8 +99,10 @@ def test_a_gguf_alone_runs_as_the_model_it_came_from(tmp_path, kind):
 
     ids = list(range(5, 5 + 37))
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    hf.load_state_dict({k: v for k, v in reference.items() if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)},
-                       strict=False)
+    hf.load_state_dict(
+        {k: v for k, v in reference.items() if not (k == "lm_head.weight" and hf.config.tie_word_embeddings)},
+        strict=False,
+    )
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
     for weights in ("native-exact", "float32"):
@@ -124,8 +148,12 @@ def test_values_a_file_leaves_out_take_llama_cpps_defaults(tmp_path):
     assert [t == "full_attention" for t in g3["layer_types"]] == [i % 6 == 5 for i in range(12)]
     assert g3["rope_local_base_freq"] == 1e4 and "attn_logit_softcapping" not in g3
     pattern = [True, False, True, True]
-    g3 = model_config(_metadata_only(tmp_path, "gemma3", dict(_GEMMA, num_hidden_layers=4),
-                                     **{"attention.sliding_window_pattern": pattern}), 256)
+    g3 = model_config(
+        _metadata_only(
+            tmp_path, "gemma3", dict(_GEMMA, num_hidden_layers=4), **{"attention.sliding_window_pattern": pattern}
+        ),
+        256,
+    )
     assert g3["layer_types"] == ["sliding_attention" if p else "full_attention" for p in pattern]
     # Phi-3 mini 4k files made before the window was written: llama.cpp's 2047; Phi-4 writes 0 (none)
     phi = dict(TINY_COMMON, num_hidden_layers=32, max_position_embeddings=4096)
@@ -151,8 +179,13 @@ def test_default_sampling_and_end_tokens_come_from_the_file(tmp_path):
 
     path = tmp_path / "s.gguf"
     writer = GGUFWriter(str(path), "llama")
-    for key, value in {"context_length": 64, "embedding_length": 64, "block_count": 2, "feed_forward_length": 128,
-                       "attention.head_count": 4}.items():
+    for key, value in {
+        "context_length": 64,
+        "embedding_length": 64,
+        "block_count": 2,
+        "feed_forward_length": 128,
+        "attention.head_count": 4,
+    }.items():
         writer.add_uint32(f"llama.{key}", value)
     writer.add_sampling_temp(0.6)
     writer.add_sampling_top_k(20)
@@ -179,5 +212,7 @@ def test_longrope_factors_that_disagree_with_the_config_are_refused(tmp_path):
     plain = ModelConfig.from_dir(_tiny(tmp_path / "plain", "phi3"))  # a config with no LongRoPE beside the file
     from minibatch.engine.weights.gguf_file import GGUFWeights
 
-    with pytest.raises(GGUFError, match=r"LongRoPE factors \(rope_factors_short.weight\) differ from the rope of the config"):
+    with pytest.raises(
+        GGUFError, match=r"LongRoPE factors \(rope_factors_short.weight\) differ from the rope of the config"
+    ):
         GGUFWeights(tmp_path / "gguf" / "model-Q8_0.gguf", plain)

@@ -43,8 +43,9 @@ def _tiny_hf(path, kind: str, **overrides):
                 layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
                 layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
     elif kind == "phi3":  # fused projections, a window (LongRoPE GGUFs: test_gguf_configs)
-        cfg = transformers.Phi3Config(**common, sliding_window=8, tie_word_embeddings=False, pad_token_id=0,
-                                      bos_token_id=1, eos_token_id=2)
+        cfg = transformers.Phi3Config(
+            **common, sliding_window=8, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2
+        )
         model = transformers.Phi3ForCausalLM(cfg)
     elif kind in ("gemma2", "gemma3"):  # sliding layers (8) alternating with global ones; norms that matter
         extra = dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, tie_word_embeddings=True, pad_token_id=0)
@@ -84,9 +85,23 @@ def _hf_logits(hf_dir, reference: dict[str, torch.Tensor], ids: list[int]) -> to
         return hf(torch.tensor([ids])).logits[0]
 
 
-CASES = [("llama", "F32"), ("llama", "Q8_0"), ("llama", "Q4_1"), ("llama", "Q4_0"), ("qwen2", "Q8_0"), ("qwen2", "Q4_1"),
-         ("llama", "Q4_K"), ("llama", "Q5_K"), ("llama", "Q6_K"), ("qwen2", "Q6_K"), ("mistral", "Q8_0"), ("qwen3", "Q4_1"),
-         ("gemma2", "Q8_0"), ("gemma3", "Q4_1"), ("phi3", "Q4_1")]
+CASES = [
+    ("llama", "F32"),
+    ("llama", "Q8_0"),
+    ("llama", "Q4_1"),
+    ("llama", "Q4_0"),
+    ("qwen2", "Q8_0"),
+    ("qwen2", "Q4_1"),
+    ("llama", "Q4_K"),
+    ("llama", "Q5_K"),
+    ("llama", "Q6_K"),
+    ("qwen2", "Q6_K"),
+    ("mistral", "Q8_0"),
+    ("qwen3", "Q4_1"),
+    ("gemma2", "Q8_0"),
+    ("gemma3", "Q4_1"),
+    ("phi3", "Q4_1"),
+]
 
 
 # 8-bit activations: on the built-in model's real layer inputs, 1% relative error per 32-value scale and
@@ -107,7 +122,9 @@ def test_gguf_model_logits_match_hf_on_the_dequantised_weights(tmp_path, kind, q
         assert weights == "float32" or ours.weights_desc.endswith("native-exact")
         got = _logits(ours, ids)
         err = (got - expected).abs().max().item()
-        assert err < 1e-4, f"{kind} {qtype} {weights}: max logit difference {err:.2e} (|logits| up to {expected.abs().max():.2f})"
+        assert err < 1e-4, (
+            f"{kind} {qtype} {weights}: max logit difference {err:.2e} (|logits| up to {expected.abs().max():.2f})"
+        )
     if qtype not in INT_DOT_TYPES:  # float matrices run with fp32 activations on every path
         return
     # The integer path (the default; each kernel equals its twin in tests/kernels): 8-bit activations, so
@@ -120,12 +137,19 @@ def test_gguf_model_logits_match_hf_on_the_dequantised_weights(tmp_path, kind, q
     assert 0 < rel < INT8_LOGITS_REL, f"{kind} {qtype} native: relative logit error {rel:.2e}"
 
 
-
 def test_a_file_mixing_types_as_llama_quantize_does_loads_natively(tmp_path):
     """Q4_K_M's mix where rows are not multiples of 256 (Qwen2.5-0.5B): Q5_0 and Q8_0 fallbacks beside Q4_K and
     Q6_K, in one stacked q/k/v and one gate/up whose parts have different block sizes."""
-    mix = {"q_proj": "Q5_0", "k_proj": "Q5_0", "v_proj": "Q8_0", "o_proj": "Q4_K", "gate_proj": "Q5_0",
-           "up_proj": "Q4_K", "down_proj": "Q6_K", "embed_tokens": "Q8_0"}
+    mix = {
+        "q_proj": "Q5_0",
+        "k_proj": "Q5_0",
+        "v_proj": "Q8_0",
+        "o_proj": "Q4_K",
+        "gate_proj": "Q5_0",
+        "up_proj": "Q4_K",
+        "down_proj": "Q6_K",
+        "embed_tokens": "Q8_0",
+    }
     hf_dir = _tiny_hf(tmp_path / "hf", "qwen2", **K_SHAPES)
     reference = write_gguf_model(hf_dir, tmp_path / "gguf", "Q4_K", arch="qwen2", mix=mix)
     model_dir = tmp_path / "gguf" / "dir-Q4_K-mixed"
@@ -139,6 +163,7 @@ def test_a_file_mixing_types_as_llama_quantize_does_loads_natively(tmp_path):
     got = _logits(fast, ids)
     rel = ((got - expected).norm() / expected.norm()).item()
     assert 0 < rel < INT8_LOGITS_REL, rel
+
 
 def test_safetensors_model_quantized_at_load_to_q8_0(tiny_llama_dir):
     ids = list(range(3, 40))
@@ -194,7 +219,9 @@ def test_unsupported_type_names_tensor_type_and_the_list(q41_model):
 def test_shape_that_does_not_fit_the_block_size(q41_model):
     model_dir, path = q41_model
     _patch_tensor_type(path, "blk.0.attn_norm.weight", 12)  # Q4_K: blocks of 256 values
-    with pytest.raises(GGUFError, match=r"blk\.0\.attn_norm\.weight has rows of 64 values, not a multiple of Q4_K's block of 256"):
+    with pytest.raises(
+        GGUFError, match=r"blk\.0\.attn_norm\.weight has rows of 64 values, not a multiple of Q4_K's block of 256"
+    ):
         load_model(model_dir, TorchAttentionBackend())
 
 
@@ -211,5 +238,7 @@ def test_tensor_shape_not_matching_the_config(q41_model):
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg["intermediate_size"] = 96
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(GGUFError, match=r"tensor blk\.0\.ffn_\w+\.weight has shape \(\d+, \d+\), the config needs \((96, 64|64, 96)\)"):
+    with pytest.raises(
+        GGUFError, match=r"tensor blk\.0\.ffn_\w+\.weight has shape \(\d+, \d+\), the config needs \((96, 64|64, 96)\)"
+    ):
         load_model(model_dir, TorchAttentionBackend())

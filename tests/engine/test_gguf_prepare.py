@@ -49,7 +49,8 @@ def _assert_same_tokenizer(ours: TextTokenizer, ref, texts: list[str]) -> None:
     vocab = range(len(ref))
     for skip in (False, True):
         assert [ours.decode([i], skip_special_tokens=skip) for i in vocab] == ref.batch_decode(
-            [[i] for i in vocab], skip_special_tokens=skip)
+            [[i] for i in vocab], skip_special_tokens=skip
+        )
 
 
 @pytest.mark.model
@@ -65,7 +66,9 @@ def test_builtin_gguf_prepared_by_us_equals_transformers(tmp_path):
     assert ours.encode(" ½²") == ours.encode(" ") + ours.encode("½") + ours.encode("²")
     assert ref.encode(" ½²", add_special_tokens=False) != ours.encode(" ½²")
     for messages in CONVERSATIONS:
-        assert ours.render_chat(messages) == ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert ours.render_chat(messages) == ref.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
     ref_config = transformers.AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
     ours_cfg, ref_cfg = ModelConfig.from_dir(ours_dir), ModelConfig.from_dict(ref_config)
     # the file stores eps as a float32: ours writes it back as the model's config says it (1e-05),
@@ -85,8 +88,16 @@ def _variant(tmp_path: Path, pre: str | None, arch: str = "llama", **extra) -> P
     src = GGUFFile(_builtin_gguf())
     path = tmp_path / f"{arch}-{pre}.gguf"
     writer = GGUFWriter(str(path), arch)
-    for key in ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
-                "attention.head_count_kv", "rope.freq_base", "attention.layer_norm_rms_epsilon"):
+    for key in (
+        "block_count",
+        "context_length",
+        "embedding_length",
+        "feed_forward_length",
+        "attention.head_count",
+        "attention.head_count_kv",
+        "rope.freq_base",
+        "attention.layer_norm_rms_epsilon",
+    ):
         value = src.metadata[f"llama.{key}"]
         (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(f"{arch}.{key}", value)
     for key, value in extra.items():
@@ -122,7 +133,9 @@ def test_split_rules_by_pre_tokenizer_name_equal_transformers(tmp_path, pre):
     # the split rule is the named one: Llama 3 groups up to three digits, Qwen2 takes them one by one
     from tokenizers import Tokenizer
 
-    pieces = [p for p, _ in Tokenizer.from_file(str(ours_dir / "tokenizer.json")).pre_tokenizer.pre_tokenize_str("12345")]
+    pieces = [
+        p for p, _ in Tokenizer.from_file(str(ours_dir / "tokenizer.json")).pre_tokenizer.pre_tokenize_str("12345")
+    ]
     assert pieces == (["123", "45"] if pre == "llama-bpe" else list("12345"))
 
 
@@ -131,8 +144,15 @@ def test_config_from_metadata(tmp_path):
 
     path = tmp_path / "q3.gguf"
     writer = GGUFWriter(str(path), "qwen3")
-    for key, value in {"block_count": 2, "embedding_length": 64, "feed_forward_length": 128, "attention.head_count": 4,
-                       "attention.head_count_kv": 2, "attention.key_length": 32, "context_length": 512}.items():
+    for key, value in {
+        "block_count": 2,
+        "embedding_length": 64,
+        "feed_forward_length": 128,
+        "attention.head_count": 4,
+        "attention.head_count_kv": 2,
+        "attention.key_length": 32,
+        "context_length": 512,
+    }.items():
         writer.add_uint32(f"qwen3.{key}", value)
     writer.add_float32("qwen3.rope.freq_base", 1e6)
     writer.add_float32("qwen3.attention.layer_norm_rms_epsilon", 1e-6)
@@ -161,9 +181,11 @@ def test_config_from_metadata(tmp_path):
 def test_what_it_does_not_cover_is_named(tmp_path):
     from gguf import GGUFWriter
 
-    for arch, model, pre, why in [("llama", "t5", None, "tokenizer model 't5' (byte-level BPE and SentencePiece BPE are)"),
-                                  ("llama", "gpt2", "mystery-bpe", "pre-tokenizer 'mystery-bpe'"),
-                                  ("gemma", "llama", None, "architecture 'gemma'")]:
+    for arch, model, pre, why in [
+        ("llama", "t5", None, "tokenizer model 't5' (byte-level BPE and SentencePiece BPE are)"),
+        ("llama", "gpt2", "mystery-bpe", "pre-tokenizer 'mystery-bpe'"),
+        ("gemma", "llama", None, "architecture 'gemma'"),
+    ]:
         path = tmp_path / f"{arch}-{model}.gguf"
         writer = GGUFWriter(str(path), arch)
         writer.add_tokenizer_model(model)
@@ -183,12 +205,24 @@ def _sentencepiece_gguf(tmp_path: Path, space_prefix: bool):
     import sentencepiece as spm
     from gguf import GGUFWriter
 
-    prompts = [json.loads(line)["prompt"] for line in (Path(__file__).parents[2] / "scripts/data/chat_prompts.jsonl").open()]
+    prompts = [
+        json.loads(line)["prompt"] for line in (Path(__file__).parents[2] / "scripts/data/chat_prompts.jsonl").open()
+    ]
     proto = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(prompts + TEXTS), model_writer=proto, vocab_size=700, model_type="bpe", byte_fallback=True,
-        normalization_rule_name="identity", add_dummy_prefix=space_prefix, remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True, split_digits=True, user_defined_symbols=["<think>", "</think>"], minloglevel=2)
+        sentence_iterator=iter(prompts + TEXTS),
+        model_writer=proto,
+        vocab_size=700,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        add_dummy_prefix=space_prefix,
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        split_digits=True,
+        user_defined_symbols=["<think>", "</think>"],
+        minloglevel=2,
+    )
     sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
     n = sp.get_piece_size()
     types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
@@ -196,8 +230,13 @@ def _sentencepiece_gguf(tmp_path: Path, space_prefix: bool):
         types[i] = 4
     path = tmp_path / f"spm-{space_prefix}.gguf"
     writer = GGUFWriter(str(path), "llama")
-    for key, value in {"block_count": 1, "context_length": 64, "embedding_length": 64, "feed_forward_length": 128,
-                       "attention.head_count": 4}.items():
+    for key, value in {
+        "block_count": 1,
+        "context_length": 64,
+        "embedding_length": 64,
+        "feed_forward_length": 128,
+        "attention.head_count": 4,
+    }.items():
         writer.add_uint32(f"llama.{key}", value)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
@@ -221,10 +260,18 @@ def test_a_sentencepiece_vocabulary_splits_text_as_sentencepiece_does(tmp_path, 
     sp, gguf, prompts = _sentencepiece_gguf(tmp_path, space_prefix)
     ours = TextTokenizer(_ours(gguf, tmp_path / "ours"))
     assert ours.backend == "tokenizers"
-    texts = prompts + [t for t in CORPUS if "think>" not in t] + [
-        "  leading spaces and trailing   ", "\ttabs\tand\nnewlines\n\n", "ünïcödé 日本語 🎉 (byte fallback)", "1234567890",
-        "▁ already a piece mark", "",
-    ]
+    texts = (
+        prompts
+        + [t for t in CORPUS if "think>" not in t]
+        + [
+            "  leading spaces and trailing   ",
+            "\ttabs\tand\nnewlines\n\n",
+            "ünïcödé 日本語 🎉 (byte fallback)",
+            "1234567890",
+            "▁ already a piece mark",
+            "",
+        ]
+    )
     for text in texts:
         ids = ours.encode(text)
         assert ids == sp.encode(text), text

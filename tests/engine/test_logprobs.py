@@ -23,8 +23,11 @@ def test_logprobs_equal_hf_log_softmax_before_penalties_and_only_for_rows_that_a
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     runner = ModelRunner(model, allocate_kv_cache(model.config, 40, 4), 4)
     engine = LLMEngine(runner, CharTokenizer(), BlockManager(40, 4), SchedulerConfig(4, 64, 256))
-    asks = engine.add_request("asks", [5, 6, 7, 8], SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=3,
-                                                                   max_tokens=6, ignore_eos=True, logprobs=4))
+    asks = engine.add_request(
+        "asks",
+        [5, 6, 7, 8],
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=3, max_tokens=6, ignore_eos=True, logprobs=4),
+    )
     quiet = engine.add_request("quiet", [9, 10, 11], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     outs = []
     while engine.has_work():

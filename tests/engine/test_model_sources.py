@@ -87,7 +87,10 @@ def test_models_folder_by_name_and_ambiguity_and_errors(places):
         resolve_model("smol")
     with pytest.raises(ModelNotFoundError, match="its model blob sha256-f+ is missing"):
         resolve_model("ollama:someone/other:7b")
-    with pytest.raises(ModelNotFoundError, match=r"ollama:nope:latest is not in Ollama's store; it has: smol:latest, smol:q4, someone/other:7b"):
+    with pytest.raises(
+        ModelNotFoundError,
+        match=r"ollama:nope:latest is not in Ollama's store; it has: smol:latest, smol:q4, someone/other:7b",
+    ):
         resolve_model("ollama:nope")
     with pytest.raises(ModelNotFoundError, match="On this machine: ollama:smol:latest"):
         resolve_model("nothing-by-this-name")
@@ -102,7 +105,12 @@ def test_found_models_say_family_quantization_size_and_place(places):
     assert found["mytiny"].source == "local"
     listed = {e.name: e for e in list_models()}
     assert listed["ollama:smol:q4"].ready and not listed["ollama:someone/other:7b"].ready
-    out = subprocess.run([sys.executable, "-m", "minibatch.daemon.cli", "models"], capture_output=True, text=True,
-                         env=dict(os.environ), timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "minibatch.daemon.cli", "models"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ),
+        timeout=120,
+    )
     assert out.returncode == 0 and "ollama:smol:latest" in out.stdout and "hf:org/tiny" in out.stdout
     assert "cannot run here" in out.stdout and "Q4_1" in out.stdout

@@ -12,8 +12,14 @@ N = 4
 
 
 def make(model_dir, **kw):
-    config = dict(model=str(model_dir), dtype="float32", max_num_seqs=8, num_kv_blocks=200, max_wait_ms=0,
-                  enable_prefix_caching=False)  # so every shared block is a sibling's, not a cache hit
+    config = dict(
+        model=str(model_dir),
+        dtype="float32",
+        max_num_seqs=8,
+        num_kv_blocks=200,
+        max_wait_ms=0,
+        enable_prefix_caching=False,
+    )  # so every shared block is a sibling's, not a cache hit
     return build_engine(EngineConfig(**{**config, **kw}))
 
 
@@ -49,7 +55,9 @@ def alone(model_dir, params: SamplingParams) -> list[int]:
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
 def test_siblings_share_the_prompt_and_equal_their_runs_alone(tiny_chat_model_dir, seeded):
     def params(i):
-        return SamplingParams(temperature=0.9 if seeded else 0, seed=100 + i if seeded else None, max_tokens=24, ignore_eos=True)
+        return SamplingParams(
+            temperature=0.9 if seeded else 0, seed=100 + i if seeded else None, max_tokens=24, ignore_eos=True
+        )
 
     e = make(tiny_chat_model_dir)
     reqs = [e.add_request(f"r{i}", PROMPT, params(i), share_prompt_with="r0" if i else None) for i in range(N)]

@@ -16,8 +16,9 @@ from minibatch.engine.core.scheduler import QueueFull, RequestRejected, Schedule
 from .fakes import CharTokenizer, Clock, FakeRunner
 
 
-def make(num_blocks=64, block_size=4, seqs=4, budget=16, mode="continuous", max_len=256, wait_ms=50.0, queue=None,
-         window=0):
+def make(
+    num_blocks=64, block_size=4, seqs=4, budget=16, mode="continuous", max_len=256, wait_ms=50.0, queue=None, window=0
+):
     clock = Clock()
     runner = FakeRunner(block_size, window=window)
     engine = LLMEngine(
@@ -213,7 +214,11 @@ def test_abort_in_every_state_frees_blocks(where):
     target = {"waiting": "b", "running": "a", "preempted": "b"}[where]
     for _ in range(50):
         r = engine.scheduler.requests[target]
-        state = {"waiting": RequestStatus.WAITING, "running": RequestStatus.RUNNING, "preempted": RequestStatus.PREEMPTED}
+        state = {
+            "waiting": RequestStatus.WAITING,
+            "running": RequestStatus.RUNNING,
+            "preempted": RequestStatus.PREEMPTED,
+        }
         if r.status == state[where]:
             break
         engine.step()

@@ -32,8 +32,14 @@ event = st.one_of(
 )
 def test_every_request_ends_and_no_block_leaks(events, num_blocks, block_size, seqs, budget_extra, start_mode, window):
     engine, runner, clock = make(
-        num_blocks=num_blocks, block_size=block_size, seqs=seqs, budget=seqs + budget_extra,
-        mode=start_mode, max_len=48, wait_ms=20, window=window,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        seqs=seqs,
+        budget=seqs + budget_extra,
+        mode=start_mode,
+        max_len=48,
+        wait_ms=20,
+        window=window,
     )
     reference = FakeRunner(block_size)
     added, rejected, finals = [], {}, {}
@@ -52,7 +58,9 @@ def test_every_request_ends_and_no_block_leaks(events, num_blocks, block_size, s
             rid = f"r{len(added) + len(rejected)}"
             prompt = [(len(added) * 7 + i) % 40 + 3 for i in range(a)]
             try:
-                added.append(engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=b, ignore_eos=True)))
+                added.append(
+                    engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=b, ignore_eos=True))
+                )
             except RequestRejected as exc:
                 assert str(exc)  # rejected with a reason
                 rejected[rid] = str(exc)

@@ -21,16 +21,40 @@ from minibatch.engine.sampler import Sampler
 from minibatch.engine.structured import GrammarCompiler, GrammarError
 
 SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                                      "email": {"type": "string", "maxLength": 20}},
-     "required": ["name", "age", "email"], "additionalProperties": False},
-    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"],
-     "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "email": {"type": "string", "maxLength": 20},
+        },
+        "required": ["name", "age", "email"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    },
     {"type": "array", "items": {"type": "integer", "minimum": -100, "maximum": 100}, "minItems": 2, "maxItems": 4},
-    {"type": "object", "properties": {"user": {"type": "object", "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 9999}, "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2}},
-        "required": ["id", "tags"], "additionalProperties": False}, "ok": {"type": "boolean"}},
-     "required": ["user", "ok"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+                    "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
+                },
+                "required": ["id", "tags"],
+                "additionalProperties": False,
+            },
+            "ok": {"type": "boolean"},
+        },
+        "required": ["user", "ok"],
+        "additionalProperties": False,
+    },
 ]
 
 
@@ -70,12 +94,23 @@ def test_schemas_that_cannot_be_compiled_say_why(compiler):
         compiler.json_schema([1, 2])
 
 
-@pytest.mark.parametrize("mode,num_blocks", [("continuous", 400), ("continuous", 16), ("static", 400)],
-                         ids=["continuous", "continuous-preempting", "static"])
+@pytest.mark.parametrize(
+    "mode,num_blocks",
+    [("continuous", 400), ("continuous", 16), ("static", 400)],
+    ids=["continuous", "continuous-preempting", "static"],
+)
 def test_every_output_follows_its_schema_and_free_rows_are_untouched(tiny_chat_model_dir, compiler, mode, num_blocks):
     def engine():
-        return build_engine(EngineConfig(model=str(tiny_chat_model_dir), dtype="float32", mode=mode, max_num_seqs=8,
-                                         num_kv_blocks=num_blocks, max_wait_ms=0))
+        return build_engine(
+            EngineConfig(
+                model=str(tiny_chat_model_dir),
+                dtype="float32",
+                mode=mode,
+                max_num_seqs=8,
+                num_kv_blocks=num_blocks,
+                max_wait_ms=0,
+            )
+        )
 
     prompt = list(range(100, 140))
     alone = engine()
@@ -86,9 +121,10 @@ def test_every_output_follows_its_schema_and_free_rows_are_untouched(tiny_chat_m
     e = engine()
     reqs = {}
     for i, schema in enumerate(SCHEMAS * 2):  # greedy and sampled, each schema twice
-        params = SamplingParams(temperature=0 if i < len(SCHEMAS) else 0.9, seed=i, max_tokens=200,
-                                grammar=compiler.json_schema(schema))
-        reqs[f"s{i}"] = (e.add_request(f"s{i}", [*prompt[:10 + i], 7 + i], params), schema)
+        params = SamplingParams(
+            temperature=0 if i < len(SCHEMAS) else 0.9, seed=i, max_tokens=200, grammar=compiler.json_schema(schema)
+        )
+        reqs[f"s{i}"] = (e.add_request(f"s{i}", [*prompt[: 10 + i], 7 + i], params), schema)
     free = e.add_request("free", prompt, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
     finished = {}
     while e.has_work():
@@ -100,19 +136,27 @@ def test_every_output_follows_its_schema_and_free_rows_are_untouched(tiny_chat_m
         assert e.scheduler.num_preemptions > 0  # grammar state survived recompute
     tok = e.tokenizer
     for rid, (req, schema) in reqs.items():
-        assert finished[rid].finish_reason == "stop", (rid, tok.decode(req.output_token_ids)[:300])  # ended by the grammar
+        assert finished[rid].finish_reason == "stop", (
+            rid,
+            tok.decode(req.output_token_ids)[:300],
+        )  # ended by the grammar
         text = tok.decode(req.output_token_ids)
         jsonschema.validate(json.loads(text), schema)
     assert free.output_token_ids == reference.output_token_ids and len(free.output_token_ids) == 48
 
 
-
 def test_unbounded_integers_get_sixteen_digits_and_bounded_ones_keep_theirs():
     from minibatch.engine.structured import INTEGER_LIMIT, bound_integers
 
-    schema = {"type": "object", "properties": {"id": {"type": "integer"}, "n": {"type": "integer", "minimum": 3},
-                                               "xs": {"type": "array", "items": {"type": "integer", "exclusiveMaximum": 9}},
-                                               "e": {"enum": [{"type": "integer"}]}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "n": {"type": "integer", "minimum": 3},
+            "xs": {"type": "array", "items": {"type": "integer", "exclusiveMaximum": 9}},
+            "e": {"enum": [{"type": "integer"}]},
+        },
+    }
     out = bound_integers(schema)
     props = out["properties"]
     assert props["id"] == {"type": "integer", "minimum": -INTEGER_LIMIT, "maximum": INTEGER_LIMIT}

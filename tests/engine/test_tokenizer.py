@@ -62,7 +62,8 @@ def test_builtin_runs_on_tokenizers_and_equals_autotokenizer(builtin):
         want = list(want["input_ids"]) if hasattr(want, "keys") else list(want)
         assert ours.chat(messages) == want
         assert ours.render_chat(messages, add_generation_prompt=False) == ref.apply_chat_template(
-            messages, add_generation_prompt=False, tokenize=False)
+            messages, add_generation_prompt=False, tokenize=False
+        )
     for text in TEXTS:
         ids = ours.encode(text)
         assert ids == list(ref.encode(text, add_special_tokens=False)), text
@@ -77,7 +78,8 @@ def test_every_token_decodes_as_transformers_decodes_it(builtin):
     vocab = range(ref.vocab_size)
     for skip in (False, True):
         assert [ours.decode([i], skip_special_tokens=skip) for i in vocab] == ref.batch_decode(
-            [[i] for i in vocab], skip_special_tokens=skip)
+            [[i] for i in vocab], skip_special_tokens=skip
+        )
 
 
 @pytest.mark.model
@@ -118,7 +120,9 @@ def test_tokenizers_with_behaviour_of_their_own_go_through_transformers(builtin_
     assert fallback.backend == "transformers"
     ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
     assert fallback.encode("Hi there") == list(ref.encode("Hi there", add_special_tokens=False))
-    assert fallback.chat(CONVERSATIONS[0]) == ref.apply_chat_template(CONVERSATIONS[0], add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert fallback.chat(CONVERSATIONS[0]) == ref.apply_chat_template(
+        CONVERSATIONS[0], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 @pytest.mark.model

@@ -8,16 +8,38 @@ import torch
 from minibatch.kernels.quant import QuantType
 
 # Byte offsets of each block's fp16 scale fields.
-SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
-                 "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_XS": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+SCALE_OFFSETS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "IQ4_NL": (0,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "IQ4_XS": (0,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
 
 
 # fp16 scale ranges that give weights of a trained model's size (|w| up to ~0.1): the super-block
 # scale of a K-quant multiplies a 6- or 8-bit sub-block scale as well as the quant.
-SCALE_RANGE = {"Q4_0": (2e-3, 3e-2), "Q4_1": (2e-3, 3e-2), "Q5_0": (1e-3, 1.5e-2), "Q5_1": (1e-3, 1.5e-2),
-               "Q8_0": (2e-4, 1e-3), "IQ4_NL": (2e-4, 1e-3), "Q2_K": (1e-3, 3e-3), "Q3_K": (3e-4, 8e-4),
-               "IQ4_XS": (1e-5, 3e-5),
-               "Q4_K": (5e-5, 2e-4), "Q5_K": (3e-5, 1e-4), "Q6_K": (1e-5, 4e-5)}
+SCALE_RANGE = {
+    "Q4_0": (2e-3, 3e-2),
+    "Q4_1": (2e-3, 3e-2),
+    "Q5_0": (1e-3, 1.5e-2),
+    "Q5_1": (1e-3, 1.5e-2),
+    "Q8_0": (2e-4, 1e-3),
+    "IQ4_NL": (2e-4, 1e-3),
+    "Q2_K": (1e-3, 3e-3),
+    "Q3_K": (3e-4, 8e-4),
+    "IQ4_XS": (1e-5, 3e-5),
+    "Q4_K": (5e-5, 2e-4),
+    "Q5_K": (3e-5, 1e-4),
+    "Q6_K": (1e-5, 4e-5),
+}
 
 
 def random_blocks(qtype: QuantType, n: int, k: int, seed: int = 0) -> torch.Tensor:

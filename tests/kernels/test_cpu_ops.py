@@ -17,7 +17,11 @@ pytestmark = pytest.mark.skipif(ext is None, reason="the C++ extension cannot be
 @pytest.mark.parametrize("tokens", [1, 5, 64])
 def test_rms_norm_and_fused_add(tokens):
     g = torch.Generator().manual_seed(tokens)
-    x, res, w = torch.randn(tokens, 576, generator=g), torch.randn(tokens, 576, generator=g), torch.randn(576, generator=g)
+    x, res, w = (
+        torch.randn(tokens, 576, generator=g),
+        torch.randn(tokens, 576, generator=g),
+        torch.randn(576, generator=g),
+    )
     ops, ref = CpuOps(ext), TorchOps()
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5), rtol=1e-5, atol=1e-5)
     out, new_res = ops.add_rms_norm(x, res.clone(), w, 1e-5)

@@ -33,11 +33,15 @@ def test_sliding_window_matches_the_twin_and_ignores_what_lies_before_it(window,
     block_size, num_blocks = 8, 80
     lens = torch.tensor([1, 7, 8, 9, 23, 61], dtype=torch.int32)
     max_blocks = -(-int(lens.max()) // block_size)
-    tables = (torch.randperm(num_blocks - 1, generator=g)[: len(lens) * max_blocks] + 1).view(len(lens), max_blocks).int()
+    tables = (
+        (torch.randperm(num_blocks - 1, generator=g)[: len(lens) * max_blocks] + 1).view(len(lens), max_blocks).int()
+    )
     cache = torch.randn(2, num_blocks, block_size, 2, head_dim, generator=g)
     q = torch.randn(len(lens), 6, head_dim, generator=g)
     got = paged_decode_attention(q, cache, tables, lens, 0.125, window)
-    torch.testing.assert_close(got, paged_decode_attention_ref(q, cache, tables, lens, 0.125, window), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        got, paged_decode_attention_ref(q, cache, tables, lens, 0.125, window), atol=1e-5, rtol=1e-5
+    )
     if window < int(lens.max()):
         assert not torch.allclose(got, paged_decode_attention(q, cache, tables, lens, 0.125))  # the window matters
     for s, n in enumerate(lens.tolist()):  # poison every position before each sequence's window
@@ -54,13 +58,17 @@ def test_soft_capped_scores_match_the_twin(window, head_dim):
     block_size, num_blocks = 8, 80
     lens = torch.tensor([1, 7, 9, 23, 61], dtype=torch.int32)
     max_blocks = -(-int(lens.max()) // block_size)
-    tables = (torch.randperm(num_blocks - 1, generator=g)[: len(lens) * max_blocks] + 1).view(len(lens), max_blocks).int()
+    tables = (
+        (torch.randperm(num_blocks - 1, generator=g)[: len(lens) * max_blocks] + 1).view(len(lens), max_blocks).int()
+    )
     cache = torch.randn(2, num_blocks, block_size, 2, head_dim, generator=g)
     q = 4 * torch.randn(len(lens), 6, head_dim, generator=g)  # scores well past the cap
     got = paged_decode_attention(q, cache, tables, lens, 0.125, window, 3.0)
     ref = paged_decode_attention_ref(q, cache, tables, lens, 0.125, window, 3.0)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    assert not torch.allclose(got, paged_decode_attention(q, cache, tables, lens, 0.125, window), atol=1e-2)  # it matters
+    assert not torch.allclose(
+        got, paged_decode_attention(q, cache, tables, lens, 0.125, window), atol=1e-2
+    )  # it matters
 
 
 def test_kernel_ignores_table_padding_and_other_blocks():

@@ -7,8 +7,18 @@ import torch
 import torch.nn.functional as F
 
 from minibatch.kernels.cpu_ext import load_cpu_extension, load_other_build
-from minibatch.kernels.quant import (INT_DOT_TYPES, QUANT_TYPES, dequantize, dequantize_ref, embedding, quant_linear,
-                                     quant_linear_q8, quant_linear_q8_ref, quantize_activations, quantize_activations_ref)
+from minibatch.kernels.quant import (
+    INT_DOT_TYPES,
+    QUANT_TYPES,
+    dequantize,
+    dequantize_ref,
+    embedding,
+    quant_linear,
+    quant_linear_q8,
+    quant_linear_q8_ref,
+    quantize_activations,
+    quantize_activations_ref,
+)
 
 from .quant_blocks import random_blocks
 
@@ -129,7 +139,9 @@ def test_integer_linear_is_close_to_the_exact_path_and_batch_invariant(name):
     fast = quant_linear_q8(quantize_activations(x, qtype.block_elems), blocks, qtype)
     err = ((fast - exact).norm() / exact.norm()).item()
     assert 0 < err < 0.02, err  # 8-bit activations: about 0.5% relative error, never exact
-    alone = torch.cat([quant_linear_q8(quantize_activations(x[i : i + 1], qtype.block_elems), blocks, qtype) for i in range(16)])
+    alone = torch.cat(
+        [quant_linear_q8(quantize_activations(x[i : i + 1], qtype.block_elems), blocks, qtype) for i in range(16)]
+    )
     assert torch.equal(alone, fast)  # a row's result does not depend on the rows beside it
 
 

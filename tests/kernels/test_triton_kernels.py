@@ -23,11 +23,18 @@ from .conftest import DEVICE, skip_if_gpu_unusable  # noqa: E402
 
 skip_if_gpu_unusable()
 
-TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=1e-2), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=2e-3, rtol=1e-2),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
 DTYPES = [
     torch.float32,
     torch.float16,
-    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(DEVICE == "cpu", reason="the Triton interpreter computes bf16 wrongly on CPU")),
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(DEVICE == "cpu", reason="the Triton interpreter computes bf16 wrongly on CPU"),
+    ),
 ]
 
 

@@ -16,8 +16,18 @@ MAX_SEQS, MAX_QUEUE = 4, 8
 @pytest.fixture(scope="module")
 def tiny_daemon(tiny_chat_model_dir):
     d = tempfile.mkdtemp(prefix="mbr-", dir="/tmp")
-    daemon = Daemon(Path(d) / "d.sock", tiny_chat_model_dir, "--max-num-seqs", str(MAX_SEQS), "--max-queue", str(MAX_QUEUE),
-                    "--kv-cache-gb", "0.05", "--read-timeout", "2").wait_ready()
+    daemon = Daemon(
+        Path(d) / "d.sock",
+        tiny_chat_model_dir,
+        "--max-num-seqs",
+        str(MAX_SEQS),
+        "--max-queue",
+        str(MAX_QUEUE),
+        "--kv-cache-gb",
+        "0.05",
+        "--read-timeout",
+        "2",
+    ).wait_ready()
     daemon.baseline = daemon.stats()["kv_blocks_used"]
     yield daemon
     assert daemon.stop() == 0, daemon.log_text()

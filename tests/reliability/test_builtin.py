@@ -14,9 +14,14 @@ pytestmark = pytest.mark.model
 
 BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # SmolLM2-135M, fp32, 16-token blocks: K and V over 30 layers
 QUESTIONS = [
-    "Name three fruits.", "What is the boiling point of water?", "Write a two-line poem about rain.",
-    "Who wrote Hamlet?", "Give me a synonym for happy.", "How many legs does a spider have?",
-    "What color is the sky at noon?", "Say hello in Italian.",
+    "Name three fruits.",
+    "What is the boiling point of water?",
+    "Write a two-line poem about rain.",
+    "Who wrote Hamlet?",
+    "Give me a synonym for happy.",
+    "How many legs does a spider have?",
+    "What color is the sky at noon?",
+    "Say hello in Italian.",
 ]
 
 
@@ -30,8 +35,18 @@ def test_check7_kv_oversubscription_preempts_and_outputs_stay_exact(short_tmp):
     # 12 usable blocks (192 tokens) for 8 requests that need ~6 blocks each: about 4x too small
     # The exact path: a prompt computed in other prefill chunks than alone gets the same text only where the
     # activations stay fp32 (8-bit activations round slightly different attention outputs apart)
-    d = Daemon(short_tmp / "d.sock", "smollm2-135m-instruct", "--kv-cache-gb", f"{13.5 * BLOCK_BYTES / 2**30:.6f}",
-               "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--weights", "native-exact").wait_ready(300)
+    d = Daemon(
+        short_tmp / "d.sock",
+        "smollm2-135m-instruct",
+        "--kv-cache-gb",
+        f"{13.5 * BLOCK_BYTES / 2**30:.6f}",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "256",
+        "--weights",
+        "native-exact",
+    ).wait_ready(300)
     try:
         assert d.stats()["kv_blocks_total"] == 12
 
@@ -54,10 +69,19 @@ def test_check7_kv_oversubscription_preempts_and_outputs_stay_exact(short_tmp):
 
 
 def test_check9_batch_invariance_in_both_modes(short_tmp):
-    d = Daemon(short_tmp / "d.sock", "smollm2-135m-instruct", "--kv-cache-gb", "0.3", "--max-num-seqs", "16",
-               "--max-wait-ms", "200").wait_ready(300)
+    d = Daemon(
+        short_tmp / "d.sock",
+        "smollm2-135m-instruct",
+        "--kv-cache-gb",
+        "0.3",
+        "--max-num-seqs",
+        "16",
+        "--max-wait-ms",
+        "200",
+    ).wait_ready(300)
     prompt = "Explain in two sentences why the sea is salty."
     try:
+
         async def go(mode: str):
             async with session(d.socket) as s:
                 async with s.put("/v1/engine/mode", json={"mode": mode}) as r:

@@ -12,8 +12,9 @@ from .conftest import assert_clean
 
 
 def test_check10_engine_fault(tiny_chat_model_dir, short_tmp):
-    d = Daemon(short_tmp / "d.sock", tiny_chat_model_dir, "--kv-cache-gb", "0.05",
-               env={"MINIBATCH_FAULT_AT_STEP": "40"}).wait_ready()
+    d = Daemon(
+        short_tmp / "d.sock", tiny_chat_model_dir, "--kv-cache-gb", "0.05", env={"MINIBATCH_FAULT_AT_STEP": "40"}
+    ).wait_ready()
 
     async def stream(s):
         async with s.post("/v1/chat/completions", json=chat_body(max_tokens=300, ignore_eos=True, stream=True)) as r:
@@ -38,6 +39,7 @@ def test_check10_engine_fault(tiny_chat_model_dir, short_tmp):
         status, health = d.get("/health")
         assert status == 200 and "injected forward fault" in health["last_error"]
         assert "engine step failed" in d.log_text()
+
         # recovered: a new request completes normally
         async def again():
             async with session(d.socket) as s:
@@ -54,18 +56,23 @@ def test_check10_engine_fault(tiny_chat_model_dir, short_tmp):
 def test_check10_a_lost_device_fails_health_and_the_daemon_exits_non_zero(tiny_chat_model_dir, short_tmp):
     """A fault after which the device cannot work (a dead CUDA context; injected as N:fatal): in-flight requests end
     with the error, /health stops answering OK, and the daemon exits 3 so a supervisor restarts it."""
-    d = Daemon(short_tmp / "d.sock", tiny_chat_model_dir, "--kv-cache-gb", "0.05",
-               env={"MINIBATCH_FAULT_AT_STEP": "20:fatal"}).wait_ready()
+    d = Daemon(
+        short_tmp / "d.sock", tiny_chat_model_dir, "--kv-cache-gb", "0.05", env={"MINIBATCH_FAULT_AT_STEP": "20:fatal"}
+    ).wait_ready()
 
     async def go():
         async with session(d.socket) as s:
-            async with s.post("/v1/chat/completions", json=chat_body(max_tokens=300, ignore_eos=True, stream=True)) as r:
+            async with s.post(
+                "/v1/chat/completions", json=chat_body(max_tokens=300, ignore_eos=True, stream=True)
+            ) as r:
                 return [line.strip() async for line in r.content if line.startswith(b"data: ")]
 
     try:
         events = asyncio.run(go())
         errors = [e for e in events if b'"error"' in e]
-        assert errors and b"injected forward fault at step 20" in errors[0] and events[-1] == b"data: [DONE]", events[-3:]
+        assert errors and b"injected forward fault at step 20" in errors[0] and events[-1] == b"data: [DONE]", events[
+            -3:
+        ]
         assert d.proc.wait(30) == 3
         log = d.log_text()
         assert "the device is lost" in log and "exiting" in log

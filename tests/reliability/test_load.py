@@ -78,8 +78,10 @@ def test_check5_streams_closed_mid_answer_are_aborted_within_a_step(tiny_daemon)
 def test_check6_a_request_closed_while_queued_is_never_prefilled(tiny_daemon):
     async def go():
         async with session(tiny_daemon.socket) as s:
-            busy = [asyncio.ensure_future(s.post("/v1/chat/completions", json=chat_body(max_tokens=300, ignore_eos=True)))
-                    for _ in range(MAX_SEQS)]
+            busy = [
+                asyncio.ensure_future(s.post("/v1/chat/completions", json=chat_body(max_tokens=300, ignore_eos=True)))
+                for _ in range(MAX_SEQS)
+            ]
             for _ in range(200):
                 st = tiny_daemon.stats()
                 if st["running"] == MAX_SEQS:
@@ -112,7 +114,9 @@ def test_check6_a_request_closed_while_queued_is_never_prefilled(tiny_daemon):
 def test_check14_a_client_that_stalls_after_its_headers_is_dropped(tiny_daemon):
     s = socket.socket(socket.AF_UNIX)
     s.connect(str(tiny_daemon.socket))
-    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+    )
     s.settimeout(15)
     started = time.monotonic()
     data = s.recv(4096)
@@ -133,14 +137,18 @@ def test_check14_a_client_that_stalls_after_its_headers_is_dropped(tiny_daemon):
 
 def test_check14_a_request_past_its_wall_clock_limit_is_aborted_and_its_kv_freed(tiny_chat_model_dir, short_tmp):
     # 0.3 s cannot hold 900 decode steps (each step is well over 0.3 ms of Python alone)
-    d = Daemon(short_tmp / "d.sock", tiny_chat_model_dir, "--kv-cache-gb", "0.05", "--request-timeout", "0.3").wait_ready()
+    d = Daemon(
+        short_tmp / "d.sock", tiny_chat_model_dir, "--kv-cache-gb", "0.05", "--request-timeout", "0.3"
+    ).wait_ready()
 
     async def go():
         async with session(d.socket) as s:
             started = time.monotonic()
             async with s.post("/v1/chat/completions", json=chat_body(max_tokens=900, ignore_eos=True)) as r:
                 plain = r.status, await r.json(), time.monotonic() - started
-            async with s.post("/v1/chat/completions", json=chat_body(max_tokens=900, ignore_eos=True, stream=True)) as r:
+            async with s.post(
+                "/v1/chat/completions", json=chat_body(max_tokens=900, ignore_eos=True, stream=True)
+            ) as r:
                 streamed = (await r.read()).split(b"\n\n")
             return plain, streamed
 

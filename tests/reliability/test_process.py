@@ -15,8 +15,13 @@ from tests.daemon.helpers import Daemon, chat_body, read_sse, session
 
 
 def cli(*args, env=None, timeout=180):
-    return subprocess.run([sys.executable, "-m", "minibatch.daemon.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "minibatch.daemon.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
 
 
 def test_check11_sigterm_drains_in_flight_requests_then_exits_cleanly(tiny_chat_model_dir, short_tmp):
@@ -24,7 +29,9 @@ def test_check11_sigterm_drains_in_flight_requests_then_exits_cleanly(tiny_chat_
 
     async def go():
         async with session(d.socket) as s:
-            job = asyncio.ensure_future(s.post("/v1/chat/completions", json=chat_body(max_tokens=150, ignore_eos=True, stream=True)))
+            job = asyncio.ensure_future(
+                s.post("/v1/chat/completions", json=chat_body(max_tokens=150, ignore_eos=True, stream=True))
+            )
             await asyncio.sleep(0.5)
             os.kill(d.pid, signal.SIGTERM)
             await asyncio.sleep(0.2)
@@ -46,11 +53,15 @@ def test_check11_sigterm_drains_in_flight_requests_then_exits_cleanly(tiny_chat_
 
 
 def test_check11_drain_timeout_ends_the_rest_with_an_explicit_error(tiny_chat_model_dir, short_tmp):
-    d = Daemon(short_tmp / "d.sock", tiny_chat_model_dir, "--kv-cache-gb", "0.05", "--shutdown-timeout", "0.5").wait_ready()
+    d = Daemon(
+        short_tmp / "d.sock", tiny_chat_model_dir, "--kv-cache-gb", "0.05", "--shutdown-timeout", "0.5"
+    ).wait_ready()
 
     async def go():
         async with session(d.socket) as s:
-            job = asyncio.ensure_future(s.post("/v1/chat/completions", json=chat_body(max_tokens=900, ignore_eos=True, stream=True)))
+            job = asyncio.ensure_future(
+                s.post("/v1/chat/completions", json=chat_body(max_tokens=900, ignore_eos=True, stream=True))
+            )
             await asyncio.sleep(0.5)
             os.kill(d.pid, signal.SIGTERM)
             return (await read_sse(await job))[0]
@@ -74,7 +85,9 @@ def test_check12_sigkill_leaves_a_stale_socket_that_the_next_start_replaces(tiny
         assert second.stop() == 0
 
 
-def test_check12_second_daemon_on_the_same_socket_is_refused_and_the_first_keeps_serving(tiny_chat_model_dir, short_tmp):
+def test_check12_second_daemon_on_the_same_socket_is_refused_and_the_first_keeps_serving(
+    tiny_chat_model_dir, short_tmp
+):
     sock = short_tmp / "d.sock"
     first = Daemon(sock, tiny_chat_model_dir, "--kv-cache-gb", "0.05").wait_ready()
     try:

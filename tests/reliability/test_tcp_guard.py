@@ -31,7 +31,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, dict, dict]:
+def http(
+    port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None
+) -> tuple[int, dict, dict]:
     """One raw HTTP request with exactly the headers given (Host included); (status, headers, JSON body or {})."""
     import http.client
 
@@ -78,8 +80,18 @@ def keyed_daemon(tiny_chat_model_dir):
     """Loopback TCP with a key given on the command line and one allowed browser origin."""
     sock_dir = Path(tempfile.mkdtemp(prefix="mbk-", dir="/tmp"))
     port = free_port()
-    daemon = Daemon(sock_dir / "d.sock", tiny_chat_model_dir, "--port", str(port), "--kv-cache-gb", "0.05",
-                    "--api-key", KEY, "--allowed-origins", ORIGIN).wait_ready()
+    daemon = Daemon(
+        sock_dir / "d.sock",
+        tiny_chat_model_dir,
+        "--port",
+        str(port),
+        "--kv-cache-gb",
+        "0.05",
+        "--api-key",
+        KEY,
+        "--allowed-origins",
+        ORIGIN,
+    ).wait_ready()
     daemon.port = port
     yield daemon
     assert daemon.stop() == 0, daemon.log_text()
@@ -107,14 +119,24 @@ def test_check16_the_cross_site_requests_of_the_report_are_refused(open_daemon):
     # the same with proper headers is served
     status, _, body = http(port, "POST", "/v1/completions", COMPLETION, {"Content-Type": "application/json"})
     assert status == 200 and body["usage"]["completion_tokens"] == 2, body
-    status, _, body = http(port, "POST", "/v1/completions", COMPLETION, {"Content-Type": "application/json; charset=utf-8",
-                                                                         "Host": f"localhost:{port}"})
+    status, _, body = http(
+        port,
+        "POST",
+        "/v1/completions",
+        COMPLETION,
+        {"Content-Type": "application/json; charset=utf-8", "Host": f"localhost:{port}"},
+    )
     assert status == 200, body
     status, _, body = http(port, "PUT", "/v1/engine/mode", MODE, {"Content-Type": "application/json"})
     assert status == 202, body
     # a preflight from an origin nobody allowed gets no CORS grant
-    status, headers, _ = http(port, "OPTIONS", "/v1/completions", None,
-                              {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    status, headers, _ = http(
+        port,
+        "OPTIONS",
+        "/v1/completions",
+        None,
+        {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"},
+    )
     assert status == 403 and "Access-Control-Allow-Origin" not in headers
     # the Unix socket is unaffected: its permissions are its guard
     from minibatch.daemon.client import request_json
@@ -128,7 +150,9 @@ def test_check16_key_required_wrong_and_right_and_counted(keyed_daemon):
     json_h = {"Content-Type": "application/json"}
     status, headers, body = http(port, "POST", "/v1/completions", COMPLETION, json_h)
     assert status == 401 and headers.get("WWW-Authenticate") == "Bearer" and body["error"]["param"] == "Authorization"
-    status, headers, body = http(port, "POST", "/v1/completions", COMPLETION, {**json_h, "Authorization": "Bearer wrong-key-xxxxxxxx"})
+    status, headers, body = http(
+        port, "POST", "/v1/completions", COMPLETION, {**json_h, "Authorization": "Bearer wrong-key-xxxxxxxx"}
+    )
     assert status == 401 and headers.get("WWW-Authenticate") == "Bearer" and body["error"]["code"] == "invalid_api_key"
     status, _, _ = http(port, "POST", "/v1/completions", COMPLETION, {**json_h, "Authorization": f"Basic {KEY}"})
     assert status == 401
@@ -140,8 +164,11 @@ def test_check16_key_required_wrong_and_right_and_counted(keyed_daemon):
     status, _, health = http(port, "GET", "/health", None, auth)
     assert status == 200 and KEY not in json.dumps(health)
     status, _, raw = http(port, "GET", "/metrics", None, auth)
-    counted = {line.split("{")[1].split("}")[0]: float(line.split()[-1]) for line in raw["raw"].splitlines()
-               if line.startswith("minibatch_http_refused_total")}
+    counted = {
+        line.split("{")[1].split("}")[0]: float(line.split()[-1])
+        for line in raw["raw"].splitlines()
+        if line.startswith("minibatch_http_refused_total")
+    }
     assert counted['reason="unauthorized"'] >= 7, counted
     # key or not, the content type is still checked
     status, _, _ = http(port, "POST", "/v1/completions", COMPLETION, {"Content-Type": "text/plain", **auth})
@@ -167,25 +194,52 @@ def test_check16_control_endpoints_need_the_key_on_the_socket_too(keyed_daemon):
 
 def test_check16_cors_preflight_and_answers_for_an_allowed_origin(keyed_daemon):
     port = keyed_daemon.port
-    status, headers, _ = http(port, "OPTIONS", "/v1/chat/completions", None,
-                              {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-                               "Access-Control-Request-Headers": "authorization, content-type"})
+    status, headers, _ = http(
+        port,
+        "OPTIONS",
+        "/v1/chat/completions",
+        None,
+        {
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        },
+    )
     assert status == 204
     assert headers["Access-Control-Allow-Origin"] == ORIGIN and "Origin" in headers["Vary"]
     assert headers["Access-Control-Allow-Methods"] == "POST"
-    assert set(h.strip().lower() for h in headers["Access-Control-Allow-Headers"].split(",")) == {"authorization", "content-type"}
-    status, headers, _ = http(port, "OPTIONS", "/v1/engine/mode", None, {"Origin": ORIGIN, "Access-Control-Request-Method": "PUT"})
+    assert set(h.strip().lower() for h in headers["Access-Control-Allow-Headers"].split(",")) == {
+        "authorization",
+        "content-type",
+    }
+    status, headers, _ = http(
+        port, "OPTIONS", "/v1/engine/mode", None, {"Origin": ORIGIN, "Access-Control-Request-Method": "PUT"}
+    )
     assert status == 204 and headers["Access-Control-Allow-Methods"] == "GET, PUT"
-    status, _, _ = http(port, "OPTIONS", "/v1/nothing-here", None, {"Origin": ORIGIN, "Access-Control-Request-Method": "GET"})
+    status, _, _ = http(
+        port, "OPTIONS", "/v1/nothing-here", None, {"Origin": ORIGIN, "Access-Control-Request-Method": "GET"}
+    )
     assert status == 404
     # the real request from that origin: key still required, and the answer carries the grant
-    status, headers, _ = http(port, "POST", "/v1/completions", COMPLETION, {"Origin": ORIGIN, "Content-Type": "application/json"})
+    status, headers, _ = http(
+        port, "POST", "/v1/completions", COMPLETION, {"Origin": ORIGIN, "Content-Type": "application/json"}
+    )
     assert status == 401 and headers["Access-Control-Allow-Origin"] == ORIGIN  # the page can read why
-    status, headers, body = http(port, "POST", "/v1/completions", COMPLETION,
-                                 {"Origin": ORIGIN, "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    status, headers, body = http(
+        port,
+        "POST",
+        "/v1/completions",
+        COMPLETION,
+        {"Origin": ORIGIN, "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
     assert status == 200 and headers["Access-Control-Allow-Origin"] == ORIGIN, body
-    status, headers, _ = http(port, "POST", "/v1/completions", COMPLETION,
-                              {"Origin": "http://other.example", "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    status, headers, _ = http(
+        port,
+        "POST",
+        "/v1/completions",
+        COMPLETION,
+        {"Origin": "http://other.example", "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
     assert status == 403 and "Access-Control-Allow-Origin" not in headers
 
 
@@ -193,10 +247,15 @@ def test_check16_the_openai_sdk_works_with_the_key_over_tcp(keyed_daemon):
     openai = pytest.importorskip("openai")
     base = f"http://127.0.0.1:{keyed_daemon.port}/v1"
     client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0)
-    out = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hello!"}], max_tokens=4)
+    out = client.chat.completions.create(
+        model="default", messages=[{"role": "user", "content": "Hello!"}], max_tokens=4
+    )
     assert out.usage.completion_tokens >= 1 and out.choices[0].message.content is not None
-    chunks = list(client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, stream=True
+        )
+    )
     assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
     bad = openai.OpenAI(base_url=base, api_key="not-the-key-123", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -230,21 +289,44 @@ def test_check16_the_chat_client_works_with_the_key_over_tcp(keyed_daemon):
     assert deltas[0].request_id and deltas[-1].usage["completion_tokens"] == 3 and not any(d.error for d in deltas)
     assert "running" in first
     # the chat's command line refuses clearly without the key
-    r = subprocess.run([sys.executable, "-m", "minibatch.tui.cli", "--url", f"http://127.0.0.1:{keyed_daemon.port}"],
-                       capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"})
+    r = subprocess.run(
+        [sys.executable, "-m", "minibatch.tui.cli", "--url", f"http://127.0.0.1:{keyed_daemon.port}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"},
+    )
     assert r.returncode == 1 and "needs an API key" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("foreground", [True, False])
-def test_check16_non_loopback_bind_without_a_key_refuses_before_anything_binds(tiny_chat_model_dir, short_tmp, foreground):
+def test_check16_non_loopback_bind_without_a_key_refuses_before_anything_binds(
+    tiny_chat_model_dir, short_tmp, foreground
+):
     port = free_port()
     sock = short_tmp / "d.sock"
-    args = ["start", "--socket", str(sock), "--model", str(tiny_chat_model_dir), "--host", "0.0.0.0", "--port", str(port),
-            "--log-file", str(short_tmp / "log")]
+    args = [
+        "start",
+        "--socket",
+        str(sock),
+        "--model",
+        str(tiny_chat_model_dir),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(port),
+        "--log-file",
+        str(short_tmp / "log"),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "MINIBATCH_API_KEY"}
     started = time.monotonic()
-    r = subprocess.run([sys.executable, "-m", "minibatch.daemon.cli", *args, *(["--foreground"] if foreground else [])],
-                       capture_output=True, text=True, timeout=60, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "minibatch.daemon.cli", *args, *(["--foreground"] if foreground else [])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert r.returncode == 2, r.stderr
     assert "--api-key" in r.stderr and "--insecure-no-auth" in r.stderr and "0.0.0.0" in r.stderr
     assert time.monotonic() - started < 30  # refused up front, no model load

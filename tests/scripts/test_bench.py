@@ -19,7 +19,9 @@ from tests.daemon.helpers import Daemon  # noqa: E402
 
 
 def make(index, ttft, token_times, e2e, tokens):
-    return Result(index, 0.0, ok=True, ttft=ttft, token_times=token_times, e2e=e2e, output_tokens=tokens, finish_reason="length")
+    return Result(
+        index, 0.0, ok=True, ttft=ttft, token_times=token_times, e2e=e2e, output_tokens=tokens, finish_reason="length"
+    )
 
 
 def test_percentiles_interpolate():
@@ -70,14 +72,35 @@ def test_arrival_processes_have_the_asked_rate():
 
 
 def test_bench_end_to_end_against_the_tiny_daemon(tiny_chat_model_dir, short_tmp, tmp_path):
-    daemon = Daemon(short_tmp / "d.sock", tiny_chat_model_dir, "--kv-cache-gb", "0.05", "--max-num-seqs", "4").wait_ready()
+    daemon = Daemon(
+        short_tmp / "d.sock", tiny_chat_model_dir, "--kv-cache-gb", "0.05", "--max-num-seqs", "4"
+    ).wait_ready()
     try:
         out = tmp_path / "bench"
         proc = subprocess.run(
-            [sys.executable, str(SCRIPTS / "bench.py"), "--socket", str(daemon.socket), "--requests", "6",
-             "--prompt-len", "8,24", "--output-len", "4,12", "--repeats", "1", "--warmup", "1",
-             "--sweep", "concurrency:1,3", "--out", str(out)],
-            capture_output=True, text=True, timeout=300,
+            [
+                sys.executable,
+                str(SCRIPTS / "bench.py"),
+                "--socket",
+                str(daemon.socket),
+                "--requests",
+                "6",
+                "--prompt-len",
+                "8,24",
+                "--output-len",
+                "4,12",
+                "--repeats",
+                "1",
+                "--warmup",
+                "1",
+                "--sweep",
+                "concurrency:1,3",
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         summary = json.loads((out / "summary.json").read_text())
@@ -96,19 +119,60 @@ def test_bench_end_to_end_against_the_tiny_daemon(tiny_chat_model_dir, short_tmp
             decodes = states.count("d")
             assert states.count("p") >= 6 and decodes >= 6 * 3 - 6, (mode, states)
             assert all(s["mode"] == mode for s in rec["steps"])
-        drawn = subprocess.run([sys.executable, str(SCRIPTS / "timeline.py"), "--json", str(out / "summary.json"),
-                                "--out", str(tmp_path / "timeline.png")], capture_output=True, text=True, timeout=120)
+        drawn = subprocess.run(
+            [
+                sys.executable,
+                str(SCRIPTS / "timeline.py"),
+                "--json",
+                str(out / "summary.json"),
+                "--out",
+                str(tmp_path / "timeline.png"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert drawn.returncode == 0 and (tmp_path / "timeline.png").stat().st_size > 1000, drawn.stderr[-2000:]
-        live = subprocess.run([sys.executable, str(SCRIPTS / "timeline.py"), "--socket", str(daemon.socket), "--run",
-                               "--requests", "6", "--out", str(tmp_path / "live.png")], capture_output=True, text=True, timeout=300)
+        live = subprocess.run(
+            [
+                sys.executable,
+                str(SCRIPTS / "timeline.py"),
+                "--socket",
+                str(daemon.socket),
+                "--run",
+                "--requests",
+                "6",
+                "--out",
+                str(tmp_path / "live.png"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert live.returncode == 0 and (tmp_path / "live.png").stat().st_size > 1000, live.stderr[-2000:]
         both = json.loads((tmp_path / "live.json").read_text())["timeline"]
         assert set(both) == {"continuous", "static"}
         assert any(row[3] == "x" for s in both["static"]["steps"] for row in s["rows"])  # padding shows in static
         assert not any(row[3] == "x" for s in both["continuous"]["steps"] for row in s["rows"])
-        fire = subprocess.run([sys.executable, str(SCRIPTS / "fire.py"), "--socket", str(daemon.socket), "-n", "3",
-                               "--max-tokens", "5", "--ignore-eos"], capture_output=True, text=True, timeout=120)
+        fire = subprocess.run(
+            [
+                sys.executable,
+                str(SCRIPTS / "fire.py"),
+                "--socket",
+                str(daemon.socket),
+                "-n",
+                "3",
+                "--max-tokens",
+                "5",
+                "--ignore-eos",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         lines = [l for l in fire.stdout.splitlines() if l.startswith("#")]
-        assert fire.returncode == 0 and "3/3 ok" in fire.stdout and len(lines) == 3 and all("TTFT" in l for l in lines), fire.stdout
+        assert (
+            fire.returncode == 0 and "3/3 ok" in fire.stdout and len(lines) == 3 and all("TTFT" in l for l in lines)
+        ), fire.stdout
     finally:
         daemon.stop()

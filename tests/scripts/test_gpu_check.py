@@ -21,8 +21,9 @@ import gpu_check  # noqa: E402
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_without_a_gpu_it_says_it_needs_one(tmp_path):
-    r = subprocess.run([sys.executable, str(SCRIPT), "--report", str(tmp_path / "r.json")], capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--report", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2 and "needs an NVIDIA GPU" in r.stderr, r.stderr
     assert not (tmp_path / "r.json").exists()
 
@@ -32,7 +33,10 @@ def test_bf16_spacing():
     assert gpu_check.bf16_spacing(-1.5) == 2**-7
     assert gpu_check.bf16_spacing(10.0) == 0.0625 and gpu_check.bf16_spacing(20.0) == 0.125
     x = 13.7
-    assert torch.tensor(x).to(torch.bfloat16).item() != torch.tensor(x + gpu_check.bf16_spacing(x)).to(torch.bfloat16).item()
+    assert (
+        torch.tensor(x).to(torch.bfloat16).item()
+        != torch.tensor(x + gpu_check.bf16_spacing(x)).to(torch.bfloat16).item()
+    )
 
 
 def test_bootstrap_unpacks_only_what_is_missing_and_names_what_it_cannot_find(tmp_path):
@@ -61,9 +65,11 @@ def test_bootstrap_unpacks_only_what_is_missing_and_names_what_it_cannot_find(tm
 
 def test_bootstrap_imports_minibatch_from_the_working_tree_without_an_install(tmp_path):
     """-S: no site-packages, so no installed minibatch; the bootstrap links the tree's folders into a package root."""
-    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); import gpu_check; from pathlib import Path; "
-            f"print(gpu_check.bootstrap(Path({str(tmp_path)!r}), None, needed=())); "
-            "import minibatch.kernels.triton_support as t; print(t.__file__)")
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); import gpu_check; from pathlib import Path; "
+        f"print(gpu_check.bootstrap(Path({str(tmp_path)!r}), None, needed=())); "
+        "import minibatch.kernels.triton_support as t; print(t.__file__)"
+    )
     r = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert str(tmp_path / "pkgroot") in r.stdout and "kernels/triton_support.py" in r.stdout
@@ -71,15 +77,22 @@ def test_bootstrap_imports_minibatch_from_the_working_tree_without_an_install(tm
 
 def test_the_whole_check_runs_on_the_cpu_with_a_tiny_model(tmp_path):
     report = tmp_path / "report.json"
-    r = subprocess.run([sys.executable, str(SCRIPT), "--smoke-cpu", "--report", str(report)], capture_output=True, text=True,
-                       timeout=600, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke-cpu", "--report", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads(report.read_text())
     assert data["ok"] and data["mode"] == "smoke-cpu"
     assert data["fp32_parity"]["ok"] and data["fp32_parity"]["max_abs_logit_diff"] < 1e-3
     assert all(g["agree"] == g["of"] for g in data["fp32_parity"]["greedy"])
     assert data["graphs_vs_eager"]["equal"] and data["bf16_vs_fp32"]["ok"]
-    assert set(data["decode_tok_s"]) == {"1", "16"} and all(v["graphs"] > 0 and v["eager"] > 0 for v in data["decode_tok_s"].values())
+    assert set(data["decode_tok_s"]) == {"1", "16"} and all(
+        v["graphs"] > 0 and v["eager"] > 0 for v in data["decode_tok_s"].values()
+    )
     peer = data["peer"]
     assert peer["minibatch"]["tokens"] == peer["requests"] * peer["new_tokens"]
     assert "tok_s" in peer["transformers_generate_batch"], peer

@@ -75,8 +75,10 @@ def test_trace_is_replayed_in_order_with_forced_lengths_and_bounded_concurrency(
     results, wall = serve_and_replay(fake, trace, concurrency=3)
     assert [b["prompt"] for b in fake.received] == [it.prompt_text for it in trace]  # sent in trace order
     assert all(16 <= len(b["prompt"].split()) <= 64 for b in fake.received)
-    assert all(b["max_tokens"] == it.max_tokens and b["ignore_eos"] and b["temperature"] == 0
-               for b, it in zip(fake.received, trace))
+    assert all(
+        b["max_tokens"] == it.max_tokens and b["ignore_eos"] and b["temperature"] == 0
+        for b, it in zip(fake.received, trace)
+    )
     assert fake.max_in_flight == 3
     check_counts(trace, results, "fake")  # every count as asked: passes
     assert [r.output_tokens for r in results] == [it.max_tokens for it in trace] and wall > 0
@@ -85,7 +87,10 @@ def test_trace_is_replayed_in_order_with_forced_lengths_and_bounded_concurrency(
 def test_a_short_answer_fails_the_run_loudly():
     trace = text_trace(6, (16, 64), (8, 20), seed=5)
     results, _ = serve_and_replay(FakeOpenAI(short={2}), trace, concurrency=2)
-    with pytest.raises(WorkMismatch, match=rf"(?s)fake: 1 of 6 responses .*request 2: asked {trace[2].max_tokens}, got {trace[2].max_tokens - 1}"):
+    with pytest.raises(
+        WorkMismatch,
+        match=rf"(?s)fake: 1 of 6 responses .*request 2: asked {trace[2].max_tokens}, got {trace[2].max_tokens - 1}",
+    ):
         check_counts(trace, results, "fake")
 
 
@@ -95,7 +100,9 @@ def test_text_trace_is_reproducible():
 
 
 def test_llama_server_command_line():
-    argv = llamacpp.command(Path("/opt/llama-server"), Path("/m/q.gguf"), 18931, concurrency=16, threads=2, ctx_per_slot=512)
+    argv = llamacpp.command(
+        Path("/opt/llama-server"), Path("/m/q.gguf"), 18931, concurrency=16, threads=2, ctx_per_slot=512
+    )
     assert argv[:3] == ["/opt/llama-server", "-m", "/m/q.gguf"]
     joined = " ".join(argv)
     assert "--host 127.0.0.1 --port 18931" in joined and "-t 2 -tb 2" in joined
@@ -123,5 +130,7 @@ def test_minibatch_peer_command_line():
     joined = " ".join(argv)
     assert "--socket /tmp/x.sock" in joined and "--weights native" in joined and "--max-num-seqs 4" in joined
     assert "--no-prefix-caching" in argv  # a replayed trace must not hit its previous run's cache
-    sized = " ".join(minibatch.command("/tmp/x.sock", "native", concurrency=16, threads=2, model="m", kv_tokens=16 * 512))
+    sized = " ".join(
+        minibatch.command("/tmp/x.sock", "native", concurrency=16, threads=2, model="m", kv_tokens=16 * 512)
+    )
     assert "--kv-cache-tokens 8192" in sized  # the token slots llama.cpp gets with -c 8192

@@ -67,8 +67,17 @@ def daemon(env, fresh_cache):
     """minibatchd with the built-in model and its default weights, converted into the empty cache."""
     d = Path(tempfile.mkdtemp(prefix="mb-", dir="/tmp"))
     port = free_port()
-    daemon = Daemon(d / "d.sock", "smollm2-135m-instruct", "--port", str(port), "--max-num-seqs", "8",
-                    "--kv-cache-gb", "0.25", env={"MINIBATCH_CACHE_DIR": str(fresh_cache)}).wait_ready()
+    daemon = Daemon(
+        d / "d.sock",
+        "smollm2-135m-instruct",
+        "--port",
+        str(port),
+        "--max-num-seqs",
+        "8",
+        "--kv-cache-gb",
+        "0.25",
+        env={"MINIBATCH_CACHE_DIR": str(fresh_cache)},
+    ).wait_ready()
     daemon.url = f"http://127.0.0.1:{port}"
     try:
         yield daemon
@@ -78,7 +87,9 @@ def daemon(env, fresh_cache):
 
 
 def run(env, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
     assert proc.returncode == 0, f"{args}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
@@ -116,16 +127,37 @@ def test_the_daemon_publishes_its_weights(daemon):
 
 def test_bench_over_the_socket(daemon, env, tmp_path):
     out = tmp_path / "bench"
-    proc = run(env, SCRIPTS / "bench.py", "--socket", daemon.socket, "--requests", "4", "--prompt-len", "8,16",
-               "--output-len", "4,8", "--repeats", "1", "--warmup", "1", "--sweep", "concurrency:1,2", "--out", out)
+    proc = run(
+        env,
+        SCRIPTS / "bench.py",
+        "--socket",
+        daemon.socket,
+        "--requests",
+        "4",
+        "--prompt-len",
+        "8,16",
+        "--output-len",
+        "4,8",
+        "--repeats",
+        "1",
+        "--warmup",
+        "1",
+        "--sweep",
+        "concurrency:1,2",
+        "--out",
+        out,
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert {(r["point"], r["variant"]) for r in summary["rows"]} == {
-        (p, m) for p in ("c=1", "c=2") for m in ("continuous", "static")}
+        (p, m) for p in ("c=1", "c=2") for m in ("continuous", "static")
+    }
     assert all(r["summary"]["completed"] == 4 and r["summary"]["failed"] == 0 for r in summary["rows"])
     c = summary["ceilings"]
     memory = summary["daemon"]["memory"]
     assert c["model_params"] == memory["num_params"] and c["matmul_bytes_per_step"] == memory["matmul_bytes_per_step"]
-    assert c["batch1_bandwidth_bound_tok_s"] == pytest.approx(c["memory_bandwidth_gb_s"] * 1e9 / memory["matmul_bytes_per_step"])
+    assert c["batch1_bandwidth_bound_tok_s"] == pytest.approx(
+        c["memory_bandwidth_gb_s"] * 1e9 / memory["matmul_bytes_per_step"]
+    )
     bound = number(r"batch-1 bandwidth bound ([\d.]+) tok/s", proc.stdout)
     assert bound == pytest.approx(c["batch1_bandwidth_bound_tok_s"], abs=0.06)
     assert "| c=2 | continuous |" in (out / "table.md").read_text()
@@ -135,8 +167,26 @@ def test_bench_over_the_socket(daemon, env, tmp_path):
 
 def test_bench_over_tcp(daemon, env, tmp_path):
     out = tmp_path / "bench-url"
-    proc = run(env, SCRIPTS / "bench.py", "--url", daemon.url, "--model", "smollm2-135m-instruct", "--requests", "3",
-               "--prompt-len", "8,16", "--output-len", "4,8", "--repeats", "1", "--warmup", "0", "--out", out)
+    proc = run(
+        env,
+        SCRIPTS / "bench.py",
+        "--url",
+        daemon.url,
+        "--model",
+        "smollm2-135m-instruct",
+        "--requests",
+        "3",
+        "--prompt-len",
+        "8,16",
+        "--output-len",
+        "4,8",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--out",
+        out,
+    )
     summary = json.loads((out / "summary.json").read_text())
     (row,) = summary["rows"]
     assert row["variant"] == "server" and row["summary"]["completed"] == 3 and row["summary"]["output_tokens"] >= 12
@@ -160,9 +210,26 @@ def test_timeline_run(daemon, env, tmp_path):
 
 
 def test_soak(daemon, env):
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "soak.py"), "--socket", str(daemon.socket), "--minutes", "0.1",
-                           "--window", "2", "--rate", "4", "--max-tokens", "6"], capture_output=True, text=True,
-                          timeout=120, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTS / "soak.py"),
+            "--socket",
+            str(daemon.socket),
+            "--minutes",
+            "0.1",
+            "--window",
+            "2",
+            "--rate",
+            "4",
+            "--max-tokens",
+            "6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     windows = [line for line in proc.stdout.splitlines() if line.startswith("2s ")]
     assert len(windows) >= 2 and all("RSS" in w and "fds" in w and "p99 TTFT" in w for w in windows), proc.stdout
     verdict = dict(re.findall(r"^  (PASS|FAIL)  (.+)$", proc.stdout, re.M)[i][::-1] for i in range(5))
@@ -173,8 +240,20 @@ def test_soak(daemon, env):
 
 def test_bench_engine_quick(env, tmp_path):
     out = tmp_path / "engine.json"
-    proc = run(env, SCRIPTS / "bench_engine.py", "--quick", "--requests", "4", "--repeats", "1", "--hf-repeats", "1",
-               "--json", out, timeout=600)
+    proc = run(
+        env,
+        SCRIPTS / "bench_engine.py",
+        "--quick",
+        "--requests",
+        "4",
+        "--repeats",
+        "1",
+        "--hf-repeats",
+        "1",
+        "--json",
+        out,
+        timeout=600,
+    )
     data = json.loads(out.read_text())
     assert set(data["median"]) == {"continuous", "static", "hf-static", "hf-cb"} and not data["errors"]
     eff = data["efficiency"]
@@ -192,7 +271,9 @@ def test_bench_overhead(env):
 
 
 def test_bench_driver(env):
-    proc = run(env, SCRIPTS / "bench_driver.py", "--batches", "1,2", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1")
+    proc = run(
+        env, SCRIPTS / "bench_driver.py", "--batches", "1,2", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1"
+    )
     assert number(r"batch   1: greedy decode\s+([\d.]+) tok/s", proc.stdout) > 0
     assert number(r"batch   2: greedy decode\s+([\d.]+) tok/s", proc.stdout) > 0
     assert number(r"peak RSS: (\d+) MiB", proc.stdout) > 100 and "load of converted model" in proc.stdout
@@ -200,7 +281,9 @@ def test_bench_driver(env):
 
 @pytest.mark.parametrize("weights", ["native", "float32"])
 def test_profile_step(env, weights):
-    proc = run(env, SCRIPTS / "profile_step.py", "--weights", weights, "--rows", "1,3", "--context", "16", "--steps", "2")
+    proc = run(
+        env, SCRIPTS / "profile_step.py", "--weights", weights, "--rows", "1,3", "--context", "16", "--steps", "2"
+    )
     for rows in (1, 3):
         assert number(rf"{rows} running, context ~16: step ([\d.]+) ms", proc.stdout) > 0
     assert number(r"\n  matmul\s+([\d.]+) ms", proc.stdout) > 0
@@ -221,13 +304,27 @@ def test_bench_grammar(env, tmp_path):
 def test_bench_decode_attention(env):
     proc = run(env, SCRIPTS / "bench_decode_attention.py", "--cases", "1x64,2x32", "--repeats", "1")
     rows = re.findall(r"^\| (\d+ x \d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|$", proc.stdout, re.M)
-    assert [r[0] for r in rows] == ["1 x 64", "2 x 32"] and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), proc.stdout
+    assert [r[0] for r in rows] == ["1 x 64", "2 x 32"] and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), (
+        proc.stdout
+    )
 
 
 def test_bench_quant_matmul(env):
-    proc = run(env, SCRIPTS / "bench_quant_matmul.py", "--shape", "qwen2.5-0.5b", "--types", "Q5_0,Q4_K,Q6_K",
-               "--rows", "1,5", "--repeats", "1")
-    rows = re.findall(r"^\| (Q\w+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| [\d.]+ \| ([\d.]+) \| (integer|exact) \|$", proc.stdout, re.M)
+    proc = run(
+        env,
+        SCRIPTS / "bench_quant_matmul.py",
+        "--shape",
+        "qwen2.5-0.5b",
+        "--types",
+        "Q5_0,Q4_K,Q6_K",
+        "--rows",
+        "1,5",
+        "--repeats",
+        "1",
+    )
+    rows = re.findall(
+        r"^\| (Q\w+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| [\d.]+ \| ([\d.]+) \| (integer|exact) \|$", proc.stdout, re.M
+    )
     assert [(r[0], r[1]) for r in rows] == [("Q5_0", "1"), ("Q5_0", "5")], proc.stdout
     for _, _, exact, fast, ratio, winner in rows:  # the printed times are rounded to 0.01 ms
         assert float(ratio) == pytest.approx(float(exact) / float(fast), rel=0.1)
@@ -240,7 +337,9 @@ def test_make_model(env, tmp_path):
     """The true Qwen2.5-0.5B layer shape (896 wide, 14 heads over 2 KV heads, qkv bias, tied output) with two layers,
     quantized to Q5_0 by gguf's quantizer: it loads natively and generates."""
     out = tmp_path / "qwen-q5_0.gguf"
-    proc = run(env, SCRIPTS / "make_model.py", "--shape", "qwen2.5-0.5b", "--layers", "2", "--quantize", "Q5_0", "--out", out)
+    proc = run(
+        env, SCRIPTS / "make_model.py", "--shape", "qwen2.5-0.5b", "--layers", "2", "--quantize", "Q5_0", "--out", out
+    )
     assert out.is_file() and f"make_model: {out}" in proc.stdout
     check = (
         "import sys, json; from minibatch.engine.factory import EngineConfig, build_engine\n"
@@ -259,8 +358,12 @@ def test_make_model(env, tmp_path):
 
 def test_perplexity(env):
     proc = run(env, SCRIPTS / "perplexity.py", "--chunks", "2", "--ctx", "128")
-    rows = {r[0]: r[1:] for r in re.findall(
-        r"^\| ([\w-]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.-]+) \| ([\d.%-]+) \| ([\d.]+) \|$", proc.stdout, re.M)}
+    rows = {
+        r[0]: r[1:]
+        for r in re.findall(
+            r"^\| ([\w-]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.-]+) \| ([\d.%-]+) \| ([\d.]+) \|$", proc.stdout, re.M
+        )
+    }
     assert set(rows) == {"native", "native-exact"}, proc.stdout
     ppl = {w: float(v[0]) for w, v in rows.items()}
     assert all(1 < p < 1000 for p in ppl.values()) and abs(ppl["native"] / ppl["native-exact"] - 1) < 0.05

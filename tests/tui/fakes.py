@@ -9,10 +9,26 @@ from minibatch.tui.client import DaemonUnavailable, Delta
 
 def event(mode="continuous", running=0, waiting=0, used=0, step=1, pending=None):
     return {
-        "step": step, "timestamp": 0.0, "mode": mode, "pending_mode": pending, "running": running, "max_num_seqs": 8,
-        "waiting": waiting, "prefill_tokens": 0, "decode_tokens": running, "padding_rows": 0, "kv_blocks_used": used,
-        "kv_blocks_total": 64, "prefix_hit_blocks": 0, "preemptions": 0, "wasted_row_steps": 0, "total_preemptions": 0,
-        "step_time": 0.05, "kv_usage_percent": 100 * used / 64, "prefill_tokens_per_s": 10.0, "decode_tokens_per_s": 20.0,
+        "step": step,
+        "timestamp": 0.0,
+        "mode": mode,
+        "pending_mode": pending,
+        "running": running,
+        "max_num_seqs": 8,
+        "waiting": waiting,
+        "prefill_tokens": 0,
+        "decode_tokens": running,
+        "padding_rows": 0,
+        "kv_blocks_used": used,
+        "kv_blocks_total": 64,
+        "prefix_hit_blocks": 0,
+        "preemptions": 0,
+        "wasted_row_steps": 0,
+        "total_preemptions": 0,
+        "step_time": 0.05,
+        "kv_usage_percent": 100 * used / 64,
+        "prefill_tokens_per_s": 10.0,
+        "decode_tokens_per_s": 20.0,
     }
 
 
@@ -55,8 +71,11 @@ class FakeClient:
         self.steps_calls += 1
         if not self.connected:
             raise DaemonUnavailable("down")
-        return {"last_step": self.step_records[-1]["step"] if self.step_records else 0, "max_rows": 8,
-                "steps": [r for r in self.step_records if r["step"] > since][:200]}
+        return {
+            "last_step": self.step_records[-1]["step"] if self.step_records else 0,
+            "max_rows": 8,
+            "steps": [r for r in self.step_records if r["step"] > since][:200],
+        }
 
     async def events(self):
         if self.events_queue is None:
@@ -81,7 +100,10 @@ class FakeClient:
                 await asyncio.sleep(0)
             if self.hold:
                 await self.release.wait()
-            yield Delta(finish_reason="stop", timings={"ttft_ms": 12.0, "decode_ms": 100.0, "queue_wait_ms": 1.0, "cached_prompt_tokens": 16})
+            yield Delta(
+                finish_reason="stop",
+                timings={"ttft_ms": 12.0, "decode_ms": 100.0, "queue_wait_ms": 1.0, "cached_prompt_tokens": 16},
+            )
             yield Delta(usage={"completion_tokens": 5})
         except asyncio.CancelledError:
             self.cancelled += 1

@@ -58,7 +58,10 @@ def test_send_streams_the_answer_and_saves_history(history):
     assert "TTFT 12 ms" in status and "stop" in status and "cached 16" in status
     assert client.chats[0][-1] == {"role": "user", "content": "capital of France?"}
     stored = history.panes()[0].messages
-    assert stored == [{"role": "user", "content": "capital of France?"}, {"role": "assistant", "content": "Paris is the capital. "}]
+    assert stored == [
+        {"role": "user", "content": "capital of France?"},
+        {"role": "assistant", "content": "Paris is the capital. "},
+    ]
 
 
 def test_multi_turn_history_is_sent_each_turn_and_restored(history):
@@ -254,7 +257,9 @@ def test_block_map_colours_cells_by_pane():
 
 
 def test_status_line_numbers():
-    s = format_status({"ttft_ms": 250.0, "decode_ms": 1000.0, "queue_wait_ms": 5.0, "cached_prompt_tokens": 32}, 21, 1.3, "length")
+    s = format_status(
+        {"ttft_ms": 250.0, "decode_ms": 1000.0, "queue_wait_ms": 5.0, "cached_prompt_tokens": 32}, 21, 1.3, "length"
+    )
     assert s == "TTFT 250 ms · 20.0 tok/s · 21 tok · length · queue 5 ms · cached 32"
 
 
@@ -342,11 +347,14 @@ def test_timeline_keeps_up_with_1000_steps_without_blocking_input(history):
 def test_timeline_shows_the_mode_switch_and_pane_colours():
     from minibatch.tui.widgets.timeline import render_timeline
 
-    recs = [step_record(1, [[0, "a", 3, "p"], [1, "b", 2, "p"]]), step_record(2, [[0, "a", 1, "d"], [1, "b", 1, "d"]]),
-            step_record(3, [[0, "a", 1, "x"], [1, "b", 1, "d"]], mode="static", waiting=12)]
+    recs = [
+        step_record(1, [[0, "a", 3, "p"], [1, "b", 2, "p"]]),
+        step_record(2, [[0, "a", 1, "d"], [1, "b", 1, "d"]]),
+        step_record(3, [[0, "a", 1, "x"], [1, "b", 1, "d"]], mode="static", waiting=12),
+    ]
     text = render_timeline(recs, {"a": 0}, ["red", "blue"], cols=30, height=20)
     plain = str(text)
     assert "mode ccs" in plain and "  0  ▒█╳" in plain and "  1  ▒██" in plain and "wait   +" in plain
-    cells = {(text.plain[s.start:s.end], str(s.style)) for s in text.spans if s.end - s.start == 1}
+    cells = {(text.plain[s.start : s.end], str(s.style)) for s in text.spans if s.end - s.start == 1}
     # a's cells in pane 0's colour, b (another client) grey, padding red
     assert {("▒", "red"), ("█", "red"), ("▒", "grey62"), ("█", "grey62"), ("╳", "red")} <= cells

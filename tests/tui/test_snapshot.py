@@ -50,7 +50,9 @@ def timeline_records(static: bool) -> list:
     recs = []
     for step in range(1, 31):
         rows = []
-        if static:  # one batch of three: members finish at 8, 14, 30 and pad until the longest ends; then the next batch
+        if (
+            static
+        ):  # one batch of three: members finish at 8, 14, 30 and pad until the longest ends; then the next batch
             for row, (rid, end) in enumerate((("req-0", 8), ("req-1", 14), ("other-a", 30))):
                 rows.append([row, rid, 6 if step == 1 else 1, "p" if step == 1 else ("x" if step > end else "d")])
             waiting = 2
@@ -74,7 +76,9 @@ def _timeline_snapshot(snap_compare, tmp_path, static: bool):
 
     async def run_before(pilot) -> None:
         await two_panes_asking(pilot, app, client, "go")
-        client.events_queue.put_nowait(event(mode="static" if static else "continuous", running=3, waiting=2, used=12, step=30))
+        client.events_queue.put_nowait(
+            event(mode="static" if static else "continuous", running=3, waiting=2, used=12, step=30)
+        )
         await pilot.press("ctrl+g")
         panel = app.query_one("EnginePanel")
         while panel.timeline.last_step < 30:

@@ -77,4 +77,3 @@ def test_two_panes_broadcast_in_a_real_terminal(tiny_chat_model_dir, short_tmp):
     finally:
         tmux("kill-server", check=False)
         daemon.stop()
-

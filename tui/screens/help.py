@@ -32,5 +32,7 @@ class HelpScreen(ModalScreen[None]):
         with Vertical(id="help"):
             yield Static("[b]minibatch-chat[/] — several conversations at once, and the batch that serves them\n")
             yield Static(lines)
-            yield Static("\n[dim]The engine panel shows the batch live: each running request occupies a row of the batch and "
-                         "holds KV blocks (the map colours them by pane). In static mode a batch admits nobody until it ends.[/]")
+            yield Static(
+                "\n[dim]The engine panel shows the batch live: each running request occupies a row of the batch and "
+                "holds KV blocks (the map colours them by pane). In static mode a batch admits nobody until it ends.[/]"
+            )

@@ -33,7 +33,9 @@ class ChatPane(Vertical):
 
     DEFAULT_CLASSES = "pane"
 
-    def __init__(self, pane_id: int, index: int, settings: PaneSettings | None = None, messages: list[dict] | None = None) -> None:
+    def __init__(
+        self, pane_id: int, index: int, settings: PaneSettings | None = None, messages: list[dict] | None = None
+    ) -> None:
         super().__init__(id=f"pane-{pane_id}")
         self.pane_id, self.index = pane_id, index
         self.settings = settings or PaneSettings()
@@ -102,7 +104,7 @@ class ChatPane(Vertical):
         answer = Markdown("", classes="msg assistant")
         await transcript.mount(answer)
         transcript.anchor()
-        convo = ([{"role": "system", "content": self.settings.system_prompt}] if self.settings.system_prompt else [])
+        convo = [{"role": "system", "content": self.settings.system_prompt}] if self.settings.system_prompt else []
         convo += self.messages + [{"role": "user", "content": text}]
         stream = Markdown.get_stream(answer)
         parts: list[str] = []

@@ -46,11 +46,14 @@ class Timeline(Static):
 
     def render_records(self, panes: dict[str, int]) -> None:
         width, height = self.size.width or 34, self.size.height or 20
-        self.update(render_timeline(list(self.records), panes, self.pane_colors, max(8, width - 5), height, self.max_rows))
+        self.update(
+            render_timeline(list(self.records), panes, self.pane_colors, max(8, width - 5), height, self.max_rows)
+        )
 
 
-def render_timeline(records: list[dict], panes: dict[str, int], colors: list[str], cols: int, height: int,
-                    max_rows: int = 0) -> Text:
+def render_timeline(
+    records: list[dict], panes: dict[str, int], colors: list[str], cols: int, height: int, max_rows: int = 0
+) -> Text:
     """The last `cols` steps of `records` as rows of marks, with a mode line above and the waiting queue below."""
     recent = records[-cols:]
     compact = height < 9  # a short panel (the narrow layout): no legend and no mode line, rows first
