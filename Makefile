@@ -1,6 +1,7 @@
 # minibatch — set-up and tests.
 #   make install   create .venv and install minibatch with what it needs
-#   make test      install if needed, then run the whole test suite
+#   make test      install if needed, lint, then run the whole test suite
+#   make lint      ruff: the formatter's check and the lint rules of pyproject.toml
 #   make gpu-check on a machine with an NVIDIA GPU (see README: GPU check)
 
 PYTHON ?= python3
@@ -19,7 +20,7 @@ TORCH_SPEC ?= torch==2.13.0
 endif
 TORCH_PIP_ARGS ?=
 
-.PHONY: install test chat gpu-check gpu-prepare compat-check clean-venv
+.PHONY: install lint test chat gpu-check gpu-prepare compat-check clean-venv
 
 install: $(STAMP)
 
@@ -37,7 +38,11 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 	@echo "minibatch installed in $(VENV)"
 
-test: install
+lint: install
+	$(VENV)/bin/ruff format --check --diff .
+	$(VENV)/bin/ruff check .
+
+test: install lint
 	$(PY) -m pytest -q
 
 # Start the daemon with the built-in model if it is not running, then open the chat.

@@ -14,11 +14,11 @@ from aiohttp import web
 from minibatch.engine.core.scheduler import MODES
 
 from . import ollama
+from .grammars import check_tool_schemas, forced_call, response_grammar, tool_call_grammar
 from .guard import Guard, guard_middleware
 from .protocol import ApiError, ChatRequest, CompletionRequest
-from .state import GUARD, STATE, DaemonState, check_model, read_body, read_raw, submit
 from .responses import full_response, stream_response, timeout_message
-from .grammars import check_tool_schemas, forced_call, response_grammar, tool_call_grammar
+from .state import GUARD, STATE, DaemonState, check_model, read_body, read_raw, submit
 from .tools import check_template, tool_specs
 
 log = logging.getLogger("minibatch.daemon")

@@ -135,7 +135,7 @@ class Guard:
         allowed_hosts: str | None = None,
         allowed_origins: str | None = None,
         insecure_no_auth: bool = False,
-    ) -> "Guard":
+    ) -> Guard:
         """Validate the options together; raises GuardError with the flag to change."""
         keys: list[str] = []
         if api_key:
@@ -149,7 +149,8 @@ class Guard:
         if tcp_host is not None and not is_loopback(tcp_host) and not keys and not insecure_no_auth:
             raise GuardError(
                 f"--host {tcp_host} would let every machine that can reach it use the daemon, and no API key is set. "
-                "Give one with --api-key (or MINIBATCH_API_KEY, or --api-key-file), or accept the risk with --insecure-no-auth."
+                "Give one with --api-key (or MINIBATCH_API_KEY, or --api-key-file), "
+                "or accept the risk with --insecure-no-auth."
             )
         hosts = frozenset(split_host(h) for h in (allowed_hosts or "").split(",") if h.strip())
         origins = frozenset(origin_of(o) for o in (allowed_origins or "").split(",") if o.strip())
@@ -190,7 +191,10 @@ class Guard:
             )
 
     def reload_keys(self) -> None:
-        """Keys are rotated by editing the key file: it is read again when it changes (checked at most once a second)."""
+        """Keys are rotated by editing the key file: it is read again when it changes.
+
+        The file's modification time is checked at most once a second.
+        """
         if self.api_key_file is None:
             return
         now = time.monotonic()

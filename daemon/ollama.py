@@ -17,17 +17,16 @@ import json
 import time
 import uuid
 from datetime import datetime, timezone
-
-from aiohttp import web
 from typing import Any, Literal
 
+from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
 
+from .grammars import response_grammar
 from .protocol import MAX_TOOLS, ApiError, Float, Tool, parse_body
 from .state import STATE, check_model, read_raw, submit
-from .grammars import response_grammar
 from .tools import CallSplitter, check_template, parse_calls
 
 VERSION = "0.6.0"  # the Ollama API version whose shapes these follow

@@ -72,7 +72,7 @@ class Message(_Body):
     tool_call_id: StrictStr | None = None  # which call a tool message answers
 
     @model_validator(mode="after")
-    def _content_where_needed(self) -> "Message":
+    def _content_where_needed(self) -> Message:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(
                 f"content is required in a {self.role} message"

@@ -76,7 +76,7 @@ def timeout_message(state) -> str:
     return f"the request ran past its limit of {state.request_timeout:g} s and was aborted"
 
 
-async def merged(streams: list) -> "AsyncIterator[tuple[int, object]]":
+async def merged(streams: list) -> AsyncIterator[tuple[int, object]]:
     """(choice index, output) from n streams as they come; leaving early closes (and so aborts) them all."""
     if len(streams) == 1:
         async for out in streams[0]:

@@ -16,9 +16,9 @@ from aiohttp import web
 from minibatch.engine.factory import EngineConfig
 
 from .app import create_app
-from .state import DaemonState
 from .guard import Guard, is_loopback
 from .lifecycle import InstanceLock, LifecycleError, private_umask
+from .state import DaemonState
 
 log = logging.getLogger("minibatch.daemon")
 

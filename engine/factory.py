@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from .core.block_manager import BlockManager
 from .core.engine import LLMEngine
 from .core.info import WEIGHT_MODES, EngineInfo
-from .model_store import DEFAULT_MODEL, resolve_model
 from .core.sampling_params import SAMPLING_DEFAULT_FIELDS
 from .core.scheduler import MODES, SchedulerConfig
+from .model_store import DEFAULT_MODEL, resolve_model
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -123,10 +123,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 
     from .kv_cache import allocate_kv_cache, num_blocks_for_budget
     from .model_runner import ModelRunner
-    from .weights import load_model
-    from .weights.facts import weight_facts
     from .tokenizer import TextTokenizer
     from .triton_backend import select_backend
+    from .weights import load_model
+    from .weights.facts import weight_facts
 
     device = config.device
     if device == "auto":

@@ -17,10 +17,9 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-
-from typing import TYPE_CHECKING
 
 from .gguf_vocab import NAMED, can_write, write_tokenizer
 

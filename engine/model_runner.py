@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import build_flat_batch
-from .models.llama import LlamaForCausalLM
 from .core.request import Request
-from .sampler import Sampler
 from .core.scheduler import SchedulerOutput
+from .models.llama import LlamaForCausalLM
+from .sampler import Sampler
 
 
 @dataclass(slots=True)

@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-
 # One layout, json.dumps' own: no free whitespace between tokens. With it allowed, a small model can spend
 # its whole budget on newlines and indents that the grammar never ends (seen with the built-in model).
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

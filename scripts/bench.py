@@ -92,7 +92,6 @@ async def replay(
 def hf_static(model_dir: str, trace: list[TraceItem], batch: int, tokenizer) -> dict:
     """HF transformers generate in left-padded batches of `batch`, in arrival order, all queued at t=0."""
     import torch
-    import transformers
 
     from minibatch.engine.weights.reference import load_hf_reference
 
@@ -175,15 +174,20 @@ def ceilings_line(c: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = "| point | variant | out tok/s | req/s | TTFT p50 / p95 (s) | TPOT p50 (ms) | e2e p50 / p95 (s) | mean running | wasted rows | preempt | failed |"
+    head = (
+        "| point | variant | out tok/s | req/s | TTFT p50 / p95 (s) | TPOT p50 (ms) | e2e p50 / p95 (s) "
+        "| mean running | wasted rows | preempt | failed |"
+    )
     lines = [head, "|" + "---|" * 11]
     for r in rows:
         s, e = r["summary"], r.get("engine", {})
         f = lambda v, k=1: "-" if v is None else f"{v:.{k}f}"  # noqa: E731
         lines.append(
             f"| {r['point']} | {r['variant']} | {f(s['output_throughput'])} | {f(s['request_throughput'], 2)} | "
-            f"{f(s['ttft']['p50'], 2)} / {f(s['ttft']['p95'], 2)} | {f(s['tpot']['p50'] and 1000 * s['tpot']['p50'])} | "
-            f"{f(s['e2e']['p50'])} / {f(s['e2e']['p95'])} | {f(e.get('mean_running'))} | {e.get('wasted_row_steps', '-')} | "
+            f"{f(s['ttft']['p50'], 2)} / {f(s['ttft']['p95'], 2)} | "
+            f"{f(s['tpot']['p50'] and 1000 * s['tpot']['p50'])} | "
+            f"{f(s['e2e']['p50'])} / {f(s['e2e']['p95'])} | {f(e.get('mean_running'))} | "
+            f"{e.get('wasted_row_steps', '-')} | "
             f"{e.get('preemptions', '-')} | {s['failed']} |"
         )
     return "\n".join(lines)
@@ -271,9 +275,10 @@ def points(args) -> list[tuple[str, float, dict]]:
 
 
 async def run(args) -> int:
-    from minibatch.engine.model_store import resolve_model
-    from transformers import AutoTokenizer
     from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from minibatch.engine.model_store import resolve_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -290,7 +295,7 @@ async def run(args) -> int:
         raise SystemExit("bench: --url needs --model (whose tokenizer makes the prompts)")
     model_dir = resolve_model(health["model"]) if args.model is None else resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    corpus = tokenizer.encode(" ".join(json.loads(l)["prompt"] for l in CHAT_SET.read_text().splitlines()))
+    corpus = tokenizer.encode(" ".join(json.loads(line)["prompt"] for line in CHAT_SET.read_text().splitlines()))
     modes = args.modes.split(",") if native else ["server"]
     pts = points(args)
     largest = max(p[1] for p in pts)  # the point whose TTFT distribution is plotted

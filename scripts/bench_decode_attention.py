@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                 for name, b in backends.items()
             }
             print(
-                f"| {batch} x {ctx} | {ms['pytorch']:.2f} | {ms['c++ kernel']:.2f} | {ms['pytorch'] / ms['c++ kernel']:.1f}x |"
+                f"| {batch} x {ctx} | {ms['pytorch']:.2f} | {ms['c++ kernel']:.2f} | "
+                f"{ms['pytorch'] / ms['c++ kernel']:.1f}x |"
             )
     return 0
 

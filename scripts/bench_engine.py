@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from minibatch.engine.factory import EngineConfig, build_engine
 from minibatch.engine.core.sampling_params import SamplingParams
+from minibatch.engine.factory import EngineConfig, build_engine
 
 
 def make_trace(n, pmin, pmax, omin, omax, seed, vocab=(200, 40000)):
@@ -210,7 +210,6 @@ def main() -> None:
         )
     )
     engine.scheduler.config.max_num_seqs = args.max_running
-    import transformers
 
     from minibatch.engine.weights.reference import load_hf_reference
 
@@ -237,7 +236,8 @@ def main() -> None:
                 continue
             results[v].append(res)
             print(
-                f"  rep {rep + 1} {v:<11} {res['output_tok_s']:7.1f} tok/s  p50 {res['p50_e2e_s']:6.1f} s  p95 {res['p95_e2e_s']:6.1f} s",
+                f"  rep {rep + 1} {v:<11} {res['output_tok_s']:7.1f} tok/s  "
+                f"p50 {res['p50_e2e_s']:6.1f} s  p95 {res['p95_e2e_s']:6.1f} s",
                 file=sys.stderr,
             )
 
@@ -265,14 +265,17 @@ def main() -> None:
     )
     print(
         f"engine efficiency at {eff['rows']} running (context ~{eff['context']}), {eff['weights']}: "
-        f"{eff['matmuls']} matmuls {eff['linears_ms']:.0f} ms / decode step {eff['decode_step_ms']:.0f} ms = {eff['efficiency']:.2f}; "
-        f"the matmuls read {eff['matmul_bytes_per_step'] / 1e6:.0f} MB of weights per step ({eff['matmul_read_gb_s']:.1f} GB/s)"
+        f"{eff['matmuls']} matmuls {eff['linears_ms']:.0f} ms / decode step {eff['decode_step_ms']:.0f} ms "
+        f"= {eff['efficiency']:.2f}; "
+        f"the matmuls read {eff['matmul_bytes_per_step'] / 1e6:.0f} MB of weights per step "
+        f"({eff['matmul_read_gb_s']:.1f} GB/s)"
     )
     if "continuous" in med:
         for other in ("static", "hf-static", "hf-cb"):
             if other in med:
                 print(
-                    f"continuous / {other}: throughput x{med['continuous']['output_tok_s'] / med[other]['output_tok_s']:.2f}, "
+                    f"continuous / {other}: "
+                    f"throughput x{med['continuous']['output_tok_s'] / med[other]['output_tok_s']:.2f}, "
                     f"p95 e2e x{med['continuous']['p95_e2e_s'] / med[other]['p95_e2e_s']:.2f}"
                 )
     if args.json:

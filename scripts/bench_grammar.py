@@ -7,7 +7,8 @@ built-in tokenizer's ids of `json.dumps(instance)`; where a library refuses the 
 allows is taken instead), computing the next-token mask before every token. It reports the compile time
 and the median and p95 mask time for one sequence, and for --batch (32) sequences at once (each library's batched
 call). Then the engine's own cost: the median decode step of the built-in model at batch 1 and --batch with
-every row under a JSON-schema grammar against the same rows unconstrained. xgrammar is optional (`pip install --no-deps xgrammar apache-tvm-ffi`); without it only
+every row under a JSON-schema grammar against the same rows unconstrained. xgrammar is optional
+(`pip install --no-deps xgrammar apache-tvm-ffi`); without it only
 llguidance is measured.
 """
 
@@ -227,20 +228,23 @@ def main() -> int:
     libs = ["llguidance"] + (["xgrammar"] if have_xgr else [])
     b = args.batch
     print(
-        f"{'schema':30s} {'library':11s} {'compile ms':>10s} {'tokens':>6s} {'mask p50/p95 ms':>16s} {f'x{b} p50/p95 ms':>16s}"
+        f"{'schema':30s} {'library':11s} {'compile ms':>10s} {'tokens':>6s} "
+        f"{'mask p50/p95 ms':>16s} {f'x{b} p50/p95 ms':>16s}"
     )
     for row in rows:
         for lib in libs:
             r = row[lib]
             print(
                 f"{row['schema']:30s} {lib:11s} {r['compile_ms']:10.1f} {r['tokens']:6d} "
-                f"{r['mask_p50_ms']:7.3f}/{r['mask_p95_ms']:<8.3f} {r[f'mask_x{b}_p50_ms']:7.3f}/{r[f'mask_x{b}_p95_ms']:.3f}"
+                f"{r['mask_p50_ms']:7.3f}/{r['mask_p95_ms']:<8.3f} "
+                f"{r[f'mask_x{b}_p50_ms']:7.3f}/{r[f'mask_x{b}_p95_ms']:.3f}"
             )
     steps = bench_engine_step(sorted({1, args.batch}))
     print(f"\n{'decode step, built-in model':30s} {'free ms':>8s} {'grammar ms':>10s} {'added ms':>9s}")
     for r in steps:
         print(
-            f"{'batch ' + str(r['batch']):30s} {r['free_step_ms']:8.2f} {r['grammar_step_ms']:10.2f} {r['added_ms']:9.2f}"
+            f"{'batch ' + str(r['batch']):30s} {r['free_step_ms']:8.2f} "
+            f"{r['grammar_step_ms']:10.2f} {r['added_ms']:9.2f}"
         )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

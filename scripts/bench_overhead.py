@@ -29,8 +29,8 @@ def trace(n: int, seed: int):
 
 
 def in_process(items, args) -> float:
-    from minibatch.engine.factory import EngineConfig, build_engine
     from minibatch.engine.core.sampling_params import SamplingParams
+    from minibatch.engine.factory import EngineConfig, build_engine
 
     engine = build_engine(EngineConfig(max_num_seqs=args.requests, max_num_batched_tokens=args.budget, kv_cache_gb=2.0))
     rates = []

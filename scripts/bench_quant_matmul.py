@@ -20,9 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.kernels.quant_blocks import random_blocks  # noqa: E402  (random blocks with model-sized scales)
-
 from minibatch.kernels.quant import INT_DOT_TYPES, QUANT_TYPES, quant_linear, quant_linear_q8, quantize_activations  # noqa: E402
+from tests.kernels.quant_blocks import random_blocks  # noqa: E402  (random blocks with model-sized scales)
 
 SHAPES = {  # (hidden, intermediate) of the MLP's up projection
     "smollm2-135m": (576, 1536),
@@ -67,9 +66,10 @@ def main() -> int:
             blocks = random_blocks(qtype, n, k, seed=1)
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, k)
-                exact = timed(lambda: quant_linear(x, blocks, qtype), args.repeats)
+                exact = timed(lambda x=x, b=blocks, t=qtype: quant_linear(x, b, t), args.repeats)
                 fast = timed(
-                    lambda: quant_linear_q8(quantize_activations(x, qtype.block_elems), blocks, qtype), args.repeats
+                    lambda x=x, b=blocks, t=qtype: quant_linear_q8(quantize_activations(x, t.block_elems), b, t),
+                    args.repeats,
                 )
                 print(
                     f"| {name} | {rows} | {exact * 1e3:.2f} | {fast * 1e3:.2f} | {blocks.numel() / fast / 1e9:.1f} | "

@@ -301,7 +301,10 @@ def bf16_spacing(x: float) -> float:
 
 
 def compare_greedy(name: str, ref: list[list[int]], got: list[list[int]], prompts, logits_fn) -> list[dict]:
-    """Per prompt: tokens that agree, and at the first divergence the reference's logit margin between the two choices."""
+    """Per prompt: tokens that agree, and at the first divergence the reference's logit margin.
+
+    The margin is between the two choices, the reference's and ours.
+    """
     rows = []
     for i, (r, g) in enumerate(zip(ref, got)):
         j = first_divergence(r, g)
@@ -608,7 +611,8 @@ def summary(report: dict) -> str:
     if "attention_bandwidth" in report:
         a = report["attention_bandwidth"]
         lines.append(
-            f"  paged attention: {a['kernel_gb_s']:.0f} GB/s = {a['fraction']:.2f} of a device copy ({a['copy_gb_s']:.0f} GB/s)"
+            f"  paged attention: {a['kernel_gb_s']:.0f} GB/s = {a['fraction']:.2f} of a device copy "
+            f"({a['copy_gb_s']:.0f} GB/s)"
         )
     peer = report["peer"]
     hf = peer["transformers_generate_batch"]

@@ -65,7 +65,8 @@ def main() -> int:
     paths = args.weights.split(",")
     models = {w: load_model(model_dir, TorchAttentionBackend(), weights=w) for w in paths}
     print(
-        f"{args.model}: {len(ids)} tokens, {chunks} chunks of {args.ctx}, {(args.ctx // 2 - 1) * chunks} scored tokens; "
+        f"{args.model}: {len(ids)} tokens, {chunks} chunks of {args.ctx}, "
+        f"{(args.ctx // 2 - 1) * chunks} scored tokens; "
         f"{torch.get_num_threads()} threads",
         file=sys.stderr,
     )

@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from minibatch.engine.factory import EngineConfig, build_engine  # noqa: E402
 from minibatch.engine.core.sampling_params import SamplingParams  # noqa: E402
+from minibatch.engine.factory import EngineConfig, build_engine  # noqa: E402
 
 
 class Timers:
@@ -48,7 +48,6 @@ class Timers:
 
 def instrument(engine) -> Timers:
     from minibatch.engine.weights.cpu_linear import PackedLinear
-    from minibatch.engine.models.ops import CpuOps, TorchOps
     from minibatch.engine.weights.quant_linear import QuantEmbedding, QuantLinear
 
     timers = Timers()
@@ -124,7 +123,8 @@ def main() -> int:
         step_ms, unrecorded_ms, parts = profile(engine, args.steps)
         print(
             f"\n{engine.info.weights}, {rows} running, context ~{args.context}: step {step_ms:.1f} ms "
-            f"({rows / step_ms * 1e3:.1f} tok/s; {unrecorded_ms:.1f} ms without the timeline, interleaved); per step, instrumented:"
+            f"({rows / step_ms * 1e3:.1f} tok/s; {unrecorded_ms:.1f} ms without the timeline, interleaved); "
+            "per step, instrumented:"
         )
         inside = sum(
             v for k, v in parts.items() if k not in ("runner (all of the above)", "scheduler", "timeline record")

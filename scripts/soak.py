@@ -26,7 +26,7 @@ PROMPTS = [line for line in (Path(__file__).parent / "data" / "chat_prompts.json
 
 def proc_stats(pid: int) -> tuple[int, int]:
     """(RSS in KiB, open file descriptors) of the daemon process."""
-    rss = next(int(l.split()[1]) for l in open(f"/proc/{pid}/status") if l.startswith("VmRSS:"))
+    rss = next(int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:"))
     return rss, len(os.listdir(f"/proc/{pid}/fd"))
 
 
@@ -92,7 +92,8 @@ async def main_async(args) -> int:
                 m = minutes[-1]
                 print(
                     f"{unit} {m['minute']:>3}: RSS {rss / 1024:7.1f} MiB  fds {fds:4d}  KV {m['kv_percent']:5.1f}%  "
-                    f"p99 TTFT {p99 if p99 is None else f'{p99:.2f} s'}  ok {m['ok']} cancelled {m['cancelled']} failed {m['failed']}",
+                    f"p99 TTFT {p99 if p99 is None else f'{p99:.2f} s'}  "
+                    f"ok {m['ok']} cancelled {m['cancelled']} failed {m['failed']}",
                     flush=True,
                 )
                 current = {"ttft": [], "ok": 0, "cancelled": 0, "failed": 0}

@@ -76,7 +76,8 @@ class History:
         s = asdict(settings or PaneSettings())
         with self.db:
             cur = self.db.execute(
-                "INSERT INTO panes (position, system_prompt, temperature, top_p, max_tokens, seed) VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO panes (position, system_prompt, temperature, top_p, max_tokens, seed) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
                 (position, s["system_prompt"], s["temperature"], s["top_p"], s["max_tokens"], s["seed"]),
             )
         return int(cur.lastrowid)

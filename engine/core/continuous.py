@@ -22,10 +22,10 @@ class ContinuousScheduler:
     its window are handed back before it asks for more.
     """
 
-    def __init__(self, sched: "Scheduler") -> None:
+    def __init__(self, sched: Scheduler) -> None:
         self.s = sched
 
-    def schedule(self, admit: bool = True) -> "SchedulerOutput":
+    def schedule(self, admit: bool = True) -> SchedulerOutput:
 
         s, out = self.s, SchedulerOutput()
         budget = s.config.max_num_batched_tokens
@@ -53,7 +53,7 @@ class ContinuousScheduler:
             self._admit(out, budget)
         return out
 
-    def _admit(self, out: "SchedulerOutput", budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
         s = self.s
         while s.waiting and budget > 0 and len(s.running) < s.config.max_num_seqs:
             req: Request = s.waiting[0]

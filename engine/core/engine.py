@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .block_manager import BlockManager
-from .info import EngineInfo
 from .detokenizer import IncrementalDetokenizer, Tokenizer
+from .info import EngineInfo
 from .outputs import EngineState, RequestOutput, StepStats
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams

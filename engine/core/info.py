@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 WEIGHT_MODES = (
     "auto",
     "native",  # a GGUF's blocks as stored; 8-bit activations multiplied in integers (the CPU default)
-    "native-exact",  # a GGUF's blocks as stored, dequantised exactly for fp32 activations (the dequantised model's results)
+    # a GGUF's blocks as stored, dequantised exactly for fp32 activations (the dequantised model's results)
+    "native-exact",
     "float32",  # every matrix dequantised to fp32 at load (the reference; GPUs run it in bf16)
     "q8_0",  # a safetensors model's matrices quantized to Q8_0 at load, run as native
 )

@@ -46,7 +46,7 @@ class Request:
     finished_time: float | None = None
     error: str | None = None
     # n > 1: the sibling that prefills the shared prompt; this one borrows its full prompt blocks once computed
-    prompt_leader: "Request | None" = field(default=None, repr=False)
+    prompt_leader: Request | None = field(default=None, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -77,7 +77,7 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = now
 
-    def metrics(self) -> "RequestMetrics":
+    def metrics(self) -> RequestMetrics:
         return RequestMetrics.of(self)
 
 
@@ -97,7 +97,7 @@ class RequestMetrics:
     preemptions: int
 
     @classmethod
-    def of(cls, r: Request) -> "RequestMetrics":
+    def of(cls, r: Request) -> RequestMetrics:
         def since(t0, t1):
             return None if t0 is None or t1 is None else t1 - t0
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-
 # The fields a model's generation_config.json may give defaults for (as vLLM reads them).
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 MAX_LOGPROBS = 20  # alternatives per token at most, as OpenAI allows

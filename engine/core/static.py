@@ -21,10 +21,10 @@ if TYPE_CHECKING:
 
 
 class StaticScheduler:
-    def __init__(self, sched: "Scheduler") -> None:
+    def __init__(self, sched: Scheduler) -> None:
         self.s = sched
 
-    def schedule(self, admit: bool = True) -> "SchedulerOutput":
+    def schedule(self, admit: bool = True) -> SchedulerOutput:
 
         s, out = self.s, SchedulerOutput()
         if s.running and all(r.status.finished for r in s.running):
@@ -48,7 +48,7 @@ class StaticScheduler:
             return True
         return s.clock() - s.waiting[0].arrival_time >= s.config.max_wait_ms / 1000
 
-    def _form_batch(self, out: "SchedulerOutput") -> None:
+    def _form_batch(self, out: SchedulerOutput) -> None:
         s = self.s
         while s.waiting and len(s.running) < s.config.max_num_seqs:
             req: Request = s.waiting[0]

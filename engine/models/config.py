@@ -87,7 +87,7 @@ class ModelConfig:
         return self.sliding_window or 0
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> "ModelConfig":
+    def from_dict(cls, cfg: dict) -> ModelConfig:
         model_type = cfg.get("model_type", "")
         if model_type in _NOT_YET:
             raise UnsupportedModelError(
@@ -149,7 +149,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         return cls.from_dict(json.loads(path.read_text()))
 

@@ -18,12 +18,11 @@ import torch
 from safetensors import safe_open
 
 from ..attention import AttentionBackend
+from ..core.info import WEIGHT_MODES
 from ..models.config import ModelConfig
-from .cpu_linear import PackedLinear, pack_linears, packed_linear_available
 from ..models.llama import LlamaForCausalLM, RMSNorm
 from ..models.ops import TorchOps
-
-from ..core.info import WEIGHT_MODES
+from .cpu_linear import PackedLinear, pack_linears, packed_linear_available
 
 GGUF_SOURCE_FILE = "minibatch-source.json"  # written by the model store beside a GGUF's config
 

@@ -11,9 +11,9 @@ from torch import nn
 
 from minibatch.kernels.quant import QUANT_TYPES, QuantType
 
+from ..models.llama import LlamaForCausalLM
 from .cpu_linear import PackedLinear, packed_linear_available
 from .gguf_file import GGUFTensor, GGUFWeights
-from ..models.llama import LlamaForCausalLM
 from .quant_linear import QuantEmbedding, QuantLinear, StackedLinear
 
 _STACKS = {

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from . import Launch, Running, server_pid
-from . import llamacpp, minibatch, vllm
+from . import Launch, Running, llamacpp, minibatch, server_pid, vllm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchlib import TraceItem, median_summary, summarize, text_trace  # noqa: E402

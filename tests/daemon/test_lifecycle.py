@@ -1,11 +1,13 @@
-"""minibatchd's lifecycle as a user meets it: CLI start/status/stop, SIGTERM drain, SIGKILL, one instance, permissions."""
+"""minibatchd's lifecycle as a user meets it.
+
+CLI start/status/stop, SIGTERM drain, SIGKILL, one instance, permissions.
+"""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-
 
 from minibatch.daemon.paths import lock_path
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from .helpers import running_daemon
@@ -20,7 +19,7 @@ def daemon(tiny_chat_model_dir):
         yield daemon
 
 
-def sdk(daemon) -> "openai.OpenAI":
+def sdk(daemon) -> openai.OpenAI:
     return openai.OpenAI(
         base_url="http://localhost/v1",
         api_key="unused",

@@ -18,7 +18,7 @@ def daemon(tiny_chat_model_dir):
         yield daemon
 
 
-def client(daemon) -> "ollama.Client":
+def client(daemon) -> ollama.Client:
     return ollama.Client(host="http://localhost", transport=httpx.HTTPTransport(uds=str(daemon.socket)))
 
 

@@ -71,7 +71,7 @@ def daemon(builtin_model_dir):
         yield daemon
 
 
-def sdk(daemon) -> "openai.OpenAI":
+def sdk(daemon) -> openai.OpenAI:
     transport = httpx.HTTPTransport(uds=str(daemon.socket))
     return openai.OpenAI(
         base_url="http://localhost/v1",

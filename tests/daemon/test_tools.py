@@ -124,7 +124,7 @@ def daemons(tools_model_dir, tiny_chat_model_dir):
     shutil.rmtree(d, ignore_errors=True)
 
 
-def sdk(daemon) -> "openai.OpenAI":
+def sdk(daemon) -> openai.OpenAI:
     return openai.OpenAI(
         base_url="http://localhost/v1",
         api_key="unused",

@@ -10,7 +10,6 @@ import torch
 
 from minibatch.engine.attention import build_flat_batch
 from minibatch.engine.cuda_graphs import DecodeInputs, capture_sizes, padded_size
-
 from tests.kernels.conftest import skip_if_gpu_unusable
 
 # The Triton path runs where the GPU path would: on the GPU when there is one (on CPU, the interpreter).
@@ -58,11 +57,11 @@ def test_decode_inputs_pad_with_the_null_block_and_rewrite_only_changed_rows():
 def test_padding_rows_are_harmless_on_the_triton_path(tiny_llama_dir):
     """A padded decode batch through the real kernels (compiled on a GPU, the interpreter on CPU): real rows
     unchanged, cache untouched by padding."""
+    from minibatch.engine.attention import AttentionMetadata
     from minibatch.engine.kv_cache import allocate_kv_cache
-    from minibatch.engine.weights import load_model
     from minibatch.engine.models.ops import TritonOps
     from minibatch.engine.triton_backend import TritonAttentionBackend, _TritonPlan
-    from minibatch.engine.attention import AttentionMetadata
+    from minibatch.engine.weights import load_model
 
     model = load_model(tiny_llama_dir, TritonAttentionBackend(), device=DEVICE, packed=False, ops=TritonOps())
     caches = allocate_kv_cache(model.config, 6, 8, device=DEVICE)
@@ -86,13 +85,12 @@ def test_padding_rows_are_harmless_on_the_triton_path(tiny_llama_dir):
 def test_graph_replay_equals_eager_decode(tiny_llama_dir, tmp_path, kind):
     """Three sequences prefilled, then one decode step: by replay of the size-4 graph and eagerly (Gemma 2:
     per-layer windows and capped scores inside the graph)."""
-    from tests.engine.test_families import _save
-
     from minibatch.engine.cuda_graphs import DecodeGraphs
     from minibatch.engine.kv_cache import allocate_kv_cache
     from minibatch.engine.models.ops import TritonOps
     from minibatch.engine.triton_backend import TritonAttentionBackend
     from minibatch.engine.weights import load_model
+    from tests.engine.test_families import _save
 
     model = load_model(
         tiny_llama_dir if kind == "llama" else _save(kind, tmp_path / kind),
@@ -119,13 +117,12 @@ def test_graph_replay_equals_eager_decode(tiny_llama_dir, tmp_path, kind):
 def test_graph_inputs_carry_per_layer_windows_and_soft_capping(tmp_path, kind):
     """What a captured decode runs for Gemma (a window on some layers, Gemma 2's capped scores), from the
     static graph inputs, equals the eager decode; past the window, so the window matters."""
-    from tests.engine.test_families import _save
-
     from minibatch.engine.cuda_graphs import DecodeGraphs
     from minibatch.engine.kv_cache import allocate_kv_cache
     from minibatch.engine.models.ops import TritonOps
     from minibatch.engine.triton_backend import TritonAttentionBackend
     from minibatch.engine.weights import load_model
+    from tests.engine.test_families import _save
 
     model = load_model(
         _save(kind, tmp_path / kind), TritonAttentionBackend(), device=DEVICE, packed=False, ops=TritonOps()

@@ -6,9 +6,9 @@ import pytest
 import torch
 import transformers
 
+from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.factory import EngineConfig, build_engine
 from minibatch.engine.weights.reference import load_hf_reference
-from minibatch.engine.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.model
 

@@ -46,7 +46,8 @@ def test_generation_config_gives_stop_tokens_and_sampling_defaults(tmp_path):
     from minibatch.engine.factory import generation_config
 
     (tmp_path / "generation_config.json").write_text(
-        '{"eos_token_id": [128001, 128008, 128009], "temperature": 0.6, "top_p": 0.9, "do_sample": true, "max_length": 4096}'
+        '{"eos_token_id": [128001, 128008, 128009], "temperature": 0.6, "top_p": 0.9, '
+        '"do_sample": true, "max_length": 4096}'
     )
     assert generation_config(tmp_path) == ({128001, 128008, 128009}, {"temperature": 0.6, "top_p": 0.9})
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": 2}')

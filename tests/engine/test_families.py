@@ -173,9 +173,9 @@ def test_chunked_prefill_over_cached_context_matches_hf(family):
 def test_greedy_generation_in_a_mixed_batch_equals_hf_generate(family):
     from minibatch.engine.core.block_manager import BlockManager
     from minibatch.engine.core.engine import LLMEngine
-    from minibatch.engine.model_runner import ModelRunner
     from minibatch.engine.core.sampling_params import SamplingParams
     from minibatch.engine.core.scheduler import SchedulerConfig
+    from minibatch.engine.model_runner import ModelRunner
 
     from .fakes import CharTokenizer
 

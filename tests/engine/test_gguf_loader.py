@@ -13,9 +13,9 @@ import transformers
 from minibatch.engine.attention import TorchAttentionBackend, build_flat_batch
 from minibatch.engine.kv_cache import allocate_kv_cache
 from minibatch.engine.weights import load_model
-from minibatch.kernels.quant import INT_DOT_TYPES
 from minibatch.engine.weights.gguf_file import GGUFError
 from minibatch.kernels.cpu_ext import load_cpu_extension
+from minibatch.kernels.quant import INT_DOT_TYPES
 
 from ..conftest import TINY_COMMON
 from .gguf_models import write_gguf_model

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from minibatch.engine.model_store import ModelNotFoundError, list_models, resolve_model
 from minibatch.engine.model_sources import found_models
+from minibatch.engine.model_store import ModelNotFoundError, list_models, resolve_model
 
 
 def _blob(store: Path, data_path: Path) -> str:
@@ -62,8 +62,8 @@ def places(tmp_path, monkeypatch, tiny_llama_dir):
 
 
 def test_ollama_names_resolve_to_the_blob(places):
-    from minibatch.engine.weights import load_model
     from minibatch.engine.attention import TorchAttentionBackend
+    from minibatch.engine.weights import load_model
 
     for spec in ("ollama:smol", "ollama:smol:latest", "ollama:smol:q4"):
         d = resolve_model(spec)

@@ -1,4 +1,7 @@
-"""The daemon's tokenizer runs plain tokenizer.json files on `tokenizers` + jinja2, and says exactly what transformers says."""
+"""The daemon's tokenizer runs plain tokenizer.json files on `tokenizers` + jinja2.
+
+It says exactly what transformers says.
+"""
 
 from __future__ import annotations
 

@@ -18,7 +18,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def skip_if_gpu_unusable() -> None:
-    """On a machine whose GPU torch cannot use, the Triton tests would pass in the interpreter and prove nothing: say so."""
+    """On a machine whose GPU torch cannot use, say so.
+
+    The Triton tests would pass in the interpreter there and prove nothing.
+    """
     from minibatch.kernels.triton_support import cuda_device_unusable
 
     why = cuda_device_unusable()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minibatch.engine.models.llama import RotaryEmbedding
 from minibatch.engine.models.config import RopeConfig
+from minibatch.engine.models.llama import RotaryEmbedding
 from minibatch.engine.models.ops import CpuOps, TorchOps
 from minibatch.kernels.cpu_ext import load_cpu_extension
 

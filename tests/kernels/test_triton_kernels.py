@@ -182,9 +182,9 @@ def test_whole_model_on_the_triton_path_matches_hf(tiny_llama_dir):
 
     from minibatch.engine.attention import build_flat_batch
     from minibatch.engine.kv_cache import allocate_kv_cache
-    from minibatch.engine.weights import load_model
     from minibatch.engine.models.ops import TritonOps
     from minibatch.engine.triton_backend import TritonAttentionBackend
+    from minibatch.engine.weights import load_model
 
     ours = load_model(tiny_llama_dir, TritonAttentionBackend(), device=DEVICE, packed=False, ops=TritonOps())
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()

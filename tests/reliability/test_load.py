@@ -115,7 +115,8 @@ def test_check14_a_client_that_stalls_after_its_headers_is_dropped(tiny_daemon):
     s = socket.socket(socket.AF_UNIX)
     s.connect(str(tiny_daemon.socket))
     s.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 100\r\n\r\n{"
     )
     s.settimeout(15)
     started = time.monotonic()

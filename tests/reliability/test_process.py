@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 from minibatch.daemon.paths import lock_path
-
 from tests.daemon.helpers import Daemon, chat_body, read_sse, session
 
 

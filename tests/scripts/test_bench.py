@@ -170,9 +170,12 @@ def test_bench_end_to_end_against_the_tiny_daemon(tiny_chat_model_dir, short_tmp
             text=True,
             timeout=120,
         )
-        lines = [l for l in fire.stdout.splitlines() if l.startswith("#")]
+        lines = [line for line in fire.stdout.splitlines() if line.startswith("#")]
         assert (
-            fire.returncode == 0 and "3/3 ok" in fire.stdout and len(lines) == 3 and all("TTFT" in l for l in lines)
+            fire.returncode == 0
+            and "3/3 ok" in fire.stdout
+            and len(lines) == 3
+            and all("TTFT" in line for line in lines)
         ), fire.stdout
     finally:
         daemon.stop()

@@ -52,7 +52,10 @@ class ChatPane(Vertical):
         yield Input(placeholder="Message (enter to send, esc to stop)", classes="pane-input")
 
     def _title(self) -> str:
-        return f"[b {self.color}]■[/] pane {self.index + 1}  [dim]t={self.settings.temperature:g} max={self.settings.max_tokens}[/]"
+        return (
+            f"[b {self.color}]■[/] pane {self.index + 1}  "
+            f"[dim]t={self.settings.temperature:g} max={self.settings.max_tokens}[/]"
+        )
 
     def refresh_title(self) -> None:
         self.query_one(".pane-title", Static).update(self._title())

@@ -1,4 +1,7 @@
-"""The live view of the engine: mode, batch occupancy, KV cache, queue, rates, and a KV block map or the batch timeline."""
+"""The live view of the engine.
+
+Mode, batch occupancy, KV cache, queue, rates, and a KV block map or the batch timeline.
+"""
 
 from __future__ import annotations
 
