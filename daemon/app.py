@@ -11,7 +11,7 @@ import uuid
 
 from aiohttp import web
 
-from minibatch.engine.core.scheduler import MODES
+from minibatch.engine.core.config import MODES
 
 from . import ollama
 from .grammars import check_tool_schemas, forced_call, response_grammar, tool_call_grammar

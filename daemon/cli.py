@@ -357,7 +357,7 @@ def cmd_logs(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from minibatch.engine.model_store import list_models
+    from minibatch.engine.store.cache import list_models
 
     for m in list_models():
         if m.kind == "builtin":

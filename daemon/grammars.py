@@ -1,5 +1,5 @@
 """Which grammar constrains a request -- its response format's, or a required tool call's -- compiled off the
-event loop's thread (engine/structured.py does the compiling). Every schema that cannot be used is a 400
+event loop's thread (engine/text/structured.py does the compiling). Every schema that cannot be used is a 400
 naming its field."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _compiler(state, param: str):
 
 
 async def _compile(param: str, what: str, fn, *args):
-    from minibatch.engine.structured import GrammarError
+    from minibatch.engine.text.structured import GrammarError
 
     try:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)

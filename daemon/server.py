@@ -41,7 +41,7 @@ def load_engine(config: EngineConfig):
     from minibatch.engine.factory import build_engine
 
     engine = build_engine(config)
-    return AsyncEngine(engine, max_queue=config.max_queue), engine.tokenizer
+    return AsyncEngine(engine), engine.tokenizer
 
 
 def start_engine_thread(
@@ -74,7 +74,7 @@ def start_engine_thread(
 
 def grammar_compiler(engine, tokenizer):
     """What compiles response formats for this model (its vocabulary is read on first use), or None."""
-    from minibatch.engine.structured import GrammarCompiler
+    from minibatch.engine.text.structured import GrammarCompiler
 
     if not tokenizer.has_tokenizer_json:
         return None

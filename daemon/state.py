@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from minibatch.engine.core.admission import QueueFull, RequestRejected
 from minibatch.engine.core.info import EngineInfo
-from minibatch.engine.core.scheduler import QueueFull, RequestRejected
 
 from .guard import Guard
 from .protocol import ApiError, ChatRequest, parse_body
@@ -86,28 +86,17 @@ def submit(
     share_prompt_with: str | None = None,
 ) -> None:
     limit = state.info.max_model_len
-    if not ids:
-        raise ApiError(
-            400, "the prompt is empty", "messages" if isinstance(body, ChatRequest) else "prompt", "empty_prompt"
-        )
-    if limit and len(ids) >= limit:
-        raise ApiError(
-            400,
-            f"the prompt has {len(ids)} tokens; the context limit is {limit}",
-            "messages",
-            "context_length_exceeded",
-        )
-    params = body.sampling_params(
-        min(DEFAULT_MAX_TOKENS, limit - len(ids)) if limit else DEFAULT_MAX_TOKENS, state.info.generation_defaults
-    )
+    # Unset max_tokens: what fits the context (at least 1, so a prompt that fills it is refused as too long).
+    default_max = max(1, min(DEFAULT_MAX_TOKENS, limit - len(ids))) if limit else DEFAULT_MAX_TOKENS
+    params = body.sampling_params(default_max, state.info.generation_defaults)
     params.grammar = grammar
     if index and params.seed is not None:  # the n completions of one request draw differently, reproducibly
         params.seed = (params.seed + index) % 2**63
     try:
         engine.submit(ids, params, request_id, share_prompt_with)
     except QueueFull as exc:
-        raise ApiError(429, str(exc), None, "queue_full", "rate_limit_error", {"Retry-After": "1"}) from None
+        raise ApiError(exc.status, str(exc), exc.field, exc.code, "rate_limit_error", {"Retry-After": "1"}) from None
     except RequestRejected as exc:
-        raise ApiError(
-            exc.status, str(exc), exc.field, "context_length_exceeded" if "context" in str(exc) else "rejected"
-        ) from None
+        # The engine names the prompt "prompt"; the chat API calls what becomes it "messages".
+        param = "messages" if exc.field == "prompt" and isinstance(body, ChatRequest) else exc.field
+        raise ApiError(exc.status, str(exc), param, exc.code) from None

@@ -18,12 +18,13 @@ import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
-from .core.engine import LLMEngine
-from .core.info import EngineInfo
-from .core.outputs import EngineState, RequestOutput, StepStats
-from .core.request import Request
-from .core.sampling_params import SamplingParams
-from .core.scheduler import MODES, QueueFull, RequestRejected
+from minibatch.engine.core.admission import RequestRejected, check_capacity
+from minibatch.engine.core.config import MODES
+from minibatch.engine.core.engine import LLMEngine
+from minibatch.engine.core.info import EngineInfo
+from minibatch.engine.core.outputs import EngineState, RequestOutput, StepStats
+from minibatch.engine.core.request import Request
+from minibatch.engine.core.sampling_params import SamplingParams
 
 log = logging.getLogger("minibatch.engine")
 
@@ -33,10 +34,9 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queue: int | None = None, stats_ring: int = 600) -> None:
-        """max_queue: requests allowed to wait beyond a full batch; more get QueueFull at once."""
+    def __init__(self, engine: LLMEngine, stats_ring: int = 600) -> None:
+        """The queue cap is the scheduler's `max_queue`, counted here over every request in flight."""
         self.engine = engine
-        self.max_queue = max_queue
         self._inflight = 0  # submitted and not yet given their final output
         self._count_lock = threading.Lock()
         self._inbox: deque[Callable[[], None]] = deque()
@@ -101,13 +101,9 @@ class AsyncEngine:
         probe = Request(request_id, list(prompt_token_ids), params)
         sched.check(probe)
         with self._count_lock:
-            # The cap counts every request in flight (running + waiting), so it is exact
-            # however fast the engine admits: a full batch plus max_queue waiting.
-            if self.max_queue is not None and self._inflight >= sched.config.max_num_seqs + self.max_queue:
-                raise QueueFull(
-                    f"the waiting queue is full ({self.max_queue} requests waiting behind "
-                    f"{sched.config.max_num_seqs} running); retry later"
-                )
+            # Counted over every request in flight, those still in the inbox too, so the cap is
+            # exact however fast the engine admits.
+            check_capacity(sched.config, self._inflight)
             self._inflight += 1
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -117,7 +113,7 @@ class AsyncEngine:
         def add() -> None:
             self._queued -= 1
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params, share_prompt_with)
+                self.engine.add_request(request_id, prompt_token_ids, params, share_prompt_with, checked=True)
             except RequestRejected as exc:
                 self._emit(RequestOutput(request_id, "", [], True, "abort", error=str(exc)))
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .core.block_manager import BlockManager
-from .core.engine import LLMEngine
-from .core.info import WEIGHT_MODES, EngineInfo
-from .core.sampling_params import SAMPLING_DEFAULT_FIELDS
-from .core.scheduler import MODES, SchedulerConfig
-from .model_store import DEFAULT_MODEL, resolve_model
+from minibatch.engine.core.block_manager import BlockManager
+from minibatch.engine.core.config import MODES, SchedulerConfig
+from minibatch.engine.core.engine import LLMEngine
+from minibatch.engine.core.info import WEIGHT_MODES, EngineInfo
+from minibatch.engine.core.sampling_params import SAMPLING_DEFAULT_FIELDS
+from minibatch.engine.store.cache import DEFAULT_MODEL, resolve_model
+from minibatch.engine.testing import faults
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -23,7 +24,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's own context length (LongRoPE: its original one)
     max_wait_ms: float = 50.0
-    max_queue: int | None = None  # waiting requests beyond a full batch (enforced by AsyncEngine)
+    max_queue: int | None = None  # requests that may wait behind a full batch (the scheduler's cap)
     block_size: int = 16
     kv_cache_gb: float | None = None  # None: kv_cache_fraction of the memory available once the model is loaded
     kv_cache_fraction: float | None = None  # None: 0.1 on CPU, 0.8 on a GPU (see kv_budget)
@@ -121,12 +122,12 @@ def generation_config(model_dir) -> tuple[set[int], dict]:
 def build_engine(config: EngineConfig) -> LLMEngine:
     import torch
 
-    from .kv_cache import allocate_kv_cache, num_blocks_for_budget
-    from .model_runner import ModelRunner
-    from .tokenizer import TextTokenizer
-    from .triton_backend import select_backend
-    from .weights import load_model
-    from .weights.facts import weight_facts
+    from minibatch.engine.attention.select import select_backend
+    from minibatch.engine.runner.kv_cache import allocate_kv_cache, num_blocks_for_budget
+    from minibatch.engine.runner.model_runner import ModelRunner
+    from minibatch.engine.text.tokenizer import TextTokenizer
+    from minibatch.engine.weights.facts import weight_facts
+    from minibatch.engine.weights.loader import load_model
 
     device = config.device
     if device == "auto":
@@ -141,8 +142,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     model_dir = resolve_model(config.model)
     backend, ops = select_backend(device, dtype)
     if backend.name == "triton":  # refuse what the GPU kernels cannot run before loading anything
-        from .models.config import ModelConfig
-        from .triton_backend import gpu_shape_problems
+        from minibatch.engine.attention.select import gpu_shape_problems
+        from minibatch.engine.models.config import ModelConfig
 
         mc = ModelConfig.from_dir(model_dir)
         problems = gpu_shape_problems(mc.num_heads, mc.num_kv_heads, mc.head_dim, config.block_size)
@@ -177,14 +178,11 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         and config.cuda_graphs
         and os.environ.get("MINIBATCH_CUDA_GRAPHS", "1") != "0"
     ):
-        from .cuda_graphs import DecodeGraphs
+        from minibatch.engine.runner.cuda_graphs import DecodeGraphs
 
         runner.graphs = DecodeGraphs(model, caches, config.block_size, max_model_len, config.max_num_seqs)
         runner.graphs.capture()
-    fault = os.environ.get("MINIBATCH_FAULT_AT_STEP")  # test-only: make one forward raise
-    if fault:  # "N": step N's forward raises once; "N:fatal": and the device counts as lost
-        step, _, kind = fault.partition(":")
-        runner.fault_at_step, runner.fault_is_fatal = int(step), kind == "fatal"
+    runner = faults.wrap_from_env(runner)  # the test seam: unchanged unless MINIBATCH_FAULT_AT_STEP is set
 
     gen_eos, gen_defaults = generation_config(model_dir)
     eos = set(cfg.eos_token_ids) | gen_eos  # e.g. Llama 3's end-of-turn tokens beside end-of-text
@@ -199,6 +197,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
             max_wait_ms=config.max_wait_ms,
+            max_queue=config.max_queue,
         ),
         eos_token_ids=tuple(sorted(eos)),
         mode=config.mode,

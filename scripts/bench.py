@@ -278,7 +278,7 @@ async def run(args) -> int:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from minibatch.engine.model_store import resolve_model
+    from minibatch.engine.store.cache import resolve_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -399,7 +399,7 @@ async def run_peers(args, out: Path) -> int:
     from peers import compare
     from peers.compare import WorkMismatch
 
-    from minibatch.engine.model_store import BUILTIN_MODELS, builtin_gguf_path, resolve_model
+    from minibatch.engine.store.cache import BUILTIN_MODELS, builtin_gguf_path, resolve_model
 
     if args.model is not None:  # one file for every server
         args.gguf, args.peer_model = args.model, args.model

@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from minibatch.engine.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
+from minibatch.engine.attention.metadata import AttentionMetadata
+from minibatch.engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from minibatch.kernels.cpu_paged_attention import (  # noqa: E402
     load_extension,
     paged_decode_attention,

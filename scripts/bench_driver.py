@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from minibatch.engine.attention import TorchAttentionBackend
-from minibatch.engine.greedy import greedy_generate
-from minibatch.engine.model_store import SOURCE_FILE, resolve_model
-from minibatch.engine.weights import load_model
+from minibatch.engine.attention.torch_backend import TorchAttentionBackend
+from minibatch.engine.store.cache import SOURCE_FILE, resolve_model
+from minibatch.engine.testing.greedy import greedy_generate
+from minibatch.engine.weights.loader import load_model
 
 
 def main() -> None:

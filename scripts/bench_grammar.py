@@ -156,7 +156,7 @@ def bench_engine_step(batches: list[int], steps: int = 24) -> list[dict]:
     """Median decode-step time of the built-in model in-process, every row under a grammar or none."""
     from minibatch.engine.core.sampling_params import SamplingParams
     from minibatch.engine.factory import EngineConfig, build_engine
-    from minibatch.engine.structured import GrammarCompiler
+    from minibatch.engine.text.structured import GrammarCompiler
 
     engine = build_engine(EngineConfig(max_num_seqs=max(batches), num_kv_blocks=64 * max(batches), max_wait_ms=0))
     tok = engine.tokenizer
@@ -201,8 +201,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
-    from minibatch.engine.model_store import resolve_model
-    from minibatch.engine.tokenizer import TextTokenizer
+    from minibatch.engine.store.cache import resolve_model
+    from minibatch.engine.text.tokenizer import TextTokenizer
 
     model_dir = resolve_model("smollm2-135m-instruct")
     tok = TextTokenizer(model_dir)

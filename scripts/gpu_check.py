@@ -168,14 +168,14 @@ def model_files(prepared: Path) -> Path:
     here = prepared / "smollm2-135m"
     if (here / "config.json").exists() and (here / "tokenizer.json").exists():
         return here
-    from minibatch.engine.model_store import resolve_model
+    from minibatch.engine.store.cache import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
 
 
 def prepare(prepared: Path) -> Path:
     """Copy the built-in model's config and tokenizer files (a few MB) where the GPU run finds them."""
-    from minibatch.engine.model_store import resolve_model
+    from minibatch.engine.store.cache import resolve_model
 
     src = resolve_model("smollm2-135m-instruct")
     dst = prepared / "smollm2-135m"
@@ -260,7 +260,7 @@ def engine_logits(engine, ids: list[int]):
     """Our model's logits at the last position of `ids` (written into the idle pool's first blocks)."""
     import torch
 
-    from minibatch.engine.attention import build_flat_batch
+    from minibatch.engine.attention.metadata import build_flat_batch
 
     runner = engine.runner
     table = list(range(1, -(-len(ids) // runner.block_size) + 1))
@@ -562,7 +562,7 @@ def check(args) -> tuple[dict, bool]:
 
         step("the same trace: minibatch against transformers' generate_batch")
         n = 256 if not smoke else 8
-        prompts_t = trace(n, 64, bf16.runner.model.config.vocab_size)
+        prompts_t = trace(n, 64, bf16.info.vocab_size)
         peer: dict = {"requests": n, "prompt_tokens": 64, "new_tokens": args.trace_tokens}
         peer["minibatch"] = run_trace_ours(bf16, prompts_t, args.trace_tokens, sync)
         bf16 = None

@@ -63,7 +63,7 @@ def builtin_tokenizer_fields():
     """(key, value, value type, array element type) of every tokenizer field of the built-in model's GGUF."""
     from gguf import GGUFReader
 
-    from minibatch.engine.model_store import BUILTIN_MODELS, builtin_gguf_path
+    from minibatch.engine.store.cache import BUILTIN_MODELS, builtin_gguf_path
 
     reader = GGUFReader(builtin_gguf_path(BUILTIN_MODELS["smollm2-135m-instruct"]))
     out = []

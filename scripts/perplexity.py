@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
-from minibatch.engine.attention import TorchAttentionBackend, build_flat_batch
-from minibatch.engine.kv_cache import allocate_kv_cache
-from minibatch.engine.model_store import resolve_model
-from minibatch.engine.tokenizer import TextTokenizer
-from minibatch.engine.weights import load_model
+from minibatch.engine.attention.metadata import build_flat_batch
+from minibatch.engine.attention.torch_backend import TorchAttentionBackend
+from minibatch.engine.runner.kv_cache import allocate_kv_cache
+from minibatch.engine.store.cache import resolve_model
+from minibatch.engine.text.tokenizer import TextTokenizer
+from minibatch.engine.weights.loader import load_model
 
 TEXT = Path(__file__).resolve().parent / "data" / "hamlet.txt"
 

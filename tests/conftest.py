@@ -73,7 +73,7 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def builtin_model_dir() -> Path:
     """The built-in model, converted once into the user cache dir (reused across runs)."""
-    from minibatch.engine.model_store import resolve_model
+    from minibatch.engine.store.cache import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .request import Request, RequestStatus
+from minibatch.engine.core.request import Request, RequestStatus
 
 NULL_BLOCK = 0
 

@@ -11,14 +11,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .block_manager import BlockManager
-from .detokenizer import IncrementalDetokenizer, Tokenizer
-from .info import EngineInfo
-from .outputs import EngineState, RequestOutput, StepStats
-from .request import Request, RequestStatus
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from .timeline import Timeline
+from minibatch.engine.core.block_manager import BlockManager
+from minibatch.engine.core.config import SchedulerConfig
+from minibatch.engine.core.detokenizer import IncrementalDetokenizer, Tokenizer
+from minibatch.engine.core.info import EngineInfo
+from minibatch.engine.core.outputs import EngineState, RequestOutput, StepStats
+from minibatch.engine.core.request import Request, RequestStatus
+from minibatch.engine.core.sampling_params import SamplingParams
+from minibatch.engine.core.scheduler import Scheduler
+from minibatch.engine.core.scheduler_output import SchedulerOutput
+from minibatch.engine.core.timeline import Timeline
 
 
 class Runner(Protocol):
@@ -60,17 +62,23 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, share_prompt_with: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        share_prompt_with: str | None = None,
+        checked: bool = False,
     ) -> Request:
         """Queue a request; raises RequestRejected (or QueueFull) with the reason.
 
         `share_prompt_with` names an earlier request with the same prompt (n > 1): this one then waits until
-        that one has computed the prompt and borrows its KV blocks instead of computing them again."""
+        that one has computed the prompt and borrows its KV blocks instead of computing them again.
+        `checked`: the caller (AsyncEngine) ran the admission checks already, counting its in-flight requests."""
         req = Request(request_id, list(prompt_token_ids), params, arrival_time=self.clock())
         leader = self.scheduler.requests.get(share_prompt_with) if share_prompt_with is not None else None
         if leader is not None and leader.prompt_token_ids == req.prompt_token_ids:
             req.prompt_leader = leader
-        self.scheduler.add(req)
+        self.scheduler.add(req, checked)
         self.streams[request_id] = _Stream(IncrementalDetokenizer(self.tokenizer))
         return req
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .request import RequestMetrics
+from minibatch.engine.core.request import RequestMetrics
 
 
 @dataclass(slots=True)

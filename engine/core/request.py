@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from .sampling_params import SamplingParams
+from minibatch.engine.core.sampling_params import SamplingParams
 
 
 class RequestStatus(IntEnum):

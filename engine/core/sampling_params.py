@@ -37,7 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: each token's log-probability and the k most likely alternatives
     # Constrained decoding: an object with fill_mask(words), accept(token) -> bool and is_done() (see
-    # engine/structured.py); the request then only takes tokens it allows and ends when it is complete.
+    # engine/text/structured.py); the request then only takes tokens it allows and ends when it is complete.
     grammar: object | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:

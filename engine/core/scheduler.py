@@ -1,7 +1,10 @@
 """The scheduler: waiting and running queues over the block manager, with a switchable batching mode.
 
 `schedule()` decides what the next forward computes; the policy that decides
-is the current mode's (`ContinuousScheduler` or `StaticScheduler`). There is no
+is the current mode's (`ContinuousPolicy` or `StaticPolicy`, in policies/): it
+sees the queues through the `SchedulerView` protocol, admits and preempts
+through it, and returns what the step computes; which finished requests
+give their blocks back it returns too, and the scheduler applies that. There is no
 prefill or decode phase as such: each request's `num_computed_tokens` catches
 up with its token count, a chunk at a time; a decode is a chunk of one.
 
@@ -13,52 +16,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from .block_manager import BlockManager
-from .continuous import ContinuousScheduler
-from .request import Request, RequestStatus
-from .scheduler_output import SchedulerOutput
-from .static import StaticScheduler
-
-MODES = ("continuous", "static")
-
-
-class RequestRejected(ValueError):
-    """The request can never run here (too long, cannot fit the cache, bad prompt); the message says why."""
-
-    def __init__(self, message: str, field_name: str = "prompt", status: int = 400) -> None:
-        super().__init__(message)
-        self.field = field_name
-        self.status = status
-
-
-class QueueFull(RequestRejected):
-    """The waiting queue is at its cap; try again later."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, field_name="queue", status=429)
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_num_seqs: int = 32  # running requests at most (static: the batch size)
-    max_num_batched_tokens: int = 512  # tokens per forward (continuous mode)
-    max_model_len: int = 2048  # prompt + max_tokens at most
-    max_wait_ms: float = 50.0  # static mode: the longest a batch waits to fill up
-    max_queue: int | None = None  # waiting requests at most; None: unbounded
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}) so every running request can decode each step"
-            )
-        if self.max_wait_ms < 0:
-            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+from minibatch.engine.core.admission import RequestRejected, check_capacity, check_request
+from minibatch.engine.core.block_manager import BlockManager
+from minibatch.engine.core.config import MODES, SchedulerConfig
+from minibatch.engine.core.policies.continuous import ContinuousPolicy
+from minibatch.engine.core.policies.static import StaticPolicy
+from minibatch.engine.core.request import Request, RequestStatus
+from minibatch.engine.core.scheduler_output import SchedulerOutput
 
 
 class Scheduler:
@@ -78,7 +43,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order (static: the current batch)
         self.requests: dict[str, Request] = {}
-        self.policies = {"continuous": ContinuousScheduler(self), "static": StaticScheduler(self)}
+        self.policies = {"continuous": ContinuousPolicy(self), "static": StaticPolicy(self)}
         self.mode = mode
         self.pending_mode: str | None = None
         self.num_preemptions = 0
@@ -86,31 +51,16 @@ class Scheduler:
 
     # -- requests in ------------------------------------------------------
     def check(self, req: Request) -> None:
-        """Raise RequestRejected if the request could never run."""
-        if not req.prompt_token_ids:
-            raise RequestRejected("prompt is empty", "prompt")
-        limit = self.config.max_model_len
-        if req.max_total_tokens > limit:
-            raise RequestRejected(
-                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.params.max_tokens}) = "
-                f"{req.max_total_tokens} exceeds the context limit of {limit} tokens",
-                "max_tokens",
-            )
-        need = self.blocks.blocks_needed(req.max_total_tokens)
-        if need > self.blocks.num_usable_blocks:
-            raise RequestRejected(
-                f"prompt + max_tokens = {req.max_total_tokens} tokens needs {need} KV blocks but the whole "
-                f"cache has {self.blocks.num_usable_blocks}; it could never run",
-                "max_tokens",
-            )
+        """Raise RequestRejected if the request could never run (see admission.check_request)."""
+        check_request(req, self.config, self.blocks)
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, checked: bool = False) -> None:
+        """Queue a request; `checked`: the caller ran `check` and counted it against the queue cap already."""
         if req.request_id in self.requests:
-            raise RequestRejected(f"request id {req.request_id!r} is already in use", "request_id")
-        self.check(req)
-        cap = self.config.max_queue
-        if cap is not None and len(self.waiting) >= cap:
-            raise QueueFull(f"the waiting queue is full ({cap} requests); retry later")
+            raise RequestRejected(f"request id {req.request_id!r} is already in use", "request_id", "duplicate_id")
+        if not checked:
+            self.check(req)
+            check_capacity(self.config, len(self.requests))
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
         self.requests[req.request_id] = req
@@ -119,7 +69,7 @@ class Scheduler:
     def _switch_if_at_boundary(self) -> None:
         policy = self.policies[self.mode]
         if self.pending_mode is not None and policy.at_boundary():
-            policy.end()
+            self._release_all(policy.end())
             self.mode, self.pending_mode = self.pending_mode, None
 
     def schedule(self) -> SchedulerOutput:
@@ -155,8 +105,12 @@ class Scheduler:
         req.status = status
         req.finished_time = self.clock()
         if req in self.running:
-            self.policies[self.mode].on_finish(req)
+            self._release_all(self.policies[self.mode].on_finish(req))
         self._switch_if_at_boundary()
+
+    def _release_all(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            self.release(req)
 
     def release(self, req: Request) -> None:
         """Drop a finished request from the running set and free its blocks."""

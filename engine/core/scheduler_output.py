@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .request import Request
+from minibatch.engine.core.request import Request
 
 
 @dataclass(slots=True)

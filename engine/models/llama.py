@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionBackend, AttentionMetadata
-from .config import ModelConfig, RopeConfig
-from .ops import TorchOps
+from minibatch.engine.attention.metadata import AttentionBackend, AttentionMetadata
+from minibatch.engine.models.config import ModelConfig, RopeConfig
+from minibatch.engine.models.ops import TorchOps
 
 
 class RMSNorm(nn.Module):

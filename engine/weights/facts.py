@@ -12,10 +12,10 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from ..core.info import WeightFacts, WeightGroup
-from ..models.llama import LlamaForCausalLM, RMSNorm
-from .cpu_linear import PackedLinear
-from .quant_linear import QuantEmbedding, QuantLinear, StackedLinear
+from minibatch.engine.core.info import WeightFacts, WeightGroup
+from minibatch.engine.models.llama import LlamaForCausalLM, RMSNorm
+from minibatch.engine.weights.cpu_linear import PackedLinear
+from minibatch.engine.weights.quant_linear import QuantEmbedding, QuantLinear, StackedLinear
 
 _DTYPE_NAMES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 

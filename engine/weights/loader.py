@@ -17,14 +17,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..attention import AttentionBackend
-from ..core.info import WEIGHT_MODES
-from ..models.config import ModelConfig
-from ..models.llama import LlamaForCausalLM, RMSNorm
-from ..models.ops import TorchOps
-from .cpu_linear import PackedLinear, pack_linears, packed_linear_available
-
-GGUF_SOURCE_FILE = "minibatch-source.json"  # written by the model store beside a GGUF's config
+from minibatch.engine.attention.metadata import AttentionBackend
+from minibatch.engine.core.info import WEIGHT_MODES
+from minibatch.engine.models.config import ModelConfig
+from minibatch.engine.models.llama import LlamaForCausalLM, RMSNorm
+from minibatch.engine.models.ops import TorchOps
+from minibatch.engine.store.cache import SOURCE_FILE
+from minibatch.engine.weights.cpu_linear import PackedLinear, pack_linears, packed_linear_available
 
 # Hugging Face keeps these projections apart; we stack them: (our name, shard index).
 _STACKED = {
@@ -70,8 +69,8 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, ops)
     if gguf_path is not None and weights in ("native", "native-exact"):
-        from .gguf_file import GGUFWeights
-        from .native import install_gguf_weights
+        from minibatch.engine.gguf.tensors import GGUFWeights
+        from minibatch.engine.weights.native import install_gguf_weights
 
         gw = GGUFWeights(gguf_path, cfg)
         install_gguf_weights(model, gw, packed=packed, int8=weights == "native")
@@ -79,7 +78,7 @@ def load_model(
     else:
         model = model.to_empty(device=device).to(dtype)
         if gguf_path is not None:
-            from .gguf_file import GGUFWeights
+            from minibatch.engine.gguf.tensors import GGUFWeights
 
             gw = GGUFWeights(gguf_path, cfg)
             fill_parameters(model, ((name, t.dequantized()) for name, t in gw.tensors.items()))
@@ -99,7 +98,7 @@ def load_model(
         model.model.rotary_local.build_tables(torch.device(device), length=cfg.default_context)
     model = model.eval().requires_grad_(False)
     if weights == "q8_0":
-        from .native import quantize_linears
+        from minibatch.engine.weights.native import quantize_linears
 
         quantize_linears(model, "Q8_0", int8=True)
         model.weights_desc = "Q8_0 native (quantized at load)"
@@ -115,7 +114,7 @@ def load_model(
 
 def gguf_source(model_dir: Path) -> Path | None:
     """The GGUF file whose weights `model_dir` stands for, or None for a safetensors directory."""
-    marker = Path(model_dir) / GGUF_SOURCE_FILE
+    marker = Path(model_dir) / SOURCE_FILE
     if not marker.is_file():
         return None
     info = json.loads(marker.read_text())

@@ -9,12 +9,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from minibatch.engine.gguf.tensors import GGUFTensor, GGUFWeights
+from minibatch.engine.models.llama import LlamaForCausalLM
+from minibatch.engine.weights.cpu_linear import PackedLinear, packed_linear_available
+from minibatch.engine.weights.quant_linear import QuantEmbedding, QuantLinear, StackedLinear
 from minibatch.kernels.quant import QUANT_TYPES, QuantType
-
-from ..models.llama import LlamaForCausalLM
-from .cpu_linear import PackedLinear, packed_linear_available
-from .gguf_file import GGUFTensor, GGUFWeights
-from .quant_linear import QuantEmbedding, QuantLinear, StackedLinear
 
 _STACKS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

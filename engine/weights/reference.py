@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from ..models.config import ModelConfig
-from .loader import WeightLoadError, gguf_source
+from minibatch.engine.models.config import ModelConfig
+from minibatch.engine.weights.loader import WeightLoadError, gguf_source
 
 
 def load_hf_reference(model_dir: str | Path, dtype: torch.dtype = torch.float32):
@@ -18,7 +18,7 @@ def load_hf_reference(model_dir: str | Path, dtype: torch.dtype = torch.float32)
     gguf = gguf_source(model_dir)
     if gguf is None:
         return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-    from .gguf_file import GGUFWeights
+    from minibatch.engine.gguf.tensors import GGUFWeights
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)

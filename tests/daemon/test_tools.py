@@ -16,7 +16,7 @@ import pytest
 import transformers
 
 from minibatch.daemon.tools import CallSplitter, parse_calls
-from minibatch.engine.tokenizer import TextTokenizer
+from minibatch.engine.text.tokenizer import TextTokenizer
 
 from .helpers import Daemon
 

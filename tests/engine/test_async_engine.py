@@ -8,10 +8,11 @@ import time
 import pytest
 
 from minibatch.engine.async_engine import AsyncEngine
+from minibatch.engine.core.admission import QueueFull, RequestRejected
 from minibatch.engine.core.block_manager import BlockManager
+from minibatch.engine.core.config import SchedulerConfig
 from minibatch.engine.core.engine import LLMEngine
 from minibatch.engine.core.sampling_params import SamplingParams
-from minibatch.engine.core.scheduler import QueueFull, RequestRejected, SchedulerConfig
 
 from .fakes import CharTokenizer, FakeRunner
 
@@ -32,9 +33,9 @@ class SlowRunner(FakeRunner):
 def make_async(runner=None, queue=None, num_blocks=64, mode="continuous"):
     runner = runner or SlowRunner(4)
     engine = LLMEngine(
-        runner, CharTokenizer(), BlockManager(num_blocks, 4), SchedulerConfig(4, 32, 256, 10.0), (2,), mode
+        runner, CharTokenizer(), BlockManager(num_blocks, 4), SchedulerConfig(4, 32, 256, 10.0, queue), (2,), mode
     )
-    a = AsyncEngine(engine, max_queue=queue)
+    a = AsyncEngine(engine)
     a.start()
     return a
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 import transformers
 
-from minibatch.engine.attention import TorchAttentionBackend
-from minibatch.engine.greedy import greedy_generate
-from minibatch.engine.weights import load_model
+from minibatch.engine.attention.torch_backend import TorchAttentionBackend
+from minibatch.engine.testing.greedy import greedy_generate
+from minibatch.engine.weights.loader import load_model
 from minibatch.engine.weights.reference import load_hf_reference
 
 pytestmark = pytest.mark.model

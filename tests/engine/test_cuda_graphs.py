@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minibatch.engine.attention import build_flat_batch
-from minibatch.engine.cuda_graphs import DecodeInputs, capture_sizes, padded_size
+from minibatch.engine.attention.metadata import build_flat_batch
+from minibatch.engine.runner.cuda_graphs import DecodeInputs, capture_sizes, padded_size
 from tests.kernels.conftest import skip_if_gpu_unusable
 
 # The Triton path runs where the GPU path would: on the GPU when there is one (on CPU, the interpreter).
@@ -57,11 +57,11 @@ def test_decode_inputs_pad_with_the_null_block_and_rewrite_only_changed_rows():
 def test_padding_rows_are_harmless_on_the_triton_path(tiny_llama_dir):
     """A padded decode batch through the real kernels (compiled on a GPU, the interpreter on CPU): real rows
     unchanged, cache untouched by padding."""
-    from minibatch.engine.attention import AttentionMetadata
-    from minibatch.engine.kv_cache import allocate_kv_cache
+    from minibatch.engine.attention.metadata import AttentionMetadata
+    from minibatch.engine.attention.triton_backend import TritonAttentionBackend, TritonPlan
     from minibatch.engine.models.ops import TritonOps
-    from minibatch.engine.triton_backend import TritonAttentionBackend, _TritonPlan
-    from minibatch.engine.weights import load_model
+    from minibatch.engine.runner.kv_cache import allocate_kv_cache
+    from minibatch.engine.weights.loader import load_model
 
     model = load_model(tiny_llama_dir, TritonAttentionBackend(), device=DEVICE, packed=False, ops=TritonOps())
     caches = allocate_kv_cache(model.config, 6, 8, device=DEVICE)
@@ -73,7 +73,7 @@ def test_padding_rows_are_harmless_on_the_triton_path(tiny_llama_dir):
         inp = DecodeInputs(4, max_blocks=2, device=DEVICE)
         inp.fill(step)
         meta = AttentionMetadata([1] * 4, [1] * 4, 8, inp.slot_mapping, [[0]] * 4)
-        meta.plan = _TritonPlan(inp.block_tables, inp.query_start_loc, inp.seq_lens, 1)
+        meta.plan = TritonPlan(inp.block_tables, inp.query_start_loc, inp.seq_lens, 1)
         before_null = caches[0][:, 0].clone()
         padded = model.compute_logits(model.forward_planned(inp.input_ids, inp.positions, caches, meta))
     torch.testing.assert_close(padded[:1], eager, atol=1e-5, rtol=1e-5)
@@ -85,11 +85,11 @@ def test_padding_rows_are_harmless_on_the_triton_path(tiny_llama_dir):
 def test_graph_replay_equals_eager_decode(tiny_llama_dir, tmp_path, kind):
     """Three sequences prefilled, then one decode step: by replay of the size-4 graph and eagerly (Gemma 2:
     per-layer windows and capped scores inside the graph)."""
-    from minibatch.engine.cuda_graphs import DecodeGraphs
-    from minibatch.engine.kv_cache import allocate_kv_cache
+    from minibatch.engine.attention.triton_backend import TritonAttentionBackend
     from minibatch.engine.models.ops import TritonOps
-    from minibatch.engine.triton_backend import TritonAttentionBackend
-    from minibatch.engine.weights import load_model
+    from minibatch.engine.runner.cuda_graphs import DecodeGraphs
+    from minibatch.engine.runner.kv_cache import allocate_kv_cache
+    from minibatch.engine.weights.loader import load_model
     from tests.engine.test_families import _save
 
     model = load_model(
@@ -117,11 +117,11 @@ def test_graph_replay_equals_eager_decode(tiny_llama_dir, tmp_path, kind):
 def test_graph_inputs_carry_per_layer_windows_and_soft_capping(tmp_path, kind):
     """What a captured decode runs for Gemma (a window on some layers, Gemma 2's capped scores), from the
     static graph inputs, equals the eager decode; past the window, so the window matters."""
-    from minibatch.engine.cuda_graphs import DecodeGraphs
-    from minibatch.engine.kv_cache import allocate_kv_cache
+    from minibatch.engine.attention.triton_backend import TritonAttentionBackend
     from minibatch.engine.models.ops import TritonOps
-    from minibatch.engine.triton_backend import TritonAttentionBackend
-    from minibatch.engine.weights import load_model
+    from minibatch.engine.runner.cuda_graphs import DecodeGraphs
+    from minibatch.engine.runner.kv_cache import allocate_kv_cache
+    from minibatch.engine.weights.loader import load_model
     from tests.engine.test_families import _save
 
     model = load_model(

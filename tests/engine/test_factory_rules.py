@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minibatch.engine import factory
+import minibatch.engine.factory as factory
+from minibatch.engine.attention.select import gpu_shape_problems
 from minibatch.engine.factory import EngineConfig, kv_budget
-from minibatch.engine.triton_backend import gpu_shape_problems
 
 
 def test_kv_budget_is_one_rule_on_every_device(monkeypatch):

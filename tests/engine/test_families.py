@@ -16,9 +16,10 @@ import pytest
 import torch
 import transformers
 
-from minibatch.engine.attention import TorchAttentionBackend, build_flat_batch
-from minibatch.engine.kv_cache import allocate_kv_cache
-from minibatch.engine.weights import load_model
+from minibatch.engine.attention.metadata import build_flat_batch
+from minibatch.engine.attention.torch_backend import TorchAttentionBackend
+from minibatch.engine.runner.kv_cache import allocate_kv_cache
+from minibatch.engine.weights.loader import load_model
 
 from ..conftest import TINY_COMMON
 
@@ -172,10 +173,10 @@ def test_chunked_prefill_over_cached_context_matches_hf(family):
 
 def test_greedy_generation_in_a_mixed_batch_equals_hf_generate(family):
     from minibatch.engine.core.block_manager import BlockManager
+    from minibatch.engine.core.config import SchedulerConfig
     from minibatch.engine.core.engine import LLMEngine
     from minibatch.engine.core.sampling_params import SamplingParams
-    from minibatch.engine.core.scheduler import SchedulerConfig
-    from minibatch.engine.model_runner import ModelRunner
+    from minibatch.engine.runner.model_runner import ModelRunner
 
     from .fakes import CharTokenizer
 
@@ -211,8 +212,8 @@ def test_the_triton_path_runs_the_families(family):
     """Sliding windows (per layer for Gemma), soft-capped scores (Gemma 2) and q/k norms through the Triton
     kernels (compiled on a GPU, the interpreter on CPU)."""
     pytest.importorskip("triton")
+    from minibatch.engine.attention.triton_backend import TritonAttentionBackend
     from minibatch.engine.models.ops import TritonOps
-    from minibatch.engine.triton_backend import TritonAttentionBackend
 
     kind, path, hf = family
     device = "cuda" if torch.cuda.is_available() else "cpu"

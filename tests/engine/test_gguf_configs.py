@@ -11,13 +11,14 @@ import pytest
 import torch
 import transformers
 
-from minibatch.engine.attention import TorchAttentionBackend, build_flat_batch
-from minibatch.engine.gguf_prepare import model_config, write_config_and_tokenizer
-from minibatch.engine.kv_cache import allocate_kv_cache
+from minibatch.engine.attention.metadata import build_flat_batch
+from minibatch.engine.attention.torch_backend import TorchAttentionBackend
+from minibatch.engine.gguf.prepare import model_config, write_config_and_tokenizer
+from minibatch.engine.gguf.reader import GGUFFile
+from minibatch.engine.gguf.tensors import GGUFError
 from minibatch.engine.models.config import ModelConfig
-from minibatch.engine.weights import load_model
-from minibatch.engine.weights.gguf_file import GGUFError
-from minibatch.engine.weights.gguf_reader import GGUFFile
+from minibatch.engine.runner.kv_cache import allocate_kv_cache
+from minibatch.engine.weights.loader import load_model
 from minibatch.kernels.cpu_ext import load_cpu_extension
 
 from ..conftest import TINY_COMMON
@@ -210,7 +211,7 @@ def test_longrope_factors_that_disagree_with_the_config_are_refused(tmp_path):
     hf_dir = _tiny(tmp_path / "hf", "phi3-longrope")
     write_gguf_model(hf_dir, tmp_path / "gguf", "Q8_0", arch="phi3", metadata=True)
     plain = ModelConfig.from_dir(_tiny(tmp_path / "plain", "phi3"))  # a config with no LongRoPE beside the file
-    from minibatch.engine.weights.gguf_file import GGUFWeights
+    from minibatch.engine.gguf.tensors import GGUFWeights
 
     with pytest.raises(
         GGUFError, match=r"LongRoPE factors \(rope_factors_short.weight\) differ from the rope of the config"

@@ -10,10 +10,11 @@ import pytest
 import torch
 import transformers
 
-from minibatch.engine.attention import TorchAttentionBackend, build_flat_batch
-from minibatch.engine.kv_cache import allocate_kv_cache
-from minibatch.engine.weights import load_model
-from minibatch.engine.weights.gguf_file import GGUFError
+from minibatch.engine.attention.metadata import build_flat_batch
+from minibatch.engine.attention.torch_backend import TorchAttentionBackend
+from minibatch.engine.gguf.tensors import GGUFError
+from minibatch.engine.runner.kv_cache import allocate_kv_cache
+from minibatch.engine.weights.loader import load_model
 from minibatch.kernels.cpu_ext import load_cpu_extension
 from minibatch.kernels.quant import INT_DOT_TYPES
 

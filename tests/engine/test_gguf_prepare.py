@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import transformers
 
-from minibatch.engine.gguf_prepare import can_prepare, write_model_files
+from minibatch.engine.gguf.prepare import can_prepare, write_model_files
+from minibatch.engine.gguf.reader import GGUFFile
 from minibatch.engine.models.config import ModelConfig
-from minibatch.engine.tokenizer import TextTokenizer
-from minibatch.engine.weights.gguf_reader import GGUFFile
+from minibatch.engine.text.tokenizer import TextTokenizer
 
 from .test_tokenizer import CONVERSATIONS, TEXTS
 
@@ -28,7 +28,7 @@ CORPUS = TEXTS + [
 
 
 def _builtin_gguf() -> Path:
-    from minibatch.engine.model_store import BUILTIN_MODELS, builtin_gguf_path
+    from minibatch.engine.store.cache import BUILTIN_MODELS, builtin_gguf_path
 
     return builtin_gguf_path(BUILTIN_MODELS["smollm2-135m-instruct"])
 

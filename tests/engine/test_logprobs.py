@@ -6,14 +6,14 @@ import pytest
 import torch
 import transformers
 
-from minibatch.engine.attention import TorchAttentionBackend
+from minibatch.engine.attention.torch_backend import TorchAttentionBackend
 from minibatch.engine.core.block_manager import BlockManager
+from minibatch.engine.core.config import SchedulerConfig
 from minibatch.engine.core.engine import LLMEngine
 from minibatch.engine.core.sampling_params import InvalidParameterError, SamplingParams
-from minibatch.engine.core.scheduler import SchedulerConfig
-from minibatch.engine.kv_cache import allocate_kv_cache
-from minibatch.engine.model_runner import ModelRunner
-from minibatch.engine.weights import load_model
+from minibatch.engine.runner.kv_cache import allocate_kv_cache
+from minibatch.engine.runner.model_runner import ModelRunner
+from minibatch.engine.weights.loader import load_model
 
 from .fakes import CharTokenizer
 

@@ -8,9 +8,10 @@ import pytest
 import torch
 import transformers
 
-from minibatch.engine.attention import TorchAttentionBackend, build_flat_batch
-from minibatch.engine.kv_cache import allocate_kv_cache
-from minibatch.engine.weights import load_model
+from minibatch.engine.attention.metadata import build_flat_batch
+from minibatch.engine.attention.torch_backend import TorchAttentionBackend
+from minibatch.engine.runner.kv_cache import allocate_kv_cache
+from minibatch.engine.weights.loader import load_model
 
 BLOCK_SIZE = 4
 PROMPT_LENS = (5, 11, 2)

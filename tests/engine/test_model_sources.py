@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from minibatch.engine.model_sources import found_models
-from minibatch.engine.model_store import ModelNotFoundError, list_models, resolve_model
+from minibatch.engine.store.cache import ModelNotFoundError, list_models, resolve_model
+from minibatch.engine.store.sources import found_models
 
 
 def _blob(store: Path, data_path: Path) -> str:
@@ -33,7 +33,7 @@ def _manifest(store: Path, repo: str, tag: str, layers: list[dict], registry: st
 @pytest.fixture
 def places(tmp_path, monkeypatch, tiny_llama_dir):
     """An Ollama store (the built-in GGUF as one model, one with a missing blob), a hub cache and a models folder."""
-    from minibatch.engine.model_store import BUILTIN_MODELS, builtin_gguf_path
+    from minibatch.engine.store.cache import BUILTIN_MODELS, builtin_gguf_path
 
     gguf = builtin_gguf_path(BUILTIN_MODELS["smollm2-135m-instruct"])
     store = tmp_path / "ollama"
@@ -62,8 +62,8 @@ def places(tmp_path, monkeypatch, tiny_llama_dir):
 
 
 def test_ollama_names_resolve_to_the_blob(places):
-    from minibatch.engine.attention import TorchAttentionBackend
-    from minibatch.engine.weights import load_model
+    from minibatch.engine.attention.torch_backend import TorchAttentionBackend
+    from minibatch.engine.weights.loader import load_model
 
     for spec in ("ollama:smol", "ollama:smol:latest", "ollama:smol:q4"):
         d = resolve_model(spec)

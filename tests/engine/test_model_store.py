@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from minibatch.engine import model_store
-from minibatch.engine.attention import TorchAttentionBackend
-from minibatch.engine.model_store import ModelNotFoundError, resolve_model
-from minibatch.engine.models import ModelConfig
-from minibatch.engine.weights import WeightLoadError, load_model
+from minibatch.engine.attention.torch_backend import TorchAttentionBackend
+from minibatch.engine.models.config import ModelConfig
+from minibatch.engine.store import cache as model_store
+from minibatch.engine.store.cache import ModelNotFoundError, resolve_model
+from minibatch.engine.weights.loader import WeightLoadError, load_model
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_interrupted_conversion_leaves_no_half_model(tiny_llama_dir, tmp_path, m
         f"""
         import os, signal
         from pathlib import Path
-        from minibatch.engine import model_store
+        from minibatch.engine.store import cache as model_store
         def crash_mid_write(gguf, out):
             (out / "model.safetensors").write_bytes(b"half a tensor")
             os.kill(os.getpid(), signal.SIGKILL)

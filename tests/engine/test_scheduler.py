@@ -7,11 +7,12 @@ import sys
 
 import pytest
 
+from minibatch.engine.core.admission import QueueFull, RequestRejected
 from minibatch.engine.core.block_manager import BlockManager
+from minibatch.engine.core.config import SchedulerConfig
 from minibatch.engine.core.engine import LLMEngine
 from minibatch.engine.core.request import RequestStatus
 from minibatch.engine.core.sampling_params import SamplingParams
-from minibatch.engine.core.scheduler import QueueFull, RequestRejected, SchedulerConfig
 
 from .fakes import CharTokenizer, Clock, FakeRunner
 
@@ -66,7 +67,8 @@ def test_engine_core_imports_without_torch():
     code = (
         "import sys; sys.modules['torch'] = None\n"
         "import minibatch.engine.core.block_manager, minibatch.engine.core.scheduler, minibatch.engine.core.engine\n"
-        "import minibatch.engine.async_engine, minibatch.engine.core.continuous, minibatch.engine.core.static\n"
+        "import minibatch.engine.async_engine\n"
+        "import minibatch.engine.core.policies.continuous, minibatch.engine.core.policies.static\n"
         "import minibatch.engine.core.timeline, minibatch.engine.core.scheduler_output\n"
         "import minibatch.engine.core.detokenizer\n"
         "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n"
@@ -196,15 +198,27 @@ def test_rejections_name_the_limit():
         engine.add_request("big", [5] * 17, params(3))
     with pytest.raises(RequestRejected, match="prompt is empty"):
         engine.add_request("empty", [], params(3))
+    with pytest.raises(RequestRejected, match="the prompt has 64 tokens; the context limit is 64") as refused:
+        engine.add_request("whole", [5] * 64, params(1))
+    assert (refused.value.field, refused.value.code, refused.value.status) == ("prompt", "context_length_exceeded", 400)
     assert engine.add_request("fits", [5] * 13, params(3)).status == RequestStatus.WAITING
 
 
 def test_queue_cap():
+    # max_queue is what may wait behind a full batch: max_num_seqs (4) + max_queue (2) in flight at most.
     engine, _, _ = make(queue=2)
-    engine.add_request("a", [5], params(1))
-    engine.add_request("b", [5], params(1))
-    with pytest.raises(QueueFull, match="waiting queue is full"):
-        engine.add_request("c", [5], params(1))
+    for i in range(6):
+        engine.add_request(f"r{i}", [5], params(3))
+    with pytest.raises(QueueFull, match="waiting queue is full") as refused:
+        engine.add_request("late", [5], params(3))
+    assert (refused.value.status, refused.value.code, refused.value.field) == (429, "queue_full", None)
+    engine.step()
+    assert len(engine.scheduler.running) == 4 and len(engine.scheduler.waiting) == 2
+    with pytest.raises(QueueFull):
+        engine.add_request("late", [5], params(3))
+    while engine.has_work():
+        engine.step()
+    engine.add_request("late", [5], params(3))  # room again once the batch is done
 
 
 @pytest.mark.parametrize("where", ["waiting", "running", "preempted"])

@@ -5,9 +5,9 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from minibatch.engine.core.admission import RequestRejected
 from minibatch.engine.core.request import RequestStatus
 from minibatch.engine.core.sampling_params import SamplingParams
-from minibatch.engine.core.scheduler import RequestRejected
 
 from .fakes import FakeRunner
 from .test_scheduler import make

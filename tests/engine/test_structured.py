@@ -17,8 +17,8 @@ import torch
 from minibatch.engine.core.request import Request
 from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.factory import EngineConfig, build_engine
-from minibatch.engine.sampler import Sampler
-from minibatch.engine.structured import GrammarCompiler, GrammarError
+from minibatch.engine.runner.sampler import Sampler
+from minibatch.engine.text.structured import GrammarCompiler, GrammarError
 
 SCHEMAS = [
     {
@@ -60,7 +60,7 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def compiler(tiny_chat_model_dir):
-    from minibatch.engine.tokenizer import TextTokenizer
+    from minibatch.engine.text.tokenizer import TextTokenizer
 
     tok = TextTokenizer(tiny_chat_model_dir)
     return GrammarCompiler(tok.tokenizer_json(), 49152, [2])
@@ -146,7 +146,7 @@ def test_every_output_follows_its_schema_and_free_rows_are_untouched(tiny_chat_m
 
 
 def test_unbounded_integers_get_sixteen_digits_and_bounded_ones_keep_theirs():
-    from minibatch.engine.structured import INTEGER_LIMIT, bound_integers
+    from minibatch.engine.text.structured import INTEGER_LIMIT, bound_integers
 
     schema = {
         "type": "object",

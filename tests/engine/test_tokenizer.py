@@ -13,7 +13,7 @@ import sys
 import pytest
 import transformers
 
-from minibatch.engine.tokenizer import TextTokenizer
+from minibatch.engine.text.tokenizer import TextTokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there"}],
@@ -131,7 +131,7 @@ def test_tokenizers_with_behaviour_of_their_own_go_through_transformers(builtin_
 @pytest.mark.model
 def test_loading_the_builtin_tokenizer_imports_no_transformers(builtin_model_dir):
     code = (
-        "import sys; from minibatch.engine.tokenizer import TextTokenizer; "
+        "import sys; from minibatch.engine.text.tokenizer import TextTokenizer; "
         f"t = TextTokenizer({str(builtin_model_dir)!r}); t.chat([{{'role': 'user', 'content': 'hi'}}]); "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'torch')))"
     )

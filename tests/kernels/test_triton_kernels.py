@@ -180,11 +180,11 @@ def test_whole_model_on_the_triton_path_matches_hf(tiny_llama_dir):
     """The tiny Llama forward with Triton attention, KV store, fused norms, rotary and SiLU (interpreter on CPU)."""
     import transformers
 
-    from minibatch.engine.attention import build_flat_batch
-    from minibatch.engine.kv_cache import allocate_kv_cache
+    from minibatch.engine.attention.metadata import build_flat_batch
+    from minibatch.engine.attention.triton_backend import TritonAttentionBackend
     from minibatch.engine.models.ops import TritonOps
-    from minibatch.engine.triton_backend import TritonAttentionBackend
-    from minibatch.engine.weights import load_model
+    from minibatch.engine.runner.kv_cache import allocate_kv_cache
+    from minibatch.engine.weights.loader import load_model
 
     ours = load_model(tiny_llama_dir, TritonAttentionBackend(), device=DEVICE, packed=False, ops=TritonOps())
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
@@ -212,9 +212,10 @@ def test_whole_model_on_the_triton_path_matches_hf(tiny_llama_dir):
 
 
 def test_backend_selection():
-    from minibatch.engine.attention import TorchAttentionBackend
+    from minibatch.engine.attention.select import select_backend
+    from minibatch.engine.attention.torch_backend import TorchAttentionBackend
+    from minibatch.engine.attention.triton_backend import TritonAttentionBackend
     from minibatch.engine.models.ops import CpuOps, TorchOps, TritonOps
-    from minibatch.engine.triton_backend import TritonAttentionBackend, select_backend
     from minibatch.kernels.cpu_ext import load_cpu_extension
 
     backend, ops = select_backend("cuda", torch.bfloat16)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .core.request import Request
+from minibatch.engine.core.request import Request
 
 
 class Sampler:

@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import build_flat_batch
-from .core.request import Request
-from .core.scheduler import SchedulerOutput
-from .models.llama import LlamaForCausalLM
-from .sampler import Sampler
+from minibatch.engine.attention.metadata import build_flat_batch
+from minibatch.engine.core.request import Request
+from minibatch.engine.core.scheduler_output import SchedulerOutput
+from minibatch.engine.models.llama import LlamaForCausalLM
+from minibatch.engine.runner.sampler import Sampler
 
 
 @dataclass(slots=True)
@@ -45,15 +45,9 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.sampler = Sampler(self.device)
         self.graphs = None  # DecodeGraphs on CUDA: pure-decode steps replay a captured forward
-        self.fault_at_step: int | None = None  # test hook: the forward of this step raises (once)
-        self.fault_is_fatal = False  # test hook: ... and the device counts as lost afterwards
-        self.steps = 0
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        self.steps += 1
-        if self.fault_at_step == self.steps:
-            raise RuntimeError(f"injected forward fault at step {self.steps}")
         chunks, starts, tables, samplers = [], [], [], []
         for req, n in zip(out.requests, out.num_new_tokens):
             start = req.num_computed_tokens
@@ -99,8 +93,6 @@ class ModelRunner:
 
     def device_lost(self) -> bool:
         """After a failed step: whether the device is unusable (a CUDA error is sticky: every later call fails too)."""
-        if self.fault_is_fatal and self.fault_at_step is not None and self.steps >= self.fault_at_step:
-            return True
         if self.device.type != "cuda":
             return False
         try:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .weights.gguf_reader import GGUFFile
+    from minibatch.engine.gguf.reader import GGUFFile
 
 # The text splits llama.cpp names in tokenizer.ggml.pre, as the original tokenizer.json files spell them.
 _LLAMA3_SPLIT = (

@@ -16,18 +16,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minibatch.engine.gguf.architectures import ARCHITECTURES
+from minibatch.engine.gguf.reader import GGUFFile, GGUFFormatError, TensorInfo
+from minibatch.engine.models.config import ModelConfig
 from minibatch.kernels.quant import QUANT_BY_ID, QUANT_TYPES, QuantType, dequantize_ref
-
-from ..gguf_prepare import ARCHITECTURES
-from ..models.config import ModelConfig
-from .gguf_reader import GGUFFile, GGUFFormatError, TensorInfo
 
 
 class GGUFError(ValueError):
     """The GGUF file cannot be used; the message names the file and the problem."""
 
 
-SUPPORTED_ARCHS = ARCHITECTURES  # the architectures our forward runs, as GGUF names them
 # Architectures whose Q/K rows llama.cpp's converter permutes.
 _PERMUTED_ARCHS = ("llama", "mistral")
 _LAYER_NAMES = {
@@ -90,10 +88,10 @@ class GGUFWeights:
         except GGUFFormatError as exc:
             raise GGUFError(str(exc)) from exc
         self.architecture = self.file.architecture
-        if self.architecture not in SUPPORTED_ARCHS:
+        if self.architecture not in ARCHITECTURES:
             raise GGUFError(
                 f"{self.path}: architecture {self.architecture or '(none)'!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHS)}"
+                f"supported: {', '.join(ARCHITECTURES)}"
             )
         self._check_rope_factors(cfg)
         self.tensors: dict[str, GGUFTensor] = {}

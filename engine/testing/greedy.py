@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from .attention import build_flat_batch
-from .kv_cache import allocate_kv_cache
-from .models.llama import LlamaForCausalLM
+from minibatch.engine.attention.metadata import build_flat_batch
+from minibatch.engine.models.llama import LlamaForCausalLM
+from minibatch.engine.runner.kv_cache import allocate_kv_cache
 
 
 @torch.inference_mode()

@@ -2,7 +2,7 @@
 
 A GGUF carries the model's hyper-parameters under llama.cpp's key names (values it leaves out take
 llama.cpp's default for the architecture, which the file was made for), Phi-3's LongRoPE factors as tensors,
-and its tokenizer as arrays (gguf_vocab turns those into a tokenizer.json). This writes what a model
+and its tokenizer as arrays (gguf/vocab.py turns those into a tokenizer.json). This writes what a model
 directory holds -- config.json, generation_config.json, tokenizer.json, tokenizer_config.json,
 chat_template.jinja -- in well under a second, where transformers' GGUF reader takes ~11 s for the
 built-in model (it materialises every metadata value first).
@@ -21,20 +21,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .gguf_vocab import NAMED, can_write, write_tokenizer
+from minibatch.engine.gguf.architectures import ARCHITECTURES
+from minibatch.engine.gguf.vocab import NAMED, can_write, write_tokenizer
 
 if TYPE_CHECKING:
-    from .weights.gguf_reader import GGUFFile
+    from minibatch.engine.gguf.reader import GGUFFile
 
-ARCHITECTURES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "gemma2",
-    "gemma3",
-    "phi3",
-)  # GGUF names of what our forward runs
 _HF_CLASSES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -196,7 +188,7 @@ def write_config_and_tokenizer(gguf: Path, out: Path) -> str:
     Our reader (this module) covers byte-level BPE vocabularies of the families we run, in well under a
     second; anything else is read by transformers' GGUF reader (seconds to tens of seconds).
     """
-    from .weights.gguf_reader import GGUFFile
+    from minibatch.engine.gguf.reader import GGUFFile
 
     f = GGUFFile(gguf)
     why_not = can_prepare(f)

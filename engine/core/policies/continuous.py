@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .request import Request
-from .scheduler_output import SchedulerOutput
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
+from minibatch.engine.core.policies.base import SchedulerView
+from minibatch.engine.core.request import Request
+from minibatch.engine.core.scheduler_output import SchedulerOutput
 
 
-class ContinuousScheduler:
+class ContinuousPolicy:
     """Each step: running requests first (decodes, then unfinished prefill chunks), then new ones.
 
     The token budget (max_num_batched_tokens) is shared, so a long prompt is
@@ -22,7 +18,7 @@ class ContinuousScheduler:
     its window are handed back before it asks for more.
     """
 
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: SchedulerView) -> None:
         self.s = sched
 
     def schedule(self, admit: bool = True) -> SchedulerOutput:
@@ -68,14 +64,14 @@ class ContinuousScheduler:
             out.add(req, n)
             budget -= n
 
-    def on_finish(self, req: Request) -> None:
-        self.s.release(req)
+    def on_finish(self, req: Request) -> list[Request]:
+        return [req]  # its slot and blocks go back at once
 
     def at_boundary(self) -> bool:
         return not self.s.running
 
-    def end(self) -> None:
-        pass
+    def end(self) -> list[Request]:
+        return []  # at the boundary nothing is running
 
     def next_wakeup(self) -> float | None:
         return None

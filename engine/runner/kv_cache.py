@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .models.config import ModelConfig
+from minibatch.engine.models.config import ModelConfig
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -1,0 +1,28 @@
+"""The scheduler's limits and the batching modes, in one place (the factory, the policies and the API read them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("continuous", "static")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32  # running requests at most (static: the batch size)
+    max_num_batched_tokens: int = 512  # tokens per forward (continuous mode)
+    max_model_len: int = 2048  # prompt + max_tokens at most
+    max_wait_ms: float = 50.0  # static mode: the longest a batch waits to fill up
+    max_queue: int | None = None  # waiting requests at most; None: unbounded
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running request can decode each step"
+            )
+        if self.max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
