@@ -104,7 +104,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         state,
         engine,
         body,
-        ids,
+        [ids],
         "chat.completion",
         f"chatcmpl-{uuid.uuid4().hex}",
         make_grammar=make_grammar,
@@ -117,41 +117,57 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body: CompletionRequest = await read_body(request, state, CompletionRequest)
     check_model(state, body.model)
     engine = state.ready_engine()
-    ids = list(body.prompt) if isinstance(body.prompt, list) else state.tokenizer.encode_prompt(body.prompt)
-    vocab = state.info.vocab_size
-    if any(t >= vocab for t in ids):
-        raise ApiError(400, f"prompt: token ids must be below the vocabulary size {vocab}", "prompt", "invalid_value")
-    return await run_request(request, state, engine, body, ids, "text_completion", f"cmpl-{uuid.uuid4().hex}")
+    texts, batch = body.prompts()
+    prompts = [p if isinstance(p, list) else state.tokenizer.encode_prompt(p) for p in texts]
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    return await run_request(request, state, engine, body, prompts, "text_completion", rid, batch=batch)
 
 
 async def run_request(
-    request, state: DaemonState, engine, body, ids, kind: str, request_id: str, make_grammar=None, tools: bool = False
+    request,
+    state: DaemonState,
+    engine,
+    body,
+    prompts: list[list[int]],
+    kind: str,
+    request_id: str,
+    make_grammar=None,
+    tools: bool = False,
+    batch: bool = False,
 ):
-    """Submit the request's n completions (the first computes the prompt, the others borrow its KV blocks) and
-    answer with their choices; `make_grammar` gives each completion its own grammar state."""
+    """Submit the request's completions, all or none, and answer with their choices.
+
+    Each prompt (several when `batch`: a completions batch) gets n completions, choice `prompt_index * n + i`;
+    the first of each prompt computes it, the others borrow its KV blocks. `make_grammar` gives each
+    completion its own grammar state."""
     if make_grammar is None:
         make_grammar = lambda: response_grammar(state, body.response_format, "response_format")  # noqa: E731
-    grammars = [await make_grammar() for _ in range(body.n)]
-    ids_n = [request_id] if body.n == 1 else [f"{request_id}-{i}" for i in range(body.n)]
-    for i, rid in enumerate(ids_n):
+    total = len(prompts) * body.n
+    grammars = [await make_grammar() for _ in range(total)]
+    ids_n = [request_id] if total == 1 else [f"{request_id}-{i}" for i in range(total)]
+    for k, rid in enumerate(ids_n):
+        p, i = divmod(k, body.n)
         try:
-            submit(state, engine, body, ids, rid, grammars[i], i, ids_n[0] if i else None)
+            submit(
+                state, engine, body, prompts[p], rid, grammars[k], i, ids_n[k - i] if i else None, p if batch else None
+            )
         except ApiError:
-            for done in ids_n[:i]:  # all n or none
+            for done in ids_n[:k]:  # all or none
                 engine.abort(done)
                 async for _ in engine.stream(done):
                     pass
             raise
+    prompt_tokens = sum(len(p) for p in prompts)  # usage counts every prompt's tokens
     base = {"id": request_id, "created": int(time.time()), "model": state.model_name}
     chat = kind == "chat.completion"
     # Leaving these iterators early (timeout, client gone) aborts the requests and frees their blocks.
     streams = [engine.stream(rid) for rid in ids_n]
     try:
         if body.stream:
-            return await stream_response(request, state, streams, base, chat, len(ids), body.include_usage, tools)
+            return await stream_response(request, state, streams, base, chat, prompt_tokens, body.include_usage, tools)
         try:
             async with asyncio.timeout(state.request_timeout):
-                return await full_response(state, streams, base, chat, len(ids), tools)
+                return await full_response(state, streams, base, chat, prompt_tokens, tools)
         except TimeoutError:
             raise ApiError(504, timeout_message(state), None, "timeout") from None
     finally:

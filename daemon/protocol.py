@@ -10,13 +10,33 @@ import json
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
 
-from minibatch.engine.core.sampling_params import MAX_LOGPROBS, MAX_TOP_K, SAMPLING_DEFAULT_FIELDS, SamplingParams
+from minibatch.engine.core.sampling_params import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_TOP_K,
+    SAMPLING_DEFAULT_FIELDS,
+    SamplingParams,
+)
 
 MAX_BODY_BYTES = 4 * 2**20
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
+TokenIdKey = Annotated[StrictStr, Field(pattern=r"^(0|[1-9][0-9]{0,8})$")]  # a token id as a JSON object key
+Bias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE, allow_inf_nan=False)]
+MAX_PROMPTS = 64  # prompts in one /v1/completions request at most
 
 
 class ApiError(Exception):
@@ -171,6 +191,8 @@ class _Sampling(_Body):
     n: StrictInt = Field(default=1, ge=1, le=MAX_N)  # completions per request; the prompt is computed once
     user: StrictStr | None = None
     response_format: ResponseFormat | None = None
+    # OpenAI's logit_bias: token id (as a string key) -> bias added to its logit before sampling
+    logit_bias: dict[TokenIdKey, Bias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
 
     def sampling_params(self, default_max_tokens: int, model_defaults: dict | None = None) -> SamplingParams:
         """The request's sampling; a field the request leaves out takes the model's default
@@ -196,6 +218,7 @@ class _Sampling(_Body):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=self.logprobs_k(),
+            logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
         )
 
     def logprobs_k(self) -> int | None:
@@ -223,13 +246,57 @@ class ChatRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+TOKEN_LIST = {"type": "array", "items": {"type": "integer"}}
+PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {**TOKEN_LIST, "description": "token ids"},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_PROMPTS},
+        {"type": "array", "items": TOKEN_LIST, "minItems": 1, "maxItems": MAX_PROMPTS},
+    ],
+    "description": "a text, a list of token ids, or a batch: a list of texts or of token-id lists",
+}
+
+
 class CompletionRequest(_Sampling):
-    prompt: StrictStr | list[Annotated[StrictInt, Field(ge=0)]]
+    # Checked by `prompts()`, which names the element at fault (prompt.1, prompt.0.3).
+    prompt: Annotated[Any, WithJsonSchema(PROMPT_SCHEMA)]
     echo: Literal[False] | None = None
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # the legacy API: k alternatives per token
 
     def logprobs_k(self) -> int | None:
         return self.logprobs
+
+    def prompts(self) -> tuple[list[str | list[int]], bool]:
+        """(the prompts, whether the request is a batch): a text or token list alone, or a list of them."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p], False
+        if not isinstance(p, list):
+            raise ApiError(
+                400, "prompt: must be a string, a list of token ids, or a list of either", "prompt", "invalid_type"
+            )
+        if all(_is_token(t) for t in p):
+            return [p], False  # token ids (an empty list is an empty prompt, refused as one)
+        if len(p) > MAX_PROMPTS:
+            raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts, got {len(p)}", "prompt", "invalid_value")
+        kind = str if isinstance(p[0], str) else list
+        for i, item in enumerate(p):
+            if kind is str and not isinstance(item, str):
+                raise ApiError(400, f"prompt.{i}: a batch of texts holds texts only", f"prompt.{i}", "invalid_type")
+            if kind is list:
+                if not isinstance(item, list):
+                    msg = "a batch of token lists holds token-id lists only"
+                    raise ApiError(400, f"prompt.{i}: {msg}", f"prompt.{i}", "invalid_type")
+                bad = next((j for j, t in enumerate(item) if not _is_token(t)), None)
+                if bad is not None:
+                    where = f"prompt.{i}.{bad}"
+                    raise ApiError(400, f"{where}: a token id is an integer", where, "invalid_type")
+        return p, True
+
+
+def _is_token(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _reject_constant(name: str):

@@ -84,7 +84,10 @@ def submit(
     grammar=None,
     index: int = 0,
     share_prompt_with: str | None = None,
+    prompt_index: int | None = None,
 ) -> None:
+    """Submit one completion; a refusal becomes the API's error, naming the field and, in a batch of
+    prompts (`prompt_index`), the prompt: `prompt.1`, `prompt.0.3` (its token 3)."""
     limit = state.info.max_model_len
     # Unset max_tokens: what fits the context (at least 1, so a prompt that fills it is refused as too long).
     default_max = max(1, min(DEFAULT_MAX_TOKENS, limit - len(ids))) if limit else DEFAULT_MAX_TOKENS
@@ -97,6 +100,13 @@ def submit(
     except QueueFull as exc:
         raise ApiError(exc.status, str(exc), exc.field, exc.code, "rate_limit_error", {"Retry-After": "1"}) from None
     except RequestRejected as exc:
-        # The engine names the prompt "prompt"; the chat API calls what becomes it "messages".
-        param = "messages" if exc.field == "prompt" and isinstance(body, ChatRequest) else exc.field
-        raise ApiError(exc.status, str(exc), param, exc.code) from None
+        param, message = exc.field, str(exc)
+        if isinstance(body, ChatRequest) and param == "prompt":
+            param = "messages"  # what the chat API turns into the prompt
+        elif param is not None and param.split(".")[0] == "prompt":
+            if prompt_index is not None:
+                param = f"prompt.{prompt_index}{param[len('prompt') :]}"
+            message = f"{param}: {message}" if "." in param else message
+        elif prompt_index is not None:
+            message = f"prompt.{prompt_index}: {message}"
+        raise ApiError(exc.status, message, param, exc.code) from None

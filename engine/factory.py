@@ -198,6 +198,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
             max_model_len=max_model_len,
             max_wait_ms=config.max_wait_ms,
             max_queue=config.max_queue,
+            vocab_size=cfg.vocab_size,
         ),
         eos_token_ids=tuple(sorted(eos)),
         mode=config.mode,

@@ -33,9 +33,21 @@ class QueueFull(RequestRejected):
 
 
 def check_request(req: Request, config: SchedulerConfig, blocks: BlockManager) -> None:
-    """Raise RequestRejected if the request could never run: empty, longer than the context, larger than the cache."""
+    """Raise RequestRejected if the request could never run: empty, a token id outside the vocabulary, longer than
+    the context, larger than the cache."""
     if not req.prompt_token_ids:
         raise RequestRejected("the prompt is empty", "prompt", "empty_prompt")
+    vocab = config.vocab_size
+    if vocab is not None:
+        bad = next((i for i, t in enumerate(req.prompt_token_ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(
+                f"token id {req.prompt_token_ids[bad]} is out of range [0, {vocab})", f"prompt.{bad}", "invalid_token"
+            )
+        bias = req.params.logit_bias or {}
+        bad = next((t for t in bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(f"token id {bad} is out of range [0, {vocab})", f"logit_bias.{bad}", "invalid_token")
     limit = config.max_model_len
     if req.num_prompt_tokens >= limit:
         raise RequestRejected(

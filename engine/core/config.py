@@ -13,7 +13,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # tokens per forward (continuous mode)
     max_model_len: int = 2048  # prompt + max_tokens at most
     max_wait_ms: float = 50.0  # static mode: the longest a batch waits to fill up
-    max_queue: int | None = None  # waiting requests at most; None: unbounded
+    max_queue: int | None = None  # requests that may wait behind a full batch (admission.check_capacity)
+    vocab_size: int | None = None  # token ids must be below it (prompts, logit_bias); None: not checked
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 MAX_LOGPROBS = 20  # alternatives per token at most, as OpenAI allows
 MAX_TOP_K = 1_000_000  # far above any vocabulary; bounds the tensor the sampler builds
+MAX_LOGIT_BIAS = 300  # entries per request at most, as OpenAI allows
+LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100]
 
 
 class InvalidParameterError(ValueError):
@@ -36,6 +38,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: each token's log-probability and the k most likely alternatives
+    # token id -> added to its logit before sampling (-100 all but bans it, 100 all but forces it)
+    logit_bias: dict[int, float] | None = None
     # Constrained decoding: an object with fill_mask(words), accept(token) -> bool and is_done() (see
     # engine/text/structured.py); the request then only takes tokens it allows and ends when it is complete.
     grammar: object | None = field(default=None, repr=False, compare=False)
@@ -74,6 +78,13 @@ class SamplingParams:
             raise InvalidParameterError("ignore_eos", "must be a boolean")
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise InvalidParameterError("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    raise InvalidParameterError("logit_bias", f"keys must be token ids (>= 0), got {token!r}")
+                _number(f"logit_bias.{token}", bias, lo=-LOGIT_BIAS_RANGE, hi=LOGIT_BIAS_RANGE)
 
 
 def _is_int(v) -> bool:

@@ -1,4 +1,4 @@
-"""Batched next-token sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds."""
+"""Batched next-token sampling: logit bias, grammar masks, penalties, temperature, top-k, top-p, min-p, seeds."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:  # logits: [n, vocab]
         logits = logits.float()
+        biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
+        if biased:
+            apply_logit_bias(logits, biased, [reqs[i] for i in biased])
         guided = [i for i, r in enumerate(reqs) if r.params.grammar is not None]
         if guided:
             apply_grammar_masks(logits, guided, [reqs[i] for i in guided])
@@ -78,6 +81,22 @@ class Sampler:
             g = self.generators[r.request_id] = torch.Generator(device=self.device)
             g.manual_seed(r.params.seed)
         return g
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
+    """Add each request's logit_bias to its own row, in place (before grammar masks, so a ban stays a ban)."""
+    index_rows, index_cols, values = [], [], []
+    for row, r in zip(rows, reqs):
+        for token, bias in r.params.logit_bias.items():
+            index_rows.append(row)
+            index_cols.append(token)
+            values.append(bias)
+    device = logits.device
+    logits.index_put_(
+        (torch.tensor(index_rows, device=device), torch.tensor(index_cols, device=device)),
+        torch.tensor(values, dtype=logits.dtype, device=device),
+        accumulate=True,
+    )
 
 
 def apply_grammar_masks(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
