@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 MAX_LOGPROBS = 20  # alternatives per token at most, as OpenAI allows
 MAX_TOP_K = 1_000_000  # far above any vocabulary; bounds the tensor the sampler builds
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 MAX_LOGIT_BIAS = 300  # entries per request at most, as OpenAI allows
 LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100]
 
@@ -49,7 +50,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, dividing the logits overflows them; argmax is what such a temperature means anyway.
+        return self.temperature < GREEDY_BELOW
 
     @property
     def needs_penalties(self) -> bool:

@@ -31,14 +31,18 @@ class Sampler:
         biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
         if biased:
             apply_logit_bias(logits, biased, [reqs[i] for i in biased])
+        penalised = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
+        for i in penalised:
+            apply_penalties(logits[i], reqs[i])
+        if penalised:  # an extreme penalty overflows: keep every logit finite, so the softmax stays a distribution
+            big = torch.finfo(logits.dtype).max
+            logits.clamp_(-big, big)
+        # The grammar's masks go last: whatever came before, a token it forbids is never picked.
         guided = [i for i, r in enumerate(reqs) if r.params.grammar is not None]
         if guided:
             apply_grammar_masks(logits, guided, [reqs[i] for i in guided])
-        if all(r.params.greedy and not r.params.needs_penalties for r in reqs):
+        if all(r.params.greedy for r in reqs):
             return logits.argmax(dim=-1).tolist()
-        for i, r in enumerate(reqs):
-            if r.params.needs_penalties:
-                apply_penalties(logits[i], r)
         greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
         result = logits.argmax(dim=-1)
         if not bool(greedy.all()):
@@ -49,7 +53,8 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         temps = torch.tensor([r.params.temperature for r in reqs], device=logits.device)
-        logits = logits / temps[:, None]
+        # Shifted so each row's top is 0 before dividing: a small temperature cannot overflow it to inf.
+        logits = (logits - logits.max(dim=-1, keepdim=True).values) / temps[:, None]
         top_k = [r.params.top_k for r in reqs]
         if any(k > 0 for k in top_k):
             ks = torch.tensor([k if k > 0 else logits.shape[1] for k in top_k], device=logits.device)
@@ -84,7 +89,7 @@ class Sampler:
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
-    """Add each request's logit_bias to its own row, in place (before grammar masks, so a ban stays a ban)."""
+    """Add each request's logit_bias to its own row, in place (grammar masks come after: a ban stays a ban)."""
     index_rows, index_cols, values = [], [], []
     for row, r in zip(rows, reqs):
         for token, bias in r.params.logit_bias.items():
