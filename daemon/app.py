@@ -11,17 +11,17 @@ import uuid
 
 from aiohttp import web
 
-from minibatch.engine.core.config import MODES
-
-from . import ollama
+from . import ollama, openapi
 from .grammars import check_tool_schemas, forced_call, response_grammar, tool_call_grammar
 from .guard import Guard, guard_middleware
-from .protocol import ApiError, ChatRequest, CompletionRequest
+from .protocol import ApiError, ChatRequest, CompletionRequest, parse_body
 from .responses import full_response, stream_response, timeout_message
+from .schemas import ModeRequest
 from .state import GUARD, STATE, DaemonState, check_model, read_body, read_raw, submit
 from .tools import check_template, tool_specs
 
 log = logging.getLogger("minibatch.daemon")
+OPENAPI = web.AppKey("openapi", bytes)  # the document, made on first request
 
 
 @web.middleware
@@ -179,7 +179,7 @@ async def engine_stats(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.ready_engine()
     n = request.query.get("steps", "20")
-    if not n.isdigit() or int(n) > 600:
+    if not (n.isascii() and n.isdigit()) or int(n) > 600:
         raise ApiError(400, "steps: must be an integer in [0, 600]", "steps", "invalid_value")
     return web.json_response(state.monitor.snapshot(engine, int(n)))
 
@@ -198,7 +198,7 @@ async def engine_steps(request: web.Request) -> web.Response:
     """The timeline: step records after ?since=STEP (rows: [row, request id, tokens, state]; states p d x h)."""
     engine = request.app[STATE].ready_engine()
     since = request.query.get("since", "0")
-    if not since.isdigit():
+    if not (since.isascii() and since.isdigit()):
         raise ApiError(400, "since: must be a step number (a non-negative integer)", "since", "invalid_value")
     last_step, capacity, records = engine.timeline_since(int(since))
     return web.json_response(
@@ -226,16 +226,19 @@ async def get_mode(request: web.Request) -> web.Response:
 async def put_mode(request: web.Request) -> web.Response:
     state = request.app[STATE]
     engine = state.ready_engine()
-    try:
-        data = json.loads(await read_raw(request, state))
-    except (ValueError, UnicodeDecodeError):
-        raise ApiError(400, "body is not valid JSON", None, "invalid_json") from None
-    mode = data.get("mode") if isinstance(data, dict) else None
-    if mode not in MODES or set(data) != {"mode"}:
-        raise ApiError(400, f'mode: must be one of {", ".join(MODES)} (body: {{"mode": ...}})', "mode", "invalid_value")
+    mode = parse_body(await read_raw(request, state), ModeRequest).mode
     engine.set_mode(mode)
     # The switch is applied on the engine thread at the next batch boundary.
     return web.json_response({"mode": engine.state.mode, "requested_mode": mode}, status=202)
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if OPENAPI not in request.app or state.info is None:  # made once the model's facts are known
+        request.app[OPENAPI] = json.dumps(
+            openapi.document(state.model_name, state.info.vocab_size if state.info else None)
+        ).encode()
+    return web.Response(body=request.app[OPENAPI], content_type="application/json")
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -254,6 +257,7 @@ def create_app(state: DaemonState, guard: Guard | None = None) -> web.Applicatio
 
     app.on_response_prepare.append(cors)
     app.router.add_get("/health", health)
+    app.router.add_get("/openapi.json", openapi_json)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

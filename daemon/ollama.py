@@ -20,12 +20,13 @@ from datetime import datetime, timezone
 from typing import Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
 
 from .grammars import response_grammar
-from .protocol import MAX_TOOLS, ApiError, Float, Tool, parse_body
+from .protocol import MAX_TOOLS, ApiError, Float, Int, Tool, parse_body
+from .schemas import OllamaShowRequest
 from .state import STATE, check_model, read_raw, submit
 from .tools import CallSplitter, check_template, parse_calls
 
@@ -39,13 +40,13 @@ class _Lenient(BaseModel):
 class Options(_Lenient):
     temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: StrictInt | None = Field(default=None, ge=-1, le=MAX_TOP_K)
+    top_k: Int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
     min_p: Float | None = Field(default=None, ge=0.0, le=1.0)
     repeat_penalty: Float | None = Field(default=None, gt=0.0, le=2.0)
     presence_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0)
-    seed: StrictInt | None = Field(default=None, ge=0, le=2**63 - 1)
-    num_predict: StrictInt | None = Field(default=None, ge=-2)  # -1: until the context is full
+    seed: Int | None = Field(default=None, ge=0, le=2**63 - 1)
+    num_predict: Int | None = Field(default=None, ge=-2)  # -1: until the context is full
     stop: list[StrictStr] | None = Field(default=None, max_length=16)
 
 
@@ -297,14 +298,12 @@ async def ps(request: web.Request) -> web.Response:
 
 async def show(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    try:
-        data = json.loads(await read_raw(request, state) or b"{}")
-    except ValueError:
-        raise ApiError(400, "body is not valid JSON", None, "invalid_json") from None
-    name = data.get("model") or data.get("name") if isinstance(data, dict) else None
-    if not isinstance(name, str):
+    body = parse_body(await read_raw(request, state) or b"{}", OllamaShowRequest)
+    names = [n for n in (body.model, body.name) if n is not None]  # `name` is what older clients send
+    if not names:
         raise ApiError(400, "model: the model name is required", "model", "missing")
-    check_model(state, _strip_tag(name, state.model_name))
+    for name in names:
+        check_model(state, _strip_tag(name, state.model_name))
     state.ready_engine()  # the facts below are the loaded model's
     entry = model_entry(state)
     return web.json_response(

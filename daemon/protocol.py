@@ -12,10 +12,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
+    Strict,
     StrictBool,
-    StrictInt,
     StrictStr,
     ValidationError,
     WithJsonSchema,
@@ -34,9 +35,30 @@ from minibatch.engine.core.sampling_params import (
 MAX_BODY_BYTES = 4 * 2**20
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
+
+
+def _whole_number(value):
+    """5.0 is an integer in JSON Schema's terms (and some clients' encoders write it so): take it as 5."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# An integer, strictly (no "5", no true), where a float with no fraction counts as one.
+Int = Annotated[int, BeforeValidator(_whole_number), Strict()]
 TokenIdKey = Annotated[StrictStr, Field(pattern=r"^(0|[1-9][0-9]{0,8})$")]  # a token id as a JSON object key
 Bias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE, allow_inf_nan=False)]
 MAX_PROMPTS = 64  # prompts in one /v1/completions request at most
+LOGIT_BIAS_SCHEMA = {
+    "anyOf": [
+        {
+            "type": "object",
+            "propertyNames": {"pattern": "^(0|[1-9][0-9]{0,8})$"},
+            "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_RANGE, "maximum": LOGIT_BIAS_RANGE},
+            "maxProperties": MAX_LOGIT_BIAS,
+        },
+        {"type": "null"},
+    ],
+    "description": "token id (a string key) -> a bias added to its logit before sampling",
+}
 
 
 class ApiError(Exception):
@@ -84,7 +106,32 @@ class ToolCall(_Body):
     function: FunctionCall
 
 
+_CALLS = {"type": "array", "minItems": 1}
+# What _content_where_needed checks, for the document: content unless an assistant message carries calls,
+# and calls on assistant messages only.
+MESSAGE_RULES = {
+    "allOf": [
+        {
+            "anyOf": [
+                {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+                {
+                    "required": ["role", "tool_calls"],
+                    "properties": {"role": {"const": "assistant"}, "tool_calls": _CALLS},
+                },
+            ]
+        },
+        {
+            "anyOf": [
+                {"not": {"required": ["tool_calls"], "properties": {"tool_calls": _CALLS}}},
+                {"required": ["role"], "properties": {"role": {"const": "assistant"}}},
+            ]
+        },
+    ]
+}
+
+
 class Message(_Body):
+    model_config = ConfigDict(json_schema_extra=MESSAGE_RULES)
     role: Literal["system", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
@@ -176,23 +223,25 @@ class _Sampling(_Body):
     model: StrictStr | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_tokens: Int | None = Field(default=None, ge=1)
     temperature: Float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(default=-1, ge=-1, le=MAX_TOP_K)
+    top_k: Int = Field(default=-1, ge=-1, le=MAX_TOP_K)
     min_p: Float = Field(default=0.0, ge=0.0, le=1.0)
     repetition_penalty: Float = Field(default=1.0, gt=0.0, le=2.0)
     presence_penalty: Float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: Float = Field(default=0.0, ge=-2.0, le=2.0)
-    seed: StrictInt | None = Field(default=None, ge=0, le=2**63 - 1)
+    seed: Int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: StrictStr | list[StrictStr] | None = None
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = None
     ignore_eos: StrictBool = False
-    n: StrictInt = Field(default=1, ge=1, le=MAX_N)  # completions per request; the prompt is computed once
+    n: Int = Field(default=1, ge=1, le=MAX_N)  # completions per request; the prompt is computed once
     user: StrictStr | None = None
     response_format: ResponseFormat | None = None
     # OpenAI's logit_bias: token id (as a string key) -> bias added to its logit before sampling
-    logit_bias: dict[TokenIdKey, Bias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    logit_bias: Annotated[dict[TokenIdKey, Bias] | None, WithJsonSchema(LOGIT_BIAS_SCHEMA)] = Field(
+        default=None, max_length=MAX_LOGIT_BIAS
+    )
 
     def sampling_params(self, default_max_tokens: int, model_defaults: dict | None = None) -> SamplingParams:
         """The request's sampling; a field the request leaves out takes the model's default
@@ -234,11 +283,11 @@ class ChatRequest(_Sampling):
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
     logprobs: StrictBool = (
         False  # each output token's log-probability (of the model's logits, before sampling settings)
     )
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def logprobs_k(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -246,13 +295,13 @@ class ChatRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-TOKEN_LIST = {"type": "array", "items": {"type": "integer"}}
+TOKEN_LIST = {"type": "array", "items": {"type": "integer", "minimum": 0}}  # openapi.py adds the vocabulary bound
 PROMPT_SCHEMA = {
     "anyOf": [
-        {"type": "string"},
-        {**TOKEN_LIST, "description": "token ids"},
-        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_PROMPTS},
-        {"type": "array", "items": TOKEN_LIST, "minItems": 1, "maxItems": MAX_PROMPTS},
+        {"type": "string", "minLength": 1},
+        {**TOKEN_LIST, "minItems": 1, "description": "token ids"},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_PROMPTS},
+        {"type": "array", "items": {**TOKEN_LIST, "minItems": 1}, "minItems": 1, "maxItems": MAX_PROMPTS},
     ],
     "description": "a text, a list of token ids, or a batch: a list of texts or of token-id lists",
 }
@@ -262,29 +311,41 @@ class CompletionRequest(_Sampling):
     # Checked by `prompts()`, which names the element at fault (prompt.1, prompt.0.3).
     prompt: Annotated[Any, WithJsonSchema(PROMPT_SCHEMA)]
     echo: Literal[False] | None = None
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # the legacy API: k alternatives per token
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # the legacy API: k alternatives per token
 
     def logprobs_k(self) -> int | None:
         return self.logprobs
 
     def prompts(self) -> tuple[list[str | list[int]], bool]:
-        """(the prompts, whether the request is a batch): a text or token list alone, or a list of them."""
+        """(the prompts, whether the request is a batch): a text or token list alone, or a list of them.
+
+        Token ids are integers (5.0 counts as 5, as JSON Schema says); an empty text is an empty prompt."""
         p = self.prompt
+        if isinstance(p, list) and all(_is_token(t) for t in p):
+            return [[int(t) for t in p]], False  # token ids ([] is an empty prompt, refused as one)
         if isinstance(p, str):
-            return [p], False
-        if not isinstance(p, list):
-            raise ApiError(
-                400, "prompt: must be a string, a list of token ids, or a list of either", "prompt", "invalid_type"
-            )
-        if all(_is_token(t) for t in p):
-            return [p], False  # token ids (an empty list is an empty prompt, refused as one)
+            out, batch = [p], False
+        elif isinstance(p, list):
+            out, batch = self._batch(p), True
+        else:
+            msg = "must be a string, a list of token ids, or a list of either"
+            raise ApiError(400, f"prompt: {msg}", "prompt", "invalid_type")
+        for i, item in enumerate(out):
+            if item == "":
+                where = f"prompt.{i}" if batch else "prompt"
+                raise ApiError(400, f"{where}: the prompt is empty", where, "empty_prompt")
+        return out, batch
+
+    @staticmethod
+    def _batch(p: list) -> list[str | list[int]]:
         if len(p) > MAX_PROMPTS:
             raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts, got {len(p)}", "prompt", "invalid_value")
-        kind = str if isinstance(p[0], str) else list
+        texts = isinstance(p[0], str)
+        out: list[str | list[int]] = []
         for i, item in enumerate(p):
-            if kind is str and not isinstance(item, str):
+            if texts and not isinstance(item, str):
                 raise ApiError(400, f"prompt.{i}: a batch of texts holds texts only", f"prompt.{i}", "invalid_type")
-            if kind is list:
+            if not texts:
                 if not isinstance(item, list):
                     msg = "a batch of token lists holds token-id lists only"
                     raise ApiError(400, f"prompt.{i}: {msg}", f"prompt.{i}", "invalid_type")
@@ -292,11 +353,14 @@ class CompletionRequest(_Sampling):
                 if bad is not None:
                     where = f"prompt.{i}.{bad}"
                     raise ApiError(400, f"{where}: a token id is an integer", where, "invalid_type")
-        return p, True
+                item = [int(t) for t in item]
+            out.append(item)
+        return out
 
 
 def _is_token(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer token id: an int, or a float with no fraction (JSON Schema's integer), never a bool."""
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
 
 
 def _reject_constant(name: str):

@@ -67,9 +67,14 @@ async def read_body(request: web.Request, state: DaemonState, model):
     return parse_body(await read_raw(request, state), model)
 
 
+def model_names(served: str) -> tuple[str, ...]:
+    """The names a request may give the served model: its own, with Ollama's tag (clients that list models
+    over /api/tags send it back, as oterm does), or "default"."""
+    return served, f"{served}:latest", "default"
+
+
 def check_model(state: DaemonState, name: str | None) -> None:
-    # Ollama's names carry a tag; clients that list models over /api/tags send it back here (as oterm does)
-    if name is not None and name not in (state.model_name, f"{state.model_name}:latest", "default"):
+    if name is not None and name not in model_names(state.model_name):
         raise ApiError(
             404, f"model {name!r} does not exist; this daemon serves {state.model_name!r}", "model", "model_not_found"
         )

@@ -41,6 +41,7 @@ COVERED = {
     "bench_quant_matmul.py": "test_bench_quant_matmul",
     "make_model.py": "test_make_model",
     "perplexity.py": "test_perplexity",
+    "fuzz.sh": "test_fuzz_script",
 }
 
 
@@ -103,7 +104,7 @@ def number(pattern: str, text: str) -> float:
 def test_every_script_in_the_readme_table_has_a_test_here():
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("| script | what it does |") :].split("\n\n")[0]
-    listed = set(re.findall(r"^\| `scripts/([a-z_]+\.py)`", table, re.M))
+    listed = set(re.findall(r"^\| `scripts/([a-z_]+\.(?:py|sh))`", table, re.M))
     assert listed == set(COVERED), listed ^ set(COVERED)
     assert all(name in globals() for name in COVERED.values())
 
@@ -369,3 +370,18 @@ def test_perplexity(env):
     assert all(1 < p < 1000 for p in ppl.values()) and abs(ppl["native"] / ppl["native-exact"] - 1) < 0.05
     kl, same = float(rows["native-exact"][2]), float(rows["native-exact"][3].rstrip("%"))
     assert 0 < kl < 0.1 and 80 < same < 100
+
+
+def test_fuzz_script(env):
+    # The deep run with 2 examples per operation and mode: the same check 17, from its own shell script.
+    proc = subprocess.run(
+        ["bash", str(SCRIPTS / "fuzz.sh"), "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**env, "PYTHON": sys.executable},
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "fuzz: 2 examples per operation and mode" in proc.stdout
+    assert re.search(r"(\d+) passed", proc.stdout) and int(re.search(r"(\d+) passed", proc.stdout).group(1)) >= 30

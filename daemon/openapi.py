@@ -1,0 +1,269 @@
+"""The API as an OpenAPI 3.1 document, made from the models the daemon validates and answers with.
+
+Request bodies come from protocol.py's and ollama.py's models (the ones `parse_body` validates with),
+answers from schemas.py, the engine's facts from its own dataclasses. What is written here by hand is
+only what no model holds: which path takes which body, answers with which model and status codes, and
+the query parameters the handlers read. `GET /openapi.json` serves it; a test checks that it lists
+exactly the routes the server registers, and the fuzz test checks every answer against it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, TypeAdapter
+from pydantic.json_schema import models_json_schema
+
+from minibatch.engine.core.info import EngineInfo
+
+from . import ollama, schemas
+from .protocol import MAX_BODY_BYTES, ChatRequest, CompletionRequest
+from .state import model_names
+
+REF = "#/components/schemas/{model}"
+JSON, SSE, NDJSON, TEXT = "application/json", "text/event-stream", "application/x-ndjson", "text/plain"
+
+# Status codes by what an operation does (each with the error shape of its API).
+GUARDED = {401: "no or a wrong API key (TCP listener)", 403: "a foreign Host or Origin (TCP listener)"}
+BODY = {
+    400: "the body is not valid: the message and `param` name the field and the limit",
+    408: "the body did not arrive in time",
+    413: f"the body is over {MAX_BODY_BYTES} bytes",
+    415: "the body is not application/json (TCP listener)",
+}
+ENGINE = {503: "the model is loading, or the daemon is shutting down"}
+MODEL = {404: "another model name than the one served"}
+GENERATE = {
+    429: "the batch and the queue behind it are full (Retry-After: 1)",
+    500: "the engine failed while running the request",
+    504: "the request ran past the daemon's --request-timeout",
+}
+
+
+def _events(what: str) -> dict:
+    """A server-sent event stream, described (as OpenAPI 3.1 tools read it) by the schema of one event."""
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"type": "string", "contentMediaType": JSON, "description": what}},
+        "description": "server-sent events, `data: ...` each",
+    }
+
+
+def _query(name: str, schema: dict, description: str) -> dict:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+
+
+# (method, path, summary, request body model or None, {status: (description, {media type: model or schema})},
+#  error statuses, query parameters)
+def _operations() -> list[tuple]:
+    s = schemas
+    chunks = "a chunk ({}), an error object, or [DONE] to end"
+    gen_chat = {JSON: s.ChatCompletion, SSE: _events(chunks.format("chat.completion.chunk"))}
+    gen_text = {JSON: s.Completion, SSE: _events(chunks.format("text_completion"))}
+    gen = {**GUARDED, **BODY, **ENGINE, **MODEL, **GENERATE}
+    olla_gen = {**GUARDED, **BODY, **ENGINE, **MODEL, **GENERATE}
+    steps = _query("steps", {"type": "integer", "minimum": 0, "maximum": 600}, "recent steps to include (20)")
+    since = _query("since", {"type": "integer", "minimum": 0}, "the records after this step (0: all kept)")
+    return [
+        (
+            "get",
+            "/health",
+            "the daemon's state and the engine's facts (503 unless ready)",
+            None,
+            {200: {JSON: s.Health}, 503: {JSON: s.Health}},
+            {**GUARDED},
+            [],
+        ),
+        ("get", "/openapi.json", "this document", None, {200: {JSON: {"type": "object"}}}, {**GUARDED}, []),
+        ("get", "/v1/models", "the model served", None, {200: {JSON: s.ModelList}}, {**GUARDED}, []),
+        ("post", "/v1/chat/completions", "a chat completion", ChatRequest, {200: gen_chat}, gen, []),
+        (
+            "post",
+            "/v1/completions",
+            "a text completion (or a batch of prompts)",
+            CompletionRequest,
+            {200: gen_text},
+            gen,
+            [],
+        ),
+        (
+            "get",
+            "/v1/engine/stats",
+            "the engine now, its rates and its recent steps",
+            None,
+            {200: {JSON: s.Stats}},
+            {**GUARDED, 400: BODY[400], **ENGINE},
+            [steps],
+        ),
+        (
+            "get",
+            "/v1/engine/events",
+            "one server-sent event per engine step, for as long as the client stays",
+            None,
+            {200: {SSE: _events("one engine step: its counters and the rates")}},
+            {**GUARDED, **ENGINE},
+            [],
+        ),
+        (
+            "get",
+            "/v1/engine/blocks",
+            "KV blocks by owning request",
+            None,
+            {200: {JSON: s.BlockMap}},
+            {**GUARDED, **ENGINE},
+            [],
+        ),
+        (
+            "get",
+            "/v1/engine/steps",
+            "the batch timeline",
+            None,
+            {200: {JSON: s.Timeline}},
+            {**GUARDED, 400: BODY[400], **ENGINE},
+            [since],
+        ),
+        ("get", "/v1/engine/mode", "the batching mode", None, {200: {JSON: s.ModeState}}, {**GUARDED, **ENGINE}, []),
+        (
+            "put",
+            "/v1/engine/mode",
+            "switch the batching mode at the next batch boundary",
+            s.ModeRequest,
+            {202: {JSON: s.ModeSwitch}},
+            {**GUARDED, **BODY, **ENGINE},
+            [],
+        ),
+        ("get", "/metrics", "Prometheus metrics", None, {200: {TEXT: {"type": "string"}}}, {**GUARDED}, []),
+        (
+            "post",
+            "/api/chat",
+            "Ollama: a chat answer (streamed as NDJSON unless stream is false)",
+            ollama.ChatBody,
+            {200: {JSON: s.OllamaChatAnswer, NDJSON: {"type": "string"}}},
+            olla_gen,
+            [],
+        ),
+        (
+            "post",
+            "/api/generate",
+            "Ollama: a completion (streamed as NDJSON unless stream is false)",
+            ollama.GenerateBody,
+            {200: {JSON: s.OllamaGenerateAnswer, NDJSON: {"type": "string"}}},
+            olla_gen,
+            [],
+        ),
+        ("get", "/api/tags", "Ollama: the models served", None, {200: {JSON: s.OllamaTags}}, {**GUARDED}, []),
+        ("get", "/api/ps", "Ollama: the models loaded", None, {200: {JSON: s.OllamaTags}}, {**GUARDED}, []),
+        (
+            "post",
+            "/api/show",
+            "Ollama: the model's details",
+            s.OllamaShowRequest,
+            {200: {JSON: s.OllamaShow}},
+            {**GUARDED, **BODY, **ENGINE, **MODEL},
+            [],
+        ),
+        (
+            "get",
+            "/api/version",
+            "Ollama: the API version followed",
+            None,
+            {200: {JSON: s.OllamaVersion}},
+            {**GUARDED},
+            [],
+        ),
+    ]
+
+
+# pydantic writes a bound of `Int | None` (an integer type with a before-validator, inside a union) under
+# its own keyword names; JSON Schema's are these.
+_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def _json_schema_bounds(node):
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            node = {_BOUNDS.get(k, k): v for k, v in node.items()}
+        return {k: _json_schema_bounds(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_json_schema_bounds(v) for v in node]
+    return node
+
+
+def _schemas(models: list[tuple[type[BaseModel], str]]) -> tuple[dict, dict]:
+    """(model and mode -> a $ref, the components' schemas)."""
+    refs, defs = models_json_schema(models, ref_template=REF)
+    return refs, _json_schema_bounds(defs.get("$defs", {}))
+
+
+def document(model: str | None = None, vocab_size: int | None = None, version: str = "0.1.0") -> dict[str, Any]:
+    """The document. What the daemon serves also states its facts: the `model` names a request may give, and
+    the `vocab_size` every prompt token id is below."""
+    ops = _operations()
+    models: set[tuple[type[BaseModel], str]] = set()
+    for _, _, _, body, answers, _, _ in ops:
+        if body is not None:
+            models.add((body, "validation"))
+        for content in answers.values():
+            models.update((m, "serialization") for m in content.values() if isinstance(m, type))
+    models |= {(schemas.ErrorBody, "serialization"), (schemas.OllamaError, "serialization")}
+    refs, components = _schemas(sorted(models, key=lambda m: (m[0].__name__, m[1])))
+    engine_info = TypeAdapter(EngineInfo).json_schema(ref_template=REF, mode="serialization")
+    components.update(engine_info.pop("$defs", {}))
+    components["EngineInfo"] = engine_info
+    # Once the model is loaded /health carries the engine's facts beside its own fields.
+    health = refs[(schemas.Health, "serialization")]["$ref"].rsplit("/", 1)[1]
+    components[health] = {
+        "allOf": [
+            components[health],
+            {"anyOf": [{"$ref": REF.format(model="EngineInfo")}, {"not": {"required": ["model_dir"]}}]},
+        ]
+    }
+
+    if model is not None:  # any other name is answered 404
+        names = {"anyOf": [{"enum": list(model_names(model))}, {"type": "null"}]}
+        for body in {b for _, _, _, b, _, _, _ in ops if b is not None}:
+            props = components[refs[(body, "validation")]["$ref"].rsplit("/", 1)[1]].get("properties", {})
+            for key in ("model", "name") if body is schemas.OllamaShowRequest else ("model",):
+                if key in props:
+                    props[key] = {**names, "description": "the served model (or left out)"}
+
+    if vocab_size is not None:
+        prompt = components[refs[(CompletionRequest, "validation")]["$ref"].rsplit("/", 1)[1]]["properties"]["prompt"]
+        for variant in prompt["anyOf"]:
+            items = variant.get("items", {})
+            for ids in (items, items.get("items", {})):
+                if ids.get("type") == "integer":
+                    ids["maximum"] = vocab_size - 1
+
+    def content(media: dict) -> dict:
+        return {kind: {"schema": refs[(m, "serialization")] if isinstance(m, type) else m} for kind, m in media.items()}
+
+    paths: dict[str, dict] = {}
+    for method, path, summary, body, answers, errors, params in ops:
+        error = refs[(schemas.OllamaError if path.startswith("/api/") else schemas.ErrorBody, "serialization")]
+        responses = {str(code): {"description": "ok", "content": content(media)} for code, media in answers.items()}
+        for code, why in errors.items():
+            responses[str(code)] = {"description": why, "content": {JSON: {"schema": error}}}
+        op: dict[str, Any] = {"summary": summary, "operationId": f"{method}{path}", "responses": responses}
+        if body is not None:
+            op["requestBody"] = {"required": True, "content": {JSON: {"schema": refs[(body, "validation")]}}}
+        if params:
+            op["parameters"] = params
+        paths.setdefault(path, {})[method] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "minibatch",
+            "version": version,
+            "description": "OpenAI-compatible, Ollama and native endpoints of the minibatch daemon, on its Unix "
+            "socket and (with an API key) its TCP listener.",
+        },
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}},
+        },
+        # The socket needs no key; the TCP listener needs one (or --insecure-no-auth).
+        "security": [{}, {"apiKey": []}],
+    }

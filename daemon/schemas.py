@@ -1,0 +1,265 @@
+"""The shapes of the daemon's JSON answers, as pydantic models: the OpenAPI document (openapi.py) is made
+from them and the request models of protocol.py and ollama.py, and the API fuzz test checks every answer
+the daemon gives against that document, so a handler that drifts from its model fails there.
+
+Objects allow fields beyond the ones listed (clients ignore what they do not know; OpenAI adds fields
+too); the listed ones are required unless they have a default here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from minibatch.engine.core.outputs import StepStats
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# -- errors -------------------------------------------------------------------
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error of the OpenAI-compatible and native endpoints."""
+
+    model_config = ConfigDict(extra="forbid")
+    error: ErrorDetail
+
+
+class OllamaError(BaseModel):
+    """Every error of Ollama's endpoints: the message, naming the field."""
+
+    model_config = ConfigDict(extra="forbid")
+    error: str
+
+
+# -- OpenAI-compatible --------------------------------------------------------
+class Timings(_Out):
+    queue_wait_ms: float | None = None
+    ttft_ms: float | None = None
+    decode_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+    preemptions: int = 0
+    cached_prompt_tokens: int = 0
+
+
+class PromptDetails(_Out):
+    cached_tokens: int
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptDetails
+
+
+class ToolCallOut(_Out):
+    id: str
+    type: Literal["function"]
+    function: dict[str, str]
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChatChoice(_Out):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None
+
+
+class ChatCompletion(_Out):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    minibatch: Timings
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None
+
+
+class Completion(_Out):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    minibatch: Timings
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | None
+
+
+class ModelList(_Out):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+# -- native -------------------------------------------------------------------
+class Health(_Out):
+    """The daemon's state; once the model is loaded, the engine's facts (EngineInfo) and its mode too."""
+
+    status: Literal["ok", "loading", "draining", "failed"]
+    model: str
+    uptime_s: float
+    last_error: str | None
+    last_error_time: float | None
+    pid: int
+
+
+class Stats(_Out):
+    mode: Literal["continuous", "static"]
+    pending_mode: Literal["continuous", "static"] | None
+    running: int
+    max_num_seqs: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_usage_percent: float
+    block_size: int
+    prefix_cache_hit_rate: float
+    preemptions: int
+    requests_finished: int
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    steps_per_s: float
+    last_error: str | None
+    recent_steps: list[StepStats]
+
+
+class BlockMap(_Out):
+    total: int
+    owners: dict[str, list[int]]
+    shared: list[int]
+    block_size: int | None = None  # from the first refresh on
+    cached_free: int | None = None
+
+
+class StepRecord(_Out):
+    step: int
+    t: float
+    ms: float
+    mode: str
+    waiting: int
+    rows: list[list[Any]]  # [row, request id, tokens, state]
+    preempted: list[str]
+
+
+class Timeline(_Out):
+    last_step: int
+    capacity: int
+    max_rows: int
+    states: dict[str, str]
+    steps: list[StepRecord]
+
+
+class ModeState(_Out):
+    mode: Literal["continuous", "static"]
+    pending_mode: Literal["continuous", "static"] | None
+
+
+class ModeSwitch(_Out):
+    mode: Literal["continuous", "static"]
+    requested_mode: Literal["continuous", "static"]
+
+
+class ModeRequest(BaseModel):
+    """PUT /v1/engine/mode's body."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    mode: Literal["continuous", "static"]
+
+
+# -- Ollama -------------------------------------------------------------------
+class OllamaDetails(_Out):
+    format: str
+    family: str
+    families: list[str]
+    parameter_size: str
+    quantization_level: str
+
+
+class OllamaModel(_Out):
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: OllamaDetails
+
+
+class OllamaTags(_Out):
+    models: list[OllamaModel]
+
+
+class OllamaShow(_Out):
+    details: OllamaDetails
+    model_info: dict[str, Any]
+    capabilities: list[str]
+
+
+class OllamaVersion(_Out):
+    version: str
+
+
+class OllamaMessageOut(_Out):
+    role: Literal["assistant"]
+    content: str
+
+
+class OllamaChatAnswer(_Out):
+    model: str
+    created_at: str
+    message: OllamaMessageOut
+    done: bool
+
+
+class OllamaGenerateAnswer(_Out):
+    model: str
+    created_at: str
+    response: str
+    done: bool
+
+
+SHOW_NAMED = {  # the handler takes `model`, else `name`: one of them must be a name
+    "anyOf": [
+        {"required": ["model"], "properties": {"model": {"type": "string"}}},
+        {"required": ["name"], "properties": {"name": {"type": "string"}}},
+    ]
+}
+
+
+class OllamaShowRequest(_Out):
+    """POST /api/show's body: the model's name, under either key."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra=SHOW_NAMED)
+    model: str | None = None
+    name: str | None = None  # older clients send the name here

@@ -1,0 +1,46 @@
+"""The OpenAPI document: valid OpenAPI 3.1, and exactly the routes the server registers."""
+
+from __future__ import annotations
+
+import pytest
+
+from minibatch.daemon.app import create_app
+from minibatch.daemon.openapi import document
+from minibatch.daemon.state import DaemonState
+
+
+def test_the_document_is_valid_openapi_3_1():
+    validator = pytest.importorskip("openapi_spec_validator")
+    for doc in (document(), document("some-model", 49152)):
+        assert doc["openapi"] == "3.1.0"
+        validator.validate(doc)  # raises on any violation of the 3.1 schema
+
+
+def test_every_registered_route_is_documented_and_nothing_else():
+    app = create_app(DaemonState(model_name="m"))
+    routes = {(r.method.lower(), r.resource.canonical) for r in app.router.routes() if r.method not in ("HEAD", "*")}
+    documented = {(method, path) for path, ops in document()["paths"].items() for method in ops}
+    assert len(routes) >= 18
+    assert routes == documented, (routes - documented, documented - routes)
+
+
+def test_request_bodies_are_the_models_the_daemon_validates_with():
+    from minibatch.daemon import ollama
+    from minibatch.daemon.protocol import ChatRequest
+
+    doc = document()
+    schemas = doc["components"]["schemas"]
+    chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert chat == {"$ref": "#/components/schemas/ChatRequest"}
+    assert set(schemas["ChatRequest"]["properties"]) == set(ChatRequest.model_fields)
+    assert schemas["ChatRequest"]["additionalProperties"] is False  # unknown fields are refused
+    assert "additionalProperties" not in schemas["ChatBody"]  # Ollama's are ignored, as Ollama does
+    assert set(schemas["ChatBody"]["properties"]) == set(ollama.ChatBody.model_fields)
+
+
+def test_the_served_document_states_the_models_facts():
+    doc = document("tiny", 1000)
+    props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert props["model"]["anyOf"][0] == {"enum": ["tiny", "tiny:latest", "default"]}
+    tokens = [v for v in props["prompt"]["anyOf"] if v["type"] == "array" and v["items"].get("type") == "integer"]
+    assert tokens and all(v["items"]["maximum"] == 999 and v["items"]["minimum"] == 0 for v in tokens)
