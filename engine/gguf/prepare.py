@@ -113,6 +113,9 @@ def model_config(gguf: GGUFFile, n_tokens: int) -> dict:
         config["rope_parameters"].update(rope_type=scaling, factor=_decimal(get("rope.scaling.factor")))
     if get("attention.sliding_window"):
         config["sliding_window"] = get("attention.sliding_window")
+    freqs = next((t for t in gguf.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:  # Llama 3.1+: the converter stores the rope scaling as per-frequency factors
+        _llama3_rope(gguf, config, _f32_tensor(gguf, freqs))
     if arch in ("gemma2", "gemma3"):
         _gemma_config(gguf, config)
     elif arch == "phi3":
@@ -167,6 +170,53 @@ def _phi3_config(gguf: GGUFFile, config: dict) -> None:
         )
         if isinstance(meta.get("phi3.rope.scaling.attn_factor"), float):
             config["rope_parameters"]["attention_factor"] = _decimal(meta["phi3.rope.scaling.attn_factor"])
+
+
+# Meta's Llama 3.1-3.3 scaling: factor 1 above these wavelengths' frequencies, `factor` below, smooth between.
+LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR = 1.0, 4.0
+
+
+def llama3_factors(theta: float, dim: int, factor: float, low: float, high: float, original: int) -> np.ndarray:
+    """The per-frequency divisors Llama 3's rope scaling applies (what llama.cpp's converter writes as
+    rope_freqs.weight, and what our forward computes from the same four numbers)."""
+    freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (original / wavelen - low) / (high - low)
+    between = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, between))
+
+
+def _llama3_rope(gguf: GGUFFile, config: dict, factors: list[float]) -> None:
+    """rope_parameters from a rope_freqs tensor: Llama 3's scaling, its four numbers recovered from the factors
+    (factor = the largest; the original context from the smooth band, Meta's low/high frequency factors) and
+    checked by recomputing every factor. Factors that are not that scaling are refused, not ignored."""
+    from minibatch.engine.models.config import UnsupportedModelError
+
+    f = np.asarray(factors, dtype=np.float64)
+    theta, dim = config["rope_parameters"]["rope_theta"], 2 * len(f)
+    if np.all(f == 1.0):
+        return
+    factor, low, high = float(f.max()), LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR
+    wavelen = 2 * np.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    band = (f > 1.0) & (f < factor)
+    if band.any():  # 1/f = (1 - s)/factor + s, s = (original / wavelen - low) / (high - low)
+        s = (1 / f[band] - 1 / factor) / (1 - 1 / factor)
+        original = int(round(float(np.median(wavelen[band] * (s * (high - low) + low)))))
+    else:  # no frequency in the band: the largest context whose band holds none
+        original = int(np.floor(wavelen[f < factor].max() * high)) if (f < factor).any() else 8192
+    want = llama3_factors(theta, dim, factor, low, high, original)
+    if want.shape != f.shape or not np.allclose(want, f, rtol=1e-5, atol=0):
+        raise UnsupportedModelError(
+            f"{gguf.path}: rope_freqs.weight is not Llama 3's rope scaling (best fit: factor {factor:g}, "
+            f"original context {original}, off by {np.abs(want - f).max():.3g}); the forward cannot run it"
+        )
+    config["rope_parameters"].update(
+        rope_type="llama3",
+        factor=_decimal(factor),
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=original,
+    )
 
 
 def _f32_tensor(gguf: GGUFFile, info) -> list[float]:

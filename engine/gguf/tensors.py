@@ -55,7 +55,8 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# Tensors a GGUF may carry that our forward computes itself.
+# Tensors a GGUF may carry that our forward computes itself (rope_freqs: prepare.py reads it as Llama 3's
+# rope scaling into the config, and the forward computes the same factors from it).
 _IGNORED = ("rope_freqs.weight",)
 
 

@@ -87,6 +87,19 @@ def write_converter_metadata(writer, cfg: dict, arch: str) -> None:
     if arch == "gemma3" and rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if rope.get("rope_type") == "llama3":  # as the converter writes Llama 3.1+: the factors, as a tensor
+        from minibatch.engine.gguf.prepare import llama3_factors
+
+        dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        factors = llama3_factors(
+            rope["rope_theta"],
+            dim,
+            rope["factor"],
+            rope["low_freq_factor"],
+            rope["high_freq_factor"],
+            rope["original_max_position_embeddings"],
+        )
+        writer.add_tensor("rope_freqs.weight", factors.astype(np.float32))
     if arch in ("phi3", "mistral"):
         writer.add_sliding_window(cfg.get("sliding_window") or 0)
     if arch == "phi3":

@@ -55,6 +55,20 @@ def _tiny(path, kind: str):
             rope_scaling={"rope_type": "linear", "factor": 4.0},
         )
         model = transformers.Gemma3ForCausalLM(cfg)
+    elif kind == "llama3":  # Llama 3.1's rope scaling, written by the converter as rope_freqs.weight
+        cfg = transformers.LlamaConfig(
+            **TINY_COMMON | {"max_position_embeddings": 256},
+            **_IDS,
+            rope_theta=10000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        )
+        model = transformers.LlamaForCausalLM(cfg)
     elif kind == "phi3":  # a window of 8
         cfg = transformers.Phi3Config(**TINY_COMMON, **_IDS, sliding_window=8, tie_word_embeddings=False)
         model = transformers.Phi3ForCausalLM(cfg)
@@ -83,9 +97,9 @@ def _tiny(path, kind: str):
     return path
 
 
-@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "phi3", "phi3-longrope"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3", "phi3", "phi3-longrope", "llama3"])
 def test_a_gguf_alone_runs_as_the_model_it_came_from(tmp_path, kind):
-    arch = kind.split("-")[0]
+    arch = "llama" if kind == "llama3" else kind.split("-")[0]
     hf_dir = _tiny(tmp_path / "hf", kind)
     reference = write_gguf_model(hf_dir, tmp_path / "gguf", "Q8_0", arch=arch, metadata=True)
     gguf = tmp_path / "gguf" / "model-Q8_0.gguf"
@@ -97,6 +111,12 @@ def test_a_gguf_alone_runs_as_the_model_it_came_from(tmp_path, kind):
     assert ours_cfg == hf_cfg
     if kind == "phi3-longrope":
         assert (ours_cfg.rope.rope_type, ours_cfg.max_position, ours_cfg.default_context) == ("longrope", 192, 48)
+    if kind == "llama3":
+        assert (ours_cfg.rope.rope_type, ours_cfg.rope.factor, ours_cfg.rope.original_max_position) == (
+            "llama3",
+            8.0,
+            8192,
+        )
 
     ids = list(range(5, 5 + 37))
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -217,3 +237,28 @@ def test_longrope_factors_that_disagree_with_the_config_are_refused(tmp_path):
         GGUFError, match=r"LongRoPE factors \(rope_factors_short.weight\) differ from the rope of the config"
     ):
         GGUFWeights(tmp_path / "gguf" / "model-Q8_0.gguf", plain)
+
+
+def test_rope_freqs_that_are_not_llama3s_scaling_are_refused_not_ignored():
+    from types import SimpleNamespace
+
+    from minibatch.engine.gguf.prepare import _llama3_rope, llama3_factors
+    from minibatch.engine.models.config import UnsupportedModelError
+
+    file = SimpleNamespace(path="x.gguf")
+    config = {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    real = llama3_factors(500000.0, 64, 32.0, 1.0, 4.0, 8192)  # Llama 3.2's numbers, head_dim 64
+    _llama3_rope(file, config, real.tolist())
+    assert config["rope_parameters"] == {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    untouched = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+    _llama3_rope(file, untouched, [1.0] * 32)  # all ones: no scaling
+    assert untouched["rope_parameters"]["rope_type"] == "default"
+    with pytest.raises(UnsupportedModelError, match="not Llama 3's rope scaling"):
+        _llama3_rope(file, {"rope_parameters": {"rope_theta": 10000.0}}, (1 + np.arange(32) / 7).tolist())
