@@ -27,6 +27,10 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(MINIBATCH_PORTABLE)
 #define MBQ_AVX2 1
 #endif
+// 512-bit multiply-adds for the 256-value types: AVX-512BW's maddubs and AVX-512 VNNI's word dot.
+#if defined(MBQ_AVX2) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(MINIBATCH_NO_VNNI)
+#define MBQ_ZMM 1
+#endif
 
 namespace {
 
@@ -189,6 +193,57 @@ void dot_rows32(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, 
   }
 }
 
+#ifdef MBQ_ZMM
+// The 256-value types with unsigned integers on 512-bit registers: two 32-value groups (64 values, 4
+// sub-block scales) per multiply-add, so a block takes half the instructions of the 256-bit loop below.
+// The weights are unpacked as there (reg_u), two groups joined into one register; the scales of the four
+// 16-value quarters are spread over it with one permute.
+template <int64_t T, int M>
+void dot_rows_zmm(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0,
+                  int64_t n1) {
+  using Tr = Traits<T>;
+  constexpr int P = Tr::ELEMS / 64;
+  const int64_t nb = a.k / Tr::ELEMS, n16 = a.k / 16;
+  alignas(64) static const int16_t quarter[32] = {0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                  2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3};
+  const __m512i base = _mm512_load_si512(quarter);
+  Block blk{};
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t bi = 0; bi < nb; ++bi) {
+      const uint8_t* b = row + bi * Tr::BYTES;
+      Tr::scales(b, blk);
+      const __m512i scv = _mm512_castsi256_si512(load256(reinterpret_cast<const uint8_t*>(blk.sc)));
+      __m512i sumi[M];
+      for (int r = 0; r < M; ++r) sumi[r] = _mm512_setzero_si512();
+      for (int p = 0; p < P; ++p) {
+        const __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(reg_u<T>(b, 2 * p)), reg_u<T>(b, 2 * p + 1), 1);
+        const __m512i sv = _mm512_permutexvar_epi16(_mm512_add_epi16(base, _mm512_set1_epi16((short)(4 * p))), scv);
+        for (int r = 0; r < M; ++r) {
+          const __m512i x = _mm512_loadu_si512(a.q + r * a.k + bi * Tr::ELEMS + 64 * p);
+          sumi[r] = _mm512_dpwssd_epi32(sumi[r], _mm512_maddubs_epi16(u, x), sv);
+        }
+      }
+      for (int r = 0; r < M; ++r) {
+        const float da = a.d[r * nb + bi];
+        __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(sumi[r]), _mm512_extracti64x4_epi64(sumi[r], 1));
+        if constexpr (Tr::OFF || Tr::MIN) {  // 16 sub-blocks: offsets (scale d) or minimums (scale dmin)
+          const int16_t* bs = a.bs + r * n16 + bi * (Tr::ELEMS / 16);
+          const __m256i t = _mm256_madd_epi16(load256(reinterpret_cast<const uint8_t*>(Tr::OFF ? blk.off : blk.mn)),
+                                              load256(reinterpret_cast<const uint8_t*>(bs)));
+          if constexpr (Tr::OFF) s = _mm256_add_epi32(s, t);
+          else acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(-blk.dmin * da), acc[r]);
+        }
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(blk.d * da), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) out[r * ldo + n] = hsum(acc[r]);
+  }
+}
+#endif
+
 // Columns [n0, n1) of out[r, :] for M rows. Each weight group is unpacked once and multiplied into every
 // row; the integer products of a whole block add up in int32 before one float scale per block and row.
 template <int64_t T, int M>
@@ -196,6 +251,10 @@ void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, in
   using Tr = Traits<T>;
   if constexpr (Tr::ELEMS == 32) {
     dot_rows32<T, M>(a, w, row_bytes, out, ldo, n0, n1);
+#ifdef MBQ_ZMM
+  } else if constexpr (!Tr::SIGNED && T != Q3_K) {  // Q3_K measured 2.6x slower at 1 row on it: not used
+    dot_rows_zmm<T, M>(a, w, row_bytes, out, ldo, n0, n1);
+#endif
   } else {
     constexpr int G = Tr::ELEMS / 32;
     const int64_t nb = a.k / Tr::ELEMS, nd = a.k / Tr::ELEMS, n16 = a.k / 16;
@@ -272,16 +331,13 @@ void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, in
 // in groups of this many over each tile of columns, so the tile's weights come from cache. With AVX-512's
 // 32 vector registers 8 rows' accumulators fit beside a weight group's registers, so every unpacked group
 // serves twice the rows; AVX2's 16 hold 4. Measured (scripts/bench_quant_matmul.py, 16 and 64 rows):
-// 8 rows is 15-25% faster for the 32-value types, IQ4_XS, Q3_K and Q6_K, even for Q5_K and Q8_0, and
-// 5% slower for Q4_K and Q2_K, which keep 4.
+// 8 rows is 15-25% faster for the 32-value types, IQ4_XS and Q3_K, even for Q8_0, and (on the 512-bit
+// loop) 20-35% faster for Q4_K, Q2_K, Q5_K and Q6_K.
 #if defined(MBQ_AVX2) && defined(__AVX512VL__)
 constexpr int64_t kRowGroup = 8;
 #else
 constexpr int64_t kRowGroup = 4;
 #endif
-template <int64_t T>
-constexpr int64_t row_group() { return (T == Q4_K || T == Q2_K) ? std::min<int64_t>(4, kRowGroup) : kRowGroup; }
-
 template <int64_t T>
 void dot_columns(const Acts& a, int64_t m, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0,
                  int64_t n1) {
@@ -305,11 +361,11 @@ using ColumnsFn = void (*)(const Acts&, int64_t, const uint8_t*, int64_t, float*
 
 struct TypeInfo {
   ColumnsFn fn;
-  int64_t elems, bytes, rows;  // rows: how many the kernel computes together
+  int64_t elems, bytes;
 };
 
 template <int64_t T>
-constexpr TypeInfo info() { return {dot_columns<T>, Traits<T>::ELEMS, Traits<T>::BYTES, row_group<T>()}; }
+constexpr TypeInfo info() { return {dot_columns<T>, Traits<T>::ELEMS, Traits<T>::BYTES}; }
 
 TypeInfo type_info(int64_t type) {
   switch (type) {
@@ -388,11 +444,11 @@ at::Tensor quant_linear_q8(at::Tensor q, at::Tensor d, at::Tensor bs,  // quanti
   float* op = out.data_ptr<float>();
   // Tiles of columns whose blocks stay in L2 (~128 KB) while every group of rows passes over them.
   const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(256, (131072 / std::max<int64_t>(row_bytes, 1)) / 16 * 16));
-  parallel_chunks(n, m <= t.rows ? 64 : tile, [&](int64_t n0, int64_t n1) {
+  parallel_chunks(n, m <= kRowGroup ? 64 : tile, [&](int64_t n0, int64_t n1) {
     for (int64_t c0 = n0; c0 < n1; c0 += tile)
-      for (int64_t r0 = 0; r0 < m; r0 += t.rows) {
+      for (int64_t r0 = 0; r0 < m; r0 += kRowGroup) {
         const Acts ar{a.q + r0 * k, a.d + r0 * nd, a.bs + r0 * (k / 16), k};
-        t.fn(ar, std::min<int64_t>(t.rows, m - r0), wp, row_bytes, op + r0 * n, n, c0, std::min<int64_t>(c0 + tile, n1));
+        t.fn(ar, std::min<int64_t>(kRowGroup, m - r0), wp, row_bytes, op + r0 * n, n, c0, std::min<int64_t>(c0 + tile, n1));
       }
   });
   return out;
