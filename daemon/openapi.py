@@ -181,9 +181,13 @@ _BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "ex
 
 
 def _json_schema_bounds(node):
+    """A deep copy with JSON Schema's bound keywords, and every enum in one order (pydantic lists a
+    Literal's values in set order, which differs between processes: the served document must be one)."""
     if isinstance(node, dict):
         if node.get("type") == "integer":
             node = {_BOUNDS.get(k, k): v for k, v in node.items()}
+        if isinstance(node.get("enum"), list):
+            node = {**node, "enum": sorted(node["enum"], key=lambda v: (type(v).__name__, str(v)))}
         return {k: _json_schema_bounds(v) for k, v in node.items()}
     if isinstance(node, list):
         return [_json_schema_bounds(v) for v in node]
@@ -208,7 +212,7 @@ def document(model: str | None = None, vocab_size: int | None = None, version: s
             models.update((m, "serialization") for m in content.values() if isinstance(m, type))
     models |= {(schemas.ErrorBody, "serialization"), (schemas.OllamaError, "serialization")}
     refs, components = _schemas(sorted(models, key=lambda m: (m[0].__name__, m[1])))
-    engine_info = TypeAdapter(EngineInfo).json_schema(ref_template=REF, mode="serialization")
+    engine_info = _json_schema_bounds(TypeAdapter(EngineInfo).json_schema(ref_template=REF, mode="serialization"))
     components.update(engine_info.pop("$defs", {}))
     components["EngineInfo"] = engine_info
     # Once the model is loaded /health carries the engine's facts beside its own fields.

@@ -44,3 +44,26 @@ def test_the_served_document_states_the_models_facts():
     assert props["model"]["anyOf"][0] == {"enum": ["tiny", "tiny:latest", "default"]}
     tokens = [v for v in props["prompt"]["anyOf"] if v["type"] == "array" and v["items"].get("type") == "integer"]
     assert tokens and all(v["items"]["maximum"] == 999 and v["items"]["minimum"] == 0 for v in tokens)
+
+
+def test_the_document_is_the_same_in_every_process():
+    """The daemon serves what the code makes, in any process: nothing in it may take its order from a set
+    (pydantic lists a Literal's values in whatever order the process's typing objects hold them; the
+    document sorts every enum), whatever the hash seed or what was imported before."""
+    import os
+    import subprocess
+    import sys
+
+    make = "import json; from minibatch.daemon.openapi import document; print(json.dumps(document('m', 99)))"
+    docs = {
+        subprocess.run(
+            [sys.executable, "-c", before + make],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            check=True,
+        ).stdout
+        for before, seed in (("", "1"), ("", "2"), ("import typing; typing.Literal['', 'json']; ", "3"))
+    }
+    assert len(docs) == 1
