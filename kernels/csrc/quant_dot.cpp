@@ -193,6 +193,20 @@ void dot_rows32(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, 
   }
 }
 
+// A 256-value block's integer sum s for one row, into the row's accumulator: its 16 sub-blocks' offsets
+// (scale d) or minimums (scale dmin) from the activations' 16-value sums bs, then the block's two scales.
+template <int64_t T>
+inline __m256 block_done(__m256 acc, __m256i s, const Block& blk, float da, const int16_t* bs) {
+  using Tr = Traits<T>;
+  if constexpr (Tr::OFF || Tr::MIN) {
+    const __m256i t = _mm256_madd_epi16(load256(reinterpret_cast<const uint8_t*>(Tr::OFF ? blk.off : blk.mn)),
+                                        load256(reinterpret_cast<const uint8_t*>(bs)));
+    if constexpr (Tr::OFF) s = _mm256_add_epi32(s, t);
+    else acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(-blk.dmin * da), acc);
+  }
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(blk.d * da), acc);
+}
+
 #ifdef MBQ_ZMM
 // The 256-value types with unsigned integers on 512-bit registers: two 32-value groups (64 values, 4
 // sub-block scales) per multiply-add, so a block takes half the instructions of the 256-bit loop below.
@@ -228,15 +242,8 @@ void dot_rows_zmm(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out
       }
       for (int r = 0; r < M; ++r) {
         const float da = a.d[r * nb + bi];
-        __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(sumi[r]), _mm512_extracti64x4_epi64(sumi[r], 1));
-        if constexpr (Tr::OFF || Tr::MIN) {  // 16 sub-blocks: offsets (scale d) or minimums (scale dmin)
-          const int16_t* bs = a.bs + r * n16 + bi * (Tr::ELEMS / 16);
-          const __m256i t = _mm256_madd_epi16(load256(reinterpret_cast<const uint8_t*>(Tr::OFF ? blk.off : blk.mn)),
-                                              load256(reinterpret_cast<const uint8_t*>(bs)));
-          if constexpr (Tr::OFF) s = _mm256_add_epi32(s, t);
-          else acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(-blk.dmin * da), acc[r]);
-        }
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(blk.d * da), acc[r]);
+        const __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(sumi[r]), _mm512_extracti64x4_epi64(sumi[r], 1));
+        acc[r] = block_done<T>(acc[r], s, blk, da, a.bs + r * n16 + bi * (Tr::ELEMS / 16));
       }
     }
     for (int r = 0; r < M; ++r) out[r * ldo + n] = hsum(acc[r]);
@@ -279,14 +286,7 @@ void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, in
         }
         for (int r = 0; r < M; ++r) {
           const float da = a.d[r * nd + bi];
-          const int16_t* bs = a.bs + r * n16 + bi * (Tr::ELEMS / 16);
-          if constexpr (Tr::OFF || Tr::MIN) {  // 16 sub-blocks: offsets (scale d) or minimums (scale dmin)
-            const __m256i bsv = load256(reinterpret_cast<const uint8_t*>(bs));
-            const __m256i t = _mm256_madd_epi16(load256(reinterpret_cast<const uint8_t*>(Tr::OFF ? blk.off : blk.mn)), bsv);
-            if constexpr (Tr::OFF) sumi[r] = _mm256_add_epi32(sumi[r], t);
-            else acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_set1_ps(-blk.dmin * da), acc[r]);
-          }
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(blk.d * da), acc[r]);
+          acc[r] = block_done<T>(acc[r], sumi[r], blk, da, a.bs + r * n16 + bi * (Tr::ELEMS / 16));
         }
       }
       for (int r = 0; r < M; ++r) out[r * ldo + n] = hsum(acc[r]);
