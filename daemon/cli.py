@@ -235,18 +235,21 @@ def cmd_start(args) -> int:
     return start_background(args, sock, guard.api_keys[0] if guard.api_keys else None)
 
 
-def start_background(args, sock: Path, api_key: str | None) -> int:
-    log_file = Path(args.log_file) if args.log_file else default_log_file()
+def start_background(
+    args, sock: Path, api_key: str | None, prog: str = "minibatchd", module: str = "minibatch.daemon.cli", log_file=None
+) -> int:
+    """Run `module` with --foreground in a new session, show its log until it answers /health, then return."""
+    log_file = Path(args.log_file) if args.log_file else log_file or default_log_file()
     log_file.parent.mkdir(parents=True, exist_ok=True)
     rest, key = without_key(args.argv)
-    argv = [sys.executable, "-m", "minibatch.daemon.cli", *rest, "--foreground", "--socket", str(sock)]
+    argv = [sys.executable, "-m", module, *rest, "--foreground", "--socket", str(sock)]
     env = {**os.environ, **({"MINIBATCH_API_KEY": key} if key is not None else {})}
     offset = log_file.stat().st_size if log_file.exists() else 0
     with open(log_file, "ab") as log:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
-    print(f"minibatchd: starting (pid {proc.pid}), log {log_file}", file=sys.stderr)
+    print(f"{prog}: starting (pid {proc.pid}), log {log_file}", file=sys.stderr)
     deadline = time.monotonic() + args.start_timeout
     with open(log_file, "rb") as f:
         f.seek(offset)
@@ -257,40 +260,40 @@ def start_background(args, sock: Path, api_key: str | None) -> int:
                 sys.stderr.flush()
             if proc.poll() is not None:
                 print(
-                    f"minibatchd: the daemon exited with status {proc.returncode} before it was ready (see above)",
+                    f"{prog}: the daemon exited with status {proc.returncode} before it was ready (see above)",
                     file=sys.stderr,
                 )
                 return 1
             try:
                 status, body = request_json(str(sock), "GET", "/health", timeout=2, api_key=api_key)
                 if status == 200:
-                    print(f"minibatchd: ready (pid {proc.pid}) on {sock}")
+                    print(f"{prog}: ready (pid {proc.pid}) on {sock}")
                     print(str(sock))
                     return 0
             except OSError:
                 pass
             time.sleep(0.1)
     print(
-        f"minibatchd: not ready after {args.start_timeout:.0f} s; still starting (pid {proc.pid}), see {log_file}",
+        f"{prog}: not ready after {args.start_timeout:.0f} s; still starting (pid {proc.pid}), see {log_file}",
         file=sys.stderr,
     )
     return 1
 
 
-def cmd_stop(args) -> int:
+def cmd_stop(args, prog: str = "minibatchd") -> int:
     sock = socket_of(args)
     pid = running_pid(sock)
     if not pid or pid < 0:
-        print(f"minibatchd: not running on {sock}", file=sys.stderr)
+        print(f"{prog}: not running on {sock}", file=sys.stderr)
         return 1
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         if running_pid(sock) is None:
-            print(f"minibatchd: stopped (pid {pid})")
+            print(f"{prog}: stopped (pid {pid})")
             return 0
         time.sleep(0.1)
-    print(f"minibatchd: pid {pid} did not exit within {args.timeout:.0f} s", file=sys.stderr)
+    print(f"{prog}: pid {pid} did not exit within {args.timeout:.0f} s", file=sys.stderr)
     return 1
 
 

@@ -108,6 +108,8 @@ class EngineMonitor:
             "kv_usage_percent": round(100 * st.kv_usage, 2),
             "block_size": st.block_size,
             "prefix_cache_hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "prompt_tokens": self.prompt_tokens,  # of finished requests, the rate's denominator
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "prefix_cache_hit_blocks": st.prefix_cache_hit_blocks,
             "kv_window": st.kv_window,
             "kv_blocks_released_out_of_window": st.kv_blocks_released_out_of_window,

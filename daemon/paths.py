@@ -33,3 +33,13 @@ def lock_path(socket: Path) -> Path:
 def default_log_file() -> Path:
     env = os.environ.get("MINIBATCH_LOG_FILE")
     return Path(env) if env else Path(platformdirs.user_state_dir(APP)) / "minibatchd.log"
+
+
+def default_cluster_socket() -> Path:
+    """minibatch-serve's ingress: beside the daemon's socket, so both can run."""
+    return Path(os.environ.get("MINIBATCH_SERVE_SOCKET") or runtime_dir() / "minibatch-serve.sock")
+
+
+def default_cluster_log_file() -> Path:
+    env = os.environ.get("MINIBATCH_SERVE_LOG_FILE")
+    return Path(env) if env else Path(platformdirs.user_state_dir(APP)) / "minibatch-serve.log"

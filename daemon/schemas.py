@@ -146,6 +146,8 @@ class Stats(_Out):
     kv_usage_percent: float
     block_size: int
     prefix_cache_hit_rate: float
+    prompt_tokens: int
+    cached_prompt_tokens: int
     preemptions: int
     requests_finished: int
     prefill_tokens_per_s: float

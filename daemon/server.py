@@ -81,7 +81,9 @@ def grammar_compiler(engine, tokenizer):
     return GrammarCompiler(tokenizer.tokenizer_json, engine.info.vocab_size, list(engine.info.eos_token_ids))
 
 
-async def serve(config: DaemonConfig) -> int:
+async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
+    """Serve until SIGTERM/SIGINT, or until `stop` is set when one is given (a daemon run off the main
+    thread, as a cluster replica runs it, gets no signals)."""
     loop = asyncio.get_running_loop()
     lock = InstanceLock(config.socket)
     try:
@@ -101,7 +103,8 @@ async def serve(config: DaemonConfig) -> int:
         shutdown_timeout=1.0,
         keepalive_timeout=config.read_timeout,
     )
-    stop, engine_stopped = asyncio.Event(), asyncio.Event()
+    signals = stop is None
+    stop, engine_stopped = stop or asyncio.Event(), asyncio.Event()
     try:
         await runner.setup()
         with private_umask():
@@ -117,7 +120,7 @@ async def serve(config: DaemonConfig) -> int:
                     config.port,
                 )
         log.info("access: %s", guard.describe())
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT) if signals else ():
             loop.add_signal_handler(sig, stop.set)
         log.info("listening on %s (pid %d); loading model %s", config.socket, os.getpid(), config.engine.model)
 

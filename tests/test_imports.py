@@ -93,3 +93,26 @@ def test_no_import_circle_anywhere():
     graph = {name: _edges(name, path, mods) for name, path in mods.items()}
     assert "minibatch.engine.core.request" in graph["minibatch.engine.core.scheduler"]
     assert _cycles(graph) == []
+
+
+def _imports_anywhere(path: Path) -> set[str]:
+    """Every module name an import statement in `path` names (absolute forms only; relative ones stay inside)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module)
+    return out
+
+
+def test_only_the_cluster_package_imports_ray_and_nothing_imports_it():
+    mods = _modules()
+    assert "minibatch.daemon.cluster.router" in mods
+    for name, path in mods.items():
+        if name.startswith("minibatch.daemon.cluster"):
+            continue
+        names = _imports_anywhere(path)
+        assert not any(n == "ray" or n.startswith("ray.") for n in names), f"{name} imports Ray"
+        graph_edges = _edges(name, path, mods)
+        assert not any(e.startswith("minibatch.daemon.cluster") for e in graph_edges), f"{name} imports the cluster"

@@ -19,6 +19,7 @@ class Delta:
 
     text: str = ""
     request_id: str | None = None
+    replica: str | None = None  # behind minibatch-serve: the replica that answers
     finish_reason: str | None = None
     timings: dict = field(default_factory=dict)
     usage: dict = field(default_factory=dict)
@@ -95,7 +96,7 @@ class DaemonClient:
                     yield Delta(error=data.get("error", {}).get("message", f"HTTP {r.status}"))
                     return
                 rid = r.headers.get("X-Request-Id")
-                yield Delta(request_id=rid)
+                yield Delta(request_id=rid, replica=r.headers.get("X-Minibatch-Replica"))
                 async for line in r.content:
                     if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                         continue

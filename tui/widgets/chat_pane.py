@@ -16,7 +16,7 @@ from ..messages import PaneSubmitted, RequestOwner, TurnFinished
 PANE_COLORS = ["#e06c75", "#61afef", "#98c379", "#e5c07b", "#c678dd", "#56b6c2"]
 
 
-def format_status(timings: dict, tokens: int, seconds: float, finish: str | None) -> str:
+def format_status(timings: dict, tokens: int, seconds: float, finish: str | None, replica: str | None = None) -> str:
     ttft = timings.get("ttft_ms")
     parts = [f"TTFT {ttft:.0f} ms" if ttft is not None else "TTFT -"]
     decode = (timings.get("decode_ms") or 0) / 1000
@@ -25,6 +25,8 @@ def format_status(timings: dict, tokens: int, seconds: float, finish: str | None
     if timings.get("queue_wait_ms") is not None:
         parts.append(f"queue {timings['queue_wait_ms']:.0f} ms")
     parts.append(f"cached {timings.get('cached_prompt_tokens', 0)}")
+    if replica:  # behind minibatch-serve, first: a narrow pane cuts the line's end
+        parts.insert(0, f"replica {replica}")
     return " · ".join(parts)
 
 
@@ -111,7 +113,7 @@ class ChatPane(Vertical):
         convo += self.messages + [{"role": "user", "content": text}]
         stream = Markdown.get_stream(answer)
         parts: list[str] = []
-        tokens, timings, finish, started = 0, {}, None, time.monotonic()
+        tokens, timings, finish, started, replica = 0, {}, None, time.monotonic(), None
         self.set_status("waiting for the engine…")
         complete = False
         try:
@@ -121,6 +123,7 @@ class ChatPane(Vertical):
                     break
                 if delta.request_id:
                     self.post_message(RequestOwner(self.pane_id, delta.request_id))
+                replica = delta.replica or replica
                 if delta.text:
                     parts.append(delta.text)
                     tokens += 1
@@ -131,7 +134,7 @@ class ChatPane(Vertical):
                 if delta.finish_reason:
                     finish, timings, complete = delta.finish_reason, delta.timings, True
             if complete:
-                self.set_status(format_status(timings, tokens, time.monotonic() - started, finish))
+                self.set_status(format_status(timings, tokens, time.monotonic() - started, finish, replica))
         except DaemonUnavailable:
             self.set_status("[yellow]connection lost — reconnecting…[/]")
         finally:

@@ -47,6 +47,21 @@ def block_map_cells(blocks: dict, owners: dict[str, int], cells: int = MAP_CELLS
     return out
 
 
+def replica_lines(replicas: list[dict]) -> str:
+    """One compact line per replica: its id, batch occupancy and KV use, and its mode when it differs."""
+    modes = {r.get("mode") for r in replicas}
+    lines = [f"[b]{len(replicas)} replica{'s' if len(replicas) != 1 else ''}[/]"]
+    for r in replicas:
+        cap, total = r.get("max_num_seqs") or 0, r.get("kv_blocks_total") or 0
+        running, used = r.get("running") or 0, r.get("kv_blocks_used") or 0
+        mode = f" {r.get('mode')}" if len(modes) > 1 else ""
+        lines.append(
+            f"{r['replica'][:8]:<8} {running:>2}/{cap:<3}{bar(running / cap if cap else 0, 5)} "
+            f"KV {bar(used / total if total else 0, 5)}{mode}"
+        )
+    return "\n".join(lines)
+
+
 class EnginePanel(Vertical):
     """Updated from /v1/engine/events by the app."""
 
@@ -63,6 +78,9 @@ class EnginePanel(Vertical):
         yield Static("", id="engine-batch")
         yield Sparkline(list(self.occupancy), id="engine-spark", summary_function=max)
         yield Static("", id="engine-kv")
+        replicas = Static("", id="engine-replicas")  # behind minibatch-serve: a line per replica
+        replicas.display = False
+        yield replicas
         yield Static("", id="engine-numbers")
         yield Static("", id="engine-map")
         yield Timeline(self.pane_colors, id="engine-timeline")
@@ -104,6 +122,10 @@ class EnginePanel(Vertical):
             f"KV    {bar(used / total if total else 0, 14)} {e.get('kv_usage_percent', 0):4.1f}%\n"
             f"      {used}/{total} blocks"
         )
+        replicas = self.query_one("#engine-replicas", Static)
+        replicas.display = "replicas" in e
+        if "replicas" in e:
+            replicas.update(replica_lines(e["replicas"]))
         self.hit_blocks += e.get("prefix_hit_blocks", 0)
         lines = [
             f"prefill {e.get('prefill_tokens_per_s', 0):7.1f} tok/s",

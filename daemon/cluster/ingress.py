@@ -1,0 +1,427 @@
+"""The ingress: the daemon's API in front of every replica, on a Unix socket and optionally TCP.
+
+Requests pass the daemon's own guard (keys, Host, Origin, content type) and
+error middleware here, then go through the Serve handle to a replica, whose
+daemon answers them; the answer streams back as it is written, with
+`X-Minibatch-Replica` naming the replica. Completions carry their prompt's
+block hashes (prefix.py) for the router. The engine views are made here from
+every replica's (Serve's broadcast to every live replica): `/health`,
+`/v1/engine/stats`, `/v1/engine/events`, both `/v1/engine/mode` and
+`/metrics`; `?replica=ID` gives one replica's own view, as it does for
+`/v1/engine/steps` and `/v1/engine/blocks`.
+
+A replica lost while it serves a request ends that request with a clear error
+(502 `replica_lost`, or an error event in a stream that has begun); a request
+that never reached a replica is routed again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from ray.exceptions import RayError
+from ray.serve.exceptions import BackPressureError
+
+from minibatch.daemon.app import errors
+from minibatch.daemon.guard import Guard, guard_middleware
+from minibatch.daemon.monitor import EVENT_INTERVAL
+from minibatch.daemon.protocol import ApiError
+
+from . import aggregate, routing
+from .prefix import ROUTED_PATHS, block_hashes, prompt_segments
+
+log = logging.getLogger("minibatch.cluster")
+FORWARDED = ("Content-Type", "Accept")
+ATTEMPTS = 3  # routings of a request that never reached a replica
+VIEW_TIMEOUT = 10.0  # seconds for every replica's view to arrive
+
+
+class ReplicaLost(Exception):
+    def __init__(self, replica: str, cause: BaseException) -> None:
+        super().__init__(f"replica {replica} was lost while serving the request ({type(cause).__name__})")
+        self.replica = replica
+
+
+class Cluster:
+    """The ingress's side of Serve: the handle, who is live, and the counts /metrics shows."""
+
+    def __init__(self, model_name: str, routing: str, wanted: str) -> None:
+        self.handle = self.stream_handle = None  # Serve's, once the replicas are deployed (attach)
+        self.model_name = model_name
+        self.routing = routing  # "prefix" or "least-loaded"
+        self.wanted = wanted  # "2" or "1:4"
+        self.status = "loading"  # loading | ready | draining | failed
+        self.load_error: str | None = None
+        self.started_at = time.time()
+        self.in_flight = 0
+        self.mode: str | None = None  # the mode last switched to at the ingress: replicas that join get it
+        self.known: set[str] = set()  # the replicas seen so far (watch)
+        self.lost: dict[str, float] = {}  # replica -> when a request saw it die
+        r = self.registry = CollectorRegistry()
+        self.c_lost = Counter("minibatch_cluster_replica_lost", "Requests ended because their replica died", registry=r)
+        self.c_retried = Counter(
+            "minibatch_cluster_rerouted", "Requests routed again because they never reached a replica", registry=r
+        )
+        self.g_replicas = Gauge("minibatch_cluster_replicas", "Replicas Serve routes to", registry=r)
+        self.g_inflight = Gauge("minibatch_cluster_in_flight_requests", "Requests the ingress is serving", registry=r)
+        self.c_routes = Counter(
+            "minibatch_cluster_route_decisions",
+            "Routing decisions: prefix hit, consistent hash, spill-over, least loaded, pinned",
+            ["decision"],
+            registry=r,
+        )
+        self._routes_seen: dict[str, int] = {}
+
+    def attach(self, handle) -> None:
+        self.handle, self.stream_handle = handle, handle.options(stream=True)
+
+    # -- calls ------------------------------------------------------------
+    async def open(self, method: str, path: str, headers: dict, body: bytes, prefix=None, replica=None):
+        """(replica, pid, status, headers, the body's chunk iterator) of a request sent through Serve."""
+        for attempt in range(ATTEMPTS):
+            gen = self.stream_handle.call.remote(method, path, headers, body, prefix=prefix, replica=replica)
+            try:
+                _, rid, pid = await gen.__anext__()
+            except BackPressureError:
+                raise ApiError(
+                    429, "every replica's queue is full", None, "queue_full", "rate_limit_error", {"Retry-After": "1"}
+                ) from None
+            except RayError as exc:
+                if attempt + 1 == ATTEMPTS:
+                    raise ApiError(
+                        503, f"no replica could take the request: {exc}", None, "no_replica", "unavailable"
+                    ) from None
+                self.c_retried.inc()
+                continue
+            try:
+                _, status, kept = await gen.__anext__()
+            except (RayError, StopAsyncIteration) as exc:
+                self.mark_lost(rid)
+                raise ApiError(502, str(ReplicaLost(rid, exc)), None, "replica_lost", "server_error") from None
+            return rid, pid, status, kept, self._chunks(gen, rid)
+        raise AssertionError("unreachable")
+
+    async def _chunks(self, gen, rid: str):
+        try:
+            async for chunk in gen:
+                yield chunk
+        except RayError as exc:
+            self.mark_lost(rid)
+            raise ReplicaLost(rid, exc) from None
+        finally:
+            gen.cancel()  # a no-op once finished; otherwise the replica's relay ends, which aborts the request
+
+    def mark_lost(self, rid: str) -> None:
+        self.c_lost.inc()
+        self.lost[rid] = time.time()
+        log.warning("replica %s was lost; Serve replaces it", rid)
+
+    async def views(self, method: str, path: str, body: bytes = b"") -> dict[str, tuple[int, int, bytes]]:
+        """Every live replica's answer: replica -> (pid, status, body). Replicas that fail to answer are left out."""
+        resp = self.handle.broadcast("fetch", method, path, body)
+        try:
+            results = await asyncio.wait_for(resp.results_async(return_exceptions=True), VIEW_TIMEOUT)
+        except TimeoutError:
+            return {}
+        return {r[0]: (r[1], r[2], r[3]) for r in results if isinstance(r, tuple)}
+
+    async def json_views(self, method: str, path: str, body: bytes = b"") -> dict[str, tuple[int, int, dict]]:
+        out = {}
+        for rid, (pid, status, raw) in (await self.views(method, path, body)).items():
+            try:
+                out[rid] = (pid, status, json.loads(raw))
+            except ValueError:
+                continue
+        return out
+
+    def live(self) -> list[str]:
+        return routing.live_replicas() or []
+
+    async def watch(self, interval: float = 1.0) -> None:
+        """Log replicas that join and leave, and give one that joins (a restart, or autoscaling) the mode the
+        cluster was switched to."""
+        while True:
+            live = set(self.live())
+            for rid in sorted(live - self.known):
+                log.info("replica %s joined", rid)
+                if self.mode is not None:
+                    try:
+                        _, _, _, _, chunks = await self.open(
+                            "PUT",
+                            "/v1/engine/mode",
+                            {"Content-Type": "application/json"},
+                            json.dumps({"mode": self.mode}).encode(),
+                            replica=rid,
+                        )
+                        async for _ in chunks:
+                            pass
+                    except (ApiError, ReplicaLost) as exc:
+                        log.warning("replica %s: could not switch it to %s: %s", rid, self.mode, exc)
+                        continue
+            for rid in sorted(self.known - live):
+                log.info("replica %s left", rid)
+            self.known = live
+            await asyncio.sleep(interval)
+
+    def prometheus(self) -> bytes:
+        self.g_replicas.set(len(self.live()))
+        self.g_inflight.set(self.in_flight)
+        for name, n in routing.decisions().items():  # counted by the router (its own thread)
+            seen = self._routes_seen.get(name, 0)
+            if n > seen:
+                self.c_routes.labels(name).inc(n - seen)
+            else:
+                self.c_routes.labels(name)
+            self._routes_seen[name] = n
+        return generate_latest(self.registry)
+
+
+CLUSTER = web.AppKey("cluster", Cluster)
+GUARD = web.AppKey("guard", Guard)
+
+
+def _ready(cluster: Cluster) -> None:
+    if cluster.status == "draining":
+        raise ApiError(503, "the cluster is shutting down", None, "shutting_down", "unavailable")
+    if cluster.status != "ready":
+        msg = "the replicas are still starting" if cluster.status == "loading" else f"failed: {cluster.load_error}"
+        raise ApiError(503, msg, None, "not_ready", "unavailable", {"Retry-After": "2"})
+
+
+def _pin(request: web.Request) -> str | None:
+    pin = request.query.get("replica")
+    if pin is not None and pin not in request.app[CLUSTER].live():
+        raise ApiError(404, f"replica: no live replica {pin!r}", "replica", "replica_not_found")
+    return pin
+
+
+def _path_without_replica(request: web.Request) -> str:
+    query = {k: v for k, v in request.query.items() if k != "replica"}
+    return request.rel_url.with_query(query).path_qs if query else request.path
+
+
+async def proxy(request: web.Request) -> web.StreamResponse:
+    """Any request a replica's daemon answers: routed by its prompt where it has one."""
+    cluster = request.app[CLUSTER]
+    _ready(cluster)
+    try:
+        body = await asyncio.wait_for(request.read(), 30.0)
+    except TimeoutError:
+        raise ApiError(408, "request body not received within 30 s", None, "timeout") from None
+    prefix = None
+    if cluster.routing == "prefix" and request.method == "POST" and request.path in ROUTED_PATHS:
+        try:
+            segments = prompt_segments(request.path, json.loads(body))
+        except ValueError:
+            segments = None  # the replica refuses it with the daemon's own error
+        prefix = block_hashes(segments) if segments else None
+    headers = {k: request.headers[k] for k in FORWARDED if k in request.headers}
+    cluster.in_flight += 1
+    try:
+        rid, _, status, kept, chunks = await cluster.open(
+            request.method, _path_without_replica(request), headers, body, prefix, _pin(request)
+        )
+        resp = web.StreamResponse(status=status)
+        for k, v in kept:
+            resp.headers.add(k, v)
+        resp.headers["X-Minibatch-Replica"] = rid
+        await resp.prepare(request)
+        try:
+            async for chunk in chunks:
+                await resp.write(chunk)
+        except ReplicaLost as exc:
+            await resp.write(_stream_error(resp.content_type, str(exc)))
+        await resp.write_eof()
+        return resp
+    finally:
+        cluster.in_flight -= 1
+
+
+def _stream_error(content_type: str, message: str) -> bytes:
+    """The end of a stream whose replica died: an error event in the stream's own framing."""
+    err = ApiError(502, message, None, "replica_lost", "server_error")
+    if content_type == "text/event-stream":
+        return b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+    if content_type == "application/x-ndjson":  # Ollama's streams
+        return json.dumps({"error": message}).encode() + b"\n"
+    return b""
+
+
+async def health(request: web.Request) -> web.Response:
+    cluster = request.app[CLUSTER]
+    views = await cluster.json_views("GET", "/health") if cluster.status in ("ready", "draining") else {}
+    replicas = [
+        {
+            "replica": rid,
+            "pid": pid,
+            "status": body.get("status"),
+            "mode": body.get("mode"),
+            "last_error": body.get("last_error"),
+        }
+        for rid, (pid, _, body) in sorted(views.items())
+    ]
+    ok_bodies = [body for _, (_, status, body) in sorted(views.items()) if status == 200]
+    ok = cluster.status == "ready" and bool(ok_bodies)
+    status = "ok" if ok else cluster.status if cluster.status != "ready" else "failed"
+    body: dict = dict(ok_bodies[0]) if ok_bodies else {"model": cluster.model_name}
+    body |= {
+        "status": status,
+        "uptime_s": round(time.time() - cluster.started_at, 1),
+        "pid": os.getpid(),
+        "mode": aggregate.common_mode([r["mode"] for r in replicas]),
+        "last_error": cluster.load_error if not ok_bodies else body.get("last_error"),
+        "cluster": {"replicas": replicas, "wanted": cluster.wanted, "routing": cluster.routing},
+    }
+    return web.json_response(body, status=200 if ok else 503)
+
+
+async def engine_stats(request: web.Request) -> web.Response:
+    cluster = request.app[CLUSTER]
+    _ready(cluster)
+    pin = _pin(request)
+    views = await cluster.json_views("GET", _path_without_replica(request))
+    bad = next(((s, b) for _, s, b in views.values() if s != 200), None)
+    if bad is not None:  # a bad ?steps= is refused alike by every replica
+        return web.json_response(bad[1], status=bad[0])
+    if pin is not None:
+        return web.json_response({"replica": pin, **views[pin][2]})
+    return web.json_response(aggregate.stats({rid: body for rid, (_, _, body) in views.items()}))
+
+
+async def engine_events(request: web.Request) -> web.StreamResponse:
+    """One replica's events (?replica=), or the cluster's: each replica's latest merged, at most every
+    EVENT_INTERVAL, replicas that join picked up within a second."""
+    cluster = request.app[CLUSTER]
+    _ready(cluster)
+    if request.query.get("replica") is not None:
+        return await proxy(request)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    latest: dict[str, dict] = {}
+    changed = asyncio.Event()
+    tasks: dict[str, asyncio.Task] = {}
+
+    async def follow(rid: str) -> None:
+        try:
+            _, _, status, _, chunks = await cluster.open("GET", "/v1/engine/events", {}, b"", replica=rid)
+            buf = b""
+            async for chunk in chunks:
+                buf += chunk
+                *events, buf = buf.split(b"\n\n")
+                for ev in events:
+                    if ev.startswith(b"data: "):
+                        latest[rid] = json.loads(ev[6:])
+                        changed.set()
+        except (ApiError, ReplicaLost, ValueError):
+            pass
+        finally:
+            latest.pop(rid, None)
+            changed.set()
+
+    try:
+        while True:
+            live = set(cluster.live())
+            for rid in live - set(tasks):
+                tasks[rid] = asyncio.ensure_future(follow(rid))
+            for rid in [r for r, t in tasks.items() if t.done() or r not in live]:
+                tasks.pop(rid).cancel()
+            try:
+                await asyncio.wait_for(changed.wait(), 1.0)
+            except TimeoutError:
+                continue
+            changed.clear()
+            if latest:
+                event = aggregate.event(dict(latest), time.time())
+                await resp.write(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
+            await asyncio.sleep(EVENT_INTERVAL)
+    finally:
+        for t in tasks.values():
+            t.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+
+async def one_replica(request: web.Request) -> web.StreamResponse:
+    """/v1/engine/steps and /v1/engine/blocks: the replica named by ?replica=, else the first live one."""
+    cluster = request.app[CLUSTER]
+    _ready(cluster)
+    if request.query.get("replica") is None:
+        live = cluster.live()
+        if not live:
+            raise ApiError(503, "no replica is live", None, "no_replica", "unavailable")
+        request = request.clone(rel_url=request.rel_url.update_query(replica=live[0]))
+    return await proxy(request)
+
+
+async def get_mode(request: web.Request) -> web.Response:
+    cluster = request.app[CLUSTER]
+    _ready(cluster)
+    views = await cluster.json_views("GET", "/v1/engine/mode")
+    reps = [{"replica": rid, **body} for rid, (_, _, body) in sorted(views.items())]
+    return web.json_response(
+        {
+            "mode": aggregate.common_mode([r.get("mode") for r in reps]),
+            "pending_mode": aggregate.common_mode([r.get("pending_mode") for r in reps]),
+            "replicas": reps,
+        }
+    )
+
+
+async def put_mode(request: web.Request) -> web.Response:
+    """Switch every replica; a body the daemon refuses is refused once, as the daemon words it."""
+    cluster = request.app[CLUSTER]
+    _ready(cluster)
+    body = await request.read()
+    views = await cluster.json_views("PUT", "/v1/engine/mode", body)
+    if not views:
+        raise ApiError(503, "no replica answered", None, "no_replica", "unavailable")
+    refused = next(((s, b) for _, s, b in views.values() if s >= 400), None)
+    if refused is not None:
+        return web.json_response(refused[1], status=refused[0])
+    reps = [{"replica": rid, **b} for rid, (_, _, b) in sorted(views.items())]
+    cluster.mode = reps[0].get("requested_mode")
+    return web.json_response(
+        {
+            "mode": aggregate.common_mode([r.get("mode") for r in reps]),
+            "requested_mode": cluster.mode,
+            "replicas": reps,
+        },
+        status=202,
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    cluster = request.app[CLUSTER]
+    texts = {}
+    if cluster.status in ("ready", "draining"):
+        texts = {rid: raw.decode() for rid, (_, s, raw) in (await cluster.views("GET", "/metrics")).items() if s == 200}
+    own = (cluster.prometheus() + request.app[GUARD].prometheus()).decode()
+    return web.Response(
+        text=aggregate.metrics(texts, own), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+    )
+
+
+def create_app(cluster: Cluster, guard: Guard | None = None) -> web.Application:
+    guard = guard or Guard()
+    app = web.Application(middlewares=[errors, guard_middleware(guard)], client_max_size=8 * 2**20)
+    app[CLUSTER], app[GUARD] = cluster, guard
+
+    async def cors(request: web.Request, response: web.StreamResponse) -> None:
+        guard.cors_headers(request, response)
+
+    app.on_response_prepare.append(cors)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/engine/stats", engine_stats)
+    app.router.add_get("/v1/engine/events", engine_events)
+    app.router.add_get("/v1/engine/steps", one_replica)
+    app.router.add_get("/v1/engine/blocks", one_replica)
+    app.router.add_get("/v1/engine/mode", get_mode)
+    app.router.add_put("/v1/engine/mode", put_mode)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_route("*", "/{tail:.*}", proxy)  # the rest of the daemon's API, answered by a replica
+    return app
