@@ -104,7 +104,12 @@ violation = st.one_of(
     st.tuples(
         st.sampled_from(["max_tokens", "top_k", "seed", "n"]),
         st.one_of(
-            st.integers(max_value=-2), st.integers(min_value=2**64), st.floats(), st.text(max_size=5), st.booleans()
+            st.integers(max_value=-2),
+            st.integers(min_value=2**64),
+            # a float with a fraction (or NaN, inf); 5.0 is an integer as JSON Schema counts (protocol.Int)
+            st.floats().filter(lambda f: not f.is_integer()),
+            st.text(max_size=5),
+            st.booleans(),
         ),
     ),
     st.tuples(st.sampled_from(["stream", "ignore_eos"]), st.one_of(st.integers(), st.text(max_size=5), st.none())),
