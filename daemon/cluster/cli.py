@@ -28,6 +28,12 @@ CLUSTER_OPTIONS = [
     ("--address", str, None, "an existing Ray cluster (auto, or ray://HOST:10001); default: start one on this machine"),
     ("--routing", str, "prefix", "prefix (a prompt goes where its start is cached) or least-loaded"),
     ("--spill-threshold", int, 8, "requests in flight beyond the least loaded replica past which a prompt spills over"),
+    (
+        "--stream-interval-ms",
+        float,
+        0.0,
+        "send each stream's chunks to the ingress at most this often, coalesced (0: token by token)",
+    ),
     ("--gpus-per-replica", float, None, "GPUs each replica takes (default: 1 where the cluster has GPUs, else 0)"),
 ]
 
@@ -90,6 +96,8 @@ def cluster_config(args, sock: Path):
         raise ValueError(f"--routing: must be prefix or least-loaded, got {args.routing!r}")
     if args.spill_threshold < 0:
         raise ValueError(f"--spill-threshold: must be >= 0, got {args.spill_threshold}")
+    if not 0 <= args.stream_interval_ms <= 1000:
+        raise ValueError(f"--stream-interval-ms: must be in [0, 1000], got {args.stream_interval_ms:g}")
     engine = daemon_cli.engine_config(args)
     engine.threads = args.threads or default_threads(autoscale[1] if autoscale else args.replicas)
     return ClusterConfig(
@@ -103,6 +111,7 @@ def cluster_config(args, sock: Path):
         address=args.address,
         routing=args.routing,
         spill_threshold=args.spill_threshold,
+        stream_interval_ms=args.stream_interval_ms,
         gpus_per_replica=args.gpus_per_replica,
         shutdown_timeout=args.shutdown_timeout,
         request_timeout=args.request_timeout,

@@ -122,8 +122,9 @@ class Cluster:
         self.lost[rid] = time.time()
         log.warning("replica %s was lost; Serve replaces it", rid)
 
-    async def views(self, method: str, path: str, body: bytes = b"") -> dict[str, tuple[int, int, bytes]]:
-        """Every live replica's answer: replica -> (pid, status, body). Replicas that fail to answer are left out."""
+    async def views(self, method: str, path: str, body: bytes = b"") -> dict[str, tuple[dict, int, bytes]]:
+        """Every live replica's answer: replica -> (where: pid, socket; status, body). Replicas that fail to
+        answer are left out."""
         resp = self.handle.broadcast("fetch", method, path, body)
         try:
             results = await asyncio.wait_for(resp.results_async(return_exceptions=True), VIEW_TIMEOUT)
@@ -131,11 +132,11 @@ class Cluster:
             return {}
         return {r[0]: (r[1], r[2], r[3]) for r in results if isinstance(r, tuple)}
 
-    async def json_views(self, method: str, path: str, body: bytes = b"") -> dict[str, tuple[int, int, dict]]:
+    async def json_views(self, method: str, path: str, body: bytes = b"") -> dict[str, tuple[dict, int, dict]]:
         out = {}
-        for rid, (pid, status, raw) in (await self.views(method, path, body)).items():
+        for rid, (where, status, raw) in (await self.views(method, path, body)).items():
             try:
-                out[rid] = (pid, status, json.loads(raw))
+                out[rid] = (where, status, json.loads(raw))
             except ValueError:
                 continue
         return out
@@ -259,12 +260,12 @@ async def health(request: web.Request) -> web.Response:
     replicas = [
         {
             "replica": rid,
-            "pid": pid,
+            **where,  # its pid, and its daemon's own socket on its machine
             "status": body.get("status"),
             "mode": body.get("mode"),
             "last_error": body.get("last_error"),
         }
-        for rid, (pid, _, body) in sorted(views.items())
+        for rid, (where, _, body) in sorted(views.items())
     ]
     ok_bodies = [body for _, (_, status, body) in sorted(views.items()) if status == 200]
     ok = cluster.status == "ready" and bool(ok_bodies)

@@ -41,6 +41,19 @@ HOP_HEADERS = frozenset(
 FORWARDED_HEADERS = ("Content-Type", "Accept")
 
 
+async def coalesced(content: aiohttp.StreamReader, interval: float):
+    """A body's bytes as they arrive, at most one piece per `interval` seconds: what arrives meanwhile goes
+    with the next piece (the first goes at once; 0 relays each as it comes)."""
+    loop, last = asyncio.get_running_loop(), -float("inf")
+    while chunk := await content.readany():
+        wait = interval - (loop.time() - last)
+        if wait > 0:
+            await asyncio.sleep(wait)
+            chunk += content.read_nowait()
+        last = loop.time()
+        yield chunk
+
+
 class _Errors(logging.Handler):
     """The daemon's last error, kept so a replica that cannot load says why."""
 
@@ -60,9 +73,14 @@ class EngineReplica:
         read_timeout: float = 30.0,
         shutdown_timeout: float = 30.0,
         start_timeout: float = 600.0,
+        stream_interval: float = 0.0,
     ) -> None:
+        """`stream_interval` (s): send a stream's chunks to the ingress at most this often, coalescing what
+        arrives in between (0: each as it comes); every chunk relayed costs both processes Ray's per-item
+        work (BENCHMARKS.md, Past one machine)."""
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.pid = os.getpid()
+        self.stream_interval = stream_interval
         self._dir = tempfile.mkdtemp(prefix="minibatch-replica-")
         self.socket = Path(self._dir) / "daemon.sock"
         self._errors = _Errors()
@@ -136,15 +154,15 @@ class EngineReplica:
         async with self._client().request(method, path, headers=headers, data=body or None) as resp:
             kept = [(k, v) for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS]
             yield ("head", resp.status, kept)
-            async for chunk in resp.content.iter_any():
+            async for chunk in coalesced(resp.content, self.stream_interval):
                 yield chunk
 
-    async def fetch(self, method: str, path: str, body: bytes = b"") -> tuple[str, int, int, bytes]:
+    async def fetch(self, method: str, path: str, body: bytes = b"") -> tuple[str, dict, int, bytes]:
         """A whole answer at once, for the ingress's views over every replica (Serve's broadcast):
-        (replica id, pid, status, body)."""
+        (replica id, where it runs: pid and its daemon's socket on its node, status, body)."""
         headers = {"Content-Type": "application/json"} if body else None
         async with self._client().request(method, path, headers=headers, data=body or None) as resp:
-            return self.replica_id, self.pid, resp.status, await resp.read()
+            return self.replica_id, {"pid": self.pid, "socket": str(self.socket)}, resp.status, await resp.read()
 
     async def check_health(self) -> None:
         """Serve's health check: the daemon answers and its engine runs."""

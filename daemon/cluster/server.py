@@ -44,6 +44,7 @@ class ClusterConfig:
     address: str | None = None  # an existing Ray cluster; None: start one here
     routing: str = "prefix"  # or "least-loaded"
     spill_threshold: int = 8
+    stream_interval_ms: float = 0.0  # coalesce a stream's chunks over this window (0: token by token)
     gpus_per_replica: float | None = None  # None: 1 where the cluster has GPUs and --device allows
     shutdown_timeout: float = 30.0
     request_timeout: float = 600.0
@@ -98,7 +99,12 @@ def deployment(conf: ClusterConfig, gpus: float):
     else:
         options["num_replicas"] = conf.replicas
     return serve.deployment(EngineReplica, **options).bind(
-        eng, conf.request_timeout, conf.read_timeout, conf.shutdown_timeout, conf.start_timeout
+        eng,
+        conf.request_timeout,
+        conf.read_timeout,
+        conf.shutdown_timeout,
+        conf.start_timeout,
+        conf.stream_interval_ms / 1000,
     )
 
 
@@ -108,7 +114,14 @@ def connect(conf: ClusterConfig) -> float:
         ray.init(address=conf.address, logging_level=logging.WARNING)
     else:
         cpus = max(os.cpu_count() or 1, conf.max_replicas * (conf.engine.threads or 1))
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING)
+        # requests and answers pass as small messages: a small object store, not 30% of memory in /dev/shm
+        ray.init(
+            address="local",
+            num_cpus=cpus,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            object_store_memory=256 * 2**20,
+        )
     serve.start(proxy_location="Disabled")  # the ingress is ours: no Serve HTTP proxy
     if conf.gpus_per_replica is not None:
         return conf.gpus_per_replica

@@ -244,7 +244,8 @@ def test_the_chat_shows_both_replicas_in_a_real_terminal(cluster):
     from tests.tui.test_tmux import screen, tmux, wait_for
 
     db = cluster.folder / "chat.db"
-    cmd = f"env MINIBATCH_CHAT_DB={db} MINIBATCH_API_KEY={KEY} {sys.executable} -m minibatch.tui.cli --url {cluster.url} --new"
+    env = f"MINIBATCH_CHAT_DB={db} MINIBATCH_API_KEY={KEY}"
+    cmd = f"env {env} {sys.executable} -m minibatch.tui.cli --url {cluster.url} --new"
     tmux("kill-server", check=False)
     try:
         tmux("new-session", "-d", "-s", "chat", "-x", "130", "-y", "40", cmd)
@@ -274,7 +275,7 @@ def test_a_replica_killed_mid_stream(cluster):
     stream = raw.parse()
     got = 0
     with pytest.raises(APIError, match="was lost while serving"):
-        for chunk in stream:
+        for _ in stream:
             got += 1
             if got == 3:
                 os.kill(next(r["pid"] for r in before if r["replica"] == victim), signal.SIGKILL)

@@ -32,6 +32,7 @@ COVERED = {
     "bench.py": "test_bench_over_the_socket",
     "bench_engine.py": "test_bench_engine_quick",
     "bench_overhead.py": "test_bench_overhead",
+    "bench_cluster.py": "test_bench_cluster",
     "soak.py": "test_soak",
     "bench_driver.py": "test_bench_driver",
     "timeline.py": "test_timeline_run",
@@ -269,6 +270,28 @@ def test_bench_overhead(env):
     inproc = number(r"in-process: ([\d.]+) output tok/s", proc.stdout)
     socket_side = number(r"through the socket \(3 concurrent SSE streams\): ([\d.]+) output tok/s", proc.stdout)
     assert number(r"socket / in-process: ([\d.]+)", proc.stdout) == pytest.approx(socket_side / inproc, abs=0.002)
+
+
+def test_bench_cluster(env, tmp_path):
+    pytest.importorskip("ray", reason="the cluster extra is not installed")
+    out = tmp_path / "cluster.json"
+    args = ("--conversations", "3", "--concurrency", "2", "--max-tokens", "6", "--latency-requests", "5")
+    proc = run(env, SCRIPTS / "bench_cluster.py", *args, "--out", out, timeout=600)
+    report = json.loads(out.read_text())
+    setups = {r["setup"]: r for r in report["setups"]}
+    assert set(setups) == {"daemon", "prefix", "least-loaded"}
+    for name, r in setups.items():  # every setup replayed every turn of the same conversations
+        assert r["turns"] == setups["daemon"]["turns"] >= 9 and r["output_tok_s"] > 0, name
+        assert 0 < r["prefix_hit_rate"] < 1  # later turns reuse earlier turns' blocks
+        assert re.search(rf"^\| {name} \| {r['turns']} \| [\d.]+ \| \d+ ms \| \d+ ms \| [\d.]+% \|$", proc.stdout, re.M)
+    assert setups["prefix"]["route_decisions"]["hit"] >= setups["daemon"]["turns"] - 3  # every later turn
+    assert setups["least-loaded"]["route_decisions"]["least_loaded"] == setups["daemon"]["turns"]
+    one = setups["prefix"]["one_token"]
+    assert one["ingress_p50_ms"] > 0 and one["direct_p50_ms"] > 0
+    assert number(r"added p50 (-?[\d.]+) ms", proc.stdout) == pytest.approx(one["added_p50_ms"], abs=0.06)
+    assert number(r"prefix: the ingress process used [\d.]+ CPU s, ([\d.]+) us per streamed token", proc.stdout) > 0
+    assert number(r"text block hashes ([\d.]+) us", proc.stdout) > 0
+    assert number(r"chat template \+ tokenizer ([\d.]+) us", proc.stdout) > 0
 
 
 def test_bench_driver(env):

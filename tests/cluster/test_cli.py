@@ -1,0 +1,50 @@
+"""minibatch-serve's options: bad values are refused before anything starts, naming the option."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("ray", reason="the cluster extra is not installed")
+
+from minibatch.daemon.cluster.cli import parse_autoscale  # noqa: E402
+
+
+def test_autoscale_takes_min_colon_max():
+    assert parse_autoscale("1:4") == (1, 4) and parse_autoscale(None) is None
+    for bad in ("4", "a:b", "3:1", "0:2", "1:2:3"):
+        with pytest.raises(ValueError, match="--autoscale"):
+            parse_autoscale(bad)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--autoscale", "3:1"], "--autoscale: need 0 < MIN <= MAX"),
+        (["--replicas", "0"], "--replicas: must be at least 1"),
+        (["--routing", "random"], "--routing: must be prefix or least-loaded"),
+        (["--spill-threshold", "-1"], "--spill-threshold: must be >= 0"),
+    ],
+)
+def test_start_refuses_bad_options_before_starting(args, message, short_tmp):
+    out = subprocess.run(
+        [sys.executable, "-m", "minibatch.daemon.cluster.cli", "start", "--socket", str(short_tmp / "s.sock"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert not (short_tmp / "s.sock.lock").exists()
+
+
+def test_status_and_stop_say_when_nothing_runs(short_tmp):
+    for cmd, code in (("status", 3), ("stop", 1)):
+        out = subprocess.run(
+            [sys.executable, "-m", "minibatch.daemon.cluster.cli", cmd, "--socket", str(short_tmp / "s.sock")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == code and "minibatch-serve: not running" in out.stdout + out.stderr
