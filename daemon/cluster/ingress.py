@@ -51,11 +51,12 @@ class ReplicaLost(Exception):
 class Cluster:
     """The ingress's side of Serve: the handle, who is live, and the counts /metrics shows."""
 
-    def __init__(self, model_name: str, routing: str, wanted: str) -> None:
+    def __init__(self, model_name: str, routing: str, wanted: str, body_timeout: float = 30.0) -> None:
         self.handle = self.stream_handle = None  # Serve's, once the replicas are deployed (attach)
         self.model_name = model_name
         self.routing = routing  # "prefix" or "least-loaded"
         self.wanted = wanted  # "2" or "1:4"
+        self.body_timeout = body_timeout  # seconds to receive a request body
         self.status = "loading"  # loading | ready | draining | failed
         self.load_error: str | None = None
         self.started_at = time.time()
@@ -212,9 +213,9 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     cluster = request.app[CLUSTER]
     _ready(cluster)
     try:
-        body = await asyncio.wait_for(request.read(), 30.0)
+        body = await asyncio.wait_for(request.read(), cluster.body_timeout)
     except TimeoutError:
-        raise ApiError(408, "request body not received within 30 s", None, "timeout") from None
+        raise ApiError(408, f"request body not received within {cluster.body_timeout:g} s", None, "timeout") from None
     prefix = None
     if cluster.routing == "prefix" and request.method == "POST" and request.path in ROUTED_PATHS:
         try:
@@ -223,7 +224,8 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             segments = None  # the replica refuses it with the daemon's own error
         prefix = block_hashes(segments) if segments else None
     headers = {k: request.headers[k] for k in FORWARDED if k in request.headers}
-    cluster.in_flight += 1
+    counted = not request.path.startswith("/v1/engine/")  # what a drain waits for (not endless event streams)
+    cluster.in_flight += counted
     try:
         rid, _, status, kept, chunks = await cluster.open(
             request.method, _path_without_replica(request), headers, body, prefix, _pin(request)
@@ -241,7 +243,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         await resp.write_eof()
         return resp
     finally:
-        cluster.in_flight -= 1
+        cluster.in_flight -= counted
 
 
 def _stream_error(content_type: str, message: str) -> bytes:

@@ -137,9 +137,16 @@ async def run(conf: ClusterConfig) -> int:
     except LifecycleError as exc:
         log.error("%s", str(exc).replace("minibatchd", "minibatch-serve"))
         return 1
-    cluster = Cluster(conf.engine.model, conf.routing, conf.wanted)
+    cluster = Cluster(conf.engine.model, conf.routing, conf.wanted, conf.read_timeout)
     guard = conf.guard or Guard()
-    runner = web.AppRunner(create_app(cluster, guard), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    # keepalive_timeout also drops a connection whose request headers stall, as the daemon's listener does
+    runner = web.AppRunner(
+        create_app(cluster, guard),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=1.0,
+        keepalive_timeout=conf.read_timeout,
+    )
     stop = asyncio.Event()
     started_ray = False
     try:

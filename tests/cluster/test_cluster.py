@@ -205,6 +205,29 @@ def test_engine_views_total_every_replica(cluster):
     }
 
 
+def test_a_client_that_leaves_mid_stream_frees_its_replica(cluster):
+    sock = socket.socket(socket.AF_UNIX)
+    sock.settimeout(30)
+    sock.connect(str(cluster.socket))
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "stream": True})
+    sock.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+    )
+    seen = b""
+    while seen.count(b"data: ") < 3:
+        seen += sock.recv(65536)
+    assert b"X-Minibatch-Replica" in seen
+    sock.close()  # gone mid-stream
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        _, stats = cluster.get("/v1/engine/stats?steps=0")
+        if stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0:
+            break
+        time.sleep(0.2)
+    assert (stats["running"], stats["waiting"], stats["kv_blocks_used"]) == (0, 0, 0), stats
+
+
 def test_the_mode_switch_reaches_every_replica(cluster):
     status, body = cluster.send("PUT", "/v1/engine/mode", {"mode": "static"})
     assert status == 202 and body["requested_mode"] == "static" and len(body["replicas"]) == 2
