@@ -165,6 +165,10 @@ async def run(conf: ClusterConfig) -> int:
         try:
             gpus = await loop.run_in_executor(None, connect, conf)
             started_ray = True
+            # Ray's core worker installs a failure-signal handler for SIGTERM that logs a stack and arms a
+            # 3 s alarm, which would kill a drain that takes longer: ours again, over it.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
             log.info(
                 "deploying %s replica(s) of %s, %d CPU thread(s) and %g GPU each, routing: %s",
                 conf.wanted,

@@ -323,20 +323,26 @@ def test_a_replica_killed_mid_stream(cluster):
 
 
 def test_stop_drains_the_requests_in_flight(cluster):
+    """Long enough that the drain outlasts the 3 s alarm Ray's own SIGTERM handler arms (ours replaces it)."""
     pids = [r["pid"] for r in cluster.replicas()]
-    result = {}
+    results: dict[int, tuple] = {}
 
-    def long_request() -> None:
-        result["answer"] = cluster.chat([{"role": "user", "content": "Write a long story."}], max_tokens=48)
+    def long_request(i: int) -> None:
+        results[i] = cluster.chat([{"role": "user", "content": f"Story {i}."}], max_tokens=300, ignore_eos=True)
 
-    worker = threading.Thread(target=long_request)
-    worker.start()
-    time.sleep(0.5)
+    workers = [threading.Thread(target=long_request, args=(i,)) for i in range(3)]
+    for w in workers:
+        w.start()
+    time.sleep(1.0)
+    began = time.monotonic()
     out = serve_cli("stop", "--socket", str(cluster.socket), env=cluster.env, timeout=120)
-    worker.join(60)
+    for w in workers:
+        w.join(90)
     assert out.returncode == 0, out.stdout + out.stderr
-    _, answer = result["answer"]
-    assert answer["usage"]["completion_tokens"] == 48  # finished, not cut off
+    assert time.monotonic() - began > 3  # the drain waited for them
+    assert sorted(results) == [0, 1, 2]
+    for _, answer in results.values():
+        assert answer["usage"]["completion_tokens"] == 300  # finished, not cut off
     assert not cluster.socket.exists() and not (cluster.folder / "serve.sock.lock").exists()
     for pid in pids:  # the replicas' processes are gone with the cluster
         deadline = time.monotonic() + 30
