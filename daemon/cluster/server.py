@@ -24,8 +24,9 @@ from minibatch.daemon.guard import Guard
 from minibatch.daemon.lifecycle import InstanceLock, LifecycleError, private_umask
 from minibatch.engine.factory import EngineConfig
 
-from .ingress import Cluster, create_app
+from .ingress import create_app
 from .replica import EngineReplica
+from .replica_set import ReplicaSet
 
 log = logging.getLogger("minibatch.cluster")
 APP_NAME = "minibatch"
@@ -137,7 +138,7 @@ async def run(conf: ClusterConfig) -> int:
     except LifecycleError as exc:
         log.error("%s", str(exc).replace("minibatchd", "minibatch-serve"))
         return 1
-    cluster = Cluster(conf.engine.model, conf.routing, conf.wanted, conf.read_timeout)
+    cluster = ReplicaSet(conf.engine.model, conf.routing, conf.wanted, conf.read_timeout)
     guard = conf.guard or Guard()
     # keepalive_timeout also drops a connection whose request headers stall, as the daemon's listener does
     runner = web.AppRunner(
@@ -209,7 +210,7 @@ async def run(conf: ClusterConfig) -> int:
         log.info("stopped")
 
 
-async def drain(cluster: Cluster, timeout: float) -> None:
+async def drain(cluster: ReplicaSet, timeout: float) -> None:
     """Refuse new requests and let those in flight finish, for up to `timeout` s; then the replicas stop
     (each drains its own engine)."""
     cluster.status = "draining"
