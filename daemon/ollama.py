@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
 
 from .grammars import response_grammar
-from .protocol import MAX_TOOLS, ApiError, Float, Int, Tool, parse_body
+from .messages import MAX_TOOLS, Tool
+from .protocol import ApiError, Float, Int, parse_body
 from .schemas import OllamaShowRequest
 from .state import STATE, check_model, read_raw, submit
 from .tools import CallSplitter, check_template, parse_calls

@@ -13,14 +13,12 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     Strict,
     StrictBool,
     StrictStr,
     ValidationError,
     WithJsonSchema,
-    model_validator,
 )
 
 from minibatch.engine.core.sampling_params import (
@@ -31,6 +29,8 @@ from minibatch.engine.core.sampling_params import (
     SAMPLING_DEFAULT_FIELDS,
     SamplingParams,
 )
+
+from .messages import MAX_TOOLS, Body, Message, NamedToolChoice, Tool
 
 MAX_BODY_BYTES = 4 * 2**20
 
@@ -81,145 +81,28 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class TextPart(_Body):
-    type: Literal["text"]
-    text: StrictStr
-
-
-FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
-MAX_TOOLS = 128
 MAX_N = 8
 
 
-class FunctionCall(_Body):
-    name: StrictStr = Field(pattern=FUNCTION_NAME)
-    arguments: StrictStr  # JSON text, as OpenAI sends it
-
-
-class ToolCall(_Body):
-    id: StrictStr = Field(min_length=1, max_length=256)
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-_CALLS = {"type": "array", "minItems": 1}
-# What _content_where_needed checks, for the document: content unless an assistant message carries calls,
-# and calls on assistant messages only.
-MESSAGE_RULES = {
-    "allOf": [
-        {
-            "anyOf": [
-                {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
-                {
-                    "required": ["role", "tool_calls"],
-                    "properties": {"role": {"const": "assistant"}, "tool_calls": _CALLS},
-                },
-            ]
-        },
-        {
-            "anyOf": [
-                {"not": {"required": ["tool_calls"], "properties": {"tool_calls": _CALLS}}},
-                {"required": ["role"], "properties": {"role": {"const": "assistant"}}},
-            ]
-        },
-    ]
-}
-
-
-class Message(_Body):
-    model_config = ConfigDict(json_schema_extra=MESSAGE_RULES)
-    role: Literal["system", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
-    name: StrictStr | None = None
-    tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOLS)  # an assistant's earlier calls
-    tool_call_id: StrictStr | None = None  # which call a tool message answers
-
-    @model_validator(mode="after")
-    def _content_where_needed(self) -> Message:
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(
-                f"content is required in a {self.role} message"
-                + (" without tool_calls" if self.role == "assistant" else "")
-            )
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
-        return self
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-    def for_template(self) -> dict:
-        """The message as chat templates read it (transformers' convention: call arguments as objects)."""
-        out: dict = {"role": self.role, "content": self.text()}
-        if self.name is not None:
-            out["name"] = self.name
-        if self.tool_call_id is not None:
-            out["tool_call_id"] = self.tool_call_id
-        if self.tool_calls:
-            out["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
-                }
-                for c in self.tool_calls
-            ]
-        return out
-
-
-def _arguments(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text  # not JSON: the template gets it as written
-
-
-class FunctionDef(_Body):
-    name: StrictStr = Field(pattern=FUNCTION_NAME)
-    description: StrictStr | None = None
-    parameters: dict[str, Any] | None = None  # a JSON Schema for the arguments object
-    strict: StrictBool | None = None
-
-
-class Tool(_Body):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedFunction(_Body):
-    name: StrictStr
-
-
-class NamedToolChoice(_Body):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: StrictBool = False
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(Body):
     name: StrictStr = Field(min_length=1, max_length=64)
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None
     description: StrictStr | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(Body):
     """OpenAI's response_format: plain text, any JSON object, or JSON that follows a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class _Sampling(_Body):
+class _Sampling(Body):
     model: StrictStr | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
