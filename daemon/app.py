@@ -247,15 +247,23 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-def create_app(state: DaemonState, guard: Guard | None = None) -> web.Application:
+def guarded_app(guard: Guard | None = None) -> web.Application:
+    """An app with the API's error shapes, the listener guard (app[GUARD]) and its CORS answers: the daemon's,
+    and the cluster ingress's in front of it."""
     guard = guard or Guard()
     app = web.Application(middlewares=[errors, guard_middleware(guard)], client_max_size=8 * 2**20)
-    app[STATE], app[GUARD] = state, guard
+    app[GUARD] = guard
 
     async def cors(request: web.Request, response: web.StreamResponse) -> None:
         guard.cors_headers(request, response)
 
     app.on_response_prepare.append(cors)
+    return app
+
+
+def create_app(state: DaemonState, guard: Guard | None = None) -> web.Application:
+    app = guarded_app(guard)
+    app[STATE] = state
     app.router.add_get("/health", health)
     app.router.add_get("/openapi.json", openapi_json)
     app.router.add_get("/v1/models", models)

@@ -199,6 +199,14 @@ def without_key(argv: list[str]) -> tuple[list[str], str | None]:
     return out, key
 
 
+def reexec_without_key(args, module: str) -> None:
+    """A key given on this process's command line: start `module` again with it in the environment instead,
+    so `ps` and /proc/PID/cmdline never show it (returns only when there is nothing to hide)."""
+    argv, key = without_key(args.argv)
+    if key is not None and args.own_command_line:
+        os.execve(sys.executable, [sys.executable, "-m", module, *argv], {**os.environ, "MINIBATCH_API_KEY": key})
+
+
 def cmd_start(args) -> int:
     sock = socket_of(args)
     try:
@@ -213,14 +221,7 @@ def cmd_start(args) -> int:
         print(f"minibatchd: already running (pid {pid}) on {sock}", file=sys.stderr)
         return 1
     if args.foreground:
-        argv, key = without_key(args.argv)
-        if key is not None and args.own_command_line:
-            # Start again with the key in the environment, so `ps` and /proc/PID/cmdline never show it.
-            os.execve(
-                sys.executable,
-                [sys.executable, "-m", "minibatch.daemon.cli", *argv],
-                {**os.environ, "MINIBATCH_API_KEY": key},
-            )
+        reexec_without_key(args, "minibatch.daemon.cli")
         import threading
 
         # Importing torch takes ~2 s: start it now, beside the web server's own imports, not after them.

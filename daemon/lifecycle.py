@@ -69,8 +69,9 @@ def running_pid(socket: Path) -> int | None:
 class InstanceLock:
     """Holds the flock for the daemon's lifetime; refuses when another daemon has it."""
 
-    def __init__(self, socket: Path) -> None:
+    def __init__(self, socket: Path, prog: str = "minibatchd") -> None:
         self.socket = socket
+        self.prog = prog  # the command that holds it, for the refusal
         self.path = lock_path(socket)
         self._file = None
 
@@ -84,8 +85,8 @@ class InstanceLock:
             f.close()
             pid = read_pid(self.socket)
             raise LifecycleError(
-                f"minibatchd is already running (pid {pid if pid else 'unknown'}) on {self.socket}; "
-                "stop it with `minibatchd stop` or choose another --socket"
+                f"{self.prog} is already running (pid {pid if pid else 'unknown'}) on {self.socket}; "
+                f"stop it with `{self.prog} stop` or choose another --socket"
             ) from None
         f.seek(0)
         f.truncate()

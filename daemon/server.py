@@ -81,6 +81,32 @@ def grammar_compiler(engine, tokenizer):
     return GrammarCompiler(tokenizer.tokenizer_json, engine.info.vocab_size, list(engine.info.eos_token_ids))
 
 
+def app_runner(app: web.Application, read_timeout: float) -> web.AppRunner:
+    """The runner of a listener's app; keepalive_timeout also drops a connection whose request headers stall
+    (none arrive in time)."""
+    return web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0, keepalive_timeout=read_timeout
+    )
+
+
+async def listen(runner: web.AppRunner, socket: Path, host: str | None, port: int | None, guard: Guard) -> None:
+    """Serve `runner` on the Unix socket (mode 0600) and, with a port, on TCP; log who may come in."""
+    await runner.setup()
+    with private_umask():
+        await web.UnixSite(runner, str(socket)).start()
+    os.chmod(socket, 0o600)
+    if port is not None:
+        await web.TCPSite(runner, host or "127.0.0.1", port).start()
+        log.info("also listening on http://%s:%d", host or "127.0.0.1", port)
+        if guard.insecure_no_auth and not guard.api_keys and not is_loopback(guard.listen_host):
+            log.warning(
+                "--insecure-no-auth: anyone who can reach %s:%d may use this daemon without a key",
+                guard.listen_host,
+                port,
+            )
+    log.info("access: %s", guard.describe())
+
+
 async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     """Serve until SIGTERM/SIGINT, or until `stop` is set when one is given (a daemon run off the main
     thread, as a cluster replica runs it, gets no signals)."""
@@ -94,32 +120,12 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
     state = DaemonState(
         model_name=config.engine.model, request_timeout=config.request_timeout, body_timeout=config.read_timeout
     )
-    # keepalive_timeout also drops a connection whose request headers stall (none arrive in time).
     guard = config.guard or Guard()
-    runner = web.AppRunner(
-        create_app(state, guard),
-        handler_cancellation=True,
-        access_log=None,
-        shutdown_timeout=1.0,
-        keepalive_timeout=config.read_timeout,
-    )
+    runner = app_runner(create_app(state, guard), config.read_timeout)
     signals = stop is None
     stop, engine_stopped = stop or asyncio.Event(), asyncio.Event()
     try:
-        await runner.setup()
-        with private_umask():
-            await web.UnixSite(runner, str(config.socket)).start()
-        os.chmod(config.socket, 0o600)
-        if config.port is not None:
-            await web.TCPSite(runner, config.host or "127.0.0.1", config.port).start()
-            log.info("also listening on http://%s:%d", config.host or "127.0.0.1", config.port)
-            if guard.insecure_no_auth and not guard.api_keys and not is_loopback(guard.listen_host):
-                log.warning(
-                    "--insecure-no-auth: anyone who can reach %s:%d may use this daemon without a key",
-                    guard.listen_host,
-                    config.port,
-                )
-        log.info("access: %s", guard.describe())
+        await listen(runner, config.socket, config.host, config.port, guard)
         for sig in (signal.SIGTERM, signal.SIGINT) if signals else ():
             loop.add_signal_handler(sig, stop.set)
         log.info("listening on %s (pid %d); loading model %s", config.socket, os.getpid(), config.engine.model)

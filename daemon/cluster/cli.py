@@ -133,13 +133,7 @@ def cmd_start(args) -> int:
         print(f"{PROG}: already running (pid {pid}) on {sock}", file=sys.stderr)
         return 1
     if args.foreground:
-        argv, key = daemon_cli.without_key(args.argv)
-        if key is not None and args.own_command_line:  # the key goes to the environment, never the command line
-            os.execve(
-                sys.executable,
-                [sys.executable, "-m", "minibatch.daemon.cluster.cli", *argv],
-                {**os.environ, "MINIBATCH_API_KEY": key},
-            )
+        daemon_cli.reexec_without_key(args, "minibatch.daemon.cluster.cli")
         from .server import run
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

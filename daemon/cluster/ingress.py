@@ -24,10 +24,11 @@ import time
 
 from aiohttp import web
 
-from minibatch.daemon.app import errors
-from minibatch.daemon.guard import Guard, guard_middleware
+from minibatch.daemon.app import guarded_app
+from minibatch.daemon.guard import Guard
 from minibatch.daemon.monitor import EVENT_INTERVAL
 from minibatch.daemon.protocol import ApiError
+from minibatch.daemon.state import GUARD
 
 from . import aggregate
 from .prefix import ROUTED_PATHS, block_hashes, prompt_segments
@@ -37,7 +38,6 @@ FORWARDED = ("Content-Type", "Accept")
 
 
 CLUSTER = web.AppKey("cluster", ReplicaSet)
-GUARD = web.AppKey("guard", Guard)
 
 
 def _ready(cluster: ReplicaSet) -> None:
@@ -262,14 +262,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def create_app(cluster: ReplicaSet, guard: Guard | None = None) -> web.Application:
-    guard = guard or Guard()
-    app = web.Application(middlewares=[errors, guard_middleware(guard)], client_max_size=8 * 2**20)
-    app[CLUSTER], app[GUARD] = cluster, guard
-
-    async def cors(request: web.Request, response: web.StreamResponse) -> None:
-        guard.cors_headers(request, response)
-
-    app.on_response_prepare.append(cors)
+    app = guarded_app(guard)
+    app[CLUSTER] = cluster
     app.router.add_get("/health", health)
     app.router.add_get("/v1/engine/stats", engine_stats)
     app.router.add_get("/v1/engine/events", engine_events)

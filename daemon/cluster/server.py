@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from aiohttp import web
 from ray import serve
 
 from minibatch.daemon.guard import Guard
-from minibatch.daemon.lifecycle import InstanceLock, LifecycleError, private_umask
+from minibatch.daemon.lifecycle import InstanceLock, LifecycleError
+from minibatch.daemon.server import app_runner, listen
 from minibatch.engine.factory import EngineConfig
 
 from .ingress import create_app
@@ -132,33 +132,19 @@ def connect(conf: ClusterConfig) -> float:
 
 async def run(conf: ClusterConfig) -> int:
     loop = asyncio.get_running_loop()
-    lock = InstanceLock(conf.socket)
+    lock = InstanceLock(conf.socket, "minibatch-serve")
     try:
         lock.acquire()
     except LifecycleError as exc:
-        log.error("%s", str(exc).replace("minibatchd", "minibatch-serve"))
+        log.error("%s", exc)
         return 1
     cluster = ReplicaSet(conf.engine.model, conf.routing, conf.wanted, conf.read_timeout)
     guard = conf.guard or Guard()
-    # keepalive_timeout also drops a connection whose request headers stall, as the daemon's listener does
-    runner = web.AppRunner(
-        create_app(cluster, guard),
-        handler_cancellation=True,
-        access_log=None,
-        shutdown_timeout=1.0,
-        keepalive_timeout=conf.read_timeout,
-    )
+    runner = app_runner(create_app(cluster, guard), conf.read_timeout)
     stop = asyncio.Event()
     started_ray = False
     try:
-        await runner.setup()
-        with private_umask():
-            await web.UnixSite(runner, str(conf.socket)).start()
-        os.chmod(conf.socket, 0o600)
-        if conf.port is not None:
-            await web.TCPSite(runner, conf.host or "127.0.0.1", conf.port).start()
-            log.info("also listening on http://%s:%d", conf.host or "127.0.0.1", conf.port)
-        log.info("access: %s", guard.describe())
+        await listen(runner, conf.socket, conf.host, conf.port, guard)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         began = time.perf_counter()

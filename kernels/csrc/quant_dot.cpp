@@ -127,6 +127,36 @@ inline __m256i reg_u(const uint8_t* b, int j) {
   return _mm256_setzero_si256();  // unreachable: every type above
 }
 
+// The last blocks of a 32-value row past the groups of four (one at a time, as blocks), then each row's
+// four-lane accumulator summed into out[r * ldo].
+template <int64_t T, int M>
+inline void finish32(const Acts& a, const uint8_t* row, int64_t bi, int64_t nb, const __m128* acc, float* out,
+                     int64_t ldo) {
+  using Tr = Traits<T>;
+  const int64_t n16 = a.k / 16;
+  float tail[M];
+  for (int r = 0; r < M; ++r) tail[r] = 0.0f;
+  Block blk{};
+  for (; bi < nb; ++bi) {
+    const uint8_t* b = row + bi * Tr::BYTES;
+    Tr::scales(b, blk);
+    const __m256i u = reg_u<T>(b, 0);
+    const __m256i au = Tr::SIGNED ? _mm256_sign_epi8(u, u) : u;
+    for (int r = 0; r < M; ++r) {
+      const __m256i x = load256(reinterpret_cast<const uint8_t*>(a.q + r * a.k + bi * 32));
+      const __m256i s = dot4(au, Tr::SIGNED ? _mm256_sign_epi8(x, u) : x);
+      const float da = a.d[r * nb + bi];
+      tail[r] += blk.d * da * (float)reduce_add_epi32(s);
+      if constexpr (Tr::FMIN) tail[r] += blk.m * da * (float)(a.bs[r * n16 + 2 * bi] + a.bs[r * n16 + 2 * bi + 1]);
+    }
+  }
+  for (int r = 0; r < M; ++r) {
+    __m128 h = _mm_add_ps(acc[r], _mm_movehl_ps(acc[r], acc[r]));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    out[r * ldo] = _mm_cvtss_f32(h) + tail[r];
+  }
+}
+
 // 32-value types: four blocks at a time, so their four integer sums share one conversion and one
 // multiply-add with the four blocks' weight and activation scales (and, for Q4_1/Q5_1, one more with
 // their minimums and activation sums).
@@ -169,27 +199,7 @@ void dot_rows32(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, 
         }
       }
     }
-    float tail[M];
-    for (int r = 0; r < M; ++r) tail[r] = 0.0f;
-    Block blk{};
-    for (; bi < nb; ++bi) {  // the blocks past the last four
-      const uint8_t* b = row + bi * Tr::BYTES;
-      Tr::scales(b, blk);
-      const __m256i u = reg_u<T>(b, 0);
-      const __m256i au = Tr::SIGNED ? _mm256_sign_epi8(u, u) : u;
-      for (int r = 0; r < M; ++r) {
-        const __m256i x = load256(reinterpret_cast<const uint8_t*>(a.q + r * a.k + bi * 32));
-        const __m256i s = dot4(au, Tr::SIGNED ? _mm256_sign_epi8(x, u) : x);
-        const float da = a.d[r * nb + bi];
-        tail[r] += blk.d * da * (float)reduce_add_epi32(s);
-        if constexpr (Tr::FMIN) tail[r] += blk.m * da * (float)(a.bs[r * n16 + 2 * bi] + a.bs[r * n16 + 2 * bi + 1]);
-      }
-    }
-    for (int r = 0; r < M; ++r) {
-      __m128 h = _mm_add_ps(acc[r], _mm_movehl_ps(acc[r], acc[r]));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      out[r * ldo + n] = _mm_cvtss_f32(h) + tail[r];
-    }
+    finish32<T, M>(a, row, bi, nb, acc, out + n, ldo);
   }
 }
 
@@ -272,7 +282,7 @@ inline __m256i reg_u32(const uint8_t* b) {
 
 // The 32-value types on 512-bit registers: two blocks per register and one VNNI multiply-add (u8 x s8,
 // four products into each int32 lane) per two blocks and row; four blocks' sums then share one conversion
-// and multiply-add with their scales, as in the 256-bit loop, whose tail code runs the last blocks.
+// and multiply-add with their scales, as in the 256-bit loop; finish32 runs the last blocks.
 template <int64_t T, int M>
 void dot_rows32_zmm(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0,
                     int64_t n1) {
@@ -309,26 +319,7 @@ void dot_rows32_zmm(const Acts& a, const uint8_t* w, int64_t row_bytes, float* o
         acc[r] = _mm_fmadd_ps(_mm_cvtepi32_ps(t4), _mm_mul_ps(dwv, da), acc[r]);
       }
     }
-    float tail[M];
-    for (int r = 0; r < M; ++r) tail[r] = 0.0f;
-    Block blk{};
-    for (; bi < nb; ++bi) {  // the blocks past the last four, as the 256-bit loop does them
-      const uint8_t* b = row + bi * Tr::BYTES;
-      Tr::scales(b, blk);
-      const __m256i u = reg_u<T>(b, 0);
-      const __m256i au = Tr::SIGNED ? _mm256_sign_epi8(u, u) : u;
-      for (int r = 0; r < M; ++r) {
-        const __m256i x = load256(reinterpret_cast<const uint8_t*>(a.q + r * a.k + bi * 32));
-        const __m256i s = dot4(au, Tr::SIGNED ? _mm256_sign_epi8(x, u) : x);
-        const float da = a.d[r * nb + bi];
-        tail[r] += blk.d * da * (float)reduce_add_epi32(s);
-      }
-    }
-    for (int r = 0; r < M; ++r) {
-      __m128 h = _mm_add_ps(acc[r], _mm_movehl_ps(acc[r], acc[r]));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      out[r * ldo + n] = _mm_cvtss_f32(h) + tail[r];
-    }
+    finish32<T, M>(a, row, bi, nb, acc, out + n, ldo);
   }
 }
 #endif
