@@ -465,6 +465,13 @@ def main() -> int:
     )
     peers.add_argument("--concurrencies", default="1,4,16,64", help="closed-loop concurrency points")
     peers.add_argument("--repeat-at", default="1,16", help="points measured --repeats times (median); others once")
+    peers.add_argument(
+        "--per-client",
+        type=int,
+        default=0,
+        help="at concurrency c, at least this many requests per client (the trace grows to c x N), "
+        "so that c clients are really in flight",
+    )
     peers.add_argument("--words", type=lambda v: tuple(map(int, v.split(","))), default=(16, 64), help="prompt words")
     peers.add_argument("--llama-server", default=None, help="llama-server binary (else $LLAMA_SERVER or PATH)")
     peers.add_argument(

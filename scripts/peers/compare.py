@@ -164,16 +164,24 @@ def hf_point(args, trace: list[TraceItem], concurrency: int) -> dict:
     }
 
 
-async def compare(args, body_of) -> list[dict]:
-    trace = text_trace(args.requests, args.words, args.output_len, args.seed)
+def point_traces(args) -> dict[int, list[TraceItem]]:
+    """The trace of each concurrency point: the first max(requests, c x per_client) items of one trace,
+    so every point starts with the same requests and c clients are really in flight."""
     concurrencies = [int(c) for c in args.concurrencies.split(",")]
+    sizes = {c: max(args.requests, c * getattr(args, "per_client", 0)) for c in concurrencies}
+    full = text_trace(max(sizes.values()), args.words, args.output_len, args.seed)
+    return {c: full[:n] for c, n in sizes.items()}
+
+
+async def compare(args, body_of) -> list[dict]:
+    traces = point_traces(args)
     repeat_at = {int(c) for c in args.repeat_at.split(",") if c}
     rows: list[dict] = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="mbpeer-", dir="/tmp") as tmp:
         workdir = Path(tmp)
-        for c in concurrencies:
+        for c, trace in traces.items():
             for spec in args.peers.split(","):
                 reps = args.repeats if c in repeat_at else 1
                 print(
@@ -183,6 +191,7 @@ async def compare(args, body_of) -> list[dict]:
                     row = hf_point(args, trace, c)
                 else:
                     row = await measure(launch_for(spec, args, c, workdir), trace, c, reps, body_of, workdir)
+                row["requests"] = len(trace)
                 rows.append(row)
                 (out / "peers.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2, default=str))
     return rows
@@ -190,16 +199,16 @@ async def compare(args, body_of) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| concurrency | server | out tok/s | TTFT p50 / p95 (s) | e2e p95 (s) | peak RSS (MB) | runs |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| concurrency | requests | server | out tok/s | TTFT p50 / p95 (s) | e2e p95 (s) | peak RSS (MB) | runs |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         s = r["summary"]
         ttft = s["ttft"]
         t = "-" if ttft["p50"] is None else f"{ttft['p50']:.2f} / {ttft['p95']:.2f}"
         lines.append(
-            f"| {r['concurrency']} | {r['server']} | {s['output_throughput']:.1f} | {t} | {s['e2e']['p95']:.1f} | "
-            f"{r['rss_peak_mb']:.0f} | {r['repeats']} |"
+            f"| {r['concurrency']} | {r.get('requests', '-')} | {r['server']} | {s['output_throughput']:.1f} | {t} | "
+            f"{s['e2e']['p95']:.1f} | {r['rss_peak_mb']:.0f} | {r['repeats']} |"
         )
     return "\n".join(lines)
 

@@ -17,7 +17,7 @@ sys.path.insert(0, str(SCRIPTS))
 from bench import body_of  # noqa: E402
 from benchlib import text_trace  # noqa: E402
 from peers import llamacpp, minibatch, vllm  # noqa: E402
-from peers.compare import WorkMismatch, check_counts, replay_http  # noqa: E402
+from peers.compare import WorkMismatch, check_counts, point_traces, replay_http  # noqa: E402
 
 
 class FakeOpenAI:
@@ -97,6 +97,19 @@ def test_a_short_answer_fails_the_run_loudly():
 def test_text_trace_is_reproducible():
     assert text_trace(5, (16, 64), (8, 128), seed=1) == text_trace(5, (16, 64), (8, 128), seed=1)
     assert text_trace(5, (16, 64), (8, 128), seed=1) != text_trace(5, (16, 64), (8, 128), seed=2)
+
+
+def test_each_point_gets_at_least_per_client_requests_per_client():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(
+        concurrencies="1,16,64", requests=32, per_client=2, words=(16, 64), output_len=(8, 128), seed=0
+    )
+    traces = point_traces(args)
+    assert {c: len(t) for c, t in traces.items()} == {1: 32, 16: 32, 64: 128}
+    assert traces[64][:32] == traces[1] == text_trace(32, (16, 64), (8, 128), seed=0)  # the same first requests
+    args.per_client = 0
+    assert {c: len(t) for c, t in point_traces(args).items()} == {1: 32, 16: 32, 64: 32}
 
 
 def test_llama_server_command_line():
