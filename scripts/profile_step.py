@@ -7,6 +7,10 @@ For each batch size it fills the engine with that many greedy requests of
 steps: the whole step (schedule, forward, sample, update, detokenize) and,
 with wrappers around each part's entry point, the time of the matmuls, the
 attention, the small ops, the sampler, the scheduler and the rest.
+
+With --prefill N it times instead the step that prefills one N-token prompt
+whole (median of --steps after a warm-up), as llama-bench's ppN measures, and
+where that step's time goes.
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ class Timers:
             finally:
                 ms[group] += (time.perf_counter() - t) * 1e3
 
+        if callable(inner) and not hasattr(inner, "__func__") and not isinstance(inner, type(timed)):
+            # a callable object (the sampler): keep its other attributes reachable
+            timed = type(
+                "Timed", (), {"__call__": staticmethod(timed), "__getattr__": lambda _, n: getattr(inner, n)}
+            )()
         setattr(owner, attr, timed)
 
 
@@ -100,6 +109,35 @@ def profile(engine, steps: int) -> tuple[float, float, dict[str, float]]:
     )
 
 
+def profile_prefill(engine, tokens: int, repeats: int) -> tuple[float, dict[str, float]]:
+    """(median ms of the step that prefills one `tokens`-token prompt whole, per-part ms of one more)."""
+
+    def once(i: int) -> float:
+        prompt = [100 + (i * 7919 + j * 37) % 30000 for j in range(tokens)]
+        engine.add_request(f"pp{i}", prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        t = time.perf_counter()
+        engine.step()
+        ms = (time.perf_counter() - t) * 1e3
+        while engine.has_work():
+            engine.step()
+        return ms
+
+    once(0)  # warm-up
+    median = statistics.median(once(1 + i) for i in range(repeats))
+    timers = instrument(engine)
+    once(repeats + 1)
+    return median, dict(timers.ms)
+
+
+def print_parts(parts: dict[str, float], total_ms: float) -> None:
+    inside = sum(v for k, v in parts.items() if k not in ("runner (all of the above)", "scheduler", "timeline record"))
+    for group, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
+        print(f"  {group:<28} {ms:7.2f} ms")
+    print(f"  {'rest of the runner':<28} {parts['runner (all of the above)'] - inside:7.2f} ms  (inputs, glue ops)")
+    rest = total_ms - parts["runner (all of the above)"] - parts["scheduler"] - parts["timeline record"]
+    print(f"  {'rest of the step':<28} {rest:7.2f} ms  (update, detokenize, stats; timed without the wrappers)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct", help="alias, HF directory or .gguf file")
@@ -107,7 +145,30 @@ def main() -> int:
     ap.add_argument("--rows", default="1,64")
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument(
+        "--prefill", type=int, default=0, help="instead: one prompt of this many tokens prefilled in one step"
+    )
     args = ap.parse_args()
+    if args.prefill:
+        engine = build_engine(
+            EngineConfig(
+                model=args.model,
+                weights=args.weights,
+                max_num_seqs=1,
+                enable_prefix_caching=False,
+                max_num_batched_tokens=args.prefill,
+                kv_cache_gb=1.0,
+            )
+        )
+        step_ms, parts = profile_prefill(engine, args.prefill, max(args.steps, 1))
+        print(
+            f"\n{engine.info.weights}, a {args.prefill}-token prompt prefilled in one step: {step_ms:.1f} ms "
+            f"({args.prefill / step_ms * 1e3:.1f} tok/s, median of {max(args.steps, 1)}); instrumented:"
+        )
+        print_parts(
+            parts, sum(parts.get(k, 0.0) for k in ("runner (all of the above)", "scheduler", "timeline record"))
+        )
+        return 0
     for rows in (int(r) for r in args.rows.split(",")):
         engine = build_engine(
             EngineConfig(
@@ -126,19 +187,12 @@ def main() -> int:
             f"({rows / step_ms * 1e3:.1f} tok/s; {unrecorded_ms:.1f} ms without the timeline, interleaved); "
             "per step, instrumented:"
         )
-        inside = sum(
-            v for k, v in parts.items() if k not in ("runner (all of the above)", "scheduler", "timeline record")
-        )
-        for group, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
-            print(f"  {group:<28} {ms:7.2f} ms")
+        print_parts(parts, step_ms)
         streamed = engine.info.memory.matmul_bytes_per_step
         print(
             f"  the matmuls read {streamed / 1e6:.0f} MB of weights per step: "
             f"{streamed / parts.get('matmul', float('nan')) / 1e6:.1f} GB/s"
         )
-        print(f"  {'rest of the runner':<28} {parts['runner (all of the above)'] - inside:7.2f} ms  (inputs, glue ops)")
-        rest = step_ms - parts["runner (all of the above)"] - parts["scheduler"] - parts["timeline record"]
-        print(f"  {'rest of the step':<28} {rest:7.2f} ms  (update, detokenize, stats; timed without the wrappers)")
     return 0
 
 

@@ -314,6 +314,13 @@ def test_profile_step(env, weights):
     read = number(r"the matmuls read (\d+) MB of weights per step", proc.stdout)
     # the same model streams 4-bit blocks natively and every matrix in fp32 dequantised
     assert (90 <= read <= 100) if weights == "native" else (500 <= read <= 560), read
+    if weights == "native":  # and the prefill of one prompt in one step
+        proc = run(env, SCRIPTS / "profile_step.py", "--prefill", "64", "--steps", "2")
+        ms, rate = re.search(
+            r"a 64-token prompt prefilled in one step: ([\d.]+) ms \(([\d.]+) tok/s", proc.stdout
+        ).groups()
+        assert float(ms) > 0 and float(rate) == pytest.approx(64 / float(ms) * 1e3, rel=0.01)
+        assert number(r"\n  matmul\s+([\d.]+) ms", proc.stdout) > 0
 
 
 def test_bench_grammar(env, tmp_path):
