@@ -25,6 +25,7 @@ from minibatch.engine.core.info import EngineInfo
 from minibatch.engine.core.outputs import EngineState, RequestOutput, StepStats
 from minibatch.engine.core.request import Request
 from minibatch.engine.core.sampling_params import SamplingParams
+from minibatch.engine.heap import release_free_memory
 
 log = logging.getLogger("minibatch.engine")
 
@@ -221,6 +222,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        worked = False  # since the engine last ran out of work
         while not self._stop.is_set():
             self.loop_iterations += 1
             self._wake.clear()
@@ -228,8 +230,13 @@ class AsyncEngine:
                 self._drain_inbox()
                 self.state = engine.state()
             if not engine.has_work():
+                if worked:  # out of work: the forwards' freed temporaries go back to the OS
+                    release_free_memory()
+                    worked = False
+                    continue  # (news may have come in meanwhile: look again before sleeping)
                 self._wake.wait()
                 continue
+            worked = True
             try:
                 outputs, stats = engine.step()
             except Exception as exc:  # the forward failed: fail in-flight requests, keep serving

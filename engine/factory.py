@@ -10,6 +10,7 @@ from minibatch.engine.core.config import MODES, SchedulerConfig
 from minibatch.engine.core.engine import LLMEngine
 from minibatch.engine.core.info import WEIGHT_MODES, EngineInfo
 from minibatch.engine.core.sampling_params import SAMPLING_DEFAULT_FIELDS
+from minibatch.engine.heap import release_free_memory
 from minibatch.engine.store.cache import DEFAULT_MODEL, resolve_model
 from minibatch.engine.testing import faults
 
@@ -225,4 +226,5 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         rope_factors=("long" if model.model.rotary.long else "short") if cfg.rope.rope_type == "longrope" else None,
         memory=weight_facts(model),
     )
+    release_free_memory()  # the load's temporaries (file reads, stacked copies) leave the heap
     return engine

@@ -158,9 +158,9 @@ def test_bench_over_the_socket(daemon, env, tmp_path):
     memory = summary["daemon"]["memory"]
     assert c["model_params"] == memory["num_params"] and c["matmul_bytes_per_step"] == memory["matmul_bytes_per_step"]
     assert c["batch1_bandwidth_bound_tok_s"] == pytest.approx(
-        c["memory_bandwidth_gb_s"] * 1e9 / memory["matmul_bytes_per_step"]
+        c["memory_read_gb_s"] * 1e9 / memory["matmul_bytes_per_step"]
     )
-    bound = number(r"batch-1 bandwidth bound ([\d.]+) tok/s", proc.stdout)
+    bound = number(r"batch-1 read-bandwidth bound ([\d.]+) tok/s", proc.stdout)
     assert bound == pytest.approx(c["batch1_bandwidth_bound_tok_s"], abs=0.06)
     assert "| c=2 | continuous |" in (out / "table.md").read_text()
     for plot in ("throughput_vs_concurrency.png", "ttft_cdf.png"):
