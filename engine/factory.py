@@ -154,7 +154,6 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     tokenizer = TextTokenizer(model_dir)
     cfg = model.config
     max_model_len = min(config.max_model_len or cfg.default_context, cfg.max_position)
-    model.use_context(max_model_len)  # LongRoPE past its original length: the long factors, for every position
 
     budget_rule = "--num-kv-blocks"
     if config.num_kv_blocks is not None:
@@ -171,6 +170,9 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         num_blocks = min(num_blocks, config.max_num_seqs * -(-max_model_len // config.block_size) + 1)
     if num_blocks < 2:
         raise ValueError(f"the KV-cache budget gives {num_blocks} blocks; need at least 2")
+    # LongRoPE past its original length: the long factors, for every position. No sequence outgrows the
+    # pool (admission refuses one that would), so the rotary tables hold at most that many positions.
+    model.use_context(max_model_len, positions=(num_blocks - 1) * config.block_size)
     caches = allocate_kv_cache(cfg, num_blocks, config.block_size, dtype, device)
     runner = ModelRunner(model, caches, config.block_size)
     if (

@@ -225,14 +225,20 @@ class LlamaForCausalLM(nn.Module):
             h, residual = ops.add_rms_norm(mlp, residual, nxt.weight, eps)
         return h
 
-    def use_context(self, max_len: int) -> None:
+    def use_context(self, max_len: int, positions: int | None = None) -> None:
         """Rotary tables for contexts up to `max_len` positions. Past LongRoPE's original length every
         position rotates with the long factors, decided here once for the whole run (as llama.cpp decides
-        by its context size), so the cached keys never mix the two."""
+        by its context size), so the cached keys never mix the two. `positions`: the tables hold only this
+        many (the most a sequence can reach, when the KV pool holds fewer tokens than `max_len`: a 512-token
+        pool needs 512 rows, not the 131,072 of Llama 3.2's context, 34 MB of cos and sin)."""
+        length = min(max_len, positions or max_len)
         rotary = self.model.rotary
         long = rotary.rope.rope_type == "longrope" and max_len > rotary.rope.original_max_position
-        if long != rotary.long or max_len > rotary.cos.shape[0]:
-            rotary.build_tables(rotary.cos.device, long=long, length=max(max_len, rotary.cos.shape[0]))
+        if long != rotary.long or length != rotary.cos.shape[0]:
+            rotary.build_tables(rotary.cos.device, long=long, length=length)
+        local = self.model.rotary_local
+        if local is not None and length != local.cos.shape[0]:
+            local.build_tables(local.cos.device, length=length)
 
     def projections(self):
         """(group, module) for every matrix multiply one token's forward runs, in order: each layer's

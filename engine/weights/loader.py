@@ -92,7 +92,7 @@ def load_model(
             for module in model.modules():
                 if isinstance(module, RMSNorm):
                     module.weight.add_(1.0)
-    # tables for the default context (LongRoPE: its original length, short factors); use_context grows them
+    # tables for the default context (LongRoPE: its original length, short factors); use_context sizes them
     model.model.rotary.build_tables(torch.device(device), length=cfg.default_context)
     if model.model.rotary_local is not None:
         model.model.rotary_local.build_tables(torch.device(device), length=cfg.default_context)

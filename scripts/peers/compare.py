@@ -135,12 +135,15 @@ async def measure(
             check_counts(trace, results, launch.name)
             runs.append(summarize(results, wall))
         task.cancel()
+        await asyncio.sleep(1.0)  # idle: what the server keeps once it has served
+        rss_after = sampler.proc.memory_info().rss
         return {
             "server": launch.name,
             "concurrency": concurrency,
             "repeats": repeats,
             "info": launch.info,
             "rss_peak_mb": sampler.peak / 2**20,
+            "rss_after_mb": rss_after / 2**20,
             "summary": median_summary(runs),
         }
     finally:
@@ -199,7 +202,8 @@ async def compare(args, body_of) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| concurrency | requests | server | out tok/s | TTFT p50 / p95 (s) | e2e p95 (s) | peak RSS (MB) | runs |",
+        "| concurrency | requests | server | out tok/s | TTFT p50 / p95 (s) | e2e p95 (s) | RSS peak / after (MB) "
+        "| runs |",
         "|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -208,7 +212,8 @@ def table(rows: list[dict]) -> str:
         t = "-" if ttft["p50"] is None else f"{ttft['p50']:.2f} / {ttft['p95']:.2f}"
         lines.append(
             f"| {r['concurrency']} | {r.get('requests', '-')} | {r['server']} | {s['output_throughput']:.1f} | {t} | "
-            f"{s['e2e']['p95']:.1f} | {r['rss_peak_mb']:.0f} | {r['repeats']} |"
+            f"{s['e2e']['p95']:.1f} | {r['rss_peak_mb']:.0f} / {r.get('rss_after_mb', float('nan')):.0f} | "
+            f"{r['repeats']} |"
         )
     return "\n".join(lines)
 

@@ -60,3 +60,28 @@ def test_a_kv_pool_in_tokens_holds_that_many_and_the_null_block(tiny_chat_model_
         EngineConfig(kv_cache_tokens=8)
     engine = factory.build_engine(EngineConfig(model=str(tiny_chat_model_dir), kv_cache_tokens=100, kv_cache_gb=5.0))
     assert engine.info.num_kv_blocks == 7 + 1 and engine.info.kv_budget == "--kv-cache-tokens 100"
+
+
+def test_rotary_tables_hold_the_positions_the_pool_can_reach(tiny_chat_model_dir):
+    """A pool smaller than the model's context: the tables stop where a sequence must, and a request that
+    fills the whole pool still decodes to its last position with the same tokens as with a large pool."""
+    from minibatch.engine.core.sampling_params import SamplingParams
+
+    def run(tokens: int | None):
+        engine = factory.build_engine(
+            EngineConfig(model=str(tiny_chat_model_dir), kv_cache_tokens=tokens, max_num_seqs=1)
+        )
+        prompt = [5 + i % 50 for i in range(100)]
+        engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=28, ignore_eos=True))
+        out = []
+        while engine.has_work():
+            out += [t for o in engine.step()[0] for t in o.token_ids]
+        return engine, out
+
+    small, tokens = run(128)  # 8 blocks of 16: 128 positions
+    rotary = small.runner.model.model.rotary
+    assert rotary.cos.shape[0] == (small.info.num_kv_blocks - 1) * small.info.block_size == 128
+    assert small.info.max_model_len > 128  # the model's context is longer than the pool
+    big, expected = run(None)
+    assert big.runner.model.model.rotary.cos.shape[0] == big.info.max_model_len
+    assert len(tokens) == 28 and tokens == expected

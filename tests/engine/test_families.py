@@ -256,3 +256,5 @@ def test_longrope_past_its_original_length_rotates_every_position_with_the_long_
         torch.testing.assert_close(torch.cat(outs), hf_logits(hf, ids), atol=1e-4, rtol=0, msg=name)
         ours.use_context(64)  # back at the original length: the short factors again
         assert not ours.model.rotary.long
+        ours.use_context(256, positions=96)  # a pool of 96 tokens: the long factors, 96 rows of them
+        assert ours.model.rotary.long and ours.model.rotary.cos.shape[0] == 96
