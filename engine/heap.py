@@ -13,20 +13,16 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import logging
-
-log = logging.getLogger("minibatch.engine")
 
 
 @functools.cache
 def _trim():
-    name = ctypes.util.find_library("c")
+    """glibc's malloc_trim, or None under another C library."""
     try:
-        fn = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc
+        fn = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
         return None
-    if fn is not None:
-        fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     return fn
 
 

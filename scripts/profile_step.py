@@ -16,6 +16,7 @@ where that step's time goes.
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import sys
 import time
@@ -47,7 +48,7 @@ class Timers:
             finally:
                 ms[group] += (time.perf_counter() - t) * 1e3
 
-        if callable(inner) and not hasattr(inner, "__func__") and not isinstance(inner, type(timed)):
+        if not inspect.isroutine(inner):
             # a callable object (the sampler): keep its other attributes reachable
             timed = type(
                 "Timed", (), {"__call__": staticmethod(timed), "__getattr__": lambda _, n: getattr(inner, n)}
@@ -165,9 +166,7 @@ def main() -> int:
             f"\n{engine.info.weights}, a {args.prefill}-token prompt prefilled in one step: {step_ms:.1f} ms "
             f"({args.prefill / step_ms * 1e3:.1f} tok/s, median of {max(args.steps, 1)}); instrumented:"
         )
-        print_parts(
-            parts, sum(parts.get(k, 0.0) for k in ("runner (all of the above)", "scheduler", "timeline record"))
-        )
+        print_parts(parts, step_ms)
         return 0
     for rows in (int(r) for r in args.rows.split(",")):
         engine = build_engine(
