@@ -88,7 +88,11 @@ class EngineMonitor:
     def rates(self, now: float | None = None) -> dict[str, float]:
         now = time.time() if now is None else now
         recent = [s for s in self.steps if s.timestamp >= now - RATE_WINDOW]
+        waits = [(s.cpu_wait, s.step_time) for s in recent if s.cpu_wait is not None]
+        busy = sum(t for _, t in waits)
         return {
+            # seconds the engine's threads waited for a core per second of step: the machine busy elsewhere
+            "cpu_wait_share": sum(w for w, _ in waits) / busy if busy else None,
             "prefill_tokens_per_s": sum(s.prefill_tokens for s in recent) / RATE_WINDOW,
             "decode_tokens_per_s": sum(s.decode_tokens for s in recent) / RATE_WINDOW,
             "steps_per_s": len(recent) / RATE_WINDOW,
@@ -147,6 +151,8 @@ class EngineMonitor:
             "wasted_row_steps": st.wasted_row_steps,
             "total_preemptions": st.preemptions,
             "step_time": 0.0,
+            "cpu_wait": None,
+            "cpu_wait_share": None,
             "kv_usage_percent": round(100 * st.kv_usage, 2),
             "prefill_tokens_per_s": 0.0,
             "decode_tokens_per_s": 0.0,

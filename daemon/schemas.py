@@ -153,6 +153,7 @@ class Stats(_Out):
     prefill_tokens_per_s: float
     decode_tokens_per_s: float
     steps_per_s: float
+    cpu_wait_share: float | None  # the last 2 s: the engine threads' wait for a core per second of step
     last_error: str | None
     recent_steps: list[StepStats]
 

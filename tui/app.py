@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from textual import on, work
 from textual.app import App, ComposeResult
@@ -11,6 +12,7 @@ from textual.containers import Grid, Horizontal
 from textual.widgets import Footer
 
 from .client import DaemonUnavailable
+from .frames import FRAME_MIN_S, PANEL_S, POLL_S, pace
 from .history import History, PaneSettings
 from .messages import PaneSubmitted, RequestOwner, TurnFinished
 from .screens.help import HelpScreen
@@ -44,9 +46,13 @@ class MinibatchChat(App):
         Binding("ctrl+q", "quit", "quit", priority=True),
     ]
 
-    def __init__(self, client, history: History, poll_interval: float = 0.3) -> None:
+    def __init__(self, client, history: History, poll_interval: float = POLL_S) -> None:
         super().__init__()
         self.client, self.history, self.poll_interval = client, history, poll_interval
+        self.frames = 0  # frame clock ticks so far
+        self.frame_interval = FRAME_MIN_S  # follows the chat's CPU use (frames.pace)
+        self._clock = (time.monotonic(), time.process_time(), 0.0)  # at the last frame: wall, CPU, panel drawn
+        self.panel = EnginePanel(PANE_COLORS, id="engine")
         self.owners: dict[str, int] = {}  # request id -> pane index, for the block map
         self.request_panes: dict[str, int] = {}  # every request id seen -> pane index, for the timeline (bounded)
         self.mode: str | None = None
@@ -55,7 +61,7 @@ class MinibatchChat(App):
     def compose(self) -> ComposeResult:
         with Horizontal(id="main"):
             yield Grid(id="panes")
-            yield EnginePanel(PANE_COLORS, id="engine")
+            yield self.panel
         yield Footer()
 
     async def on_mount(self) -> None:
@@ -67,9 +73,26 @@ class MinibatchChat(App):
         self.panes()[0].focus_input()
         self.watch_events()
         self.poll_blocks()
+        self.set_timer(self.frame_interval, self._frame)
+
+    def _frame(self) -> None:
+        """The frame clock: streamed text into every pane, the panel every PANEL_S, then the next frame
+        after an interval paced by the chat's own CPU use."""
+        self.frames += 1
+        now, cpu = time.monotonic(), time.process_time()
+        wall_then, cpu_then, panel_at = self._clock
+        self.frame_interval = pace(self.frame_interval, (cpu - cpu_then) / max(now - wall_then, 1e-3))
+        panel_due = now - panel_at >= PANEL_S
+        for pane in self.panes():
+            pane.flush(status=panel_due)
+        if panel_due:
+            self.panel.redraw()
+        self._clock = (now, cpu, now if panel_due else panel_at)
+        self.set_timer(self.frame_interval, self._frame)
 
     def panes(self) -> list[ChatPane]:
-        return list(self.query(ChatPane))
+        # the grid's own children: a query over the whole DOM would walk every transcript's blocks
+        return [c for c in self.query_one("#panes", Grid).children if isinstance(c, ChatPane)]
 
     async def _add_pane(self, pane_id: int, settings: PaneSettings, messages: list[dict]) -> ChatPane:
         pane = ChatPane(pane_id, len(self.panes()), settings, messages)
@@ -111,7 +134,9 @@ class MinibatchChat(App):
 
     @on(RequestOwner)
     def _owner(self, event: RequestOwner) -> None:
-        pane = self.query_one(f"#pane-{event.pane_id}", ChatPane)
+        pane = next((p for p in self.panes() if p.pane_id == event.pane_id), None)
+        if pane is None:  # closed (or the app is closing) before its request ended
+            return
         for rid, idx in list(self.owners.items()):
             if idx == pane.index:
                 del self.owners[rid]
@@ -200,14 +225,14 @@ class MinibatchChat(App):
         self.notify(f"switching to {target} at the next batch boundary")
 
     def action_toggle_timeline(self) -> None:
-        panel = self.query_one(EnginePanel)
+        panel = self.panel
         if panel.toggle_timeline():
             self.poll_steps()
 
     # -- the engine view --------------------------------------------------
     @work(exclusive=True, group="events")
     async def watch_events(self) -> None:
-        panel = self.query_one(EnginePanel)
+        panel = self.panel
         while True:
             try:
                 async for event in self.client.events():
@@ -236,7 +261,7 @@ class MinibatchChat(App):
 
     @work(exclusive=True, group="blocks")
     async def poll_blocks(self) -> None:
-        panel = self.query_one(EnginePanel)
+        panel = self.panel
         while True:
             try:
                 panel.update_blocks(await self.client.blocks(), self.owners)
@@ -247,7 +272,7 @@ class MinibatchChat(App):
     @work(exclusive=True, group="steps")
     async def poll_steps(self) -> None:
         """While the timeline shows: fetch the step records since the last one drawn."""
-        panel = self.query_one(EnginePanel)
+        panel = self.panel
         while panel.showing_timeline:
             try:
                 panel.timeline.add(await self.client.steps(panel.timeline.last_step), self.request_panes)

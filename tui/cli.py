@@ -53,6 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--start", action="store_true", help="start the daemon (built-in model) if it is not running, without asking"
     )
+    ap.add_argument(
+        "--nice",
+        type=int,
+        default=int(os.environ.get("MINIBATCH_CHAT_NICE", "10")),
+        help="scheduling niceness the chat runs at, so the engine it shows keeps the cores it needs; "
+        "0 for none (env MINIBATCH_CHAT_NICE; default 10)",
+    )
     ap.add_argument("--new", action="store_true", help="start with empty history")
     ap.add_argument(
         "--db", type=Path, default=None, help=f"chat history file (env MINIBATCH_CHAT_DB; default {default_db()})"
@@ -99,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         deadline = time.monotonic() + 600
         while daemon_health(target, args.api_key)[0] != 200 and time.monotonic() < deadline:
             time.sleep(0.5)
+
+    if args.nice:
+        # The chat only draws; the daemon's threads do the work it shows. Being nicer than them, it takes
+        # an idle core at once but never preempts an engine thread (the engine's steps wait for their
+        # slowest thread, so one preempted thread stalls the whole step).
+        os.nice(args.nice)
 
     from .app import MinibatchChat
     from .client import DaemonClient

@@ -57,6 +57,12 @@ def _percent(used: int, total: int) -> float:
     return round(100 * used / total, 2) if total else 0.0
 
 
+def worst_wait(reps: list[dict]) -> float | None:
+    """The replica whose engine waited most for a core (None when none counts it)."""
+    shares = [e["cpu_wait_share"] for e in reps if e.get("cpu_wait_share") is not None]
+    return max(shares) if shares else None
+
+
 def stats(per_replica: dict[str, dict]) -> dict:
     """/v1/engine/stats over the cluster: the sums, the hit rate over every replica's prompt tokens, and each
     replica's own answer under `replicas` (its recent steps there, not in the totals)."""
@@ -69,6 +75,7 @@ def stats(per_replica: dict[str, dict]) -> dict:
     out["kv_usage_percent"] = _percent(out["kv_blocks_used"], out["kv_blocks_total"])
     out["prefix_cache_hit_rate"] = out["cached_prompt_tokens"] / out["prompt_tokens"] if out["prompt_tokens"] else 0.0
     out["last_error"] = next((s["last_error"] for s in reps if s.get("last_error")), None)
+    out["cpu_wait_share"] = worst_wait(reps)
     out["recent_steps"] = []
     out["replicas"] = [{"replica": r, **per_replica[r]} for r in sorted(per_replica)]
     return out
@@ -84,6 +91,7 @@ def event(latest: dict[str, dict], timestamp: float) -> dict:
     out["mode"] = common_mode([e.get("mode") for e in reps])
     out["pending_mode"] = common_mode([e.get("pending_mode") for e in reps])
     out["step_time"] = max((e.get("step_time") or 0.0 for e in reps), default=0.0)
+    out["cpu_wait_share"] = worst_wait(reps)
     out["kv_usage_percent"] = _percent(out["kv_blocks_used"], out["kv_blocks_total"])
     out["replicas"] = [{"replica": r, **{k: latest[r].get(k) for k in COMPACT}} for r in sorted(latest)]
     return out

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from minibatch.engine.core.block_manager import BlockManager
 from minibatch.engine.core.config import SchedulerConfig
+from minibatch.engine.core.cpu_wait import RunQueueWait
 from minibatch.engine.core.detokenizer import IncrementalDetokenizer, Tokenizer
 from minibatch.engine.core.info import EngineInfo
 from minibatch.engine.core.outputs import EngineState, RequestOutput, StepStats
@@ -58,6 +59,8 @@ class LLMEngine:
         self.streams: dict[str, _Stream] = {}
         self.pending_outputs: list[RequestOutput] = []  # finished outside a step (aborts)
         self.num_steps = 0
+        self._run_queue = RunQueueWait()
+        self._run_queue_at: float | None = None
         self.info: EngineInfo | None = None  # the model's facts, set by whoever built the runner (factory.build_engine)
 
     # -- requests ---------------------------------------------------------
@@ -118,7 +121,7 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         self.num_steps += 1
-        stats = self._stats(sched, time.perf_counter() - started)
+        stats = self._stats(sched, time.perf_counter() - started, self._cpu_waited())
         self._record(sched, computed, stats)
         return outputs, stats
 
@@ -225,7 +228,13 @@ class LLMEngine:
             wasted_row_steps=s.wasted_row_steps,
         )
 
-    def _stats(self, sched: SchedulerOutput, step_time: float) -> StepStats:
+    def _cpu_waited(self) -> float | None:
+        """Run-queue wait since the previous step ended (one read of the threads' counters a step)."""
+        now = self._run_queue.seconds()
+        before, self._run_queue_at = self._run_queue_at, now
+        return None if now is None or before is None else max(0.0, now - before)
+
+    def _stats(self, sched: SchedulerOutput, step_time: float, cpu_wait: float | None = None) -> StepStats:
         s, bm = self.scheduler, self.scheduler.blocks
         return StepStats(
             step=self.num_steps,
@@ -245,6 +254,7 @@ class LLMEngine:
             wasted_row_steps=s.wasted_row_steps,
             total_preemptions=s.num_preemptions,
             step_time=step_time,
+            cpu_wait=cpu_wait,
         )
 
 

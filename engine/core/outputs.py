@@ -42,6 +42,9 @@ class StepStats:
     wasted_row_steps: int  # static: padding rows so far, over the engine's life
     total_preemptions: int
     step_time: float  # seconds, schedule + forward + sampling + bookkeeping
+    # seconds the engine's threads, together, were ready to run but waited for a core since the previous
+    # step ended (cpu_wait.py): the machine busy elsewhere; None where the system does not count it
+    cpu_wait: float | None = None
 
     @property
     def kv_usage(self) -> float:

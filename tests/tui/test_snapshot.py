@@ -11,6 +11,12 @@ from minibatch.tui.history import History
 from .fakes import FakeClient, event
 
 
+async def drawn(pilot, app, step: int) -> None:
+    """Until the panel shows the event of `step` and no pane has streamed text waiting for a frame."""
+    while app.panel.drawn_step != step or any(p.undrawn for p in app.panes()):
+        await pilot.pause(0.02)
+
+
 async def two_panes_asking(pilot, app, client, text: str) -> None:
     """Open a second pane, broadcast `text`, wait until both requests are out; cursors still (for stable pictures)."""
     for inp in app.query(Input):
@@ -34,7 +40,7 @@ def test_two_panes_mid_answer_with_engine_panel(snap_compare, tmp_path):
     async def run_before(pilot) -> None:
         await two_panes_asking(pilot, app, client, "why")
         client.events_queue.put_nowait(event(mode="continuous", running=2, waiting=1, used=12, step=42))
-        await pilot.pause(0.3)
+        await drawn(pilot, app, 42)
         for pane in app.panes():
             pane.set_status("generating…")  # the chunk counter depends on timing; pin it
 
@@ -83,7 +89,7 @@ def _timeline_snapshot(snap_compare, tmp_path, static: bool):
         panel = app.query_one("EnginePanel")
         while panel.timeline.last_step < 30:
             await pilot.pause(0.02)
-        await pilot.pause(0.2)
+        await drawn(pilot, app, 30)
         for pane in app.panes():
             pane.set_status("generating…")
 

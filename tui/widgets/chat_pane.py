@@ -6,12 +6,13 @@ import time
 
 from textual import work
 from textual.app import ComposeResult
-from textual.containers import Vertical, VerticalScroll
-from textual.widgets import Input, Markdown, Static
+from textual.containers import Vertical
+from textual.widgets import Input, Static
 
 from ..client import DaemonUnavailable
 from ..history import PaneSettings
 from ..messages import PaneSubmitted, RequestOwner, TurnFinished
+from .transcript import Transcript
 
 PANE_COLORS = ["#e06c75", "#61afef", "#98c379", "#e5c07b", "#c678dd", "#56b6c2"]
 
@@ -44,13 +45,18 @@ class ChatPane(Vertical):
         self.messages: list[dict] = list(messages or [])
         self.busy = False
         self.color = PANE_COLORS[index % len(PANE_COLORS)]
+        # Streamed text waits here until the app's next frame draws it (flush): tokens arrive faster than
+        # it is worth drawing them, and every frame is CPU the engine beside the chat does not get.
+        self._pending: list[str] = []
+        self._answer: int | None = None  # the streaming answer's index in the transcript
+        self._chunks = 0
+        self._status = "ready"
+        self.flushes = 0  # transcript updates drawn, over the pane's life
 
     def compose(self) -> ComposeResult:
         yield Static(self._title(), classes="pane-title")
-        with VerticalScroll(classes="transcript"):
-            for m in self.messages:
-                yield Markdown(m["content"], classes=f"msg {m['role']}")
-        yield Static("ready", classes="pane-status")
+        yield Transcript(self.messages, self.color, classes="transcript")
+        yield Static(self._status, classes="pane-status")
         yield Input(placeholder="Message (enter to send, esc to stop)", classes="pane-input")
 
     def _title(self) -> str:
@@ -63,7 +69,30 @@ class ChatPane(Vertical):
         self.query_one(".pane-title", Static).update(self._title())
 
     def set_status(self, text: str) -> None:
-        self.query_one(".pane-status", Static).update(text)
+        """The line under the transcript; one row high whatever it says, so it redraws without a layout."""
+        if text != self._status:
+            self._status = text
+            self.query_one(".pane-status", Static).update(text, layout=False)
+
+    @property
+    def undrawn(self) -> bool:
+        """Streamed text waits for the next frame."""
+        return bool(self._pending)
+
+    @property
+    def transcript(self) -> Transcript:
+        return self.query_one(Transcript)
+
+    def flush(self, status: bool = True) -> None:
+        """Draw what streamed in since the last frame: one transcript update (and the status line's count)."""
+        if not self._pending or self._answer is None:
+            return
+        text = "".join(self._pending)
+        self._pending.clear()
+        self.flushes += 1
+        if status:
+            self.set_status(f"generating… {self._chunks} chunks")
+        self.transcript.append(self._answer, text)
 
     def focus_input(self) -> None:
         self.query_one(Input).focus()
@@ -86,7 +115,7 @@ class ChatPane(Vertical):
     def clear(self) -> None:
         self.cancel()
         self.messages.clear()
-        self.query_one(".transcript").remove_children()
+        self.transcript.clear()
         self.set_status("cleared")
 
     def cancel(self) -> bool:
@@ -104,14 +133,12 @@ class ChatPane(Vertical):
 
     @work(exclusive=True, group="generate")
     async def generate(self, client, text: str) -> None:
-        transcript = self.query_one(".transcript", VerticalScroll)
-        await transcript.mount(Markdown(text, classes="msg user"))
-        answer = Markdown("", classes="msg assistant")
-        await transcript.mount(answer)
-        transcript.anchor()
+        transcript = self.transcript
+        transcript.add("user", text)
+        answer = self._answer = transcript.add("assistant", "", streaming=True)
         convo = [{"role": "system", "content": self.settings.system_prompt}] if self.settings.system_prompt else []
         convo += self.messages + [{"role": "user", "content": text}]
-        stream = Markdown.get_stream(answer)
+        self._chunks = 0
         parts: list[str] = []
         tokens, timings, finish, started, replica = 0, {}, None, time.monotonic(), None
         self.set_status("waiting for the engine…")
@@ -126,9 +153,9 @@ class ChatPane(Vertical):
                 replica = delta.replica or replica
                 if delta.text:
                     parts.append(delta.text)
+                    self._pending.append(delta.text)
                     tokens += 1
-                    await stream.write(delta.text)
-                    self.set_status(f"generating… {tokens} chunks")
+                    self._chunks = tokens
                 if delta.usage:
                     tokens = delta.usage.get("completion_tokens", tokens)
                 if delta.finish_reason:
@@ -138,9 +165,11 @@ class ChatPane(Vertical):
         except DaemonUnavailable:
             self.set_status("[yellow]connection lost — reconnecting…[/]")
         finally:
-            await stream.stop()
+            self.flush(status=False)  # the tail that came after the last frame
+            self._answer = None
+            transcript.finish(answer)
             if not complete and not parts:
-                await answer.update("_(stopped)_")
+                transcript.set_text(answer, "_(stopped)_")
             elif not complete:
                 self.set_status("[yellow]stopped[/] (esc)") if self.busy else None
             answer_text = "".join(parts)

@@ -14,8 +14,18 @@ from textual.widgets import Sparkline, Static
 
 from .timeline import Timeline
 
-HISTORY = 120  # occupancy samples kept (about a minute at ~2 samples a second)
+HISTORY = 180  # occupancy samples kept: one a panel redraw (frames.py), about a minute
 MAP_CELLS = 96  # cells in the block map; each stands for one block or a group of blocks
+BUSY_SHARE = 0.1  # engine threads waiting for a core this share of step time: say the machine is busy
+
+
+def contention_line(share: float | None) -> str | None:
+    """How much of the recent steps the engine's threads spent waiting for a core (None: not counted here)."""
+    if share is None:
+        return None
+    if share < BUSY_SHARE:
+        return f"cpu wait {100 * share:3.0f}% [dim]cores free[/]"
+    return f"cpu wait [b yellow]{100 * share:3.0f}%[/] [yellow]machine busy elsewhere[/]"
 
 
 def bar(fraction: float, width: int) -> str:
@@ -63,31 +73,52 @@ def replica_lines(replicas: list[dict]) -> str:
 
 
 class EnginePanel(Vertical):
-    """Updated from /v1/engine/events by the app."""
+    """Fed /v1/engine/events by the app (update_stats keeps the newest), drawn at the panel's rate (redraw)."""
 
     def __init__(self, colors: list[str], **kw) -> None:
         super().__init__(**kw)
         self.pane_colors = colors
         self.occupancy: deque[float] = deque([0.0] * HISTORY, maxlen=HISTORY)
-        self.last: dict | None = None
+        self.last: dict | None = None  # the newest event
         self.connected = False
         self.hit_blocks = 0  # prefix-cache hits seen since the panel opened
+        self.redraws = 0  # redraws that changed something, over the panel's life
+        self._drawn_step: int | None = None  # the event the lines show
+        self._texts: dict[str, object] = {}  # what each Static shows now
+        self._cells: tuple | None = None  # what the block map shows now
+
+        # its parts, made once: the redraws use these, not DOM queries (cheap, and safe while shutting down)
+        self.lines = {
+            wid: Static(text, id=wid)
+            for wid, text in (
+                ("engine-mode", "[b]engine[/] connecting…"),
+                ("engine-batch", ""),
+                ("engine-kv", ""),
+                ("engine-replicas", ""),  # behind minibatch-serve: a line per replica
+                ("engine-numbers", ""),
+                ("engine-map", ""),
+            )
+        }
+        self.spark = Sparkline(list(self.occupancy), id="engine-spark", summary_function=max)
+        self.lines["engine-replicas"].display = False
+        self._timeline = Timeline(self.pane_colors, id="engine-timeline")
 
     def compose(self) -> ComposeResult:
-        yield Static("[b]engine[/] connecting…", id="engine-mode")
-        yield Static("", id="engine-batch")
-        yield Sparkline(list(self.occupancy), id="engine-spark", summary_function=max)
-        yield Static("", id="engine-kv")
-        replicas = Static("", id="engine-replicas")  # behind minibatch-serve: a line per replica
-        replicas.display = False
-        yield replicas
-        yield Static("", id="engine-numbers")
-        yield Static("", id="engine-map")
-        yield Timeline(self.pane_colors, id="engine-timeline")
+        yield self.lines["engine-mode"]
+        yield self.lines["engine-batch"]
+        yield self.spark
+        for wid in ("engine-kv", "engine-replicas", "engine-numbers", "engine-map"):
+            yield self.lines[wid]
+        yield self._timeline
+
+    @property
+    def drawn_step(self) -> int | None:
+        """The step of the event the panel's lines show."""
+        return self._drawn_step
 
     @property
     def timeline(self) -> Timeline:
-        return self.query_one(Timeline)
+        return self._timeline
 
     @property
     def showing_timeline(self) -> bool:
@@ -103,30 +134,53 @@ class EnginePanel(Vertical):
         self.border_title = "engine · " + (target if len(target) <= 20 else "…" + target[-19:]) if target else "engine"
 
     def set_disconnected(self, reason: str) -> None:
-        self.connected = False
-        self.query_one("#engine-mode", Static).update(f"[b]engine[/] [yellow]reconnecting…[/]\n[dim]{reason[:70]}[/]")
+        self.connected, self._drawn_step = False, None
+        self._show("engine-mode", f"[b]engine[/] [yellow]reconnecting…[/]\n[dim]{reason[:70]}[/]")
+
+    def _show(self, wid: str, content) -> bool:
+        """Update one Static if what it shows changed; lay out again only when its line count did."""
+        old = self._texts.get(wid)
+        if old == content:
+            return False
+        self._texts[wid] = content
+        lines = str(content).count("\n")
+        self.lines[wid].update(content, layout=old is None or str(old).count("\n") != lines)
+        return True
 
     def update_stats(self, e: dict) -> None:
+        """The newest step event; drawn at the next redraw (events in between only add their counts)."""
         self.connected, self.last = True, e
+        self.hit_blocks += e.get("prefix_hit_blocks", 0)
+
+    def redraw(self) -> None:
+        """Draw the newest event: each line only if it changed, the sparkline one sample a redraw."""
+        e = self.last
+        if e is None or not self.connected:
+            return
+        self.occupancy.append(e["running"])
+        samples = list(self.occupancy)
+        changed = samples != self.spark.data
+        if changed:
+            self.spark.data = samples
+        if e.get("step") is not None and e.get("step") == self._drawn_step:
+            self.redraws += changed
+            return
+        self._drawn_step = e.get("step")
         pending = f"\n[yellow]→ {e['pending_mode']} at the batch boundary[/]" if e.get("pending_mode") else ""
-        self.query_one("#engine-mode", Static).update(f"[b]mode[/] [b reverse] {e['mode']} [/] [dim]ctrl+t[/]{pending}")
+        changed |= self._show("engine-mode", f"[b]mode[/] [b reverse] {e['mode']} [/] [dim]ctrl+t[/]{pending}")
         running, cap = e["running"], e["max_num_seqs"]
-        self.occupancy.append(running)
-        spark = self.query_one("#engine-spark", Sparkline)
-        spark.data = list(self.occupancy)
-        self.query_one("#engine-batch", Static).update(
-            f"batch {running:>2}/{cap:<3} {bar(running / cap if cap else 0, 14)} wait {e['waiting']}"
+        changed |= self._show(
+            "engine-batch", f"batch {running:>2}/{cap:<3} {bar(running / cap if cap else 0, 14)} wait {e['waiting']}"
         )
         used, total = e["kv_blocks_used"], e["kv_blocks_total"]
-        self.query_one("#engine-kv", Static).update(
+        changed |= self._show(
+            "engine-kv",
             f"KV    {bar(used / total if total else 0, 14)} {e.get('kv_usage_percent', 0):4.1f}%\n"
-            f"      {used}/{total} blocks"
+            f"      {used}/{total} blocks",
         )
-        replicas = self.query_one("#engine-replicas", Static)
-        replicas.display = "replicas" in e
+        self.lines["engine-replicas"].display = "replicas" in e
         if "replicas" in e:
-            replicas.update(replica_lines(e["replicas"]))
-        self.hit_blocks += e.get("prefix_hit_blocks", 0)
+            changed |= self._show("engine-replicas", replica_lines(e["replicas"]))
         lines = [
             f"prefill {e.get('prefill_tokens_per_s', 0):7.1f} tok/s",
             f"decode  {e.get('decode_tokens_per_s', 0):7.1f} tok/s",
@@ -135,16 +189,20 @@ class EnginePanel(Vertical):
         ]
         if e["mode"] == "static" or e["wasted_row_steps"]:
             lines.append(f"wasted row-steps {e['wasted_row_steps']}")
-        self.query_one("#engine-numbers", Static).update("\n".join(lines))
+        contention = contention_line(e.get("cpu_wait_share"))
+        if contention:
+            lines.append(contention)
+        changed |= self._show("engine-numbers", "\n".join(lines))
+        self.redraws += changed
 
     def update_blocks(self, blocks: dict, owners: dict[str, int]) -> None:
-        target = next(self.query("#engine-map").results(Static), None)
-        if target is None:  # a poll that returns while the app shuts down finds its children gone
-            return
         cells = block_map_cells(blocks, owners)
+        per = max(1, -(-blocks.get("total", 0) // MAP_CELLS)) if blocks.get("total") else 1
+        if (per, cells) == self._cells:  # nothing moved: no redraw
+            return
+        self._cells = (per, cells)
         text = Text("KV block map ", style="bold")
         text.append("(ctrl+g: timeline)\n", style="dim")
-        per = max(1, -(-blocks.get("total", 0) // MAP_CELLS)) if blocks.get("total") else 1
         text.append(f"■ = {per} block{'s' if per > 1 else ''}, by pane; ◆ shared\n", style="dim")
         width = 32
         for i, (state, pane, shared) in enumerate(cells):
@@ -155,4 +213,4 @@ class EnginePanel(Vertical):
                 text.append("◆" if shared else "■", style=color)
             if (i + 1) % width == 0:
                 text.append("\n")
-        target.update(text)
+        self.lines["engine-map"].update(text)

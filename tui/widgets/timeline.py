@@ -32,6 +32,7 @@ class Timeline(Static):
         self.records: deque[dict] = deque(maxlen=KEEP)
         self.last_step = 0
         self.max_rows = 0
+        self._drawn: tuple | None = None  # (last step, size, panes) the picture shows
 
     def add(self, payload: dict, panes: dict[str, int]) -> None:
         """New records from the daemon; `panes` maps request ids to pane indexes."""
@@ -46,6 +47,10 @@ class Timeline(Static):
 
     def render_records(self, panes: dict[str, int]) -> None:
         width, height = self.size.width or 34, self.size.height or 20
+        drawn = (self.last_step, width, height, len(panes))
+        if drawn == self._drawn:  # no new step and no new size: the same picture
+            return
+        self._drawn = drawn
         self.update(
             render_timeline(list(self.records), panes, self.pane_colors, max(8, width - 5), height, self.max_rows)
         )
