@@ -53,6 +53,7 @@ class MinibatchChat(App):
         self.frame_interval = FRAME_MIN_S  # follows the chat's CPU use (frames.pace)
         self._clock = (time.monotonic(), time.process_time(), 0.0)  # at the last frame: wall, CPU, panel drawn
         self.panel = EnginePanel(PANE_COLORS, id="engine")
+        self.grid = Grid(id="panes")
         self.owners: dict[str, int] = {}  # request id -> pane index, for the block map
         self.request_panes: dict[str, int] = {}  # every request id seen -> pane index, for the timeline (bounded)
         self.mode: str | None = None
@@ -60,7 +61,7 @@ class MinibatchChat(App):
     # -- layout -----------------------------------------------------------
     def compose(self) -> ComposeResult:
         with Horizontal(id="main"):
-            yield Grid(id="panes")
+            yield self.grid
             yield self.panel
         yield Footer()
 
@@ -91,12 +92,12 @@ class MinibatchChat(App):
         self.set_timer(self.frame_interval, self._frame)
 
     def panes(self) -> list[ChatPane]:
-        # the grid's own children: a query over the whole DOM would walk every transcript's blocks
-        return [c for c in self.query_one("#panes", Grid).children if isinstance(c, ChatPane)]
+        # the grid's own children (no query: the frame clock asks this while the app shuts down too)
+        return [c for c in self.grid.children if isinstance(c, ChatPane)]
 
     async def _add_pane(self, pane_id: int, settings: PaneSettings, messages: list[dict]) -> ChatPane:
         pane = ChatPane(pane_id, len(self.panes()), settings, messages)
-        await self.query_one("#panes", Grid).mount(pane)
+        await self.grid.mount(pane)
         self._relayout()
         return pane
 
@@ -106,7 +107,7 @@ class MinibatchChat(App):
         return 1 if n == 1 else 2 if n <= 4 or narrow else 3
 
     def _relayout(self) -> None:
-        grid = self.query_one("#panes", Grid)
+        grid = self.grid
         cols = self._columns()
         grid.styles.grid_size_columns = cols
         grid.styles.grid_size_rows = -(-len(self.panes()) // cols)

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.model
 # The README's table, script by script, and the test below that runs it.
 COVERED = {
     "fire.py": "test_fire",
+    "bench_chat.py": "test_bench_chat",
     "bench.py": "test_bench_over_the_socket",
     "bench_engine.py": "test_bench_engine_quick",
     "bench_overhead.py": "test_bench_overhead",
@@ -201,6 +202,21 @@ def test_fire(daemon, env):
     lines = [line for line in proc.stdout.splitlines() if line.startswith("#")]
     assert len(lines) == 3 and all("TTFT" in line and "6 tok" in line for line in lines), proc.stdout
     assert "3/3 ok" in proc.stdout and number(r"([\d.]+) tok/s overall", proc.stdout) > 0
+
+
+def test_bench_chat(daemon, env, tmp_path):
+    """The real chat in a pseudo-terminal, two panes broadcasting, against the same requests without it."""
+    report = tmp_path / "chat.json"
+    args = ["--socket", daemon.socket, "--panes", "2", "--max-tokens", "12", "--repeats", "1", "--hog", "0.5"]
+    proc = run(env, SCRIPTS / "bench_chat.py", *args, "--size", "120x36", "--json", report)
+    (row,) = json.loads(report.read_text())["rows"]
+    with_chat, without = row["with"], row["without"]
+    # greedy: the chat's requests and the plain client's make the same tokens
+    assert with_chat["tokens"] == without["tokens"] and 2 <= without["tokens"] <= 24
+    assert with_chat["chat_cpu_s"] > 0 and with_chat["frames_per_s"] > 0 and with_chat["chat_rss_mb"] > 10
+    assert row["ratio"] == pytest.approx(with_chat["tok_s"] / without["tok_s"])
+    assert row["hog"]["0.5"]["tokens"] == without["tokens"]
+    assert "2 panes: engine" in proc.stdout and "beside a busy loop of 50% of a core" in proc.stdout
 
 
 def test_timeline_run(daemon, env, tmp_path):

@@ -12,6 +12,8 @@ from minibatch.tui.screens.settings import SettingsScreen, parse_settings
 from minibatch.tui.widgets.chat_pane import ChatPane, format_status
 from minibatch.tui.widgets.engine_panel import EnginePanel, block_map_cells
 
+from minibatch.tui.client import Delta
+
 from .fakes import FakeClient, event, step_record
 
 
@@ -358,3 +360,109 @@ def test_timeline_shows_the_mode_switch_and_pane_colours():
     cells = {(text.plain[s.start : s.end], str(s.style)) for s in text.spans if s.end - s.start == 1}
     # a's cells in pane 0's colour, b (another client) grey, padding red
     assert {("▒", "red"), ("█", "red"), ("▒", "grey62"), ("█", "grey62"), ("╳", "red")} <= cells
+
+
+class BurstClient(FakeClient):
+    """Every pane's answer arrives as fast as the loop runs: `tokens` chunks with no pause between them."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__()
+        self.tokens = tokens
+
+    async def chat(self, messages, **params):
+        rid = f"req-{self.next_id}"
+        self.next_id += 1
+        yield Delta(request_id=rid)
+        for i in range(self.tokens):
+            yield Delta(text=burst_token(i))
+        yield Delta(finish_reason="length", timings={"ttft_ms": 1.0, "decode_ms": 10.0})
+
+
+def burst_token(i: int) -> str:
+    """Markdown in pieces: paragraphs, a list, bold words and a fenced block across chunk boundaries."""
+    parts = ["Word", " **bold**", " and", " more", ".\n\n", "- item", " one\n", "```py\nx = 1\n", "```\n\n", " end"]
+    return parts[i % len(parts)]
+
+
+def test_a_burst_into_four_panes_draws_few_frames_and_the_same_transcripts(history):
+    """2,000 tokens into four panes at once: each pane draws them in a few frames, never one per token, and
+    ends with exactly the transcript a pane shows when given the whole answer at once."""
+    from minibatch.tui.frames import FRAME_MIN_S
+
+    client = BurstClient(500)
+
+    async def go():
+        for i in range(4):
+            history.new_pane(i, PaneSettings())
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(160, 48)) as pilot:
+            for i, pane in enumerate(app.panes()):
+                pane.query_one("Input").value = f"prompt {i}"
+            started = asyncio.get_running_loop().time()
+            await pilot.press("ctrl+b")
+            await wait_until(pilot, lambda: all(len(p.messages) == 2 and not p.busy for p in app.panes()), 30)
+            elapsed = asyncio.get_running_loop().time() - started
+            drawn = [p.transcript.plain_lines() for p in app.panes()]
+            flushes = [p.flushes for p in app.panes()]
+            # the reference: the same answer set whole into a transcript, as token-by-token drawing ends
+            ref_pane = app.panes()[0]
+            t = ref_pane.transcript
+            answer = "".join(burst_token(i) for i in range(500))
+            t.clear()
+            t.add("user", "prompt 0")
+            t.add("assistant", answer)
+            return drawn, flushes, elapsed, t.plain_lines(), app.frames
+
+    drawn, flushes, elapsed, reference, frames = asyncio.run(go())
+    assert len(drawn) == 4 and drawn[0] == reference
+    assert all(d[1:] == reference[1:] for d in drawn)  # the same answer in every pane under its own prompt
+    bound = elapsed / FRAME_MIN_S + 2  # at most one transcript update a frame, plus the final one
+    assert all(1 <= f <= bound for f in flushes), (flushes, bound)
+    assert all(f < 500 / 10 for f in flushes)  # never anywhere near one per token
+    assert frames >= 1
+
+
+def test_the_panel_says_when_the_machine_is_busy(history):
+    from minibatch.tui.widgets.engine_panel import contention_line
+
+    client = FakeClient()
+
+    async def go():
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await wait_until(pilot, lambda: client.events_queue is not None)
+            numbers = app.query_one("#engine-numbers")
+            client.events_queue.put_nowait({**event(running=2, step=2), "cpu_wait_share": 0.02})
+            await wait_until(pilot, lambda: app.panel.drawn_step == 2)
+            free = str(numbers.render())
+            client.events_queue.put_nowait({**event(running=2, step=3), "cpu_wait_share": 0.41})
+            await wait_until(pilot, lambda: app.panel.drawn_step == 3)
+            busy = str(numbers.render())
+            client.events_queue.put_nowait({**event(running=2, step=4), "cpu_wait_share": None})
+            await wait_until(pilot, lambda: app.panel.drawn_step == 4)
+            return free, busy, str(numbers.render())
+
+    free, busy, unknown = asyncio.run(go())
+    assert "cpu wait   2% cores free" in free and "busy" not in free
+    assert "cpu wait  41% machine busy elsewhere" in busy
+    assert "cpu wait" not in unknown  # a system that does not count it: no line rather than a guess
+    assert contention_line(0.0999).endswith("cores free[/]") and "busy" in contention_line(0.1)
+
+
+def test_the_panel_draws_only_the_newest_event_at_its_rate(history):
+    client = FakeClient()
+
+    async def go():
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await wait_until(pilot, lambda: client.events_queue is not None)
+            for step in range(1, 201):  # 200 events in one burst
+                client.events_queue.put_nowait(event(running=step % 8, used=step % 60, step=step))
+            await wait_until(pilot, lambda: app.panel.drawn_step == 200)
+            before = app.panel.redraws
+            await pilot.pause(1.0)  # nothing new: nothing drawn
+            return before, app.panel.redraws, str(app.query_one("#engine-batch").render())
+
+    before, after, batch = asyncio.run(go())
+    assert before <= 5 and after == before
+    assert "batch  0/8" in batch  # the newest event (step 200: 200 % 8 running)
