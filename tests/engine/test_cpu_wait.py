@@ -33,7 +33,9 @@ def test_a_thread_sharing_its_core_waits_and_the_wait_is_counted():
         spin(0.3)  # alone on the core (the other thread is not started yet)
         results["alone"] = rq.seconds() - start
         # another process (not a thread: the GIL would take turns for the core) busy on the same core
-        code = f"import os, time\nos.sched_setaffinity(0, {{{core}}})\ne = time.time() + 1.0\nwhile time.time() < e: pass"
+        code = (
+            f"import os, time\nos.sched_setaffinity(0, {{{core}}})\ne = time.time() + 1.0\nwhile time.time() < e: pass"
+        )
         other = subprocess.Popen([sys.executable, "-c", code])
         time.sleep(0.2)  # it is up and spinning
         mid = rq.seconds()

@@ -7,12 +7,11 @@ import asyncio
 import pytest
 
 from minibatch.tui.app import MinibatchChat
+from minibatch.tui.client import Delta
 from minibatch.tui.history import History, PaneSettings
 from minibatch.tui.screens.settings import SettingsScreen, parse_settings
 from minibatch.tui.widgets.chat_pane import ChatPane, format_status
 from minibatch.tui.widgets.engine_panel import EnginePanel, block_map_cells
-
-from minibatch.tui.client import Delta
 
 from .fakes import FakeClient, event, step_record
 
