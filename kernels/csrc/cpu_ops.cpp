@@ -39,7 +39,7 @@ at::Tensor rms_norm(at::Tensor x,       // [tokens, dim] fp32
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+  parallel_for_rows(n, 0, n, 16, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) norm_row(xp + r * ld, wp, op + r * d, d, (float)eps);
   });
   return out;
@@ -60,7 +60,7 @@ at::Tensor add_rms_norm(at::Tensor x,         // [tokens, dim] fp32
   float* rp = residual.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+  parallel_for_rows(n, 0, n, 16, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       float* h = rp + r * d;
       const float* xr = xp + r * ld;
@@ -90,7 +90,7 @@ void rotary_inplace(at::Tensor positions,  // [tokens] int64
   auto rotate = [&](at::Tensor x) {
     const int64_t heads = x.size(1), s0 = x.stride(0), s1 = x.stride(1);
     float* xp = x.data_ptr<float>();
-    at::parallel_for(0, n, 8, [&](int64_t b, int64_t e) {
+    parallel_for_rows(n, 0, n, 8, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         const float* c = cp + pos[t] * half;
         const float* s = sp + pos[t] * half;
@@ -118,7 +118,7 @@ at::Tensor silu_mul(at::Tensor gate_up) {
   auto out = at::empty({t, n}, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, t, 4, [&](int64_t b, int64_t e) {
+  parallel_for_rows(t, 0, t, 4, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const float* g = gp + r * ld;
       const float* u = g + n;

@@ -152,7 +152,7 @@ at::Tensor paged_decode_attention(
   const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
-  parallel_chunks(num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks_for_rows(num_seqs, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qsc(group * head_dim), acc(group * head_dim), scores(group * block_size), mx(group), sum(group);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / num_kv_heads, kvh = task % num_kv_heads;

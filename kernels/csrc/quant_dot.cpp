@@ -482,7 +482,7 @@ std::vector<at::Tensor> quantize_activations(at::Tensor x, int64_t block) {
   int8_t* qp = q.data_ptr<int8_t>();
   float* dp = d.data_ptr<float>();
   int16_t* sp = bs.data_ptr<int16_t>();
-  at::parallel_for(0, m * (k / block), std::max<int64_t>(1, 4096 / block), [&](int64_t g0, int64_t g1) {
+  parallel_for_rows(m, 0, m * (k / block), std::max<int64_t>(1, 4096 / block), [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const float* v = xp + block * g;
       float amax = 0.0f;
@@ -524,7 +524,7 @@ at::Tensor quant_linear_q8(at::Tensor q, at::Tensor d, at::Tensor bs,  // quanti
   float* op = out.data_ptr<float>();
   // Tiles of columns whose blocks stay in L2 (~128 KB) while every group of rows passes over them.
   const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(256, (131072 / std::max<int64_t>(row_bytes, 1)) / 16 * 16));
-  parallel_chunks(n, m <= kRowGroup ? 64 : tile, [&](int64_t n0, int64_t n1) {
+  parallel_chunks_for_rows(m, n, m <= kRowGroup ? 64 : tile, [&](int64_t n0, int64_t n1) {
     for (int64_t c0 = n0; c0 < n1; c0 += tile)
       for (int64_t r0 = 0; r0 < m; r0 += kRowGroup) {
         const Acts ar{a.q + r0 * k, a.d + r0 * nd, a.bs + r0 * (k / 16), k};

@@ -515,7 +515,7 @@ at::Tensor quant_linear(at::Tensor x,        // [M, K] fp32
   float* op = out.data_ptr<float>();
   if (gemv_max_rows < 0) gemv_max_rows = kGemvMaxRows;
   if (m <= gemv_max_rows) {
-    parallel_chunks(n, 64, [&](int64_t n0, int64_t n1) {
+    parallel_chunks_for_rows(m, n, 64, [&](int64_t n0, int64_t n1) {
       for (int64_t c0 = n0; c0 < n1; c0 += 64)
         for (int64_t r0 = 0; r0 < m; r0 += 8)
           gemv_columns(type, xp + r0 * k, std::min<int64_t>(8, m - r0), k, wp, row_bytes, op + r0 * n, n, c0,
@@ -527,7 +527,7 @@ at::Tensor quant_linear(at::Tensor x,        // [M, K] fp32
   // multiplied by torch's own fp32 GEMM (single-threaded inside this parallel region).
   const int64_t tile = std::max<int64_t>(8, std::min<int64_t>(n, (65536 / k) / 8 * 8));
   const int64_t tiles = (n + tile - 1) / tile;
-  parallel_chunks(tiles, 1, [&](int64_t t0, int64_t t1) {
+  parallel_chunks_omp(tiles, 1, [&](int64_t t0, int64_t t1) {
     c10::InferenceMode guard;  // worker threads do not inherit the caller's mode
     auto buf = at::empty({tile, k}, x.options());
     auto part = at::empty({m, tile}, x.options());
@@ -566,7 +566,7 @@ at::Tensor embedding(at::Tensor qweight, int64_t type, int64_t k, at::Tensor ids
   auto out = at::empty({t, k}, at::kFloat);
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, t, 64, [&](int64_t r0, int64_t r1) {
+  parallel_for_rows(t, 0, t, 64, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) dequant_row_fast(type, wp + ip[r] * row_bytes, k, op + r * k);
   });
   return out;

@@ -1,18 +1,30 @@
-// Small helpers shared by the CPU kernels: dynamic work sharing, AVX2 reductions and exp.
+// Small helpers shared by the CPU kernels: work sharing on the pool, AVX2 reductions and exp.
 #pragma once
 #include <ATen/Parallel.h>
+
+#include "thread_pool.h"
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 
-// Run fn(begin, end) over [0, n) in chunks of `chunk`. Each of torch's threads owns a contiguous run
-// of chunks and walks it in order, so its weight reads are one stream the hardware prefetcher follows
-// (chunks dealt out in turn broke every thread's stream at each chunk: a batch-1 step of the built-in
-// model ran its matmuls 1.5x slower so). A thread done with its run then claims the chunks left in the
-// others' runs: a static split would wait for its slowest thread, and in the daemon a thread that loses
-// its core to the event loop for a moment would hold every other thread back.
+// Run fn(begin, end) over [0, n) in chunks of `chunk` on the kernels' own pool (thread_pool.h). Each
+// thread owns a contiguous run of chunks and walks it in order, so its weight reads are one stream the
+// hardware prefetcher follows (chunks dealt out in turn broke every thread's stream at each chunk: a
+// batch-1 step of the built-in model ran its matmuls 1.5x slower so). A thread done with its run then
+// claims the chunks left in the others' runs, and a thread that is not there (preempted by another
+// process, or asleep) is never waited for: only chunks it already claimed are.
 template <typename F>
 void parallel_chunks(int64_t n, int64_t chunk, const F& fn) {
+  if (n <= 0) return;
+  chunk = std::max(chunk, (n + mb::Pool::kMaxChunks - 1) / mb::Pool::kMaxChunks);
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  mb::Pool::instance().run(chunks, [&](int64_t c) { fn(c * chunk, std::min(n, (c + 1) * chunk)); });
+}
+// The same on torch's OpenMP threads, for loops whose chunks call torch ops (a GEMM on a tile): inside an
+// OpenMP region those run single-threaded, where on a pool thread they would start a team of their own.
+// Its region ends at OpenMP's barrier, so it keeps that cost; it serves prefill-sized batches only.
+template <typename F>
+void parallel_chunks_omp(int64_t n, int64_t chunk, const F& fn) {
   const int64_t chunks = (n + chunk - 1) / chunk;
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), chunks);
   if (workers <= 1) {
@@ -32,6 +44,31 @@ void parallel_chunks(int64_t n, int64_t chunk, const F& fn) {
       }
   });
 }
+// Rows up to which a kernel's loop runs on the pool: decode steps of a few sequences, where a step is
+// hundreds of short loops and one preempted thread would hold each of them. Larger batches (prefill
+// chunks, many sequences) keep to torch's OpenMP threads, which torch's own ops in those steps use too:
+// two pools spinning on the same cores would take turns with each other.
+constexpr int64_t kPoolMaxRows = 16;
+
+template <typename F>
+void parallel_chunks_for_rows(int64_t rows, int64_t n, int64_t chunk, const F& fn) {
+  if (rows <= kPoolMaxRows) {
+    parallel_chunks(n, chunk, fn);
+  } else {
+    parallel_chunks_omp(n, chunk, fn);
+  }
+}
+
+// at::parallel_for's shape, on the pool for a few rows (as above).
+template <typename F>
+void parallel_for_rows(int64_t rows, int64_t begin, int64_t end, int64_t grain, const F& fn) {
+  if (rows <= kPoolMaxRows) {
+    mb::parallel_for(begin, end, grain, fn);
+  } else {
+    at::parallel_for(begin, end, grain, fn);
+  }
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MB_VEC_AVX2 1
