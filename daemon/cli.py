@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from minibatch.engine.spec_decode.config import DEFAULT_METHOD, DEFAULT_NUM_TOKENS, MAX_NUM_TOKENS, SPEC_METHODS
+
 from .client import request_json
 from .lifecycle import LifecycleError, ensure_private_dir, running_pid
 from .paths import default_log_file, default_socket
@@ -59,6 +61,20 @@ OPTIONS = [
         "auto (native on CPU), native (GGUF blocks as they are, 8-bit activations, integer "
         "dot products), native-exact (GGUF blocks, fp32 activations: the dequantised model's results), float32 "
         "(dequantised at load), q8_0 (quantize a safetensors model at load)",
+    ),
+    (
+        "--speculative",
+        str,
+        DEFAULT_METHOD,
+        f"speculative decoding: {' or '.join(SPEC_METHODS)} (ngram: draft tokens looked up in the request's own "
+        "prompt and output, verified in one forward; the same answers, faster on copy-heavy prompts)",
+    ),
+    (
+        "--num-speculative-tokens",
+        int,
+        DEFAULT_NUM_TOKENS,
+        f"draft tokens per row per step at most, 1 to {MAX_NUM_TOKENS} (fewer when the batch is large "
+        "or a request's drafts keep failing)",
     ),
     ("--threads", int, None, "PyTorch CPU threads (default: all cores)"),
     ("--host", str, None, "also listen on TCP at this host (default 127.0.0.1 when --port is set)"),
@@ -165,6 +181,8 @@ def engine_config(args):
         weights=args.weights,
         timeline_steps=args.timeline_steps,
         enable_prefix_caching=not args.no_prefix_caching,
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
 
 

@@ -41,6 +41,10 @@ class EngineMonitor:
         self.c_wasted = Counter(
             "minibatch_wasted_row_steps", "Static mode: rows computed for finished requests", registry=r
         )
+        self.c_draft = Counter("minibatch_spec_draft_tokens", "Speculative decoding: draft tokens verified", registry=r)
+        self.c_accepted = Counter(
+            "minibatch_spec_accepted_tokens", "Speculative decoding: draft tokens accepted", registry=r
+        )
         self.c_requests = Counter("minibatch_requests", "Finished requests", ["finish_reason"], registry=r)
         self.h_ttft = Histogram("minibatch_time_to_first_token_seconds", "TTFT", buckets=LATENCY_BUCKETS, registry=r)
         self.h_tpot = Histogram(
@@ -69,6 +73,8 @@ class EngineMonitor:
         self.c_preempt.inc(s.preemptions)
         self.c_prefix.inc(s.prefix_hit_blocks)
         self.c_wasted.inc(s.padding_rows)
+        self.c_draft.inc(s.draft_tokens)
+        self.c_accepted.inc(s.accepted_tokens)
         self._changed.set()
 
     def on_request_done(self, m: RequestMetrics | None, finish_reason: str | None) -> None:
@@ -90,12 +96,19 @@ class EngineMonitor:
         recent = [s for s in self.steps if s.timestamp >= now - RATE_WINDOW]
         waits = [(s.cpu_wait, s.step_time) for s in recent if s.cpu_wait is not None]
         busy = sum(t for _, t in waits)
+        drafted = sum(s.draft_tokens for s in recent)
+        accepted = sum(s.accepted_tokens for s in recent)
+        verify_rows = sum(s.verify_rows for s in recent)
         return {
             # seconds the engine's threads waited for a core per second of step: the machine busy elsewhere
             "cpu_wait_share": sum(w for w, _ in waits) / busy if busy else None,
             "prefill_tokens_per_s": sum(s.prefill_tokens for s in recent) / RATE_WINDOW,
-            "decode_tokens_per_s": sum(s.decode_tokens for s in recent) / RATE_WINDOW,
+            # tokens decoding produced: one per decoding row, and every accepted draft token beside it
+            "decode_tokens_per_s": sum(s.decode_tokens + s.accepted_tokens for s in recent) / RATE_WINDOW,
             "steps_per_s": len(recent) / RATE_WINDOW,
+            # speculative decoding over the same window: accepted / drafted, and tokens a verifying row took
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "tokens_per_verify_row": (verify_rows + accepted) / verify_rows if verify_rows else None,
         }
 
     def snapshot(self, engine, recent: int = 20) -> dict:
@@ -119,6 +132,10 @@ class EngineMonitor:
             "kv_blocks_released_out_of_window": st.kv_blocks_released_out_of_window,
             "preemptions": st.preemptions,
             "wasted_row_steps": st.wasted_row_steps,
+            "speculative": st.speculative,
+            "draft_tokens": st.draft_tokens,  # over the engine's life
+            "accepted_tokens": st.accepted_tokens,
+            "verify_rows": st.verify_rows,
             "requests_finished": self.requests_finished,
             **self.rates(),
             "last_error": engine.last_error,
@@ -153,6 +170,11 @@ class EngineMonitor:
             "step_time": 0.0,
             "cpu_wait": None,
             "cpu_wait_share": None,
+            "draft_tokens": 0,
+            "accepted_tokens": 0,
+            "verify_rows": 0,
+            "acceptance_rate": None,
+            "tokens_per_verify_row": None,
             "kv_usage_percent": round(100 * st.kv_usage, 2),
             "prefill_tokens_per_s": 0.0,
             "decode_tokens_per_s": 0.0,

@@ -49,6 +49,7 @@ class Options(_Lenient):
     seed: Int | None = Field(default=None, ge=0, le=2**63 - 1)
     num_predict: Int | None = Field(default=None, ge=-2)  # -1: until the context is full
     stop: list[StrictStr] | None = Field(default=None, max_length=16)
+    speculative: StrictBool | None = None  # false: never verify draft tokens for this request
 
 
 class OllamaFunctionCall(_Lenient):
@@ -106,6 +107,7 @@ class _Request(_Lenient):
             seed=o.seed,
             max_tokens=max_tokens,
             stop=list(o.stop or []),
+            speculative=o.speculative is not False,
         )
 
 

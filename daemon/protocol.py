@@ -118,6 +118,7 @@ class _Sampling(Body):
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[Annotated[Int, Field(ge=0)]] | None = None
     ignore_eos: StrictBool = False
+    speculative: StrictBool = True  # false: this request never verifies draft tokens (the answer is the same)
     n: Int = Field(default=1, ge=1, le=MAX_N)  # completions per request; the prompt is computed once
     user: StrictStr | None = None
     response_format: ResponseFormat | None = None
@@ -149,6 +150,7 @@ class _Sampling(Body):
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            speculative=self.speculative,
             logprobs=self.logprobs_k(),
             logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
         )

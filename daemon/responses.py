@@ -28,6 +28,8 @@ def timings(m: RequestMetrics | None) -> dict:
         "e2e_ms": ms(m.e2e),
         "preemptions": m.preemptions,
         "cached_prompt_tokens": m.cached_prompt_tokens,
+        "draft_tokens": m.draft_tokens,
+        "accepted_tokens": m.accepted_tokens,
     }
 
 

@@ -51,6 +51,8 @@ class Timings(_Out):
     e2e_ms: float | None = None
     preemptions: int = 0
     cached_prompt_tokens: int = 0
+    draft_tokens: int = 0  # speculative decoding: tokens proposed and verified for this request
+    accepted_tokens: int = 0  # of them accepted
 
 
 class PromptDetails(_Out):
@@ -154,6 +156,12 @@ class Stats(_Out):
     decode_tokens_per_s: float
     steps_per_s: float
     cpu_wait_share: float | None  # the last 2 s: the engine threads' wait for a core per second of step
+    acceptance_rate: float | None  # the last 2 s: speculative tokens accepted / verified (None: none verified)
+    tokens_per_verify_row: float | None  # the last 2 s: tokens a row that verified a draft took per step
+    speculative: str  # the proposer: off or ngram
+    draft_tokens: int  # over the engine's life
+    accepted_tokens: int
+    verify_rows: int
     last_error: str | None
     recent_steps: list[StepStats]
 
@@ -172,7 +180,7 @@ class StepRecord(_Out):
     ms: float
     mode: str
     waiting: int
-    rows: list[list[Any]]  # [row, request id, tokens, state]
+    rows: list[list[Any]]  # [row, request id, tokens, state, draft tokens verified, of them accepted]
     preempted: list[str]
 
 

@@ -246,8 +246,7 @@ class AsyncEngine:
                 for out in engine.fail_all(f"engine error: {self.last_error}"):
                     self._emit(out)
                 self.state = engine.state()
-                lost = getattr(engine.runner, "device_lost", None)
-                if lost is not None and lost():
+                if engine.runner.device_lost():
                     # A dead CUDA context fails every later step too: stop, so /health fails and the daemon exits.
                     self.fatal_error = f"the device is lost after: {self.last_error}"
                     log.critical("%s; the engine stops", self.fatal_error)

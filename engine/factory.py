@@ -11,6 +11,7 @@ from minibatch.engine.core.engine import LLMEngine
 from minibatch.engine.core.info import WEIGHT_MODES, EngineInfo
 from minibatch.engine.core.sampling_params import SAMPLING_DEFAULT_FIELDS
 from minibatch.engine.heap import release_free_memory
+from minibatch.engine.spec_decode.config import DEFAULT_METHOD, DEFAULT_NUM_TOKENS, SpecConfig
 from minibatch.engine.store.cache import DEFAULT_MODEL, resolve_model
 from minibatch.engine.testing import faults
 
@@ -38,8 +39,11 @@ class EngineConfig:
     dtype: str = "auto"  # auto: fp32 on CPU, bf16 on GPU
     threads: int | None = None  # torch intra-op threads on CPU
     weights: str = "auto"  # one of WEIGHT_MODES (core/info.py)
+    speculative: str = DEFAULT_METHOD  # one of spec_decode/config.py SPEC_METHODS
+    num_speculative_tokens: int = DEFAULT_NUM_TOKENS  # draft tokens per row per step at most
 
     def __post_init__(self) -> None:
+        self.spec_config()  # refuses a method or a draft length out of range, naming it
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -60,6 +64,9 @@ class EngineConfig:
             raise ValueError(f"timeline_steps must be at least 1, got {self.timeline_steps}")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 0.95:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
+
+    def spec_config(self) -> SpecConfig:
+        return SpecConfig(self.speculative, self.num_speculative_tokens)
 
 
 def available_memory_bytes() -> int:
@@ -206,6 +213,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         eos_token_ids=tuple(sorted(eos)),
         mode=config.mode,
         timeline_steps=config.timeline_steps,
+        speculative=config.spec_config(),
     )
     engine.info = EngineInfo(
         model=config.model,

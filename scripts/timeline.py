@@ -85,8 +85,11 @@ def grid(payload: dict):
     cmap = matplotlib.colormaps["tab20"]
     colour: dict[str, tuple] = {}
     padding = np.zeros(img.shape[:2], dtype=bool)
+    verified: list[tuple[int, int, int]] = []  # (step, row, tokens taken)
     for x, r in enumerate(steps):
-        for row, rid, _n, state in r["rows"]:
+        for row, rid, _n, state, *spec in r["rows"]:
+            if state == "v":  # a verifying row that took 2+ tokens: its count, drawn over the cell
+                verified.append((x, row, spec[1] + 1 if len(spec) > 1 else 2))
             if rid not in colour:
                 colour[rid] = cmap(len(colour) % 20)
             c = np.array(colour[rid])
@@ -102,7 +105,7 @@ def grid(payload: dict):
             else:
                 img[row, x] = c
     waiting = [r["waiting"] for r in steps]
-    return img, padding, waiting, len(colour)
+    return img, padding, waiting, len(colour), verified
 
 
 def draw(panels: list[tuple[str, dict]], out: Path) -> Path:
@@ -116,18 +119,22 @@ def draw(panels: list[tuple[str, dict]], out: Path) -> Path:
     fig = plt.figure(figsize=(min(22, 4 + width / 14), 3.2 * len(panels) + 0.6))
     gs = fig.add_gridspec(2 * len(panels), 1, height_ratios=[4, 1] * len(panels), hspace=0.35)
     for i, (title, payload) in enumerate(panels):
-        img, padding, waiting, n_requests = grid(payload)
+        img, padding, waiting, n_requests, verified = grid(payload)
         ax = fig.add_subplot(gs[2 * i])
         ax.imshow(img, aspect="auto", interpolation="nearest", extent=(0, img.shape[1], img.shape[0], 0))
         ys, xs = padding.nonzero()
         for y, x in zip(ys, xs):
             ax.add_patch(plt.Rectangle((x, y), 1, 1, fill=False, hatch="////", edgecolor="white", linewidth=0))
+        for x, y, taken in verified:
+            ax.text(x + 0.5, y + 0.5, str(taken) if taken < 10 else "+", ha="center", va="center", fontsize=6)
         steps = payload["steps"]
         pad = sum(int(p.sum()) for p in [padding])
         busy = sum(len(r["rows"]) for r in steps)
         note = f"{len(steps)} steps, {n_requests} requests, {busy} row-steps computed"
         if pad:
             note += f", {pad} of them padding ({100 * pad / busy:.0f}%)"
+        if verified:
+            note += f", {len(verified)} took 2+ tokens by speculation (digits: tokens taken)"
         if payload.get("truncated"):
             note += " (ring held only the last steps)"
         ax.set_title(f"{title}: {note}", fontsize=10, loc="left")

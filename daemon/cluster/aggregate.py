@@ -25,6 +25,9 @@ SUMMED = (
     "prefill_tokens_per_s",
     "decode_tokens_per_s",
     "steps_per_s",
+    "draft_tokens",
+    "accepted_tokens",
+    "verify_rows",
 )
 EVENT_SUMMED = (
     "running",
@@ -42,6 +45,9 @@ EVENT_SUMMED = (
     "prefill_tokens_per_s",
     "decode_tokens_per_s",
     "steps_per_s",
+    "draft_tokens",
+    "accepted_tokens",
+    "verify_rows",
 )
 # What each replica shows of itself in an event: enough for a compact bar per replica.
 COMPACT = ("mode", "pending_mode", "running", "max_num_seqs", "waiting", "kv_blocks_used", "kv_blocks_total")
@@ -63,6 +69,12 @@ def worst_wait(reps: list[dict]) -> float | None:
     return max(shares) if shares else None
 
 
+def mean_of(reps: list[dict], key: str) -> float | None:
+    """The mean of the replicas' own figure (None when none has one): acceptance over each one's window."""
+    values = [e[key] for e in reps if e.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
 def stats(per_replica: dict[str, dict]) -> dict:
     """/v1/engine/stats over the cluster: the sums, the hit rate over every replica's prompt tokens, and each
     replica's own answer under `replicas` (its recent steps there, not in the totals)."""
@@ -76,6 +88,9 @@ def stats(per_replica: dict[str, dict]) -> dict:
     out["prefix_cache_hit_rate"] = out["cached_prompt_tokens"] / out["prompt_tokens"] if out["prompt_tokens"] else 0.0
     out["last_error"] = next((s["last_error"] for s in reps if s.get("last_error")), None)
     out["cpu_wait_share"] = worst_wait(reps)
+    out["speculative"] = common_mode([s.get("speculative") for s in reps]) or "off"
+    out["acceptance_rate"] = mean_of(reps, "acceptance_rate")
+    out["tokens_per_verify_row"] = mean_of(reps, "tokens_per_verify_row")
     out["recent_steps"] = []
     out["replicas"] = [{"replica": r, **per_replica[r]} for r in sorted(per_replica)]
     return out
@@ -92,6 +107,8 @@ def event(latest: dict[str, dict], timestamp: float) -> dict:
     out["pending_mode"] = common_mode([e.get("pending_mode") for e in reps])
     out["step_time"] = max((e.get("step_time") or 0.0 for e in reps), default=0.0)
     out["cpu_wait_share"] = worst_wait(reps)
+    out["acceptance_rate"] = mean_of(reps, "acceptance_rate")
+    out["tokens_per_verify_row"] = mean_of(reps, "tokens_per_verify_row")
     out["kv_usage_percent"] = _percent(out["kv_blocks_used"], out["kv_blocks_total"])
     out["replicas"] = [{"replica": r, **{k: latest[r].get(k) for k in COMPACT}} for r in sorted(latest)]
     return out

@@ -201,12 +201,28 @@ class BlockManager:
         req.block_ids = [b.block_id for b in blocks]
         return dead - start
 
+    def trim(self, req: Request) -> int:
+        """Give back the request's blocks past its computed tokens (a verify's rejected positions held
+        them); returns how many. None of them is registered: their tokens were never verified."""
+        blocks = self.req_blocks.get(req.request_id)
+        if not blocks:
+            return 0
+        keep = max(self.blocks_needed(req.num_computed_tokens), self.req_num_hashed.get(req.request_id, 0))
+        extra = blocks[keep:]
+        if not extra:
+            return 0
+        del blocks[keep:]
+        for block in reversed(extra):
+            self._unref(block)
+        req.block_ids = [b.block_id for b in blocks]
+        return len(extra)
+
     def cache_full_blocks(self, req: Request) -> None:
-        """Register the request's newly completed blocks (all tokens computed) for prefix hits."""
+        """Register the request's newly completed blocks (all tokens computed and known) for prefix hits."""
         if not self.enable_prefix_caching:
             return
         blocks = self.req_blocks.get(req.request_id, [])
-        num_full = min(req.num_computed_tokens // self.block_size, len(blocks))
+        num_full = min(min(req.num_computed_tokens, req.num_tokens) // self.block_size, len(blocks))
         start = self.req_num_hashed.get(req.request_id, 0)
         parent = blocks[start - 1].block_hash if start > 0 else None
         for i in range(start, num_full):

@@ -16,18 +16,27 @@ from minibatch.engine.core.config import SchedulerConfig
 from minibatch.engine.core.cpu_wait import RunQueueWait
 from minibatch.engine.core.detokenizer import IncrementalDetokenizer, Tokenizer
 from minibatch.engine.core.info import EngineInfo
-from minibatch.engine.core.outputs import EngineState, RequestOutput, StepStats
+from minibatch.engine.core.outputs import EngineState, RequestOutput, RunnerOutput, StepStats
 from minibatch.engine.core.request import Request, RequestStatus
 from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.core.scheduler import Scheduler
 from minibatch.engine.core.scheduler_output import SchedulerOutput
 from minibatch.engine.core.timeline import Timeline
+from minibatch.engine.spec_decode.config import SpecConfig
+from minibatch.engine.spec_decode.decoder import SpecDecoder
 
 
 class Runner(Protocol):
-    def execute(self, out: SchedulerOutput): ...  # -> object with .sampled: dict[str, int]
+    """What the engine needs of a model runner (runner/model_runner.py is the real one)."""
 
-    def forget(self, request_id: str) -> None: ...
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Compute the scheduled rows; for every row that reached its last token, the tokens it takes."""
+
+    def forget(self, request_id: str) -> None:
+        """The request is done: drop its per-request state (a seeded generator)."""
+
+    def device_lost(self) -> bool:
+        """After a failed step: whether the device is unusable from now on."""
 
 
 @dataclass(slots=True)
@@ -51,8 +60,11 @@ class LLMEngine:
         mode: str = "continuous",
         clock: Callable[[], float] = time.monotonic,
         timeline_steps: int = 512,
+        speculative: SpecConfig | None = None,
     ) -> None:
         self.runner, self.tokenizer, self.clock = runner, tokenizer, clock
+        # proposes draft tokens for decoding rows (None: one token per row per step)
+        self.spec = SpecDecoder(speculative) if speculative is not None and speculative.enabled else None
         self.timeline = Timeline(timeline_steps)  # the last steps' rows, for the chat's timeline and the report
         self.scheduler = Scheduler(scheduler_config, block_manager, mode, clock)
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -106,28 +118,63 @@ class LLMEngine:
     def step(self) -> tuple[list[RequestOutput], StepStats | None]:
         outputs, self.pending_outputs = self.pending_outputs, []
         started = time.perf_counter()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
+        for req in self.scheduler.running:
+            req.draft_token_ids = []  # a proposal lives for one schedule
         if sched.is_empty:
             return outputs, None
-        computed = [(r.request_id, n, d) for r, n, d in zip(sched.requests, sched.num_new_tokens, sched.is_decode)]
         result = self.runner.execute(sched)
         now = self.clock()
-        logprobs = getattr(result, "logprobs", None) or {}
-        for req in self.scheduler.update(sched):
-            req.append_token(result.sampled[req.request_id], now)
-            if req.request_id in logprobs:
-                req.output_logprobs.append(logprobs[req.request_id])
-            out = self._process(req)
+        drafted = {r.request_id for r, d in zip(sched.requests, sched.drafts) if d}
+        accepted_rows: dict[str, int] = {}  # verify rows: draft tokens accepted
+        for req, tokens in self.scheduler.update(sched, result.sampled):
+            logprobs = result.logprobs.get(req.request_id)
+            error = None
+            for j, token in enumerate(tokens):
+                req.append_token(token, now)
+                if logprobs is not None:
+                    req.output_logprobs.append(logprobs[j])
+                error = self._take(req)
+                if req.status.finished:
+                    break
+            self.scheduler.settle(req)
+            if req.request_id in drafted:
+                accepted_rows[req.request_id] = len(tokens) - 1
+            out = self._final(req, error) if req.status.finished else self._pending_delta(req)
             if out is not None:
                 outputs.append(out)
         self.num_steps += 1
-        stats = self._stats(sched, time.perf_counter() - started, self._cpu_waited())
-        self._record(sched, computed, stats)
+        step_time = time.perf_counter() - started
+        spec_stats = self._observe_spec(sched, accepted_rows, step_time)
+        stats = self._stats(sched, step_time, self._cpu_waited(), spec_stats)
+        self._record(sched, accepted_rows, stats)
         return outputs, stats
 
-    def _record(self, sched: SchedulerOutput, computed: list[tuple[str, int, bool]], stats: StepStats) -> None:
+    def _observe_spec(
+        self, sched: SchedulerOutput, accepted_rows: dict[str, int], step_time: float
+    ) -> tuple[int, int, int]:
+        """(draft tokens verified, accepted, rows that verified) this step; the decoder learns from them."""
+        if self.spec is None:
+            return 0, 0, 0
+        drafted = accepted = rows = 0
+        for req, draft in zip(sched.requests, sched.drafts):
+            if draft:
+                kept = accepted_rows.get(req.request_id, 0)
+                self.spec.observe(req, len(draft), kept)
+                drafted, accepted, rows = drafted + len(draft), accepted + kept, rows + 1
+        if not sched.num_prefill_tokens:
+            self.spec.observe_step(sched.num_decode_tokens + sched.num_draft_tokens + len(sched.padding), step_time)
+        return drafted, accepted, rows
+
+    def _record(self, sched: SchedulerOutput, accepted_rows: dict[str, int], stats: StepStats) -> None:
+        computed = [
+            (r.request_id, n, d, len(draft), accepted_rows.get(r.request_id, 0))
+            for r, n, d, draft in zip(sched.requests, sched.num_new_tokens, sched.is_decode, sched.drafts)
+        ]
         padding = [r.request_id for r in sched.padding]
-        seen = {rid for rid, _, _ in computed}
+        seen = {c[0] for c in computed}
         seen.update(padding)
         held = [r.request_id for r in self.scheduler.running if r.request_id not in seen and not r.status.finished]
         self.timeline.record(
@@ -142,14 +189,16 @@ class LLMEngine:
             [r.request_id for r in sched.preempted],
         )
 
-    def _process(self, req: Request) -> RequestOutput | None:
-        """Detokenize the new token, apply stop conditions, build the delta."""
+    def _take(self, req: Request) -> str | None:
+        """Detokenize the request's newest token and apply the stop conditions (finishing it when one
+        holds); returns an error when the request ended as a fault. One token at a time, so a step that
+        takes several ends a request at exactly the token that stops it."""
         p, token = req.params, req.output_token_ids[-1]
         stream = self.streams[req.request_id]
         status = None
         if p.grammar is not None and not p.grammar.accept(token):  # the mask allowed it: a grammar engine fault
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-            return self._final(req, error=f"the response format's grammar refused token {token}")
+            return f"the response format's grammar refused token {token}"
         if ((not p.ignore_eos or p.grammar is not None) and token in self.eos_token_ids) or token in p.stop_token_ids:
             status = RequestStatus.FINISHED_STOPPED  # a stop token adds no text
         else:
@@ -166,9 +215,12 @@ class LLMEngine:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             self.scheduler.finish(req, status)
-            return self._final(req)
-        # Hold back text that could be the start of a stop string.
-        hold = max((len(s) for s in p.stop), default=1) - 1
+        return None
+
+    def _pending_delta(self, req: Request) -> RequestOutput | None:
+        """The new text of a running request, holding back what could be the start of a stop string."""
+        stream = self.streams[req.request_id]
+        hold = max((len(s) for s in req.params.stop), default=1) - 1
         return self._delta(req, stream, len(stream.detok.text) - hold)
 
     def _delta(self, req: Request, stream: _Stream, upto: int) -> RequestOutput | None:
@@ -192,6 +244,8 @@ class LLMEngine:
         out.finished, out.finish_reason = True, req.status.finish_reason
         out.metrics, out.error = req.metrics(), error
         self.runner.forget(req.request_id)
+        if self.spec is not None:
+            self.spec.forget(req.request_id)
         return out
 
     def fail_all(self, error: str) -> list[RequestOutput]:
@@ -226,6 +280,10 @@ class LLMEngine:
             prefix_cache_hit_blocks=bm.prefix_hits,
             preemptions=s.num_preemptions,
             wasted_row_steps=s.wasted_row_steps,
+            speculative=self.spec.config.method if self.spec is not None else "off",
+            draft_tokens=self.spec.drafted if self.spec is not None else 0,
+            accepted_tokens=self.spec.accepted if self.spec is not None else 0,
+            verify_rows=self.spec.verify_rows if self.spec is not None else 0,
         )
 
     def _cpu_waited(self) -> float | None:
@@ -234,7 +292,13 @@ class LLMEngine:
         before, self._run_queue_at = self._run_queue_at, now
         return None if now is None or before is None else max(0.0, now - before)
 
-    def _stats(self, sched: SchedulerOutput, step_time: float, cpu_wait: float | None = None) -> StepStats:
+    def _stats(
+        self,
+        sched: SchedulerOutput,
+        step_time: float,
+        cpu_wait: float | None = None,
+        spec: tuple[int, int, int] = (0, 0, 0),
+    ) -> StepStats:
         s, bm = self.scheduler, self.scheduler.blocks
         return StepStats(
             step=self.num_steps,
@@ -255,6 +319,9 @@ class LLMEngine:
             total_preemptions=s.num_preemptions,
             step_time=step_time,
             cpu_wait=cpu_wait,
+            draft_tokens=spec[0],
+            accepted_tokens=spec[1],
+            verify_rows=spec[2],
         )
 
 

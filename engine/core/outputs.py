@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from minibatch.engine.core.request import RequestMetrics
+
+# A token's log-probability and the k most likely alternatives there, as (token, log-probability).
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What a runner's step returns (torch-free): per request that reached its last token, the tokens it
+    takes in order (a verify row: its accepted draft tokens, then the model's own next token)."""
+
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # per taken token, when asked for
 
 
 @dataclass(slots=True)
@@ -18,7 +30,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
     metrics: RequestMetrics | None = None  # set on the final output
     error: str | None = None  # set when the request ended because the engine failed
-    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None  # per token in token_ids, when asked for
+    logprobs: list[TokenLogprob] | None = None  # per token in token_ids, when asked for
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,6 +57,9 @@ class StepStats:
     # seconds the engine's threads, together, were ready to run but waited for a core since the previous
     # step ended (cpu_wait.py): the machine busy elsewhere; None where the system does not count it
     cpu_wait: float | None = None
+    draft_tokens: int = 0  # speculative tokens verified this step
+    accepted_tokens: int = 0  # of them accepted
+    verify_rows: int = 0  # rows that verified a draft
 
     @property
     def kv_usage(self) -> float:
@@ -71,6 +86,10 @@ class EngineState:
     prefix_cache_hit_blocks: int  # over the engine's life
     preemptions: int  # over the engine's life
     wasted_row_steps: int  # static mode's padding rows, over the engine's life
+    speculative: str = "off"  # the proposer (spec_decode/config.py SPEC_METHODS)
+    draft_tokens: int = 0  # speculative tokens verified, over the engine's life
+    accepted_tokens: int = 0  # of them accepted
+    verify_rows: int = 0  # row-steps that verified a draft, over the engine's life
 
     @property
     def kv_usage(self) -> float:

@@ -47,6 +47,10 @@ class Request:
     error: str | None = None
     # n > 1: the sibling that prefills the shared prompt; this one borrows its full prompt blocks once computed
     prompt_leader: Request | None = field(default=None, repr=False)
+    # speculative decoding: the tokens proposed for the next step (set before each schedule, consumed by it)
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # draft tokens verified for it so far
+    num_accepted_tokens: int = 0  # of them accepted
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -95,6 +99,8 @@ class RequestMetrics:
     output_tokens: int
     cached_prompt_tokens: int
     preemptions: int
+    draft_tokens: int = 0  # speculative decoding: tokens proposed and verified
+    accepted_tokens: int = 0  # of them accepted (each saved a step)
 
     @classmethod
     def of(cls, r: Request) -> RequestMetrics:
@@ -115,4 +121,6 @@ class RequestMetrics:
             output_tokens=n,
             cached_prompt_tokens=r.num_cached_tokens,
             preemptions=r.num_preemptions,
+            draft_tokens=r.num_draft_tokens,
+            accepted_tokens=r.num_accepted_tokens,
         )

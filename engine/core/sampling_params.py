@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # The fields a model's generation_config.json may give defaults for (as vLLM reads them).
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -12,6 +16,25 @@ MAX_TOP_K = 1_000_000  # far above any vocabulary; bounds the tensor the sampler
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
 MAX_LOGIT_BIAS = 300  # entries per request at most, as OpenAI allows
 LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100]
+
+
+class GrammarState(Protocol):
+    """One request's constrained-decoding state (engine/text/structured.py's Grammar is the real one)."""
+
+    def fill_mask(self, words: np.ndarray) -> None:
+        """Write the allowed next tokens into `words` (int32, one bit per token)."""
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past `token_id`; False when it was not allowed."""
+
+    def is_done(self) -> bool:
+        """Nothing more can follow."""
+
+    def validate(self, tokens: list[int]) -> int:
+        """How many of `tokens` it would take from here, without advancing."""
+
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` accepted tokens."""
 
 
 class InvalidParameterError(ValueError):
@@ -41,9 +64,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: each token's log-probability and the k most likely alternatives
     # token id -> added to its logit before sampling (-100 all but bans it, 100 all but forces it)
     logit_bias: dict[int, float] | None = None
-    # Constrained decoding: an object with fill_mask(words), accept(token) -> bool and is_done() (see
-    # engine/text/structured.py); the request then only takes tokens it allows and ends when it is complete.
-    grammar: object | None = field(default=None, repr=False, compare=False)
+    # Constrained decoding: the request only takes tokens its grammar allows and ends when it is complete.
+    grammar: GrammarState | None = field(default=None, repr=False, compare=False)
+    speculative: bool = True  # may verify draft tokens when the engine speculates (the answer is the same)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -78,6 +101,8 @@ class SamplingParams:
             raise InvalidParameterError("stop_token_ids", "must be a list of non-negative integers")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParameterError("ignore_eos", "must be a boolean")
+        if not isinstance(self.speculative, bool):
+            raise InvalidParameterError("speculative", f"must be a boolean, got {self.speculative!r}")
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         if self.logit_bias is not None:

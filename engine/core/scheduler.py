@@ -79,15 +79,33 @@ class Scheduler:
         self.wasted_row_steps += len(out.padding)
         return out
 
-    def update(self, out: SchedulerOutput) -> list[Request]:
-        """Advance computed tokens after the forward; return the requests that now sample a token."""
-        sampling = []
-        for req, n in zip(out.requests, out.num_new_tokens):
-            req.num_computed_tokens += n
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
+        """Advance computed tokens after the forward; return the requests that took tokens, with them.
+
+        `sampled`: per request that reached its last token, the tokens it takes: for a verify row the
+        accepted draft tokens and then the model's own next one. Its rejected draft positions are rolled
+        back: they do not count as computed, and blocks that held only them go back to the pool (their
+        stale K/V is overwritten before anything reads it) unless the policy reserved them (static). The
+        prefix cache registers only blocks whose every token is verified (after the engine appended the
+        tokens: `settle`).
+        """
+        taking = []
+        for req, n, draft in zip(out.requests, out.num_new_tokens, out.drafts):
+            tokens = sampled.get(req.request_id)
+            rejected = len(draft) - (len(tokens) - 1) if draft and tokens else len(draft)
+            req.num_computed_tokens += n - rejected
+            if rejected and not self.policies[self.mode].reserves_blocks:
+                self.blocks.trim(req)
+            if tokens is not None:
+                taking.append((req, tokens))
+            else:
+                self.blocks.cache_full_blocks(req)
+        return taking
+
+    def settle(self, req: Request) -> None:
+        """After the engine appended a row's tokens: register its newly completed blocks for prefix hits."""
+        if not req.status.finished:
             self.blocks.cache_full_blocks(req)
-            if req.num_computed_tokens == req.num_tokens:
-                sampling.append(req)
-        return sampling
 
     def next_wakeup(self) -> float | None:
         """When the scheduler wants to run again though nothing new arrives (static batch timeout)."""

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 # Row states, one letter each in the compact form the API sends.
 PREFILL, DECODE, PADDING, HELD = "p", "d", "x", "h"  # HELD: in the batch, but not computed this step (token budget)
-STATES = {PREFILL: "prefill", DECODE: "decode", PADDING: "padding", HELD: "held"}
+VERIFIED = "v"  # a decoding row that verified a draft and took two or more tokens in the step
+STATES = {PREFILL: "prefill", DECODE: "decode", VERIFIED: "verified", PADDING: "padding", HELD: "held"}
 
 
 @dataclass(slots=True, frozen=True)
@@ -26,7 +27,8 @@ class StepRecord:
     duration: float  # seconds
     mode: str  # "continuous" | "static"
     waiting: int  # requests in the waiting queue after the step
-    rows: tuple[tuple[int, str, int, str], ...]  # (row, request id, tokens computed, state); rows not listed are empty
+    # (row, request id, tokens computed, state, draft tokens verified, of them accepted); rows not listed are empty
+    rows: tuple[tuple[int, str, int, str, int, int], ...]
     preempted: tuple[str, ...] = ()  # requests sent back to the queue this step
 
     def as_dict(self) -> dict:
@@ -71,18 +73,22 @@ class Timeline:
         duration: float,
         mode: str,
         waiting: int,
-        computed: list[tuple[str, int, bool]],
+        computed: list[tuple[str, int, bool, int, int]],
         padding: list[str],
         held: list[str],
         preempted: list[str],
     ) -> StepRecord:
-        """computed: (request id, tokens, is a decode) in batch order; padding and held: request ids; preempted: ids."""
-        members = {rid for rid, _, _ in computed} | set(padding) | set(held)
+        """computed: (request id, tokens, is a decode, draft tokens, accepted) in batch order; padding and
+        held: request ids; preempted: ids."""
+        members = {c[0] for c in computed} | set(padding) | set(held)
         for rid in [r for r in self._rows if r not in members]:  # left the batch: its row is free for the next one
             heapq.heappush(self._free, self._rows.pop(rid))
-        rows = [(self._row_for(rid), rid, n, DECODE if decode else PREFILL) for rid, n, decode in computed]
-        rows += [(self._row_for(rid), rid, 1, PADDING) for rid in padding]
-        rows += [(self._row_for(rid), rid, 0, HELD) for rid in held]
+        rows = [
+            (self._row_for(rid), rid, n, (VERIFIED if accepted else DECODE) if decode else PREFILL, drafted, accepted)
+            for rid, n, decode, drafted, accepted in computed
+        ]
+        rows += [(self._row_for(rid), rid, 1, PADDING, 0, 0) for rid in padding]
+        rows += [(self._row_for(rid), rid, 0, HELD, 0, 0) for rid in held]
         rows.sort()
         rec = StepRecord(step, time, duration, mode, waiting, tuple(rows), tuple(preempted))
         with self._lock:

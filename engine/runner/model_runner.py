@@ -2,34 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from minibatch.engine.attention.metadata import build_flat_batch
+from minibatch.engine.core.outputs import RunnerOutput
 from minibatch.engine.core.request import Request
 from minibatch.engine.core.scheduler_output import SchedulerOutput
 from minibatch.engine.models.llama import LlamaForCausalLM
 from minibatch.engine.runner.sampler import Sampler
-
-
-@dataclass(slots=True)
-class RunnerOutput:
-    sampled: dict[str, int]  # request id -> next token, for requests that reached their last token
-    # request id -> (the sampled token's log-probability, [(token, log-probability)] of the k most likely), if asked
-    logprobs: dict[str, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
-
-
-def token_logprobs(logprobs: torch.Tensor, tokens: list[int], reqs: list[Request]) -> dict:
-    """Per request: the chosen token's log-probability and its k most likely alternatives, from one topk."""
-    k = max(r.params.logprobs for r in reqs)
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None]).squeeze(1).tolist()
-    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    return {
-        r.request_id: (chosen[j], list(zip(top_ids[j][: r.params.logprobs], top_vals[j][: r.params.logprobs])))
-        for j, r in enumerate(reqs)
-    }
+from minibatch.engine.runner.verify import take_tokens
 
 
 class ModelRunner:
@@ -48,13 +29,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        chunks, starts, tables, samplers = [], [], [], []
-        for req, n in zip(out.requests, out.num_new_tokens):
+        chunks, starts, tables = [], [], []
+        sampling: list[tuple[Request, list[int], list[int]]] = []  # (request, its draft, its sequences' indexes)
+        for req, n, draft in zip(out.requests, out.num_new_tokens, out.drafts):
             start = req.num_computed_tokens
+            if draft:
+                # A verify row: its last token and each draft token as a one-token sequence over the same
+                # blocks (position p attends to 0..p, the K/V of this forward's earlier tokens included), so
+                # the decode kernel and the decode graphs cover it and each position attends as a decode would.
+                first = len(chunks)
+                for j, token in enumerate([req.token_at(start), *draft]):
+                    chunks.append([token])
+                    starts.append(start + j)
+                    tables.append(req.block_ids)
+                sampling.append((req, draft, list(range(first, len(chunks)))))
+                continue
             chunks.append(req.tokens(start, start + n))
             starts.append(start)
             tables.append(req.block_ids)
-            samplers.append(start + n == req.num_tokens)
+            if start + n == req.num_tokens:
+                sampling.append((req, [], [len(chunks) - 1]))
         for req in out.padding:
             # A finished static-batch member's row is computed as a padded row
             # would be: its last token again, over its own blocks; output dropped.
@@ -62,33 +56,28 @@ class ModelRunner:
             chunks.append([req.token_at(last)])
             starts.append(min(last, len(req.block_ids) * self.block_size - 1))
             tables.append(req.block_ids)
-            samplers.append(False)
         if not chunks:
-            return RunnerOutput({})
+            return RunnerOutput()
         batch = build_flat_batch(chunks, starts, tables, self.block_size, self.device)
-        rows = [i for i, s in enumerate(samplers) if s]
+        rows = [i for _, _, seqs in sampling for i in seqs]
         logits = None
         if self.graphs is not None:
-            # None unless a pure decode step that a graph fits; static mode's padding rows
-            # (finished members still computed) replay too, their logits dropped.
+            # None unless a pure decode step that a graph fits (verify rows are decode sequences too);
+            # static mode's padding rows (finished members still computed) replay as well, their logits dropped.
             logits = self.graphs.run(batch)
             if logits is not None and len(rows) != len(chunks):
                 if not rows:
-                    return RunnerOutput({})
+                    return RunnerOutput()
                 logits = logits[rows]
         if logits is None:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
             if not rows:
-                return RunnerOutput({})
+                return RunnerOutput()
             logits = self.model.compute_logits(hidden[batch.logits_indices[rows]])
-        reqs: list[Request] = [out.requests[i] for i in rows]
-        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        # log-softmax of the model's logits, before penalties and temperature (the sampler may change them in place)
-        logprobs = torch.log_softmax(logits[want].float(), dim=-1) if want else None
-        tokens = self.sampler(logits, reqs)
+        reqs = [r for r, _, _ in sampling]
+        tokens, logprobs = take_tokens(logits, reqs, [d for _, d, _ in sampling], self.sampler)
         result = RunnerOutput({r.request_id: t for r, t in zip(reqs, tokens)})
-        if want:
-            result.logprobs = token_logprobs(logprobs, [tokens[i] for i in want], [reqs[i] for i in want])
+        result.logprobs = {r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None}
         return result
 
     def device_lost(self) -> bool:

@@ -66,6 +66,15 @@ class Grammar:
         """Nothing more can follow (the document is complete, or an end token was taken)."""
         return bool(self._matcher.is_stopped())
 
+    def validate(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar would take from here (its state unchanged)."""
+        return int(self._matcher.validate_tokens(tokens)) if tokens else 0
+
+    def rollback(self, n: int) -> None:
+        """Undo the last `n` accepted tokens (a speculative walk's)."""
+        if n:
+            self._matcher.rollback(n)
+
     @property
     def error(self) -> str | None:
         return self._matcher.get_error() if self._matcher.is_error() else None

@@ -249,7 +249,10 @@ def test_steps_endpoint_returns_the_rows_of_each_step(daemon):
     for rid, body in done:
         mine = [(s["step"], row) for s in steps for row in s["rows"] if row[1] == rid]
         states = [row[3] for _, row in mine]
-        assert states[0] == "p" and states.count("d") == body["usage"]["completion_tokens"] - 1, states
+        # after the prefill's token, each decode row takes one token, a verifying row its accepted drafts too
+        taken = sum(1 + row[5] for _, row in mine if row[3] in ("d", "v"))
+        assert states[0] == "p" and taken == body["usage"]["completion_tokens"] - 1, mine
+        assert all(row[5] <= row[4] for _, row in mine) and all((row[3] == "v") == (row[5] > 0) for _, row in mine)
         assert len({row[0] for _, row in mine}) == 1  # one row for its whole life
         cached = body["minibatch"]["cached_prompt_tokens"]  # served from the prefix cache: not computed
         assert sum(row[2] for _, row in mine if row[3] == "p") == body["usage"]["prompt_tokens"] - cached

@@ -2,39 +2,48 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass
-class FakeRunnerOutput:
-    sampled: dict[str, int]
+from minibatch.engine.core.outputs import RunnerOutput
 
 
 class FakeRunner:
     """Checks what a real runner relies on, and 'samples' a token from the request's own history.
 
     The token depends only on the request's tokens, so a request gets the same
-    output alone, in a batch, and after preemption and recompute.
+    output alone, in a batch, and after preemption and recompute. A verify row
+    takes its draft while the draft matches what this rule would have produced,
+    then the rule's own next token, as a real runner's greedy verify does.
     """
 
     def __init__(self, block_size: int, vocab: int = 50, window: int = 0) -> None:
         self.block_size, self.vocab, self.window = block_size, vocab, window
         self.steps: list = []
 
-    def execute(self, out):
+    def execute(self, out) -> RunnerOutput:
         self.steps.append(out)
         sampled = {}
-        for req, n in zip(out.requests, out.num_new_tokens):
+        for req, n, draft in zip(out.requests, out.num_new_tokens, out.drafts):
             end = req.num_computed_tokens + n
-            assert 1 <= n and end <= req.num_tokens
+            own = n - len(draft)
+            assert 1 <= own and req.num_computed_tokens + own <= req.num_tokens
+            assert not draft or (own == 1 and req.num_computed_tokens + 1 == req.num_tokens), "draft on a non-decode"
             assert len(req.block_ids) * self.block_size >= end, "blocks do not cover the chunk"
             # every block the chunk's queries see is the request's own; with a sliding window (on every
             # layer) the ones wholly before the first query's window may be the null block
             first = max(0, req.num_computed_tokens - self.window + 1) if self.window else 0
             assert 0 not in req.block_ids[first // self.block_size :], "a block the chunk attends to is the null block"
-            if end == req.num_tokens:
-                sampled[req.request_id] = self.next_token(req.tokens(0, end))
-        return FakeRunnerOutput(sampled)
+            if req.num_computed_tokens + own == req.num_tokens:
+                history = req.tokens(0, req.num_tokens)
+                tokens = [self.next_token(history)]
+                for d in draft:
+                    if tokens[-1] != d:
+                        break
+                    history.append(d)
+                    tokens.append(self.next_token(history))
+                sampled[req.request_id] = tokens
+        return RunnerOutput(sampled)
+
+    def device_lost(self) -> bool:
+        return False
 
     def next_token(self, tokens: list[int]) -> int:
         return (sum(tokens) * 31 + len(tokens)) % self.vocab + 3

@@ -10,7 +10,7 @@ from .test_scheduler import make, params, run
 
 
 def rows(rec) -> dict[int, tuple[str, int, str]]:
-    return {row: (rid, n, state) for row, rid, n, state in rec.rows}
+    return {row: (rid, n, state) for row, rid, n, state, *_ in rec.rows}
 
 
 def test_continuous_refills_a_freed_row_at_the_next_step():
@@ -28,7 +28,7 @@ def test_continuous_refills_a_freed_row_at_the_next_step():
     # step 3: c takes a's row 0 at once, next to b's decode
     assert rows(recs[2]) == {0: ("c", 4, "p"), 1: ("b", 1, "d")} and recs[2].waiting == 0
     assert all(r.mode == "continuous" and r.duration >= 0 for r in recs)
-    assert recs[2].as_dict()["rows"] == [[0, "c", 4, "p"], [1, "b", 1, "d"]]
+    assert recs[2].as_dict()["rows"] == [[0, "c", 4, "p", 0, 0], [1, "b", 1, "d", 0, 0]]
 
 
 def test_static_keeps_finished_rows_as_padding_until_the_batch_ends():
@@ -55,11 +55,11 @@ def test_preemption_is_marked_and_the_row_given_back():
     hit = [r for r in recs if r.preempted]
     assert hit and all(r.preempted == ("b",) for r in hit)
     first = hit[0]
-    assert "b" not in {rid for _, rid, _, _ in first.rows}  # sent back to the queue: no row this step
+    assert "b" not in {rid for _, rid, *_ in first.rows}  # sent back to the queue: no row this step
     assert first.waiting >= 1
     later = recs[recs.index(first) + 1 :]
-    back = next(r for r in later if "b" in {rid for _, rid, _, _ in r.rows})
-    assert rows(back)[[row for row, rid, _, _ in back.rows if rid == "b"][0]][2] == "p"  # recomputed as a prefill
+    back = next(r for r in later if "b" in {rid for _, rid, *_ in r.rows})
+    assert rows(back)[[row for row, rid, *_ in back.rows if rid == "b"][0]][2] == "p"  # recomputed as a prefill
 
 
 def test_the_ring_keeps_the_last_n_steps_and_since_filters():

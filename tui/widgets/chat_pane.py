@@ -26,6 +26,8 @@ def format_status(timings: dict, tokens: int, seconds: float, finish: str | None
     if timings.get("queue_wait_ms") is not None:
         parts.append(f"queue {timings['queue_wait_ms']:.0f} ms")
     parts.append(f"cached {timings.get('cached_prompt_tokens', 0)}")
+    if timings.get("draft_tokens"):  # speculative decoding: draft tokens accepted of those verified
+        parts.append(f"spec {timings.get('accepted_tokens', 0)}/{timings['draft_tokens']}")
     if replica:  # behind minibatch-serve, first: a narrow pane cuts the line's end
         parts.insert(0, f"replica {replica}")
     return " · ".join(parts)

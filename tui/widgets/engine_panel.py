@@ -28,6 +28,14 @@ def contention_line(share: float | None) -> str | None:
     return f"cpu wait [b yellow]{100 * share:3.0f}%[/] [yellow]machine busy elsewhere[/]"
 
 
+def speculation_line(e: dict) -> str | None:
+    """Speculative decoding over the last seconds: accepted / drafted and the tokens a verifying row took."""
+    rate, per_row = e.get("acceptance_rate"), e.get("tokens_per_verify_row")
+    if rate is None:
+        return None
+    return f"spec accept {100 * rate:3.0f}%  {per_row:.1f} tok/row"
+
+
 def bar(fraction: float, width: int) -> str:
     filled = max(0, min(width, round(fraction * width)))
     return "█" * filled + "░" * (width - filled)
@@ -189,9 +197,9 @@ class EnginePanel(Vertical):
         ]
         if e["mode"] == "static" or e["wasted_row_steps"]:
             lines.append(f"wasted row-steps {e['wasted_row_steps']}")
-        contention = contention_line(e.get("cpu_wait_share"))
-        if contention:
-            lines.append(contention)
+        for extra in (speculation_line(e), contention_line(e.get("cpu_wait_share"))):
+            if extra:
+                lines.append(extra)
         changed |= self._show("engine-numbers", "\n".join(lines))
         self.redraws += changed
 

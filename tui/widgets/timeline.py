@@ -1,9 +1,10 @@
 """The batch over time: one line per batch row, one column per engine step, newest on the right.
 
 Each cell is coloured by the pane whose request held that row (grey: another
-client) and marked by what the row did: ▒ a prefill chunk, █ a decode, ╳
-padding (static mode computing a finished request's row: wasted), ┄ held
-without computing, · empty. Beneath, the waiting queue per step. In static
+client) and marked by what the row did: ▒ a prefill chunk, █ a decode, 2-9 a
+decode that verified a draft and took that many tokens in the step (+ for ten
+or more), ╳ padding (static mode computing a finished request's row: wasted),
+┄ held without computing, · empty. Beneath, the waiting queue per step. In static
 mode finished rows turn to ╳ until the longest member ends (a staircase);
 in continuous mode a freed row takes the next request at the next step.
 """
@@ -16,7 +17,13 @@ from rich.text import Text
 from textual.widgets import Static
 
 KEEP = 512  # step records kept client-side (the daemon keeps its own ring)
-MARKS = {"p": "▒", "d": "█", "x": "╳", "h": "┄"}
+MARKS = {"p": "▒", "d": "█", "x": "╳", "h": "┄"}  # "v" (verified) shows the tokens taken: verified_mark
+
+
+def verified_mark(accepted: int) -> str:
+    """A verifying row took its accepted draft tokens and one of its own."""
+    taken = accepted + 1
+    return str(taken) if taken < 10 else "+"
 
 
 def waiting_mark(n: int) -> str:
@@ -66,6 +73,8 @@ def render_timeline(
     text.append("(ctrl+g: block map)\n", style="dim")
     if not compact:
         text.append("▒ prefill █ decode ╳ pad ┄ held\n", style="dim")
+        if any(row[3] == "v" for r in recent for row in r["rows"]):
+            text.append("2-9 tokens a row took (speculation)\n", style="dim")
     if not recent:
         text.append("no steps yet", style="dim")
         return text
@@ -81,9 +90,9 @@ def render_timeline(
         text.append("\n")
     grid = [{} for _ in recent]
     for i, r in enumerate(recent):
-        for row, rid, _n, state in r["rows"]:
+        for row, rid, _n, state, *spec in r["rows"]:
             if row < shown:
-                grid[i][row] = (rid, state)
+                grid[i][row] = (rid, state, spec[1] if len(spec) > 1 else 0)
     for row in range(shown):
         text.append(f"{row:>3}  ", style="dim")
         for cells in grid:
@@ -91,10 +100,13 @@ def render_timeline(
             if cell is None:
                 text.append("·", style="grey23")
                 continue
-            rid, state = cell
+            rid, state, accepted = cell
             pane = panes.get(rid)
             color = colors[pane % len(colors)] if pane is not None else "grey62"
-            text.append(MARKS.get(state, "?"), style="red" if state == "x" else color)
+            if state == "v":
+                text.append(verified_mark(accepted), style=f"bold reverse {color}")
+            else:
+                text.append(MARKS.get(state, "?"), style="red" if state == "x" else color)
         text.append("\n")
     if used > shown:
         text.append(f"     +{used - shown} more rows\n", style="dim")

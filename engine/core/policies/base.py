@@ -33,6 +33,8 @@ class SchedulerView(Protocol):
 
 
 class Policy(Protocol):
+    reserves_blocks: bool  # blocks are reserved at admission for the whole request (none go back mid-way)
+
     def schedule(self, admit: bool = True) -> SchedulerOutput:
         """The next forward's work; `admit=False` while a mode switch waits for the batch to drain."""
 

@@ -18,6 +18,8 @@ class ContinuousPolicy:
     its window are handed back before it asks for more.
     """
 
+    reserves_blocks = False  # blocks follow the computed tokens: a rejected draft's go back
+
     def __init__(self, sched: SchedulerView) -> None:
         self.s = sched
 
@@ -33,7 +35,11 @@ class ContinuousPolicy:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
                 continue
+            # a draft takes what the budget and the free blocks leave: it is dropped before anyone is preempted
+            draft = req.draft_token_ids[: budget - n] if n == 1 else []
             out.released_blocks += s.blocks.release_out_of_window(req)
+            if draft and not s.blocks.allocate(req, n + len(draft)):
+                draft = []
             while not s.blocks.allocate(req, n):
                 victim = s.running[-1]
                 if victim in out.requests:
@@ -43,8 +49,8 @@ class ContinuousPolicy:
                 if victim is req:
                     break
             else:
-                out.add(req, n)
-                budget -= n
+                out.add(req, n, draft)
+                budget -= n + len(draft)
         if admit and not out.preempted:
             self._admit(out, budget)
         return out

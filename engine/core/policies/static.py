@@ -17,6 +17,8 @@ from minibatch.engine.core.scheduler_output import SchedulerOutput
 
 
 class StaticPolicy:
+    reserves_blocks = True  # prompt + max_tokens held from admission: a rejected draft's blocks stay
+
     def __init__(self, sched: SchedulerView) -> None:
         self.s = sched
 
@@ -30,8 +32,9 @@ class StaticPolicy:
         for req in s.running:
             if req.status.finished:
                 out.padding.append(req)
-            else:
-                out.add(req, req.num_tokens - req.num_computed_tokens)
+            else:  # its blocks were reserved for prompt + max_tokens, which a draft never passes
+                n = req.num_tokens - req.num_computed_tokens
+                out.add(req, n, req.draft_token_ids if n == 1 else None)
         return out
 
     def _ready(self) -> bool:

@@ -1,0 +1,92 @@
+"""How many draft tokens each row gets this step: only those expected to pay for the rows they add.
+
+A step's time grows about linearly with the tokens it computes: t(T) = fixed + per_token * T. On a
+memory-bound step (few rows: the weights are read once whatever the row count) `per_token` is small
+beside `fixed`, and a verify row is nearly free; as the batch grows the step becomes compute-bound and
+every extra row costs almost what a decode row does. A draft token at depth j (the j-th of its row) is
+kept only when it is accepted with probability a^j (a: that request's recent per-token acceptance)
+and that expected token is worth its row:
+
+    a^j * t(T) / B  >=  per_token          (B decoding rows: a step's time buys B tokens)
+
+so the depth bound is j <= log(per_token * B / t(T)) / log(a). `StepCost` fits `fixed` and
+`per_token` online from the engine's own decode steps (a least-squares line over the last steps, with a
+prior until the steps vary enough), so the rule follows the machine and the model it runs on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+PRIOR_FIXED_S = 5e-3  # a small model's batch-1 step on a CPU, until the engine has measured its own
+PRIOR_PER_TOKEN_S = 3e-4
+COST_WINDOW = 256  # decode steps the fit looks at
+MIN_SPREAD = 4  # the token counts seen must span this many before the fit replaces the prior
+ACCEPT_PRIOR = (3.0, 1.0)  # pseudo-counts (accepted, rejected): a new request starts at a = 0.75
+ACCEPT_DECAY = 0.9  # per observation: acceptance follows the request's recent drafts
+STOP_BELOW = 0.2  # a request accepting less than this stops speculating ...
+PROBE_EVERY = 16  # ... and tries one draft token again after this many steps without drafts
+
+
+class StepCost:
+    """t(T) = fixed + per_token * T, fitted to the decode steps the engine reports."""
+
+    def __init__(self, fixed: float = PRIOR_FIXED_S, per_token: float = PRIOR_PER_TOKEN_S) -> None:
+        self.prior = (fixed, per_token)
+        self.fixed, self.per_token = fixed, per_token
+        self._obs: deque[tuple[int, float]] = deque(maxlen=COST_WINDOW)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or not seconds > 0:
+            return
+        self._obs.append((tokens, seconds))
+        if len(self._obs) % 16 == 0:
+            self._fit()
+
+    def _fit(self) -> None:
+        xs = [t for t, _ in self._obs]
+        if max(xs) - min(xs) < MIN_SPREAD:
+            return
+        n = len(xs)
+        mx = sum(xs) / n
+        my = sum(s for _, s in self._obs) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        sxy = sum((x - mx) * (s - my) for x, s in self._obs)
+        slope = max(sxy / sxx, 1e-6)
+        self.per_token, self.fixed = slope, max(my - slope * mx, slope)
+
+    def at(self, tokens: int) -> float:
+        return self.fixed + self.per_token * tokens
+
+
+@dataclass(slots=True)
+class Acceptance:
+    """A request's recent per-token acceptance: decayed counts of accepted and rejected draft tokens."""
+
+    accepted: float = ACCEPT_PRIOR[0]
+    rejected: float = ACCEPT_PRIOR[1]
+    idle_steps: int = 0  # steps since it last drafted while stopped
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One verify: `accepted` of `drafted` tokens kept (a run stops at its first rejection)."""
+        self.accepted = self.accepted * ACCEPT_DECAY + accepted
+        self.rejected = self.rejected * ACCEPT_DECAY + (1 if accepted < drafted else 0)
+
+
+def draft_depth(rate: float, rows: int, cost: StepCost, k_max: int) -> int:
+    """The deepest draft token worth its row for a request accepting `rate` per token, in a step of
+    `rows` decoding rows (the module docstring's rule)."""
+    if k_max <= 0 or rate <= 0.0:
+        return 0
+    threshold = cost.per_token * rows / cost.at(rows)
+    if threshold >= 1.0:
+        return 0
+    if rate >= 1.0:
+        return k_max
+    return max(0, min(k_max, int(math.log(threshold) / math.log(rate))))

@@ -1,0 +1,48 @@
+"""Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's own suffix.
+
+Copy-heavy answers (edit this paragraph, extract these fields, continue this list) repeat long runs of
+their prompt; when the last n tokens appeared before, what came after them there is a good guess for
+what comes next. No second model: one dictionary lookup per suffix length per step.
+"""
+
+from __future__ import annotations
+
+
+class NgramIndex:
+    """One sequence's n-grams (n in [n_min, n_max]) -> the position just after their latest occurrence.
+
+    Grows as tokens are appended (`extend`); the occurrence ending at the current end is added only after
+    the lookup, so a suffix never matches itself.
+    """
+
+    __slots__ = ("n_min", "n_max", "tokens", "_last", "_indexed")
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []
+        self._last: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # n-grams ending before this position are in _last
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+
+    def _index_upto(self, end: int) -> None:
+        """Record every n-gram that ends before position `end` (exclusive), as its latest occurrence."""
+        toks, last = self.tokens, self._last
+        for stop in range(self._indexed, end):  # n-grams toks[stop-n+1 : stop+1], followed by position stop+1
+            for n in range(self.n_min, min(self.n_max, stop + 1) + 1):
+                last[tuple(toks[stop - n + 1 : stop + 1])] = stop + 1
+        self._indexed = max(self._indexed, end)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that followed the longest suffix seen earlier (longest n first); [] when none."""
+        toks = self.tokens
+        end = len(toks)
+        if k <= 0 or end < self.n_min + 1:
+            return []
+        self._index_upto(end - 1)  # occurrences ending before the last token: the suffix itself excluded
+        for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
+            after = self._last.get(tuple(toks[end - n :]))
+            if after is not None:
+                return toks[after : min(after + k, end)]
+        return []
