@@ -66,8 +66,9 @@ OPTIONS = [
         "--speculative",
         str,
         DEFAULT_METHOD,
-        f"speculative decoding: {' or '.join(SPEC_METHODS)} (ngram: draft tokens looked up in the request's own "
-        "prompt and output, verified in one forward; the same answers, faster on copy-heavy prompts)",
+        f"speculative decoding: {', '.join(SPEC_METHODS)} (ngram: draft tokens looked up in the request's own "
+        "prompt and output; draft: proposed by --draft-model; verified in one forward: the same answers, "
+        "fewer steps)",
     ),
     (
         "--num-speculative-tokens",
@@ -75,6 +76,13 @@ OPTIONS = [
         DEFAULT_NUM_TOKENS,
         f"draft tokens per row per step at most, 1 to {MAX_NUM_TOKENS} (fewer when the batch is large "
         "or a request's drafts keep failing)",
+    ),
+    (
+        "--draft-model",
+        str,
+        None,
+        "with --speculative draft: a smaller model of the same vocabulary (any spec --model takes) whose greedy "
+        "continuation is the draft",
     ),
     ("--threads", int, None, "PyTorch CPU threads (default: all cores)"),
     ("--host", str, None, "also listen on TCP at this host (default 127.0.0.1 when --port is set)"),
@@ -183,6 +191,7 @@ def engine_config(args):
         enable_prefix_caching=not args.no_prefix_caching,
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=args.draft_model,
     )
 
 

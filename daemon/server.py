@@ -146,7 +146,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         info = state.info = engine.info
         state.status = "ready"
         log.info(
-            "ready in %.1f s: %s (%s, %.0f MB) on %s (%s), %d KV blocks of %d tokens (%s), mode %s",
+            "ready in %.1f s: %s (%s, %.0f MB) on %s (%s), %d KV blocks of %d tokens (%s), mode %s, speculative %s",
             time.perf_counter() - started,
             config.engine.model,
             info.weights,
@@ -157,6 +157,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
             info.block_size,
             info.kv_budget,
             engine.mode,
+            info.speculative,
         )
         waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(engine_stopped.wait())]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)

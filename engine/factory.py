@@ -41,6 +41,7 @@ class EngineConfig:
     weights: str = "auto"  # one of WEIGHT_MODES (core/info.py)
     speculative: str = DEFAULT_METHOD  # one of spec_decode/config.py SPEC_METHODS
     num_speculative_tokens: int = DEFAULT_NUM_TOKENS  # draft tokens per row per step at most
+    draft_model: str | None = None  # speculative draft: the smaller model of the same vocabulary
 
     def __post_init__(self) -> None:
         self.spec_config()  # refuses a method or a draft length out of range, naming it
@@ -66,7 +67,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
 
     def spec_config(self) -> SpecConfig:
-        return SpecConfig(self.speculative, self.num_speculative_tokens)
+        return SpecConfig(self.speculative, self.num_speculative_tokens, draft_model=self.draft_model)
 
 
 def available_memory_bytes() -> int:
@@ -193,6 +194,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         runner.graphs = DecodeGraphs(model, caches, config.block_size, max_model_len, config.max_num_seqs)
         runner.graphs.capture()
     runner = faults.wrap_from_env(runner)  # the test seam: unchanged unless MINIBATCH_FAULT_AT_STEP is set
+    spec = config.spec_config()
+    proposer = None
+    if spec.method == "draft":
+        proposer = build_draft_proposer(spec, config, tokenizer, backend, ops, device, dtype, num_blocks, max_model_len)
 
     gen_eos, gen_defaults = generation_config(model_dir)
     eos = set(cfg.eos_token_ids) | gen_eos  # e.g. Llama 3's end-of-turn tokens beside end-of-text
@@ -213,7 +218,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         eos_token_ids=tuple(sorted(eos)),
         mode=config.mode,
         timeline_steps=config.timeline_steps,
-        speculative=config.spec_config(),
+        speculative=spec,
+        proposer=proposer,
     )
     engine.info = EngineInfo(
         model=config.model,
@@ -235,6 +241,32 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         # which LongRoPE factors this run rotates with (use_context)
         rope_factors=("long" if model.model.rotary.long else "short") if cfg.rope.rope_type == "longrope" else None,
         memory=weight_facts(model),
+        speculative="off"
+        if not spec.enabled
+        else f"{spec.method}{' ' + spec.draft_model if spec.draft_model else ''} (up to {spec.num_tokens} tokens)",
     )
     release_free_memory()  # the load's temporaries (file reads, stacked copies) leave the heap
     return engine
+
+
+def build_draft_proposer(spec, config: EngineConfig, tokenizer, backend, ops, device, dtype, num_blocks, max_len):
+    """The draft model of --speculative draft, loaded as the target is, with a KV pool of as many blocks;
+    refused, naming both, when its vocabulary is not the target's."""
+    from minibatch.engine.runner.kv_cache import allocate_kv_cache
+    from minibatch.engine.spec_decode.draft_model import DraftModelProposer
+    from minibatch.engine.text.tokenizer import TextTokenizer
+    from minibatch.engine.weights.loader import load_model
+
+    draft_dir = resolve_model(spec.draft_model)
+    theirs, ours = TextTokenizer(draft_dir).vocab(), tokenizer.vocab()
+    if theirs != ours:
+        differ = len(set(theirs.items()) ^ set(ours.items()))
+        raise ValueError(
+            f"draft_model {spec.draft_model!r} has another vocabulary than model {config.model!r} "
+            f"({len(theirs)} tokens against {len(ours)}, {differ} entries differ): a draft must share the "
+            "target's tokenizer"
+        )
+    draft = load_model(draft_dir, backend, device=device, dtype=dtype, ops=ops, weights=config.weights)
+    draft.use_context(max_len, positions=(num_blocks - 1) * config.block_size)
+    caches = allocate_kv_cache(draft.config, num_blocks, config.block_size, dtype, device)
+    return DraftModelProposer(draft, caches, num_blocks, config.block_size, vocab_size=len(ours))

@@ -209,7 +209,9 @@ def random_model(files: Path, out: Path, device: str, seed: int = 0, tiny: bool 
 # -- measurements -------------------------------------------------------------
 
 
-def build(model_dir: Path, device: str, dtype: str, max_num_seqs: int, graphs: bool, kv_gb: float):
+def build(
+    model_dir: Path, device: str, dtype: str, max_num_seqs: int, graphs: bool, kv_gb: float, speculative: str = "off"
+):
     from minibatch.engine.factory import EngineConfig, build_engine
 
     return build_engine(
@@ -223,6 +225,7 @@ def build(model_dir: Path, device: str, dtype: str, max_num_seqs: int, graphs: b
             cuda_graphs=graphs,
             enable_prefix_caching=False,
             weights="float32",
+            speculative=speculative,
         )
     )
 
@@ -514,6 +517,34 @@ def check(args) -> tuple[dict, bool]:
         eager = None
         release()
 
+        step("speculative decoding on and off (fp32, greedy, repeating prompts)")
+        spec = build(model_dir, device, "float32", 8, graphs=True, kv_gb=1, speculative="ngram")
+        repeating = [(p * 3)[-200:] for p in prompts]  # a prompt repeated: drafts worth verifying
+        rates_spec = {}
+        for name, eng in (("off", fp32), ("ngram", spec)):
+            greedy(eng, repeating[:1], 8)  # warm-up
+            sync()
+            t0 = time.perf_counter()
+            tokens_spec = greedy(eng, repeating[:1], args.tokens)
+            sync()
+            rates_spec[name] = (tokens_spec, round(len(tokens_spec[0]) / (time.perf_counter() - t0), 1))
+        batch_off, batch_on = greedy(fp32, repeating, args.tokens), greedy(spec, repeating, args.tokens)
+        spec_rows = compare_greedy("speculative", batch_off, batch_on, repeating, lambda ids: engine_logits(fp32, ids))
+        spec_ok = rates_spec["off"][0] == rates_spec["ngram"][0] and all(
+            r["agree"] == r["of"] or abs(r["margin"]) < 1e-3 for r in spec_rows
+        )
+        report["speculative"] = {
+            "greedy": spec_rows,
+            "batch1_tok_s_off": rates_spec["off"][1],
+            "batch1_tok_s_ngram": rates_spec["ngram"][1],
+            "draft_tokens": spec.spec.drafted,
+            "accepted_tokens": spec.spec.accepted,
+            "ok": spec_ok,
+        }
+        ok &= spec_ok
+        spec = None
+        release()
+
         step("bf16 against fp32")
         bf16 = build(
             model_dir, device, "bfloat16", 256 if not smoke else 16, graphs=True, kv_gb=8 if not smoke else 0.2
@@ -597,6 +628,12 @@ def summary(report: dict) -> str:
     g = report["graphs_vs_eager"]
     lines.append(
         f"  CUDA graphs vs eager (fp32): {'equal' if g['equal'] else 'DIFFERENT'} (captured: {g['graphs_captured']})"
+    )
+    sp = report["speculative"]
+    agree_spec = ", ".join(f"{r['agree']}/{r['of']}" for r in sp["greedy"])
+    lines.append(
+        f"  speculative (ngram, fp32): greedy agreement {agree_spec}; {sp['accepted_tokens']}/{sp['draft_tokens']} "
+        f"drafts accepted; batch 1 {sp['batch1_tok_s_ngram']:.1f} tok/s against {sp['batch1_tok_s_off']:.1f} off"
     )
     b = report["bf16_vs_fp32"]
     parts = []

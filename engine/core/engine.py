@@ -23,7 +23,7 @@ from minibatch.engine.core.scheduler import Scheduler
 from minibatch.engine.core.scheduler_output import SchedulerOutput
 from minibatch.engine.core.timeline import Timeline
 from minibatch.engine.spec_decode.config import SpecConfig
-from minibatch.engine.spec_decode.decoder import SpecDecoder
+from minibatch.engine.spec_decode.decoder import Proposer, SpecDecoder
 
 
 class Runner(Protocol):
@@ -61,10 +61,12 @@ class LLMEngine:
         clock: Callable[[], float] = time.monotonic,
         timeline_steps: int = 512,
         speculative: SpecConfig | None = None,
+        proposer: Proposer | None = None,  # the drafts' source (default: the config's n-gram lookup)
     ) -> None:
         self.runner, self.tokenizer, self.clock = runner, tokenizer, clock
         # proposes draft tokens for decoding rows (None: one token per row per step)
-        self.spec = SpecDecoder(speculative) if speculative is not None and speculative.enabled else None
+        on = speculative is not None and speculative.enabled
+        self.spec = SpecDecoder(speculative, proposer) if on else None
         self.timeline = Timeline(timeline_steps)  # the last steps' rows, for the chat's timeline and the report
         self.scheduler = Scheduler(scheduler_config, block_manager, mode, clock)
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -121,7 +123,7 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
-        for req in self.scheduler.running:
+        for req in (*self.scheduler.running, *sched.preempted):
             req.draft_token_ids = []  # a proposal lives for one schedule
         if sched.is_empty:
             return outputs, None

@@ -66,6 +66,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     generation_defaults: dict[str, float] = field(default_factory=dict)
     rope_factors: str | None = None  # LongRoPE: which factors this run rotates with
+    speculative: str = "off"  # speculative decoding: off, "ngram (up to K tokens)", "draft MODEL (up to K tokens)"
     memory: WeightFacts | None = None
 
     def as_dict(self) -> dict:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPEC_METHODS = ("off", "ngram")  # off: one token per row per step; ngram: prompt lookup (ngram.py)
+# off: one token per row per step; ngram: prompt lookup (ngram.py); draft: a smaller model (draft_model.py)
+SPEC_METHODS = ("off", "ngram", "draft")
 DEFAULT_METHOD = "ngram"
 DEFAULT_NUM_TOKENS = 4  # draft tokens per row per step at most (draft_length.py picks fewer when they do not pay)
 MAX_NUM_TOKENS = 16
@@ -17,6 +18,7 @@ class SpecConfig:
     num_tokens: int = DEFAULT_NUM_TOKENS
     ngram_min: int = NGRAM_MIN
     ngram_max: int = NGRAM_MAX
+    draft_model: str | None = None  # draft: any model spec --model takes, sharing the target's vocabulary
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -24,6 +26,12 @@ class SpecConfig:
         n = self.num_tokens
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_NUM_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_NUM_TOKENS}], got {n!r}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative draft needs a draft model (--draft-model SPEC)")
+        if self.draft_model and self.method != "draft":
+            raise ValueError(
+                f"draft_model {self.draft_model!r} is used only with speculative draft, got {self.method!r}"
+            )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"ngram sizes must satisfy 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}")
 

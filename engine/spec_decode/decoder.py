@@ -8,25 +8,30 @@ kept (`observe`) and how long the step took for how many tokens (`observe_step`)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Protocol
 
 from minibatch.engine.core.request import Request
 from minibatch.engine.spec_decode.config import SpecConfig
 from minibatch.engine.spec_decode.draft_length import PROBE_EVERY, STOP_BELOW, Acceptance, StepCost, draft_depth
-from minibatch.engine.spec_decode.ngram import NgramIndex
+from minibatch.engine.spec_decode.ngram import NgramProposer
 
 
-@dataclass(slots=True)
-class _Row:
-    index: NgramIndex
-    acceptance: Acceptance = field(default_factory=Acceptance)
+class Proposer(Protocol):
+    """Drafts for a few requests at once (ngram.NgramProposer, draft_model.DraftModelProposer)."""
+
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
+        """Up to ks[i] tokens to follow each request's tokens (a point mass each: one guess per position)."""
+
+    def forget(self, request_id: str) -> None:
+        """The request is done: drop what the proposer kept for it."""
 
 
 class SpecDecoder:
-    def __init__(self, config: SpecConfig) -> None:
+    def __init__(self, config: SpecConfig, proposer: Proposer | None = None) -> None:
         self.config = config
+        self.proposer = proposer or NgramProposer(config.ngram_min, config.ngram_max)
         self.cost = StepCost()
-        self._rows: dict[str, _Row] = {}
+        self._acceptance: dict[str, Acceptance] = {}
         self.drafted = 0  # draft tokens verified, over the engine's life
         self.accepted = 0  # of them accepted
         self.verify_rows = 0  # rows that verified at least one draft token
@@ -35,12 +40,12 @@ class SpecDecoder:
         """Set `draft_token_ids` on every running request that decodes next and may speculate."""
         ready = [r for r in running if not r.status.finished and r.num_tokens - r.num_computed_tokens == 1]
         rows = len(ready)
+        asking, ks = [], []
         for req in ready:
             req.draft_token_ids = []
             if not req.params.speculative or not req.output_token_ids:
                 continue
-            row = self._row(req)
-            acc = row.acceptance
+            acc = self._acceptance.setdefault(req.request_id, Acceptance())
             if acc.rate < STOP_BELOW:  # it keeps failing: no drafts, but try one now and then
                 acc.idle_steps += 1
                 if acc.idle_steps < PROBE_EVERY:
@@ -49,23 +54,16 @@ class SpecDecoder:
             else:
                 k = draft_depth(acc.rate, rows, self.cost, self.config.num_tokens)
             k = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
-            if k <= 0:
-                continue
-            draft = row.index.propose(k)
+            if k > 0:
+                asking.append(req)
+                ks.append(k)
+        if not asking:
+            return
+        for req, draft in zip(asking, self.proposer.propose(asking, ks)):
             grammar = req.params.grammar
             if draft and grammar is not None:
                 draft = draft[: grammar.validate(draft)]
             req.draft_token_ids = draft
-
-    def _row(self, req: Request) -> _Row:
-        row = self._rows.get(req.request_id)
-        if row is None:
-            row = self._rows[req.request_id] = _Row(NgramIndex(self.config.ngram_min, self.config.ngram_max))
-            row.index.extend(req.prompt_token_ids)
-        have = len(row.index.tokens) - req.num_prompt_tokens
-        if have < len(req.output_token_ids):
-            row.index.extend(req.output_token_ids[have:])
-        return row
 
     def observe(self, req: Request, drafted: int, accepted: int) -> None:
         """A verify row kept `accepted` of its `drafted` tokens."""
@@ -76,16 +74,17 @@ class SpecDecoder:
         self.verify_rows += 1
         req.num_draft_tokens += drafted
         req.num_accepted_tokens += accepted
-        row = self._rows.get(req.request_id)
-        if row is not None:
-            row.acceptance.observe(drafted, accepted)
+        acc = self._acceptance.get(req.request_id)
+        if acc is not None:
+            acc.observe(drafted, accepted)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A step that computed only decode and verify rows: `tokens` of them in `seconds`."""
         self.cost.observe(tokens, seconds)
 
     def forget(self, request_id: str) -> None:
-        self._rows.pop(request_id, None)
+        self._acceptance.pop(request_id, None)
+        self.proposer.forget(request_id)
 
     @property
     def acceptance_rate(self) -> float | None:

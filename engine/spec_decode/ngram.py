@@ -7,6 +7,8 @@ what comes next. No second model: one dictionary lookup per suffix length per st
 
 from __future__ import annotations
 
+from minibatch.engine.core.request import Request
+
 
 class NgramIndex:
     """One sequence's n-grams (n in [n_min, n_max]) -> the position just after their latest occurrence.
@@ -46,3 +48,27 @@ class NgramIndex:
             if after is not None:
                 return toks[after : min(after + k, end)]
         return []
+
+
+class NgramProposer:
+    """Prompt lookup for every speculating request: one NgramIndex each, grown as its output grows."""
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min, self.n_max = n_min, n_max
+        self._index: dict[str, NgramIndex] = {}
+
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
+        out = []
+        for req, k in zip(reqs, ks):
+            index = self._index.get(req.request_id)
+            if index is None:
+                index = self._index[req.request_id] = NgramIndex(self.n_min, self.n_max)
+                index.extend(req.prompt_token_ids)
+            have = len(index.tokens) - req.num_prompt_tokens
+            if have < len(req.output_token_ids):
+                index.extend(req.output_token_ids[have:])
+            out.append(index.propose(k))
+        return out
+
+    def forget(self, request_id: str) -> None:
+        self._index.pop(request_id, None)

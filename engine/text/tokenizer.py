@@ -60,6 +60,12 @@ class TextTokenizer:
             return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def vocab(self) -> dict[str, int]:
+        """Every token's text -> id, added tokens included (a draft model must have the same)."""
+        if self._tok is not None:
+            return self._tok.get_vocab(with_added_tokens=True)
+        return dict(self.hf.get_vocab())
+
     @property
     def has_tokenizer_json(self) -> bool:
         return self._tok is not None or getattr(self.hf, "backend_tokenizer", None) is not None

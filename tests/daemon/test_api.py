@@ -122,6 +122,7 @@ def test_completions_text_and_token_prompt(daemon):
             "'system', 'user', 'assistant' or 'tool'",
         ),
         (chat_body(n=9), 400, "n", "less than or equal to 8"),
+        (chat_body(speculative="yes"), 400, "speculative", "valid boolean"),
         (chat_body(model="gpt-4"), 404, "model", "does not exist"),
         (chat_body(max_tokens=5000), 400, "max_tokens", "exceeds the context limit of 1024"),
         (chat_body("a lone \ud800 here"), 400, "messages.0.content", "lone UTF-16 surrogate"),
@@ -405,3 +406,31 @@ def test_curl_over_the_unix_socket(daemon):
         timeout=60,
     )
     assert out.returncode == 0 and out.stdout.endswith(b"data: [DONE]\n\n") and b"chat.completion.chunk" in out.stdout
+
+
+def test_speculation_shows_in_timings_stats_and_metrics(daemon):
+    """The same greedy answer with and without speculation; the drafts counted per response and in the stats."""
+    text = "one two three one two three one two three one two three"
+
+    async def go():
+        async with session(daemon.socket) as s:
+            out = {}
+            for spec in (True, False):
+                body = chat_body(text, max_tokens=40, temperature=0, ignore_eos=True, speculative=spec)
+                async with s.post("/v1/chat/completions", json=body) as r:
+                    out[spec] = (r.status, await r.json())
+            return out
+
+    out = run(go())
+    (s_on, on), (s_off, off) = out[True], out[False]
+    assert s_on == s_off == 200
+    assert on["choices"][0]["message"]["content"] == off["choices"][0]["message"]["content"]
+    mine, plain = on["minibatch"], off["minibatch"]
+    assert plain["draft_tokens"] == plain["accepted_tokens"] == 0
+    assert 0 < mine["accepted_tokens"] <= mine["draft_tokens"], mine  # the tiny model loops: drafts pay
+    stats = daemon.stats()
+    assert stats["speculative"] == "ngram" and stats["accepted_tokens"] >= mine["accepted_tokens"]
+    assert stats["draft_tokens"] >= mine["draft_tokens"] and stats["verify_rows"] > 0
+    _, metrics = daemon.get("/metrics")
+    assert "minibatch_spec_accepted_tokens_total" in metrics.get("raw", "")
+    assert daemon.get("/health")[1]["speculative"] == "ngram (up to 4 tokens)"

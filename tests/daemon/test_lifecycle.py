@@ -49,3 +49,12 @@ def test_start_failure_is_reported_with_the_reason(short_tmp):
     assert (
         out.returncode == 1 and "unknown model 'no-such-model'" in out.stderr and "exited with status 1" in out.stderr
     )
+
+
+def test_start_refuses_speculative_options_out_of_range_naming_them(tiny_chat_model_dir, short_tmp):
+    env = {"MINIBATCH_LOG_FILE": str(short_tmp / "daemon.log")}
+    sock = str(short_tmp / "d.sock")
+    out = cli("start", "--socket", sock, "--model", str(tiny_chat_model_dir), "--num-speculative-tokens", "0", env=env)
+    assert out.returncode == 1 and "num_speculative_tokens must be an integer in [1, 16], got 0" in out.stderr
+    out = cli("start", "--socket", sock, "--model", str(tiny_chat_model_dir), "--speculative", "eagle", env=env)
+    assert out.returncode == 1 and "speculative must be one of off, ngram, draft, got 'eagle'" in out.stderr

@@ -232,3 +232,84 @@ def test_unseeded_sampling_keeps_the_distribution(tiny_llama_dir):
     df = len(table) - 1
     assert df >= 3, table  # a distribution worth comparing
     assert stat < chi2_critical(df, 3.72), (stat, df, table)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tiny_chat_model_dir, tmp_path_factory):
+    """A one-layer random Llama with the tiny chat model's tokenizer: a draft that is right only sometimes."""
+    import shutil
+
+    import torch
+    import transformers
+
+    from ..conftest import TINY_COMMON
+
+    path = tmp_path_factory.mktemp("tiny-draft")
+    torch.manual_seed(5)
+    cfg = transformers.LlamaConfig(
+        **{**TINY_COMMON, "vocab_size": 49152, "max_position_embeddings": 1024, "num_hidden_layers": 1},
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    for f in tiny_chat_model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation")) or f.suffix == ".jinja":
+            shutil.copy(f, path / f.name)
+    return path
+
+
+@pytest.mark.parametrize("mode", ["continuous", "static"])
+def test_a_draft_model_gives_the_same_tokens(tiny_chat_model_dir, tiny_draft_dir, mode):
+    def requests():
+        rng = random.Random(3)
+        out = []
+        for i in range(12):
+            motif = [rng.randrange(100, 4000) for _ in range(rng.randrange(2, 6))]
+            prompt = (motif * 10)[: rng.randrange(8, 50)] if i % 2 else [rng.randrange(100, 4000) for _ in range(20)]
+            params = SamplingParams(temperature=0, max_tokens=rng.randrange(8, 40), ignore_eos=True, logprobs=2)
+            out.append((f"r{i}", prompt, params, None))
+        return out
+
+    cfg = dict(mode=mode, num_kv_blocks=300, weights="float32")
+    ref = run(engine_of(tiny_chat_model_dir, "off", **cfg), requests())
+    for draft, exact in ((tiny_chat_model_dir, True), (tiny_draft_dir, False)):
+        e = build_engine(
+            EngineConfig(
+                model=str(tiny_chat_model_dir),
+                speculative="draft",
+                draft_model=str(draft),
+                max_num_seqs=16,
+                max_wait_ms=0,
+                dtype="float32",
+                **cfg,
+            )
+        )
+        got = run(e, requests())
+        compare(ref, got)
+        drafted, accepted = spec_counts(e)
+        assert e.spec.proposer.blocks.num_used_blocks == 0  # every draft block back with its request
+        if exact:  # the target drafting for itself: every guess is right
+            assert drafted > 50 and accepted == drafted, (drafted, accepted)
+        else:
+            assert 0 < accepted < drafted, (drafted, accepted)
+        assert e.info.speculative.startswith(f"draft {draft}")
+
+
+def test_a_draft_with_another_vocabulary_is_refused_naming_both(tiny_chat_model_dir, tiny_draft_dir, tmp_path):
+    import json
+    import shutil
+
+    other = tmp_path / "other-vocab"
+    shutil.copytree(tiny_draft_dir, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    first = next(iter(vocab))
+    vocab["renamed-token"] = vocab.pop(first)
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match=r"draft_model '.*other-vocab' has another vocabulary than model '.*tiny-chat"):
+        build_engine(
+            EngineConfig(model=str(tiny_chat_model_dir), speculative="draft", draft_model=str(other), dtype="float32")
+        )
+    with pytest.raises(ValueError, match="speculative draft needs a draft model"):
+        EngineConfig(speculative="draft")

@@ -219,6 +219,25 @@ def test_bench_chat(daemon, env, tmp_path):
     assert "2 panes: engine" in proc.stdout and "beside a busy loop of 50% of a core" in proc.stdout
 
 
+def test_bench_spec(daemon, env, tmp_path):
+    """Speculation on and off through one daemon: the same greedy texts, drafts only where it is on."""
+    report = tmp_path / "spec.json"
+    args = ["--socket", daemon.socket, "--workloads", "copy,forced", "--concurrency", "1", "--repeats", "1"]
+    proc = run(env, SCRIPTS / "bench_spec.py", *args, "--max-tokens", "16", "--json", report)
+    rows = json.loads(report.read_text())
+    assert [(r["workload"], r["variant"]) for r in rows] == [
+        ("copy", "off"),
+        ("copy", "ngram"),
+        ("forced", "off"),
+        ("forced", "ngram"),
+    ]
+    assert all(r["same_text_as_off"] and r["failed"] == 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["draft_tokens"] == 0 for r in rows if r["variant"] == "off")
+    on = [r for r in rows if r["variant"] == "ngram"]
+    assert all(r["accepted_tokens"] <= r["draft_tokens"] for r in on) and sum(r["draft_tokens"] for r in on) > 0
+    assert "| copy | 1 | ngram |" in proc.stdout
+
+
 def test_timeline_run(daemon, env, tmp_path):
     png = tmp_path / "timeline.png"
     run(env, SCRIPTS / "timeline.py", "--socket", daemon.socket, "--run", "--requests", "4", "--out", png)

@@ -361,6 +361,31 @@ def test_timeline_shows_the_mode_switch_and_pane_colours():
     assert {("▒", "red"), ("█", "red"), ("▒", "grey62"), ("█", "grey62"), ("╳", "red")} <= cells
 
 
+def test_timeline_marks_rows_that_took_several_tokens_by_speculation():
+    from minibatch.tui.widgets.engine_panel import speculation_line
+    from minibatch.tui.widgets.timeline import render_timeline
+
+    recs = [
+        step_record(1, [[0, "a", 3, "p", 0, 0]]),
+        step_record(2, [[0, "a", 5, "v", 4, 2]]),  # verified 4 draft tokens, kept 2: took 3 tokens
+        step_record(3, [[0, "a", 5, "d", 4, 0]]),  # verified 4, kept none: one token, a plain decode mark
+        step_record(4, [[0, "a", 13, "v", 12, 12]]),  # 13 tokens in one step: "+"
+    ]
+    text = render_timeline(recs, {"a": 0}, ["red"], cols=30, height=20)
+    plain = str(text)
+    assert "  0  ▒3█+" in plain and "2-9 tokens a row took (speculation)" in plain
+    cells = {(text.plain[s.start : s.end], str(s.style)) for s in text.spans if s.end - s.start == 1}
+    assert ("3", "bold reverse red") in cells
+    # without a verified row the legend line stays away
+    assert "speculation" not in str(render_timeline(recs[:1], {"a": 0}, ["red"], cols=30, height=20))
+    assert speculation_line({"acceptance_rate": 0.625, "tokens_per_verify_row": 2.4}) == "spec accept  62%  2.4 tok/row"
+    assert speculation_line({"acceptance_rate": None}) is None
+    from minibatch.tui.widgets.chat_pane import format_status
+
+    status = format_status({"ttft_ms": 5.0, "draft_tokens": 10, "accepted_tokens": 6}, 12, 1.0, "stop")
+    assert status.endswith("spec 6/10") and "spec" not in format_status({"draft_tokens": 0}, 3, 1.0, "stop")
+
+
 class BurstClient(FakeClient):
     """Every pane's answer arrives as fast as the loop runs: `tokens` chunks with no pause between them."""
 

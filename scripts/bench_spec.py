@@ -1,0 +1,185 @@
+#!/usr/bin/env python3
+"""Speculative decoding on and off, side by side through the socket: tokens/s, TPOT, acceptance.
+
+One daemon started with --speculative ngram serves both variants: a request with `"speculative": false`
+runs exactly as with speculation off (no drafts, one token per step), so the variants alternate in one
+run on one engine. For each workload and each concurrency c, a closed loop of c streams sends
+`--requests-per-c x c` requests (at least 4), greedy, each variant `--repeats` times, alternating;
+the tables show medians.
+
+Workloads:
+  chat   the bundled chat set (scripts/data/chat_prompts.jsonl)
+  copy   copy-heavy prompts (scripts/data/copy_prompts.jsonl): edit, fix, extract, continue a list
+  forced random windows of Hamlet sent as completions with ignore_eos and a forced length: the model
+         rambles past its text, so drafts are mostly wrong (what the adaptive rule must not lose on)
+
+    python scripts/bench_spec.py                      # starts its own daemon on the built-in model
+    python scripts/bench_spec.py --socket /tmp/d.sock # a daemon you started with --speculative ngram
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_chat import Daemon  # noqa: E402
+from benchlib import CHAT_SET, summarize  # noqa: E402
+from loadgen import session, stream_request  # noqa: E402
+
+DATA = Path(__file__).resolve().parent / "data"
+COPY_SET = DATA / "copy_prompts.jsonl"
+HAMLET = DATA / "hamlet.txt"
+VARIANTS = {"off": False, "ngram": True}
+
+
+def workload(name: str, n: int, seed: int, max_tokens: int) -> list[tuple[dict, bool]]:
+    """(body, is a chat request) for n requests of the named workload."""
+    rng = random.Random(seed)
+    if name in ("chat", "copy"):
+        rows = [json.loads(line) for line in (CHAT_SET if name == "chat" else COPY_SET).read_text().splitlines()]
+        picks = [rows[(i + seed) % len(rows)] for i in range(n)]
+        return [
+            (
+                {
+                    "messages": [{"role": "user", "content": r["prompt"]}],
+                    "max_tokens": min(r["max_tokens"], max_tokens),
+                    "temperature": 0,
+                },
+                True,
+            )
+            for r in picks
+        ]
+    words = HAMLET.read_text().split()
+    out = []
+    for _ in range(n):
+        start = rng.randrange(0, len(words) - 80)
+        body = {"prompt": " ".join(words[start : start + 60]), "max_tokens": max_tokens}
+        out.append(({**body, "temperature": 0, "ignore_eos": True}, False))
+    return out
+
+
+async def closed_loop(s, bodies: list[tuple[dict, bool]], c: int, speculative: bool) -> dict:
+    queue = list(enumerate(bodies))
+    results = []
+
+    async def worker():
+        while queue:
+            i, (body, chat) = queue.pop(0)
+            results.append(await stream_request(s, i, {**body, "speculative": speculative}, chat))
+
+    start = time.monotonic()
+    await asyncio.gather(*(worker() for _ in range(c)))
+    wall = time.monotonic() - start
+    summary = summarize(results, wall)
+    drafted = sum((r.server or {}).get("draft_tokens", 0) for r in results)
+    accepted = sum((r.server or {}).get("accepted_tokens", 0) for r in results)
+    summary["draft_tokens"], summary["accepted_tokens"] = drafted, accepted
+    summary["texts"] = [r.text for r in sorted(results, key=lambda r: r.index)]
+    return summary
+
+
+async def measure(args, target) -> list[dict]:
+    rows = []
+    async with session(target if not target.startswith("http") else None, args.url, args.api_key) as s:
+        for name in args.workloads.split(","):
+            for c in [int(x) for x in args.concurrency.split(",")]:
+                n = max(4, args.requests_per_c * c)
+                bodies = workload(name, n, args.seed, args.max_tokens)
+                await closed_loop(s, bodies[: min(c, 4)], min(c, 4), True)  # warm-up: caches, the cost fit
+                runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+                for rep in range(args.repeats):
+                    order = list(VARIANTS) if rep % 2 == 0 else list(VARIANTS)[::-1]
+                    for variant in order:
+                        runs[variant].append(await closed_loop(s, bodies, c, VARIANTS[variant]))
+                pairs = list(zip(runs["off"][0]["texts"], runs["ngram"][0]["texts"]))
+                differ = [i for i, (a, b) in enumerate(pairs) if a != b]
+                same = not differ
+                for variant, rs in runs.items():
+                    row = {
+                        "workload": name,
+                        "concurrency": c,
+                        "variant": variant,
+                        "requests": n,
+                        "tokens_per_s": statistics.median(r["output_throughput"] for r in rs),
+                        "tpot_p50_ms": 1e3 * statistics.median(r["tpot"]["p50"] or 0 for r in rs),
+                        "tpot_p95_ms": 1e3 * statistics.median(r["tpot"]["p95"] or 0 for r in rs),
+                        "draft_tokens": statistics.median(r["draft_tokens"] for r in rs),
+                        "accepted_tokens": statistics.median(r["accepted_tokens"] for r in rs),
+                        "failed": sum(r["failed"] for r in rs),
+                        "same_text_as_off": same,
+                        "texts_differing": len(differ),
+                    }
+                    if differ and variant == "ngram":  # the first pair that parts, to look at
+                        row["first_difference"] = list(pairs[differ[0]])
+                    d = row["draft_tokens"]
+                    row["acceptance"] = row["accepted_tokens"] / d if d else None
+                    rows.append(row)
+                off, on = rows[-2], rows[-1]
+                on["speedup"] = on["tokens_per_s"] / off["tokens_per_s"] if off["tokens_per_s"] else None
+                print(
+                    f"{name:>6} c={c:<3} off {off['tokens_per_s']:7.1f} tok/s  ngram {on['tokens_per_s']:7.1f} "
+                    f"({on['speedup']:.2f}x)  accepted {on['accepted_tokens']:.0f}/{on['draft_tokens']:.0f}  "
+                    f"texts differing: {len(differ)}/{len(pairs)}",
+                    flush=True,
+                )
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = [
+        "| workload | c | variant | tok/s | × off | TPOT p50 ms | TPOT p95 ms | accepted / drafted | acceptance |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        acc = f"{100 * r['acceptance']:.0f}%" if r["acceptance"] is not None else "-"
+        speed = f"{r['speedup']:.2f}" if r.get("speedup") else "1.00" if r["variant"] == "off" else "-"
+        out.append(
+            f"| {r['workload']} | {r['concurrency']} | {r['variant']} | {r['tokens_per_s']:.1f} | {speed} | "
+            f"{r['tpot_p50_ms']:.1f} | {r['tpot_p95_ms']:.1f} | {r['accepted_tokens']:.0f} / {r['draft_tokens']:.0f} "
+            f"| {acc} |"
+        )
+    return "\n".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--socket", default=None, help="a running daemon (started with --speculative ngram)")
+    ap.add_argument("--url", default=None, help="a daemon over TCP")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="the model of the daemon this script starts")
+    ap.add_argument("--daemon-arg", action="append", default=[], help="extra minibatchd start options")
+    ap.add_argument("--workloads", default="chat,copy,forced")
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--requests-per-c", type=int, default=1, help="requests per stream (at least 4 in all)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args()
+    if not (args.socket or args.url):
+        args.daemon_arg = ["--speculative", "ngram", "--max-num-seqs", "64", *args.daemon_arg]
+    daemon = Daemon(args)
+    try:
+        daemon.get("/health")
+        if daemon.get("/v1/engine/stats?steps=0").get("speculative") == "off":
+            print("the daemon runs with --speculative off: both variants would be the same", file=sys.stderr)
+            return 2
+        rows = asyncio.run(measure(args, daemon.target))
+    finally:
+        daemon.stop()
+    print()
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0 if not any(r["failed"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
