@@ -4,8 +4,10 @@
 One daemon started with --speculative ngram serves both variants: a request with `"speculative": false`
 runs exactly as with speculation off (no drafts, one token per step), so the variants alternate in one
 run on one engine. For each workload and each concurrency c, a closed loop of c streams sends
-`--requests-per-c x c` requests (at least 4), greedy, each variant `--repeats` times, alternating;
-the tables show medians.
+`--requests-per-c x c` requests (at least 8, at most 64), greedy, each variant `--repeats` times,
+alternating; the tables show medians. `--in-process verify-cost` times one forward by decoding rows and
+draft length (the cost the draft-length rule weighs); `--in-process draft-sweep` runs one request at a
+time in-process with speculation off and at several draft lengths and n-gram sizes.
 
 Workloads:
   chat   the bundled chat set (scripts/data/chat_prompts.jsonl)
@@ -90,7 +92,7 @@ async def measure(args, target) -> list[dict]:
     async with session(target if not target.startswith("http") else None, args.url, args.api_key) as s:
         for name in args.workloads.split(","):
             for c in [int(x) for x in args.concurrency.split(",")]:
-                n = max(4, args.requests_per_c * c)
+                n = min(64, max(8, args.requests_per_c * c)) if c <= 64 else c
                 bodies = workload(name, n, args.seed, args.max_tokens)
                 await closed_loop(s, bodies[: min(c, 4)], min(c, 4), True)  # warm-up: caches, the cost fit
                 runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
@@ -132,6 +134,85 @@ async def measure(args, target) -> list[dict]:
     return rows
 
 
+def verify_cost(args) -> list[dict]:
+    """In-process: one forward of `rows` decoding rows, each verifying k (fake) draft tokens, median ms."""
+    from minibatch.engine.core.sampling_params import SamplingParams
+    from minibatch.engine.core.scheduler_output import SchedulerOutput
+    from minibatch.engine.factory import EngineConfig, build_engine
+
+    engine = build_engine(EngineConfig(model=args.model, speculative="off", max_wait_ms=0, max_num_seqs=64))
+    tok = engine.tokenizer
+    reqs = [
+        engine.add_request(
+            f"r{b}",
+            tok.chat([{"role": "user", "content": f"Tell me about the number {b}."}]),
+            SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True),
+        )
+        for b in range(16)
+    ]
+    for _ in range(3):
+        engine.step()
+    out_rows = []
+    for rows in (1, 4, 16):
+        row = {"rows": rows}
+        for k in (0, 1, 2, 4, 8):
+            times = []
+            for _ in range(args.repeats * 5):
+                out = SchedulerOutput()
+                for r in reqs[:rows]:
+                    engine.scheduler.blocks.allocate(r, 1 + k)
+                    out.add(r, 1, [5] * k)  # never accepted: the cost of the rows alone
+                t0 = time.perf_counter()
+                engine.runner.execute(out)
+                times.append(time.perf_counter() - t0)
+            row[f"k{k}_ms"] = 1e3 * statistics.median(times)
+        print(f"{rows:>3} rows: " + "  ".join(f"k={k}: {row[f'k{k}_ms']:6.1f} ms" for k in (0, 1, 2, 4, 8)), flush=True)
+        out_rows.append(row)
+    return out_rows
+
+
+def draft_sweep(args) -> list[dict]:
+    """In-process, one request at a time: tok/s with speculation off and at several K and n-gram sizes."""
+    from minibatch.engine.core.sampling_params import SamplingParams
+    from minibatch.engine.factory import EngineConfig, build_engine
+    from minibatch.engine.spec_decode.config import SpecConfig
+    from minibatch.engine.spec_decode.decoder import SpecDecoder
+
+    engine = build_engine(EngineConfig(model=args.model, speculative="off", max_wait_ms=0))
+    configs = {"off": None}
+    for k in (2, 4, 8):
+        for n_min in (1, 2):
+            configs[f"K={k} n={n_min}..4"] = SpecConfig("ngram", k, n_min, 4)
+    out = []
+    for name in args.workloads.split(","):
+        if name == "forced":
+            continue
+        rows = [json.loads(line) for line in (CHAT_SET if name == "chat" else COPY_SET).read_text().splitlines()]
+        prompts = [(engine.tokenizer.chat([{"role": "user", "content": r["prompt"]}]), r["max_tokens"]) for r in rows]
+        prompts = [(p, min(m, args.max_tokens)) for p, m in prompts[:8]]
+        rates: dict[str, list[float]] = {c: [] for c in configs}
+        for rep in range(args.repeats):
+            for label, cfg in configs.items():
+                engine.spec = SpecDecoder(cfg) if cfg else None
+                tokens, t0 = 0, time.perf_counter()
+                for i, (p, m) in enumerate(prompts):
+                    req = engine.add_request(f"{label}-{rep}-{i}", p, SamplingParams(temperature=0, max_tokens=m))
+                    while engine.has_work():
+                        engine.step()
+                    tokens += len(req.output_token_ids)
+                rates[label].append(tokens / (time.perf_counter() - t0))
+        base = statistics.median(rates["off"])
+        for label, r in rates.items():
+            out.append(
+                {"workload": name, "config": label, "tok_s": statistics.median(r), "x_off": statistics.median(r) / base}
+            )
+            print(
+                f"{name:>5} {label:<12} {statistics.median(r):6.1f} tok/s  {statistics.median(r) / base:.2f}x",
+                flush=True,
+            )
+    return out
+
+
 def table(rows: list[dict]) -> str:
     out = [
         "| workload | c | variant | tok/s | × off | TPOT p50 ms | TPOT p95 ms | accepted / drafted | acceptance |",
@@ -157,12 +238,23 @@ def main() -> int:
     ap.add_argument("--daemon-arg", action="append", default=[], help="extra minibatchd start options")
     ap.add_argument("--workloads", default="chat,copy,forced")
     ap.add_argument("--concurrency", default="1,4,16,64")
-    ap.add_argument("--requests-per-c", type=int, default=1, help="requests per stream (at least 4 in all)")
+    ap.add_argument("--requests-per-c", type=int, default=2, help="requests per stream (at least 8, at most 64 in all)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument(
+        "--in-process",
+        choices=["verify-cost", "draft-sweep"],
+        default=None,
+        help="instead of the socket: a forward's time by rows and draft length, or tok/s by K and n-gram size",
+    )
     args = ap.parse_args()
+    if args.in_process:
+        rows = verify_cost(args) if args.in_process == "verify-cost" else draft_sweep(args)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
     if not (args.socket or args.url):
         args.daemon_arg = ["--speculative", "ngram", "--max-num-seqs", "64", *args.daemon_arg]
     daemon = Daemon(args)

@@ -55,6 +55,6 @@ def test_start_refuses_speculative_options_out_of_range_naming_them(tiny_chat_mo
     env = {"MINIBATCH_LOG_FILE": str(short_tmp / "daemon.log")}
     sock = str(short_tmp / "d.sock")
     out = cli("start", "--socket", sock, "--model", str(tiny_chat_model_dir), "--num-speculative-tokens", "0", env=env)
-    assert out.returncode == 1 and "num_speculative_tokens must be an integer in [1, 16], got 0" in out.stderr
+    assert out.returncode == 2 and "num_speculative_tokens must be an integer in [1, 16], got 0" in out.stderr
     out = cli("start", "--socket", sock, "--model", str(tiny_chat_model_dir), "--speculative", "eagle", env=env)
-    assert out.returncode == 1 and "speculative must be one of off, ngram, draft, got 'eagle'" in out.stderr
+    assert out.returncode == 2 and "speculative must be one of off, ngram, draft, got 'eagle'" in out.stderr

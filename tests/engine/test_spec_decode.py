@@ -78,7 +78,7 @@ def test_bad_options_name_the_field_and_the_limit():
     for bad in (0, MAX_NUM_TOKENS + 1, 2.5, True):
         with pytest.raises(ValueError, match=rf"num_speculative_tokens must be an integer in \[1, {MAX_NUM_TOKENS}\]"):
             EngineConfig(num_speculative_tokens=bad)
-    with pytest.raises(ValueError, match="speculative must be one of off, ngram, got 'eagle'"):
+    with pytest.raises(ValueError, match="speculative must be one of off, ngram, draft, got 'eagle'"):
         EngineConfig(speculative="eagle")
     with pytest.raises(InvalidParameterError, match="speculative: must be a boolean") as info:
         SamplingParams(speculative="yes")

@@ -115,8 +115,10 @@ def test_bench_end_to_end_against_the_tiny_daemon(tiny_chat_model_dir, short_tmp
         timeline = summary["timeline"]
         assert set(timeline) == {"continuous", "static"} and timeline["static"]["point"] == "c=3"
         for mode, rec in timeline.items():
-            states = [row[3] for s in rec["steps"] for row in s["rows"]]
-            decodes = states.count("d")
+            rows = [row for s in rec["steps"] for row in s["rows"]]
+            states = [row[3] for row in rows]
+            # a decode takes one token; a verifying row ("v") its accepted draft tokens too
+            decodes = sum(1 + row[5] for row in rows if row[3] in ("d", "v"))
             assert states.count("p") >= 6 and decodes >= 6 * 3 - 6, (mode, states)
             assert all(s["mode"] == mode for s in rec["steps"])
         drawn = subprocess.run(

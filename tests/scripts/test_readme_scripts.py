@@ -30,6 +30,7 @@ pytestmark = pytest.mark.model
 COVERED = {
     "fire.py": "test_fire",
     "bench_chat.py": "test_bench_chat",
+    "bench_spec.py": "test_bench_spec",
     "bench.py": "test_bench_over_the_socket",
     "bench_engine.py": "test_bench_engine_quick",
     "bench_overhead.py": "test_bench_overhead",
@@ -236,6 +237,18 @@ def test_bench_spec(daemon, env, tmp_path):
     on = [r for r in rows if r["variant"] == "ngram"]
     assert all(r["accepted_tokens"] <= r["draft_tokens"] for r in on) and sum(r["draft_tokens"] for r in on) > 0
     assert "| copy | 1 | ngram |" in proc.stdout
+
+
+def test_bench_spec_in_process(env, tmp_path):
+    """The two in-process measurements: a forward's time by rows and draft length, and tok/s by K and n."""
+    cost, sweep = tmp_path / "cost.json", tmp_path / "sweep.json"
+    run(env, SCRIPTS / "bench_spec.py", "--in-process", "verify-cost", "--repeats", "1", "--json", cost)
+    rows = json.loads(cost.read_text())
+    assert [r["rows"] for r in rows] == [1, 4, 16] and all(r["k0_ms"] > 0 and r["k8_ms"] > 0 for r in rows)
+    args = ["--in-process", "draft-sweep", "--workloads", "copy", "--max-tokens", "4", "--repeats", "1"]
+    run(env, SCRIPTS / "bench_spec.py", *args, "--json", sweep)
+    out = json.loads(sweep.read_text())
+    assert out[0]["config"] == "off" and out[0]["x_off"] == 1.0 and len(out) == 7 and all(r["tok_s"] > 0 for r in out)
 
 
 def test_timeline_run(daemon, env, tmp_path):
