@@ -100,6 +100,8 @@ async def measure(args, target) -> list[dict]:
                     order = list(VARIANTS) if rep % 2 == 0 else list(VARIANTS)[::-1]
                     for variant in order:
                         runs[variant].append(await closed_loop(s, bodies, c, VARIANTS[variant]))
+                        if args.verbose:
+                            print(f"    {name} c={c} {variant}: {runs[variant][-1]['output_throughput']:.1f} tok/s")
                 pairs = list(zip(runs["off"][0]["texts"], runs["ngram"][0]["texts"]))
                 differ = [i for i, (a, b) in enumerate(pairs) if a != b]
                 same = not differ
@@ -243,6 +245,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--verbose", action="store_true", help="print every run, not only the medians")
     ap.add_argument(
         "--in-process",
         choices=["verify-cost", "draft-sweep"],

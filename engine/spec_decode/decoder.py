@@ -12,7 +12,14 @@ from typing import Protocol
 
 from minibatch.engine.core.request import Request
 from minibatch.engine.spec_decode.config import SpecConfig
-from minibatch.engine.spec_decode.draft_length import PROBE_EVERY, STOP_BELOW, Acceptance, StepCost, draft_depth
+from minibatch.engine.spec_decode.draft_length import (
+    ENGINE_DECAY,
+    PROBE_EVERY,
+    STOP_BELOW,
+    Acceptance,
+    StepCost,
+    draft_depth,
+)
 from minibatch.engine.spec_decode.ngram import NgramProposer
 
 
@@ -32,6 +39,7 @@ class SpecDecoder:
         self.proposer = proposer or NgramProposer(config.ngram_min, config.ngram_max)
         self.cost = StepCost()
         self._acceptance: dict[str, Acceptance] = {}
+        self.engine_acceptance = Acceptance()  # over every request's verifies: where a new request starts
         self.drafted = 0  # draft tokens verified, over the engine's life
         self.accepted = 0  # of them accepted
         self.verify_rows = 0  # rows that verified at least one draft token
@@ -45,14 +53,16 @@ class SpecDecoder:
             req.draft_token_ids = []
             if not req.params.speculative or not req.output_token_ids:
                 continue
-            acc = self._acceptance.setdefault(req.request_id, Acceptance())
-            if acc.rate < STOP_BELOW:  # it keeps failing: no drafts, but try one now and then
+            acc = self._acceptance.get(req.request_id)
+            if acc is None:
+                acc = self._acceptance[req.request_id] = Acceptance.starting_at(self.engine_acceptance.rate)
+            k = 0 if acc.rate < STOP_BELOW else draft_depth(acc.rate, rows, self.cost, self.config.num_tokens)
+            if k == 0:  # failing, or not worth a row now: no drafts, but one token now and then, to keep learning
                 acc.idle_steps += 1
                 if acc.idle_steps < PROBE_EVERY:
                     continue
-                acc.idle_steps, k = 0, 1
-            else:
-                k = draft_depth(acc.rate, rows, self.cost, self.config.num_tokens)
+                k = 1
+            acc.idle_steps = 0
             k = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
             if k > 0:
                 asking.append(req)
@@ -77,6 +87,7 @@ class SpecDecoder:
         acc = self._acceptance.get(req.request_id)
         if acc is not None:
             acc.observe(drafted, accepted)
+        self.engine_acceptance.observe(drafted, accepted, ENGINE_DECAY)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A step that computed only decode and verify rows: `tokens` of them in `seconds`."""

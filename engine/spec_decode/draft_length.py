@@ -4,8 +4,8 @@ A step's time grows about linearly with the tokens it computes: t(T) = fixed + p
 memory-bound step (few rows: the weights are read once whatever the row count) `per_token` is small
 beside `fixed`, and a verify row is nearly free; as the batch grows the step becomes compute-bound and
 every extra row costs almost what a decode row does. A draft token at depth j (the j-th of its row) is
-kept only when it is accepted with probability a^j (a: that request's recent per-token acceptance)
-and that expected token is worth its row:
+kept only when it is accepted with probability a^j (a: that request's recent per-token acceptance; a
+new request starts from the engine's recent rate) and that expected token is worth its row:
 
     a^j * t(T) / B  >=  per_token          (B decoding rows: a step's time buys B tokens)
 
@@ -24,10 +24,12 @@ PRIOR_FIXED_S = 5e-3  # a small model's batch-1 step on a CPU, until the engine 
 PRIOR_PER_TOKEN_S = 3e-4
 COST_WINDOW = 256  # decode steps the fit looks at
 MIN_SPREAD = 4  # the token counts seen must span this many before the fit replaces the prior
-ACCEPT_PRIOR = (3.0, 1.0)  # pseudo-counts (accepted, rejected): a new request starts at a = 0.75
+ACCEPT_PRIOR = (3.0, 1.0)  # pseudo-counts (accepted, rejected): the engine's first requests start at a = 0.75
+PRIOR_WEIGHT = 4.0  # a later request starts at the engine's recent rate, worth this many observations
 ACCEPT_DECAY = 0.9  # per observation: acceptance follows the request's recent drafts
+ENGINE_DECAY = 0.99  # the engine-wide rate: the last hundred or so verifies
 STOP_BELOW = 0.2  # a request accepting less than this stops speculating ...
-PROBE_EVERY = 16  # ... and tries one draft token again after this many steps without drafts
+PROBE_EVERY = 16  # ... and, like one whose drafts do not pay now, tries one draft token after this many steps
 
 
 class StepCost:
@@ -73,10 +75,17 @@ class Acceptance:
     def rate(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """One verify: `accepted` of `drafted` tokens kept (a run stops at its first rejection)."""
-        self.accepted = self.accepted * ACCEPT_DECAY + accepted
-        self.rejected = self.rejected * ACCEPT_DECAY + (1 if accepted < drafted else 0)
+    @classmethod
+    def starting_at(cls, rate: float) -> Acceptance:
+        """A new request's: the engine's recent rate (a workload's requests draft alike), as PRIOR_WEIGHT
+        observations, so its own first verifies soon outweigh it."""
+        return cls(rate * PRIOR_WEIGHT, (1 - rate) * PRIOR_WEIGHT)
+
+    def observe(self, drafted: int, accepted: int, decay: float = ACCEPT_DECAY) -> None:
+        """One verify: `accepted` of `drafted` tokens kept (a run stops at its first rejection), so the
+        per-token rate's estimate is accepted tokens over accepted tokens plus rejections."""
+        self.accepted = self.accepted * decay + accepted
+        self.rejected = self.rejected * decay + (1 if accepted < drafted else 0)
 
 
 def draft_depth(rate: float, rows: int, cost: StepCost, k_max: int) -> int:

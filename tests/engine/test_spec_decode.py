@@ -229,3 +229,20 @@ def test_the_timeline_marks_rows_that_took_several_tokens():
             stats.append(s)
     assert sum(s.accepted_tokens for s in stats) == engine.spec.accepted > 0
     assert all(s.accepted_tokens <= s.draft_tokens for s in stats)
+
+
+def test_a_new_request_starts_from_the_engines_recent_acceptance():
+    from minibatch.engine.spec_decode.decoder import SpecDecoder
+
+    spec = SpecDecoder(SpecConfig("ngram", 4))
+    fresh = spec.engine_acceptance.rate
+    engine, _ = make_engine(None)
+    for i in range(40):  # drafts that keep failing, from other requests
+        req = engine.add_request(f"x{i}", [3, 4, 5], SamplingParams(temperature=0, max_tokens=5))
+        spec.observe(req, 4, 0)
+    assert spec.engine_acceptance.rate < 0.25 < fresh
+    req = engine.add_request("new", [3, 4, 5, 3, 4, 5], SamplingParams(temperature=0, max_tokens=20))
+    req.output_token_ids.append(3)
+    req.num_computed_tokens = req.num_tokens - 1
+    spec.propose([req])  # at a low engine-wide rate it drafts nothing at first (below STOP_BELOW: probes later)
+    assert req.draft_token_ids == []
