@@ -25,7 +25,7 @@ PRIOR_PER_TOKEN_S = 3e-4
 COST_WINDOW = 256  # decode steps the fit looks at
 MIN_SPREAD = 4  # the token counts seen must span this many before the fit replaces the prior
 ACCEPT_PRIOR = (3.0, 1.0)  # pseudo-counts (accepted, rejected): the engine's first requests start at a = 0.75
-PRIOR_WEIGHT = 4.0  # a later request starts at the engine's recent rate, worth this many observations
+PRIOR_WEIGHT = 2.0  # a later request starts at the engine's recent rate, worth this many observations
 ACCEPT_DECAY = 0.9  # per observation: acceptance follows the request's recent drafts
 ENGINE_DECAY = 0.99  # the engine-wide rate: the last hundred or so verifies
 STOP_BELOW = 0.2  # a request accepting less than this stops speculating ...
@@ -78,8 +78,9 @@ class Acceptance:
     @classmethod
     def starting_at(cls, rate: float) -> Acceptance:
         """A new request's: the engine's recent rate (a workload's requests draft alike), as PRIOR_WEIGHT
-        observations, so its own first verifies soon outweigh it."""
-        return cls(rate * PRIOR_WEIGHT, (1 - rate) * PRIOR_WEIGHT)
+        observations, so its own first verifies soon outweigh it; where that rate gives no draft, its first
+        decode still verifies one token (a probe), so a copy-heavy request among chats shows what it is."""
+        return cls(rate * PRIOR_WEIGHT, (1 - rate) * PRIOR_WEIGHT, idle_steps=PROBE_EVERY)  # it probes at once
 
     def observe(self, drafted: int, accepted: int, decay: float = ACCEPT_DECAY) -> None:
         """One verify: `accepted` of `drafted` tokens kept (a run stops at its first rejection), so the

@@ -244,5 +244,10 @@ def test_a_new_request_starts_from_the_engines_recent_acceptance():
     req = engine.add_request("new", [3, 4, 5, 3, 4, 5], SamplingParams(temperature=0, max_tokens=20))
     req.output_token_ids.append(3)
     req.num_computed_tokens = req.num_tokens - 1
-    spec.propose([req])  # at a low engine-wide rate it drafts nothing at first (below STOP_BELOW: probes later)
+    spec.propose([req])  # at a low engine-wide rate: a probe of one token first ...
+    assert len(req.draft_token_ids) == 1
+    spec.observe(req, 1, 0)
+    req.output_token_ids.append(4)
+    req.num_computed_tokens = req.num_tokens - 1
+    spec.propose([req])  # ... and after it failed, nothing until the next probe
     assert req.draft_token_ids == []
