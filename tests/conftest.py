@@ -100,19 +100,24 @@ def tiny_chat_model_dir(tmp_path_factory, builtin_model_dir) -> Path:
     """A tiny random Llama with the built-in model's tokenizer and chat template: fast, but speaks our protocol."""
     import shutil
 
+    path = save_tiny_chat(tmp_path_factory.mktemp("tiny-chat"), seed=0)
+    for name in TOKENIZER_FILES:
+        if (builtin_model_dir / name).exists():
+            shutil.copy(builtin_model_dir / name, path / name)
+    return path
+
+
+def save_tiny_chat(path: Path, seed: int, layers: int = TINY_COMMON["num_hidden_layers"]) -> Path:
+    """A tiny random Llama with the built-in model's vocabulary size (its tokenizer files copied in by the caller)."""
     import torch
     import transformers
 
-    path = tmp_path_factory.mktemp("tiny-chat")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
-        **{**TINY_COMMON, "vocab_size": 49152, "max_position_embeddings": 1024},
+        **{**TINY_COMMON, "vocab_size": 49152, "max_position_embeddings": 1024, "num_hidden_layers": layers},
         tie_word_embeddings=True,
         bos_token_id=1,
         eos_token_id=2,
     )
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        if (builtin_model_dir / name).exists():
-            shutil.copy(builtin_model_dir / name, path / name)
     return path

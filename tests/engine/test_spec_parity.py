@@ -239,20 +239,9 @@ def tiny_draft_dir(tiny_chat_model_dir, tmp_path_factory):
     """A one-layer random Llama with the tiny chat model's tokenizer: a draft that is right only sometimes."""
     import shutil
 
-    import torch
-    import transformers
+    from ..conftest import save_tiny_chat
 
-    from ..conftest import TINY_COMMON
-
-    path = tmp_path_factory.mktemp("tiny-draft")
-    torch.manual_seed(5)
-    cfg = transformers.LlamaConfig(
-        **{**TINY_COMMON, "vocab_size": 49152, "max_position_embeddings": 1024, "num_hidden_layers": 1},
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    path = save_tiny_chat(tmp_path_factory.mktemp("tiny-draft"), seed=5, layers=1)
     for f in tiny_chat_model_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "generation")) or f.suffix == ".jinja":
             shutil.copy(f, path / f.name)
