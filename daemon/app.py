@@ -12,12 +12,14 @@ import uuid
 from aiohttp import web
 
 from . import ollama, openapi
+from .catalog import catalog
 from .grammars import check_tool_schemas, forced_call, response_grammar, tool_call_grammar
 from .guard import Guard, guard_middleware
+from .models import LoadedModel
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse_body
 from .responses import full_response, stream_response, timeout_message
 from .schemas import ModeRequest
-from .state import GUARD, STATE, DaemonState, check_model, read_body, read_raw, submit
+from .state import GUARD, STATE, DaemonState, read_body, read_raw, submit
 from .tools import check_template, tool_specs
 
 log = logging.getLogger("minibatch.daemon")
@@ -49,32 +51,42 @@ async def errors(request: web.Request, handler):
 
 
 async def health(request: web.Request) -> web.Response:
+    """The daemon, and every loaded model's facts (`models`); the top level keeps the daemon's own model's
+    facts, as before there were several."""
     state = request.app[STATE]
-    eng = state.engine
-    ok = state.status == "ready" and eng is not None and eng.alive
+    pool = state.pool
+    m = pool.default() if pool is not None else None
+    ok = state.status == "ready" and (m is None or m.engine.alive) and not (pool and pool.lost.is_set())
     body = {
         "status": "ok" if ok else state.status if state.status != "ready" else "failed",
-        "model": state.model_name,
+        "model": m.name if m else state.model_name,
         "uptime_s": round(time.time() - state.started_at, 1),
-        "last_error": (eng.fatal_error or eng.last_error) if eng else state.load_error,
-        "last_error_time": eng.last_error_time if eng else None,
+        "last_error": (m.engine.fatal_error or m.engine.last_error) if m else state.load_error,
+        "last_error_time": m.engine.last_error_time if m else None,
         "pid": os.getpid(),
     }
-    if state.info is not None:  # the model's facts, and the mode as it is now (it changes at run time)
-        body |= state.info.as_dict() | {"mode": eng.mode}
+    if m is not None:  # the model's facts, and the mode as it is now (it changes at run time)
+        body |= m.info.as_dict() | {"mode": m.engine.mode}
+    if pool is not None:
+        body["models"] = [x.facts() for x in pool.models.values()]
+        body["loading"] = sorted(pool.loading)
+        body["load_errors"] = dict(pool.failed)
     return web.json_response(body, status=200 if ok else 503)
 
 
 async def models(request: web.Request) -> web.Response:
+    """Every model this daemon can serve: the loaded ones first, then what `minibatchd models` lists."""
     state = request.app[STATE]
     data = [
         {
-            "id": state.model_name,
+            "id": entry["id"],
             "object": "model",
-            "created": int(state.started_at),
+            "created": entry["created"],
             "owned_by": "minibatch",
-            "max_model_len": state.info.max_model_len if state.info else None,
+            "loaded": entry["loaded"],
+            "max_model_len": entry["max_model_len"],
         }
+        for entry in await catalog(state)
     ]
     return web.json_response({"object": "list", "data": data})
 
@@ -82,51 +94,51 @@ async def models(request: web.Request) -> web.Response:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body: ChatRequest = await read_body(request, state, ChatRequest)
-    check_model(state, body.model)
-    engine = state.ready_engine()
-    specs = tool_specs(body)
-    if specs is not None:
-        check_template(state.tokenizer)
-    try:
-        ids = state.tokenizer.chat([m.for_template() for m in body.messages], tools=specs)
-    except ValueError as exc:
-        raise ApiError(400, str(exc), "messages", "no_chat_template") from None
-    if body.max_completion_tokens and not body.max_tokens:
-        body.max_tokens = body.max_completion_tokens
-    make_grammar = None
-    if specs is not None:
-        await check_tool_schemas(state, specs)
-        forced = forced_call(body, specs)
-        if forced is not None:  # each completion gets its own grammar state
-            make_grammar = lambda: tool_call_grammar(state, *forced)  # noqa: E731
-    return await run_request(
-        request,
-        state,
-        engine,
-        body,
-        [ids],
-        "chat.completion",
-        f"chatcmpl-{uuid.uuid4().hex}",
-        make_grammar=make_grammar,
-        tools=specs is not None,
-    )
+    async with state.lease(body.model) as model:
+        model.ready_engine()
+        specs = tool_specs(body)
+        if specs is not None:
+            check_template(model.tokenizer)
+        try:
+            ids = model.tokenizer.chat([m.for_template() for m in body.messages], tools=specs)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "messages", "no_chat_template") from None
+        if body.max_completion_tokens and not body.max_tokens:
+            body.max_tokens = body.max_completion_tokens
+        make_grammar = None
+        if specs is not None:
+            await check_tool_schemas(model, specs)
+            forced = forced_call(body, specs)
+            if forced is not None:  # each completion gets its own grammar state
+                make_grammar = lambda: tool_call_grammar(model, *forced)  # noqa: E731
+        return await run_request(
+            request,
+            state,
+            model,
+            body,
+            [ids],
+            "chat.completion",
+            f"chatcmpl-{uuid.uuid4().hex}",
+            make_grammar=make_grammar,
+            tools=specs is not None,
+        )
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body: CompletionRequest = await read_body(request, state, CompletionRequest)
-    check_model(state, body.model)
-    engine = state.ready_engine()
-    texts, batch = body.prompts()
-    prompts = [p if isinstance(p, list) else state.tokenizer.encode_prompt(p) for p in texts]
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    return await run_request(request, state, engine, body, prompts, "text_completion", rid, batch=batch)
+    async with state.lease(body.model) as model:
+        model.ready_engine()
+        texts, batch = body.prompts()
+        prompts = [p if isinstance(p, list) else model.tokenizer.encode_prompt(p) for p in texts]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        return await run_request(request, state, model, body, prompts, "text_completion", rid, batch=batch)
 
 
 async def run_request(
     request,
     state: DaemonState,
-    engine,
+    model: LoadedModel,
     body,
     prompts: list[list[int]],
     kind: str,
@@ -140,8 +152,9 @@ async def run_request(
     Each prompt (several when `batch`: a completions batch) gets n completions, choice `prompt_index * n + i`;
     the first of each prompt computes it, the others borrow its KV blocks. `make_grammar` gives each
     completion its own grammar state."""
+    engine = model.ready_engine()
     if make_grammar is None:
-        make_grammar = lambda: response_grammar(state, body.response_format, "response_format")  # noqa: E731
+        make_grammar = lambda: response_grammar(model, body.response_format, "response_format")  # noqa: E731
     total = len(prompts) * body.n
     grammars = [await make_grammar() for _ in range(total)]
     ids_n = [request_id] if total == 1 else [f"{request_id}-{i}" for i in range(total)]
@@ -149,7 +162,7 @@ async def run_request(
         p, i = divmod(k, body.n)
         try:
             submit(
-                state, engine, body, prompts[p], rid, grammars[k], i, ids_n[k - i] if i else None, p if batch else None
+                model, engine, body, prompts[p], rid, grammars[k], i, ids_n[k - i] if i else None, p if batch else None
             )
         except ApiError:
             for done in ids_n[:k]:  # all or none
@@ -158,16 +171,18 @@ async def run_request(
                     pass
             raise
     prompt_tokens = sum(len(p) for p in prompts)  # usage counts every prompt's tokens
-    base = {"id": request_id, "created": int(time.time()), "model": state.model_name}
+    base = {"id": request_id, "created": int(time.time()), "model": model.name}
     chat = kind == "chat.completion"
     # Leaving these iterators early (timeout, client gone) aborts the requests and frees their blocks.
     streams = [engine.stream(rid) for rid in ids_n]
     try:
         if body.stream:
-            return await stream_response(request, state, streams, base, chat, prompt_tokens, body.include_usage, tools)
+            return await stream_response(
+                request, state, model, streams, base, chat, prompt_tokens, body.include_usage, tools
+            )
         try:
             async with asyncio.timeout(state.request_timeout):
-                return await full_response(state, streams, base, chat, prompt_tokens, tools)
+                return await full_response(model, streams, base, chat, prompt_tokens, tools)
         except TimeoutError:
             raise ApiError(504, timeout_message(state), None, "timeout") from None
     finally:
@@ -175,34 +190,100 @@ async def run_request(
             await stream.aclose()
 
 
+def model_param(request: web.Request) -> str | None:
+    """?model=NAME: which loaded model an engine endpoint shows (default: the daemon's own)."""
+    return request.query.get("model") or None
+
+
 async def engine_stats(request: web.Request) -> web.Response:
+    """One model's engine (?model=, default the daemon's own) at the top level; with several loaded,
+    `models` holds each one's and `totals` their sums."""
     state = request.app[STATE]
-    engine = state.ready_engine()
     n = request.query.get("steps", "20")
     if not (n.isascii() and n.isdigit()) or int(n) > 600:
         raise ApiError(400, "steps: must be an integer in [0, 600]", "steps", "invalid_value")
-    return web.json_response(state.monitor.snapshot(engine, int(n)))
+    name = model_param(request)
+    m = state.served(name)
+    body = m.monitor.snapshot(m.ready_engine(), int(n)) | {"model": m.name}
+    if name is None:
+        loaded = list(state.pool.models.values())
+        each = {x.name: x.monitor.snapshot(x.engine, 0) for x in loaded}
+        body["models"] = {k: {f: v[f] for f in MODEL_STATS} for k, v in each.items()}
+        body["totals"] = {f: sum(v[f] for v in each.values()) for f in TOTAL_STATS}
+    return web.json_response(body)
+
+
+# What /v1/engine/stats and the event stream give of every loaded model beside the one shown; the sums.
+MODEL_STATS = (
+    "mode",
+    "running",
+    "max_num_seqs",
+    "waiting",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "kv_usage_percent",
+    "decode_tokens_per_s",
+    "prefill_tokens_per_s",
+    "steps_per_s",
+)
+TOTAL_STATS = (
+    "running",
+    "waiting",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "decode_tokens_per_s",
+    "prefill_tokens_per_s",
+    "requests_finished",
+)
 
 
 async def engine_events(request: web.Request) -> web.StreamResponse:
+    """One model's steps as SSE (?model=); each event also carries `models`: every loaded model's bars."""
     state = request.app[STATE]
-    engine = state.ready_engine()
+    m = state.served(model_param(request))
+    engine = m.ready_engine()
+    pool = state.pool
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    async for event in state.monitor.events(engine):
+    async for event in m.monitor.events(engine, others=lambda: models_summary(pool)):
+        event["model"] = m.name
         await resp.write(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
+        if not m.loaded:
+            break
     return resp
+
+
+def models_summary(pool) -> dict:
+    """Every loaded or loading model's occupancy, for the chat's compact bars."""
+    out = {}
+    for x in pool.models.values():
+        st = x.engine.state
+        r = x.monitor.rates()
+        out[x.name] = {
+            "state": "ready" if x.engine.alive else "failed",
+            "mode": st.mode,
+            "running": st.running,
+            "max_num_seqs": st.max_num_seqs,
+            "waiting": st.waiting,
+            "kv_usage_percent": round(100 * st.kv_usage, 2),
+            "decode_tokens_per_s": r["decode_tokens_per_s"],
+        }
+    for name in pool.loading:
+        out.setdefault(name, {"state": "loading"})
+    return out
 
 
 async def engine_steps(request: web.Request) -> web.Response:
     """The timeline: step records after ?since=STEP (rows: [row, request id, tokens, state]; states p d x h)."""
-    engine = request.app[STATE].ready_engine()
+    m = request.app[STATE].served(model_param(request))
+    engine = m.ready_engine()
     since = request.query.get("since", "0")
     if not (since.isascii() and since.isdigit()):
         raise ApiError(400, "since: must be a step number (a non-negative integer)", "since", "invalid_value")
     last_step, capacity, records = engine.timeline_since(int(since))
     return web.json_response(
         {
+            "model": m.name,
             "last_step": last_step,
             "capacity": capacity,
             "max_rows": engine.state.max_num_seqs,
@@ -214,36 +295,43 @@ async def engine_steps(request: web.Request) -> web.Response:
 
 async def engine_blocks(request: web.Request) -> web.Response:
     """KV blocks by owning request (ids as returned in responses), blocks shared by several, cached free blocks."""
-    engine = request.app[STATE].ready_engine()
-    return web.json_response(engine.block_map)
+    m = request.app[STATE].served(model_param(request))
+    return web.json_response(m.ready_engine().block_map | {"model": m.name})
 
 
 async def get_mode(request: web.Request) -> web.Response:
-    st = request.app[STATE].ready_engine().state
-    return web.json_response({"mode": st.mode, "pending_mode": st.pending_mode})
+    m = request.app[STATE].served(model_param(request))
+    st = m.ready_engine().state
+    return web.json_response({"model": m.name, "mode": st.mode, "pending_mode": st.pending_mode})
 
 
 async def put_mode(request: web.Request) -> web.Response:
+    """Switch one model (?model=) or, without it, every loaded model."""
     state = request.app[STATE]
-    engine = state.ready_engine()
+    name = model_param(request)
+    targets = [state.served(name)] if name else list(state.check_serving().models.values())
+    if not targets:
+        state.served(None)  # says why nothing can switch
+    engines = [m.ready_engine() for m in targets]
     mode = parse_body(await read_raw(request, state), ModeRequest).mode
-    engine.set_mode(mode)
+    for engine in engines:
+        engine.set_mode(mode)
     # The switch is applied on the engine thread at the next batch boundary.
-    return web.json_response({"mode": engine.state.mode, "requested_mode": mode}, status=202)
+    body = {"mode": engines[0].state.mode, "requested_mode": mode, "models": [m.name for m in targets]}
+    return web.json_response(body, status=202)
 
 
 async def openapi_json(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    if OPENAPI not in request.app or state.info is None:  # made once the model's facts are known
-        request.app[OPENAPI] = json.dumps(
-            openapi.document(state.model_name, state.info.vocab_size if state.info else None)
-        ).encode()
+    m = state.pool.find(None) if state.pool else None
+    if OPENAPI not in request.app or m is None:  # made once the model's facts are known
+        request.app[OPENAPI] = json.dumps(openapi.document(state.model_name, m.info.vocab_size if m else None)).encode()
     return web.Response(body=request.app[OPENAPI], content_type="application/json")
 
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = (state.monitor.prometheus() if state.monitor else b"") + request.app[GUARD].prometheus()
+    body = (state.pool.metrics.prometheus() if state.pool else b"") + request.app[GUARD].prometheus()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 

@@ -21,10 +21,51 @@ from minibatch.engine.spec_decode.config import DEFAULT_METHOD, DEFAULT_NUM_TOKE
 from .client import request_json
 from .lifecycle import LifecycleError, ensure_private_dir, running_pid
 from .paths import default_log_file, default_socket
+from .pool_settings import DEFAULT_LOAD_WAIT, DEFAULT_MAX_LOADED, DEFAULT_MEMORY_SHARE
 
 OPTIONS = [
     # flag, type, default, help
-    ("--model", str, "smollm2-135m-instruct", "model alias, HF directory, .gguf file or hub id"),
+    (
+        "--model",
+        str,
+        "smollm2-135m-instruct",
+        "the daemon's own model, loaded at start and used when a request names none: model alias, HF "
+        "directory, .gguf file or hub id (any other model `minibatchd models` lists loads when a request names it)",
+    ),
+    ("--preload", str, None, "more models to load at start, comma-separated (they stay loaded, as --model does)"),
+    (
+        "--keep-alive",
+        str,
+        "5m",
+        "how long a model loaded by a request stays after its last one: a duration (5m, 30s, 1h), 0 to unload "
+        "at once, -1 to keep it (a request's keep_alive overrides it)",
+    ),
+    (
+        "--max-loaded-models",
+        int,
+        DEFAULT_MAX_LOADED,
+        "models loaded at once at most; one more evicts the least recently used idle one",
+    ),
+    (
+        "--models-memory-gb",
+        float,
+        None,
+        f"memory the loaded models' weights and KV caches may take together, GiB (default "
+        f"{DEFAULT_MEMORY_SHARE:g} of the machine's memory, of the GPU's on a GPU)",
+    ),
+    (
+        "--load-wait",
+        float,
+        DEFAULT_LOAD_WAIT,
+        "seconds a request for a model that does not fit waits for busy models to finish, then 503",
+    ),
+    (
+        "--engine-loop",
+        str,
+        "shared",
+        "shared: every model's steps alternate on one thread (one OpenMP team on the cores); per-model: a "
+        "thread each, stepping at once",
+    ),
     ("--mode", str, "continuous", "batching mode at start: continuous or static"),
     ("--max-num-seqs", int, 32, "running requests at most (static: the batch size)"),
     ("--max-num-batched-tokens", int, 512, "tokens per forward step"),
@@ -195,6 +236,23 @@ def engine_config(args):
     )
 
 
+def pool_settings(args):
+    """How many models stay loaded, for how long, in how much memory (ValueError naming the option)."""
+    from .pool_settings import PoolSettings, parse_duration
+
+    return PoolSettings(
+        max_loaded=args.max_loaded_models,
+        memory_bytes=None if args.models_memory_gb is None else int(args.models_memory_gb * 2**30),
+        keep_alive=parse_duration(args.keep_alive, "--keep-alive"),
+        load_wait=args.load_wait,
+        engine_loop=args.engine_loop,
+    )
+
+
+def preload_of(args) -> tuple[str, ...]:
+    return tuple(n.strip() for n in (args.preload or "").split(",") if n.strip())
+
+
 def guard_of(args):
     from .guard import Guard
 
@@ -239,6 +297,7 @@ def cmd_start(args) -> int:
     try:
         ensure_private_dir(sock.parent)
         cfg = engine_config(args)
+        models = pool_settings(args)
         guard = guard_of(args)  # a refused bind is reported here, before anything listens
     except (LifecycleError, ValueError) as exc:
         print(f"minibatchd: {exc}", file=sys.stderr)
@@ -257,7 +316,16 @@ def cmd_start(args) -> int:
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         conf = DaemonConfig(
-            cfg, sock, args.host, args.port, args.shutdown_timeout, args.request_timeout, args.read_timeout, guard
+            cfg,
+            sock,
+            args.host,
+            args.port,
+            args.shutdown_timeout,
+            args.request_timeout,
+            args.read_timeout,
+            guard,
+            models,
+            preload_of(args),
         )
         return asyncio.run(serve(conf))
     return start_background(args, sock, guard.api_keys[0] if guard.api_keys else None)
@@ -350,7 +418,7 @@ def cmd_status(args) -> int:
         lines.append(
             ("memory", f"{memory['num_params'] / 1e6:.0f}M parameters in {memory['loaded_bytes'] / 1e6:.0f} MB")
         )
-    if hstatus == 200:
+    if hstatus == 200 and health.get("models"):
         _, s = request_json(str(sock), "GET", "/v1/engine/stats?steps=0", api_key=key)
         mode = s["mode"] + (f" (switching to {s['pending_mode']})" if s.get("pending_mode") else "")
         lines += [
@@ -366,6 +434,17 @@ def cmd_status(args) -> int:
         lines.append(("last error", health["last_error"]))
     for k, v in lines:
         print(f"{k:>12}: {v}")
+    loaded = health.get("models") or []
+    if loaded:
+        print(f"\n{'loaded models':>12}:")
+        for m in loaded:
+            until = "kept loaded" if m["expires_at"].startswith("0001") else f"until {m['expires_at']}"
+            print(
+                f"  {m['name']:<32} {m['mode']:<10} {m['running']:>3} running {m['waiting']:>3} waiting  "
+                f"{m['memory_bytes'] / 2**20:6.0f} MB  {m['weights']}  {until}"
+            )
+    for name in health.get("loading") or []:
+        print(f"  {name:<32} loading")
     return 0 if hstatus == 200 else 1
 
 
@@ -396,9 +475,12 @@ def cmd_models(args) -> int:
         else:
             state = "ready" if m.ready else "cannot run here"
         print(f"{m.name:<32} {m.kind:<10} {state:<22} {m.note}")
+    from minibatch.engine.models.config import SUPPORTED_MODEL_TYPES
+
     print(
-        "\n--model takes any name above (a bare Ollama name works too: qwen2.5:0.5b), a Hugging Face model directory, "
-        "a .gguf file, or a hub id when online. Families: llama, mistral, qwen2, qwen3."
+        "\n--model and a request's `model` take any name above (a bare Ollama name works too: qwen2.5:0.5b), a "
+        "Hugging Face model directory, a .gguf file, or a hub id when online; a running daemon loads it on first "
+        f"use. Families: {', '.join(SUPPORTED_MODEL_TYPES)}."
     )
     return 0
 

@@ -9,15 +9,15 @@ import asyncio
 from .protocol import ApiError
 
 
-def _compiler(state, param: str):
-    if state.grammars is None:
+def _compiler(model, param: str):
+    if model.grammars is None:
         raise ApiError(
             400,
             f"{param}: this model's tokenizer cannot drive constrained decoding (it is not a tokenizer.json tokenizer)",
             param,
             "unsupported",
         )
-    return state.grammars
+    return model.grammars
 
 
 async def _compile(param: str, what: str, fn, *args):
@@ -29,14 +29,14 @@ async def _compile(param: str, what: str, fn, *args):
         raise ApiError(400, f"{param}: {what}: {exc}", param, "invalid_schema") from None
 
 
-async def response_grammar(state, fmt, param: str):
+async def response_grammar(model, fmt, param: str):
     """The grammar for a response format (None for plain text).
 
     `fmt` is "json", a JSON schema (dict), or a protocol.ResponseFormat; `param` names the field in errors.
     """
     if fmt is None or getattr(fmt, "type", None) == "text":
         return None
-    compiler = _compiler(state, param)
+    compiler = _compiler(model, param)
     if getattr(fmt, "type", None) == "json_schema":
         if fmt.json_schema is None:
             raise ApiError(
@@ -57,13 +57,13 @@ async def response_grammar(state, fmt, param: str):
     return await _compile(param, "the schema cannot be used", compiler.json_schema, schema)
 
 
-async def check_tool_schemas(state, specs: list[dict]) -> None:
+async def check_tool_schemas(model, specs: list[dict]) -> None:
     """Every tool's parameters must be a usable JSON Schema, whether or not a call is forced."""
     for i, spec in enumerate(specs):
         parameters = spec["function"].get("parameters")
         if parameters is not None:
             param = f"tools.{i}.function.parameters"
-            await _compile(param, "not a usable JSON Schema", _compiler(state, "tools").check_schema, parameters)
+            await _compile(param, "not a usable JSON Schema", _compiler(model, "tools").check_schema, parameters)
 
 
 def forced_call(body, specs: list[dict]) -> tuple[list[dict], str | None] | None:
@@ -89,8 +89,8 @@ def forced_call(body, specs: list[dict]) -> tuple[list[dict], str | None] | None
     return functions, name
 
 
-async def tool_call_grammar(state, functions: list[dict], name: str | None):
+async def tool_call_grammar(model, functions: list[dict], name: str | None):
     """The grammar that makes the output exactly one valid call (to `name`, or to any of `functions`)."""
     return await _compile(
-        "tools", "the call cannot be constrained", _compiler(state, "tools").tool_call, functions, name
+        "tools", "the call cannot be constrained", _compiler(model, "tools").tool_call, functions, name
     )

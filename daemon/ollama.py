@@ -5,9 +5,10 @@ default (`"stream": false` for one object), with Ollama's counters and
 durations (nanoseconds) on the last line; `GET /api/tags`, `POST /api/show`,
 `GET /api/ps` and `GET /api/version` describe what is served. Errors are
 Ollama's shape, `{"error": "..."}`, naming the field. Top-level fields and
-options we do not use (keep_alive, num_ctx, num_gpu...) are accepted and
+options we do not use (num_ctx, num_gpu...) are accepted and
 ignored, as Ollama does with options a model lacks; the ones we use are
-validated. The model name must be the served one (or left out).
+validated. `model` names any model the daemon can serve (daemon/models.py loads it on first use;
+left out: the daemon's own), and `keep_alive` says how long it stays loaded after the request.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
 
+from .catalog import catalog
 from .grammars import response_grammar
 from .messages import MAX_TOOLS, Tool
+from .models import iso, parse_keep_alive
 from .protocol import ApiError, Float, Int, parse_body
 from .schemas import OllamaShowRequest
-from .state import STATE, check_model, read_raw, submit
+from .state import STATE, read_raw, submit
 from .tools import CallSplitter, check_template, parse_calls
 
 VERSION = "0.6.0"  # the Ollama API version whose shapes these follow
@@ -82,6 +85,8 @@ class OllamaMessage(_Lenient):
 class _Request(_Lenient):
     model: StrictStr | None = None
     stream: StrictBool = True
+    # how long the model stays loaded after this request: seconds or a duration ("5m"); 0 unloads it, -1 keeps it
+    keep_alive: StrictStr | Int | Float | None = None
     options: Options = Field(default_factory=Options)
     format: Literal["json", ""] | dict[str, Any] | None = None  # any JSON, or a JSON schema
 
@@ -112,7 +117,7 @@ class _Request(_Lenient):
 
 
 class ChatBody(_Request):
-    messages: list[OllamaMessage] = Field(min_length=1, max_length=1000)
+    messages: list[OllamaMessage] = Field(default_factory=list, max_length=1000)  # none: only load (or unload)
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
 
 
@@ -149,11 +154,55 @@ async def respond(request: web.Request, chat: bool):
     started = time.perf_counter()
     raw = await read_raw(request, state)
     body = parse_body(raw, ChatBody if chat else GenerateBody)
-    check_model(state, _strip_tag(body.model, state.model_name))
-    engine = state.ready_engine()
+    if (not body.messages) if chat else (not body.prompt):
+        return await load_only(request, state, body, chat, started)
+    async with state.lease(body.model, body.keep_alive) as model:
+        return await answer(request, state, model, body, chat, started)
+
+
+async def load_only(request: web.Request, state, body, chat: bool, started: float) -> web.StreamResponse:
+    """Ollama's empty request: load the model (the answer says done_reason "load"), or with keep_alive 0
+    unload it ("unload"). A streaming one sees the loading status first, as Ollama's clients expect."""
+    pool = state.check_serving()
+    name = body.model or state.model_name
+    unload = body.keep_alive is not None and parse_keep_alive(body.keep_alive) == 0
+    head = {"model": name, "created_at": now_iso()}
+    empty = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+    if unload:
+        m = pool.find(body.model)
+        if m is not None:
+            m.keep_alive = 0.0
+            m.touch(0.0)
+            if not m.busy:
+                await pool.unload(m, "keep_alive 0")
+        return web.json_response({**head, **empty, "done": True, "done_reason": "unload"})
+    resp = None
+    if body.stream and not pool.loaded_or_loading(body.model):
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        await resp.write(json.dumps({**head, **empty, "done": False, "status": "loading"}).encode() + b"\n")
+    try:
+        async with state.lease(body.model, body.keep_alive) as m:
+            final = {**head, "model": m.name, **empty, "done": True, "done_reason": "load"}
+            final["load_duration"] = ns(time.perf_counter() - started)
+    except ApiError as exc:
+        if resp is None:
+            raise
+        await resp.write(json.dumps(error_body(exc)).encode() + b"\n")
+        await resp.write_eof()
+        return resp
+    if resp is None:
+        return web.json_response(final)
+    await resp.write(json.dumps(final).encode() + b"\n")
+    await resp.write_eof()
+    return resp
+
+
+async def answer(request: web.Request, state, model, body, chat: bool, started: float):
+    engine = model.ready_engine()
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if chat and body.tools else None
     if tools:
-        check_template(state.tokenizer)
+        check_template(model.tokenizer)
     if chat:
         messages = [m.for_template() for m in body.messages]
     elif body.raw:
@@ -164,23 +213,19 @@ async def respond(request: web.Request, chat: bool):
         ]
     try:
         ids = (
-            state.tokenizer.encode_prompt(body.prompt)
+            model.tokenizer.encode_prompt(body.prompt)
             if messages is None
-            else state.tokenizer.chat(messages, tools=tools)
+            else model.tokenizer.chat(messages, tools=tools)
         )
     except ValueError as exc:
         raise ApiError(400, str(exc), "messages", "no_chat_template") from None
-    if not chat and not body.prompt:  # Ollama: an empty generate loads the model and answers done
-        return web.json_response(
-            {"model": state.model_name, "created_at": now_iso(), "response": "", "done": True, "done_reason": "load"}
-        )
     request_id = f"ollama-{uuid.uuid4().hex}"
-    grammar = await response_grammar(state, body.format or None, "format")
-    submit(state, engine, body, ids, request_id, grammar)
+    grammar = await response_grammar(model, body.format or None, "format")
+    submit(model, engine, body, ids, request_id, grammar)
     outputs = engine.stream(request_id)
 
     def line(text: str, calls: list | None = None) -> dict:
-        head = {"model": state.model_name, "created_at": now_iso()}
+        head = {"model": model.name, "created_at": now_iso()}
         if not chat:
             return {**head, "response": text, "done": False}
         message = {"role": "assistant", "content": text}
@@ -205,7 +250,7 @@ async def respond(request: web.Request, chat: bool):
                     text.append(out.text)
                     n += len(out.token_ids)
                     last = out
-                state.monitor.on_request_done(last.metrics, None if last.error else last.finish_reason)
+                model.monitor.on_request_done(last.metrics, None if last.error else last.finish_reason)
                 if last.error:
                     raise ApiError(500, last.error, None, "engine_error", "server_error")
                 return web.json_response(
@@ -218,7 +263,7 @@ async def respond(request: web.Request, chat: bool):
             async for out in outputs:
                 n += len(out.token_ids)
                 if out.error:
-                    state.monitor.on_request_done(out.metrics, None)
+                    model.monitor.on_request_done(out.metrics, None)
                     await resp.write(json.dumps({"error": out.error}).encode() + b"\n")
                     break
                 text, calls = (splitter.push(out.text), []) if splitter else (out.text, [])
@@ -228,7 +273,7 @@ async def respond(request: web.Request, chat: bool):
                 if text and not out.finished:
                     await resp.write(json.dumps(line(text)).encode() + b"\n")
                 if out.finished:
-                    state.monitor.on_request_done(out.metrics, out.finish_reason)
+                    model.monitor.on_request_done(out.metrics, out.finish_reason)
                     await resp.write(
                         json.dumps({**line(text, calls), **final_counters(out, len(ids), n, started)}).encode() + b"\n"
                     )
@@ -242,13 +287,6 @@ async def respond(request: web.Request, chat: bool):
         await outputs.aclose()
 
 
-def _strip_tag(name: str | None, served: str) -> str | None:
-    """Ollama clients add ':latest' to names; the served model answers to its name with or without it."""
-    if name is None:
-        return None
-    return served if name in (f"{served}:latest", served) else name
-
-
 async def chat(request: web.Request):
     return await respond(request, chat=True)
 
@@ -257,21 +295,29 @@ async def generate(request: web.Request):
     return await respond(request, chat=False)
 
 
-def model_entry(state) -> dict:
-    info = state.info
-    weights, family = (info.weights, info.family) if info else ("", "")
-    memory = info.memory if info else None
+def tag(name: str) -> str:
+    """Ollama's full name of a model: with its tag (`:latest` when it has none); paths stay as they are."""
+    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+
+
+def _time(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def model_entry(entry: dict) -> dict:
+    """A catalog entry (daemon/catalog.py) in /api/tags' shape."""
+    weights, family = entry["quantization"], entry["family"]
     return {
-        "name": f"{state.model_name}:latest",
-        "model": f"{state.model_name}:latest",
-        "modified_at": datetime.fromtimestamp(state.started_at, timezone.utc).isoformat().replace("+00:00", "Z"),
-        "size": memory.loaded_bytes if memory else 0,
+        "name": tag(entry["id"]),
+        "model": tag(entry["id"]),
+        "modified_at": _time(entry["created"]),
+        "size": entry["size"],
         "digest": "",
         "details": {
-            "format": "gguf" if "native" in weights else "safetensors",
+            "format": "gguf" if "native" in weights or entry["path"].endswith(".gguf") else "safetensors",
             "family": family,
-            "families": [family],
-            "parameter_size": _parameter_size(memory.num_params if memory else 0),
+            "families": [family] if family else [],
+            "parameter_size": _parameter_size(entry["num_params"]),
             "quantization_level": weights,
         },
     }
@@ -285,18 +331,21 @@ def _parameter_size(params: int) -> str:
 
 
 async def tags(request: web.Request) -> web.Response:
-    return web.json_response({"models": [model_entry(request.app[STATE])]})
+    """Every model this daemon can serve, loaded or not."""
+    return web.json_response({"models": [model_entry(e) for e in await catalog(request.app[STATE])]})
 
 
 async def ps(request: web.Request) -> web.Response:
+    """The loaded models, with what they take and when they unload."""
     state = request.app[STATE]
-    return web.json_response(
-        {
-            "models": [{**model_entry(state), "expires_at": "0001-01-01T00:00:00Z", "size_vram": 0}]
-            if state.status == "ready"
-            else []
-        }
-    )
+    pool = state.pool
+    entries = {e["id"]: e for e in await catalog(state) if e["loaded"]} if pool else {}
+    out = []
+    for m in pool.models.values() if pool else ():
+        e = model_entry(entries[m.name]) if m.name in entries else {}
+        vram = m.footprint if m.info.device == "cuda" else 0
+        out.append({**e, "size": m.footprint, "size_vram": vram, "expires_at": iso(m.expires_at)})
+    return web.json_response({"models": out})
 
 
 async def show(request: web.Request) -> web.Response:
@@ -305,10 +354,8 @@ async def show(request: web.Request) -> web.Response:
     names = [n for n in (body.model, body.name) if n is not None]  # `name` is what older clients send
     if not names:
         raise ApiError(400, "model: the model name is required", "model", "missing")
-    for name in names:
-        check_model(state, _strip_tag(name, state.model_name))
-    state.ready_engine()  # the facts below are the loaded model's
-    entry = model_entry(state)
+    async with state.lease(names[0]) as m:  # the facts below are the loaded model's
+        entry = model_entry(next(e for e in await catalog(state) if e["id"] == m.name))
     return web.json_response(
         {
             "modelfile": "",
@@ -316,9 +363,9 @@ async def show(request: web.Request) -> web.Response:
             "template": "",
             "details": entry["details"],
             "model_info": {
-                "general.architecture": state.info.family,
-                "general.parameter_count": state.info.memory.num_params,
-                "context_length": state.info.max_model_len,
+                "general.architecture": m.info.family,
+                "general.parameter_count": m.info.memory.num_params if m.info.memory else 0,
+                "context_length": m.info.max_model_len,
             },
             "capabilities": ["completion"],
             "modified_at": entry["modified_at"],

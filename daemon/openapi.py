@@ -18,7 +18,6 @@ from minibatch.engine.core.info import EngineInfo
 
 from . import ollama, schemas
 from .protocol import MAX_BODY_BYTES, ChatRequest, CompletionRequest
-from .state import model_names
 
 REF = "#/components/schemas/{model}"
 JSON, SSE, NDJSON, TEXT = "application/json", "text/event-stream", "application/x-ndjson", "text/plain"
@@ -32,7 +31,11 @@ BODY = {
     415: "the body is not application/json (TCP listener)",
 }
 ENGINE = {503: "the model is loading, or the daemon is shutting down"}
-MODEL = {404: "another model name than the one served"}
+MODEL = {
+    404: "a model name this machine does not have (the message lists what it has)",
+    500: "the model named could not be loaded (the message says why)",
+    503: "no room to load the model: every loaded model is busy (the message names them)",
+}
 GENERATE = {
     429: "the batch and the queue behind it are full (Retry-After: 1)",
     500: "the engine failed while running the request",
@@ -65,6 +68,8 @@ def _operations() -> list[tuple]:
     olla_gen = {**GUARDED, **BODY, **ENGINE, **MODEL, **GENERATE}
     steps = _query("steps", {"type": "integer", "minimum": 0, "maximum": 600}, "recent steps to include (20)")
     since = _query("since", {"type": "integer", "minimum": 0}, "the records after this step (0: all kept)")
+    model = _query("model", {"type": "string"}, "which loaded model (default: the daemon's own)")
+    loaded = {404: "no loaded model has that name"}
     return [
         (
             "get",
@@ -76,7 +81,15 @@ def _operations() -> list[tuple]:
             [],
         ),
         ("get", "/openapi.json", "this document", None, {200: {JSON: {"type": "object"}}}, {**GUARDED}, []),
-        ("get", "/v1/models", "the model served", None, {200: {JSON: s.ModelList}}, {**GUARDED}, []),
+        (
+            "get",
+            "/v1/models",
+            "every model the daemon can serve, loaded first",
+            None,
+            {200: {JSON: s.ModelList}},
+            {**GUARDED},
+            [],
+        ),
         ("post", "/v1/chat/completions", "a chat completion", ChatRequest, {200: gen_chat}, gen, []),
         (
             "post",
@@ -93,8 +106,8 @@ def _operations() -> list[tuple]:
             "the engine now, its rates and its recent steps",
             None,
             {200: {JSON: s.Stats}},
-            {**GUARDED, 400: BODY[400], **ENGINE},
-            [steps],
+            {**GUARDED, 400: BODY[400], **ENGINE, **loaded},
+            [steps, model],
         ),
         (
             "get",
@@ -102,8 +115,8 @@ def _operations() -> list[tuple]:
             "one server-sent event per engine step, for as long as the client stays",
             None,
             {200: {SSE: _events("one engine step: its counters and the rates")}},
-            {**GUARDED, **ENGINE},
-            [],
+            {**GUARDED, **ENGINE, **loaded},
+            [model],
         ),
         (
             "get",
@@ -111,8 +124,8 @@ def _operations() -> list[tuple]:
             "KV blocks by owning request",
             None,
             {200: {JSON: s.BlockMap}},
-            {**GUARDED, **ENGINE},
-            [],
+            {**GUARDED, **ENGINE, **loaded},
+            [model],
         ),
         (
             "get",
@@ -120,18 +133,26 @@ def _operations() -> list[tuple]:
             "the batch timeline",
             None,
             {200: {JSON: s.Timeline}},
-            {**GUARDED, 400: BODY[400], **ENGINE},
-            [since],
+            {**GUARDED, 400: BODY[400], **ENGINE, **loaded},
+            [since, model],
         ),
-        ("get", "/v1/engine/mode", "the batching mode", None, {200: {JSON: s.ModeState}}, {**GUARDED, **ENGINE}, []),
+        (
+            "get",
+            "/v1/engine/mode",
+            "the batching mode",
+            None,
+            {200: {JSON: s.ModeState}},
+            {**GUARDED, **ENGINE, **loaded},
+            [model],
+        ),
         (
             "put",
             "/v1/engine/mode",
-            "switch the batching mode at the next batch boundary",
+            "switch the batching mode at the next batch boundary (every loaded model's, or ?model='s)",
             s.ModeRequest,
             {202: {JSON: s.ModeSwitch}},
-            {**GUARDED, **BODY, **ENGINE},
-            [],
+            {**GUARDED, **BODY, **ENGINE, **loaded},
+            [model],
         ),
         ("get", "/metrics", "Prometheus metrics", None, {200: {TEXT: {"type": "string"}}}, {**GUARDED}, []),
         (
@@ -152,8 +173,16 @@ def _operations() -> list[tuple]:
             olla_gen,
             [],
         ),
-        ("get", "/api/tags", "Ollama: the models served", None, {200: {JSON: s.OllamaTags}}, {**GUARDED}, []),
-        ("get", "/api/ps", "Ollama: the models loaded", None, {200: {JSON: s.OllamaTags}}, {**GUARDED}, []),
+        (
+            "get",
+            "/api/tags",
+            "Ollama: every model the daemon can serve",
+            None,
+            {200: {JSON: s.OllamaTags}},
+            {**GUARDED},
+            [],
+        ),
+        ("get", "/api/ps", "Ollama: the models loaded", None, {200: {JSON: s.OllamaPs}}, {**GUARDED}, []),
         (
             "post",
             "/api/show",
@@ -224,13 +253,13 @@ def document(model: str | None = None, vocab_size: int | None = None, version: s
         ]
     }
 
-    if model is not None:  # any other name is answered 404
-        names = {"anyOf": [{"enum": list(model_names(model))}, {"type": "null"}]}
+    if model is not None:
+        what = f"any model the daemon can serve (GET /v1/models, /api/tags), loaded on first use; left out: {model!r}"
         for body in {b for _, _, _, b, _, _, _ in ops if b is not None}:
             props = components[refs[(body, "validation")]["$ref"].rsplit("/", 1)[1]].get("properties", {})
             for key in ("model", "name") if body is schemas.OllamaShowRequest else ("model",):
                 if key in props:
-                    props[key] = {**names, "description": "the served model (or left out)"}
+                    props[key] = {**props[key], "description": what}
 
     if vocab_size is not None:
         prompt = components[refs[(CompletionRequest, "validation")]["$ref"].rsplit("/", 1)[1]]["properties"]["prompt"]

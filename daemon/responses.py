@@ -107,7 +107,7 @@ async def merged(streams: list) -> AsyncIterator[tuple[int, object]]:
 
 
 async def full_response(
-    state, streams: list, base, chat: bool, prompt_tokens: int, tools: bool = False
+    model, streams: list, base, chat: bool, prompt_tokens: int, tools: bool = False
 ) -> web.Response:
     n = len(streams)
     text, count, last = [[] for _ in range(n)], 0, [None] * n
@@ -121,7 +121,7 @@ async def full_response(
             token_ids[i] += out.token_ids
             entries[i] += out.logprobs
     for out in last:
-        state.monitor.on_request_done(out.metrics, out.finish_reason if not out.error else None)
+        model.monitor.on_request_done(out.metrics, out.finish_reason if not out.error else None)
     failed = next((out for out in last if out.error), None)
     if failed is not None:
         raise ApiError(500, failed.error, None, "engine_error", "server_error")
@@ -136,10 +136,10 @@ async def full_response(
                 if calls:
                     choice["message"] = {"role": "assistant", "content": rest, "tool_calls": calls}
                     choice["finish_reason"] = "tool_calls"
-            choice["logprobs"] = {"content": chat_logprobs(state.tokenizer, token_ids[i], entries[i])} if want else None
+            choice["logprobs"] = {"content": chat_logprobs(model.tokenizer, token_ids[i], entries[i])} if want else None
         else:
             choice.update(
-                text=content, logprobs=completion_logprobs(state.tokenizer, token_ids[i], entries[i]) if want else None
+                text=content, logprobs=completion_logprobs(model.tokenizer, token_ids[i], entries[i]) if want else None
             )
         choices.append(choice)
     return web.json_response(
@@ -154,7 +154,15 @@ async def full_response(
 
 
 async def stream_response(
-    request, state, streams: list, base, chat: bool, prompt_tokens: int, include_usage: bool, tools: bool = False
+    request,
+    state,
+    model,
+    streams: list,
+    base,
+    chat: bool,
+    prompt_tokens: int,
+    include_usage: bool,
+    tools: bool = False,
 ):
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": base["id"]}
@@ -172,9 +180,9 @@ async def stream_response(
         lp = None
         if out is not None and out.logprobs is not None and out.token_ids:
             if chat:
-                lp = {"content": chat_logprobs(state.tokenizer, out.token_ids, out.logprobs)}
+                lp = {"content": chat_logprobs(model.tokenizer, out.token_ids, out.logprobs)}
             else:
-                lp = completion_logprobs(state.tokenizer, out.token_ids, out.logprobs, offsets[i])
+                lp = completion_logprobs(model.tokenizer, out.token_ids, out.logprobs, offsets[i])
                 offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         if chat:
             if delta is None:
@@ -198,7 +206,7 @@ async def stream_response(
             async for i, out in merged(streams):
                 count += len(out.token_ids)
                 if out.error:
-                    state.monitor.on_request_done(out.metrics, None)
+                    model.monitor.on_request_done(out.metrics, None)
                     await send(ApiError(500, out.error, None, "engine_error", "server_error").body())
                     break
                 carries = out.logprobs is not None and bool(out.token_ids)
@@ -222,7 +230,7 @@ async def stream_response(
                 if text or (carries and not out.finished):
                     await send(chunk(i, text, None, out=out))
                 if out.finished:
-                    state.monitor.on_request_done(out.metrics, out.finish_reason)
+                    model.monitor.on_request_done(out.metrics, out.finish_reason)
                     final = chunk(i, None, finish, out=None if text else out)
                     final["minibatch"] = timings(out.metrics)
                     await send(final)

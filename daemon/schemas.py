@@ -113,11 +113,12 @@ class Completion(_Out):
 
 
 class ModelCard(_Out):
-    id: str
+    id: str  # the name a request gives
     object: Literal["model"]
     created: int
     owned_by: str
-    max_model_len: int | None
+    loaded: bool  # loaded now (else it loads on first use)
+    max_model_len: int | None  # known once loaded
 
 
 class ModelList(_Out):
@@ -135,6 +136,35 @@ class Health(_Out):
     last_error: str | None
     last_error_time: float | None
     pid: int
+    models: list[LoadedModelFacts] = []  # every loaded model
+    loading: list[str] = []  # names being loaded now
+    load_errors: dict[str, str] = {}  # the last load error by name
+
+
+class LoadedModelFacts(_Out):
+    """One loaded model in /health: the engine's facts (EngineInfo) and its lifetime."""
+
+    name: str
+    mode: Literal["continuous", "static"]
+    running: int
+    waiting: int
+    alive: bool
+    loaded_at: str
+    load_seconds: float
+    expires_at: str  # Ollama's form; 0001-01-01T00:00:00Z: kept loaded
+    memory_bytes: int  # weights and KV pool
+
+
+class ModelStats(_Out):
+    """Each loaded model's occupancy in /v1/engine/stats' `models` and the events' `models`."""
+
+    mode: Literal["continuous", "static"] | None = None
+    running: int | None = None
+    max_num_seqs: int | None = None
+    waiting: int | None = None
+    kv_usage_percent: float | None = None
+    decode_tokens_per_s: float | None = None
+    state: Literal["ready", "failed", "loading"] | None = None
 
 
 class Stats(_Out):
@@ -164,6 +194,9 @@ class Stats(_Out):
     verify_rows: int
     last_error: str | None
     recent_steps: list[StepStats]
+    model: str  # which loaded model this is (?model=, default the daemon's own)
+    models: dict[str, ModelStats] = {}  # without ?model=: every loaded model's
+    totals: dict[str, float] = {}  # without ?model=: their sums
 
 
 class BlockMap(_Out):
@@ -200,6 +233,7 @@ class ModeState(_Out):
 class ModeSwitch(_Out):
     mode: Literal["continuous", "static"]
     requested_mode: Literal["continuous", "static"]
+    models: list[str]  # the models switched
 
 
 class ModeRequest(BaseModel):
@@ -229,6 +263,15 @@ class OllamaModel(_Out):
 
 class OllamaTags(_Out):
     models: list[OllamaModel]
+
+
+class OllamaRunning(OllamaModel):
+    size_vram: int
+    expires_at: str
+
+
+class OllamaPs(_Out):
+    models: list[OllamaRunning]
 
 
 class OllamaShow(_Out):

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from minibatch.engine.core.admission import QueueFull, RequestRejected
-from minibatch.engine.core.info import EngineInfo
 
 from .guard import Guard
+from .models import LoadedModel, ModelPool, parse_keep_alive
 from .protocol import ApiError, ChatRequest, parse_body
 
 DEFAULT_MAX_TOKENS = 1024
@@ -23,32 +23,30 @@ DEFAULT_MAX_TOKENS = 1024
 
 @dataclass
 class DaemonState:
-    model_name: str
+    model_name: str  # the daemon's own model (--model): what a request without a model gets
     request_timeout: float = 600.0  # wall-clock limit per request, seconds
     body_timeout: float = 30.0  # seconds to receive a request body
-    engine: object | None = None  # AsyncEngine once loaded
-    monitor: object | None = None
-    tokenizer: object | None = None
-    grammars: object | None = None  # engine.structured.GrammarCompiler, when the tokenizer allows one
-    info: EngineInfo | None = None  # the engine's facts, once loaded
+    pool: ModelPool | None = None  # the loaded models
     started_at: float = field(default_factory=time.time)
     status: str = "loading"  # loading | ready | draining | failed
     load_error: str | None = None
 
-    def ready_engine(self):
+    def check_serving(self) -> ModelPool:
         if self.status == "draining":
             raise ApiError(503, "the daemon is shutting down", None, "shutting_down", "unavailable")
-        if self.status != "ready" or self.engine is None:
-            msg = (
-                "the model is still loading"
-                if self.status == "loading"
-                else f"the engine is not available: {self.load_error}"
-            )
-            raise ApiError(503, msg, None, "not_ready", "unavailable", {"Retry-After": "2"})
-        if not self.engine.alive:
-            why = self.engine.fatal_error or "the engine thread has stopped"
-            raise ApiError(503, f"{why}; see the log", None, "engine_dead", "unavailable")
-        return self.engine
+        if self.pool is None or self.status == "failed":
+            raise ApiError(503, f"the daemon cannot serve: {self.load_error}", None, "not_ready", "unavailable")
+        return self.pool
+
+    def lease(self, name: str | None, keep_alive=None):
+        """The model a request names, loaded if need be and held until the request ends (`async with`);
+        `keep_alive`: the request's, as parse_keep_alive reads it, or None for the model's own."""
+        pool = self.check_serving()
+        return pool.lease(name) if keep_alive is None else pool.lease(name, parse_keep_alive(keep_alive))
+
+    def served(self, name: str | None) -> LoadedModel:
+        """A loaded model for the engine endpoints (?model=; without it, the daemon's own)."""
+        return self.check_serving().served(name)
 
 
 STATE = web.AppKey("state", DaemonState)
@@ -63,25 +61,12 @@ async def read_raw(request: web.Request, state: DaemonState) -> bytes:
         raise ApiError(408, f"request body not received within {state.body_timeout:g} s", None, "timeout") from None
 
 
-async def read_body(request: web.Request, state: DaemonState, model):
-    return parse_body(await read_raw(request, state), model)
-
-
-def model_names(served: str) -> tuple[str, ...]:
-    """The names a request may give the served model: its own, with Ollama's tag (clients that list models
-    over /api/tags send it back, as oterm does), or "default"."""
-    return served, f"{served}:latest", "default"
-
-
-def check_model(state: DaemonState, name: str | None) -> None:
-    if name is not None and name not in model_names(state.model_name):
-        raise ApiError(
-            404, f"model {name!r} does not exist; this daemon serves {state.model_name!r}", "model", "model_not_found"
-        )
+async def read_body(request: web.Request, state: DaemonState, kind):
+    return parse_body(await read_raw(request, state), kind)
 
 
 def submit(
-    state: DaemonState,
+    model: LoadedModel,
     engine,
     body,
     ids: list[int],
@@ -93,10 +78,10 @@ def submit(
 ) -> None:
     """Submit one completion; a refusal becomes the API's error, naming the field and, in a batch of
     prompts (`prompt_index`), the prompt: `prompt.1`, `prompt.0.3` (its token 3)."""
-    limit = state.info.max_model_len
+    limit = model.info.max_model_len
     # Unset max_tokens: what fits the context (at least 1, so a prompt that fills it is refused as too long).
     default_max = max(1, min(DEFAULT_MAX_TOKENS, limit - len(ids))) if limit else DEFAULT_MAX_TOKENS
-    params = body.sampling_params(default_max, state.info.generation_defaults)
+    params = body.sampling_params(default_max, model.info.generation_defaults)
     params.grammar = grammar
     if index and params.seed is not None:  # the n completions of one request draw differently, reproducibly
         params.seed = (params.seed + index) % 2**63

@@ -1,4 +1,4 @@
-"""AsyncEngine: the step loop on one background thread, results to asyncio consumers.
+"""AsyncEngine: an engine stepped on a background thread (a StepLoop), results to asyncio consumers.
 
 The event loop never runs engine code: submissions and aborts go into an
 inbox the engine thread drains at the start of each step, and outputs come
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import threading
 import time
 import traceback
@@ -26,6 +27,7 @@ from minibatch.engine.core.outputs import EngineState, RequestOutput, StepStats
 from minibatch.engine.core.request import Request
 from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.heap import release_free_memory
+from minibatch.engine.step_loop import StepLoop
 
 log = logging.getLogger("minibatch.engine")
 
@@ -55,13 +57,19 @@ class AsyncEngine:
         self.loop_iterations = 0  # engine-thread wakeups; stays flat while idle (no busy-wait)
         self.block_map: dict = {"total": 0, "owners": {}, "shared": []}  # refreshed on the engine thread
         self._block_map_at = 0.0
-        self._thread = threading.Thread(target=self._run, name="minibatch-engine", daemon=True)
+        self._loop: StepLoop | None = None  # the thread that steps this engine, once bound
+        self._worked = False  # stepped since the engine last ran out of work
+        self._detached = threading.Event()  # the loop has let go of this engine
+        self.on_detach: list[Callable[[], None]] = []  # called on the loop's thread when it lets go
         # The engine now, replaced (never mutated) by the engine thread: what other threads read.
         self.state: EngineState = engine.state()
 
     # -- lifecycle --------------------------------------------------------
     def start(self) -> None:
-        self._thread.start()
+        """Step on a thread of this engine's own."""
+        loop = StepLoop(private=True)
+        loop.attach(self)
+        loop.start()
 
     def run_on_this_thread(self, ready: Callable[[], None] = lambda: None) -> None:
         """Run the step loop on the calling thread until shutdown(); `ready()` is called once it counts as alive.
@@ -73,18 +81,52 @@ class AsyncEngine:
         all tensor work on one thread keeps a single pool (measured on 2
         cores: a batch-1 decode step 86 ms on a second thread, 48 ms on one).
         """
-        self._thread = threading.current_thread()
+        loop = StepLoop(private=True)
+        loop.attach(self)
+        loop.thread = threading.current_thread()
         ready()
-        self._run()
+        loop.run_here()
+
+    def bind(self, loop: StepLoop) -> None:
+        """Be stepped by `loop` (StepLoop.attach calls this)."""
+        if self._loop is not None:
+            raise RuntimeError("the engine is already bound to a step loop")
+        self._loop, self._wake = loop, loop.wake
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop stepping; returns once the loop has let go (a private loop's thread has ended)."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout)
+        if self._loop is None or self._loop.thread is threading.current_thread():
+            return
+        self._detached.wait(timeout)
+        if self._loop.private and self._loop.thread.ident is not None:
+            self._loop.thread.join(timeout)
+
+    @property
+    def _thread(self) -> threading.Thread | None:
+        return self._loop.thread if self._loop is not None else None
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
 
     @property
     def alive(self) -> bool:
-        return self.fatal_error is None and self._thread.is_alive()
+        loop = self._loop
+        return (
+            self.fatal_error is None
+            and loop is not None
+            and loop.thread.is_alive()
+            and not self._stop.is_set()
+            and not self._detached.is_set()
+        )
+
+    def detached(self) -> None:
+        """Called by the loop on its thread when it stops stepping this engine."""
+        self._detached.set()
+        for fn in list(self.on_detach):
+            fn()
 
     # -- requests ---------------------------------------------------------
     def submit(
@@ -220,52 +262,49 @@ class AsyncEngine:
         while self._inbox:
             self._inbox.popleft()()
 
-    def _run(self) -> None:
+    def turn(self) -> float | None:
+        """One turn on the loop's thread: take in news, run a step when there is work. Returns None when it
+        should be called again at once, else how long it may wait for news (inf: until woken)."""
         engine = self.engine
-        worked = False  # since the engine last ran out of work
-        while not self._stop.is_set():
-            self.loop_iterations += 1
-            self._wake.clear()
-            if self._inbox:
-                self._drain_inbox()
-                self.state = engine.state()
-            if not engine.has_work():
-                if worked:  # out of work: the forwards' freed temporaries go back to the OS
-                    release_free_memory()
-                    worked = False
-                    continue  # (news may have come in meanwhile: look again before sleeping)
-                self._wake.wait()
-                continue
-            worked = True
-            try:
-                outputs, stats = engine.step()
-            except Exception as exc:  # the forward failed: fail in-flight requests, keep serving
-                self.last_error = f"{type(exc).__name__}: {exc}"
-                self.last_error_time = time.time()
-                log.error("engine step failed: %s\n%s", self.last_error, traceback.format_exc())
-                for out in engine.fail_all(f"engine error: {self.last_error}"):
-                    self._emit(out)
-                self.state = engine.state()
-                if engine.runner.device_lost():
-                    # A dead CUDA context fails every later step too: stop, so /health fails and the daemon exits.
-                    self.fatal_error = f"the device is lost after: {self.last_error}"
-                    log.critical("%s; the engine stops", self.fatal_error)
-                    self._drain_inbox()  # requests submitted meanwhile end too, never left waiting
-                    for out in engine.fail_all(f"engine error: {self.fatal_error}"):
-                        self._emit(out)
-                    break
-                continue
+        self.loop_iterations += 1
+        if self._inbox:
+            self._drain_inbox()
             self.state = engine.state()
-            for out in outputs:
+        if not engine.has_work():
+            if self._worked:  # out of work: the forwards' freed temporaries go back to the OS
+                release_free_memory()
+                self._worked = False
+                return None  # (news may have come in meanwhile: look again before sleeping)
+            return math.inf
+        self._worked = True
+        try:
+            outputs, stats = engine.step()
+        except Exception as exc:  # the forward failed: fail in-flight requests, keep serving
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            self.last_error_time = time.time()
+            log.error("engine step failed: %s\n%s", self.last_error, traceback.format_exc())
+            for out in engine.fail_all(f"engine error: {self.last_error}"):
                 self._emit(out)
-            if time.monotonic() - self._block_map_at > 0.2 or not engine.has_work():
-                self._refresh_block_map()
-            if stats is not None:
-                self.stats.append(stats)
-                for listener in list(self.stats_listeners):
-                    listener(stats)
-            elif not outputs:
-                # Nothing ran: wait for news or the static batch deadline.
-                wakeup = engine.scheduler.next_wakeup()
-                timeout = None if wakeup is None else max(0.0, wakeup - engine.clock())
-                self._wake.wait(timeout)
+            self.state = engine.state()
+            if engine.runner.device_lost():
+                # A dead CUDA context fails every later step too: stop, so /health fails and the daemon exits.
+                self.fatal_error = f"the device is lost after: {self.last_error}"
+                log.critical("%s; the engine stops", self.fatal_error)
+                self._drain_inbox()  # requests submitted meanwhile end too, never left waiting
+                for out in engine.fail_all(f"engine error: {self.fatal_error}"):
+                    self._emit(out)
+            return None
+        self.state = engine.state()
+        for out in outputs:
+            self._emit(out)
+        if time.monotonic() - self._block_map_at > 0.2 or not engine.has_work():
+            self._refresh_block_map()
+        if stats is not None:
+            self.stats.append(stats)
+            for listener in list(self.stats_listeners):
+                listener(stats)
+        elif not outputs:
+            # Nothing ran: wait for news or the static batch deadline.
+            wakeup = engine.scheduler.next_wakeup()
+            return math.inf if wakeup is None else max(0.0, wakeup - engine.clock())
+        return None

@@ -132,7 +132,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     import torch
 
     from minibatch.engine.attention.select import select_backend
-    from minibatch.engine.runner.kv_cache import allocate_kv_cache, num_blocks_for_budget
+    from minibatch.engine.runner.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
     from minibatch.engine.runner.model_runner import ModelRunner
     from minibatch.engine.text.tokenizer import TextTokenizer
     from minibatch.engine.weights.facts import weight_facts
@@ -241,6 +241,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         # which LongRoPE factors this run rotates with (use_context)
         rope_factors=("long" if model.model.rotary.long else "short") if cfg.rope.rope_type == "longrope" else None,
         memory=weight_facts(model),
+        kv_cache_bytes=num_blocks * bytes_per_block(cfg, config.block_size, dtype),
         speculative="off"
         if not spec.enabled
         else f"{spec.method}{' ' + spec.draft_model if spec.draft_model else ''} (up to {spec.num_tokens} tokens)",

@@ -28,6 +28,7 @@ import aiohttp
 from ray import serve
 
 from minibatch.daemon.client import request_json
+from minibatch.daemon.pool_settings import PoolSettings
 from minibatch.daemon.server import DaemonConfig
 from minibatch.daemon.server import serve as serve_daemon
 from minibatch.engine.factory import EngineConfig
@@ -94,6 +95,7 @@ class EngineReplica:
             shutdown_timeout=shutdown_timeout,
             request_timeout=request_timeout,
             read_timeout=read_timeout,
+            models=PoolSettings(on_demand=False),  # an application serves one model (README: two models)
         )
         started = threading.Event()
 

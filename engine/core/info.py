@@ -68,6 +68,7 @@ class EngineInfo:
     rope_factors: str | None = None  # LongRoPE: which factors this run rotates with
     speculative: str = "off"  # speculative decoding: off, "ngram (up to K tokens)", "draft MODEL (up to K tokens)"
     memory: WeightFacts | None = None
+    kv_cache_bytes: int = 0  # the KV pool: what it takes once every block is written
 
     def as_dict(self) -> dict:
         """JSON-ready: the fields, with `memory` nested (None fields left out)."""

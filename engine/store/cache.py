@@ -76,8 +76,9 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path(platformdirs.user_cache_dir("minibatch")) / "models"
 
 
-def resolve_model(spec: str = DEFAULT_MODEL, cache_dir: Path | None = None) -> Path:
-    """Return a directory with config.json, safetensors weights and tokenizer files for `spec`."""
+def resolve_model(spec: str = DEFAULT_MODEL, cache_dir: Path | None = None, download: bool = True) -> Path:
+    """Return a directory with config.json, safetensors weights and tokenizer files for `spec`; a hub id
+    not in the local cache is fetched only with `download` (a daemon never fetches for a request)."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     try:
         if spec.startswith("ollama:"):
@@ -113,6 +114,8 @@ def resolve_model(spec: str = DEFAULT_MODEL, cache_dir: Path | None = None) -> P
         try:
             return check_model_dir(sources.resolve_hf(spec))  # the hub cache first: no network needed
         except sources.SourceError:
+            if not download:
+                raise ModelNotFoundError(f"{spec!r} is not in the local Hugging Face cache") from None
             return _from_hub(spec)
     found = ", ".join(m.name for m in sources.found_models()) or "none found"
     raise ModelNotFoundError(
@@ -256,14 +259,20 @@ def list_models(cache_dir: Path | None = None) -> list[ModelEntry]:
         ready = next((p for name, p in converted.items() if name.startswith(gguf.stem + "-")), None)
         entries.append(ModelEntry(model.alias, "builtin", ready, ready is not None, model.description))
     builtin_paths = {e.path for e in entries}
+    builtin_ggufs = set()
+    for model in BUILTIN_MODELS.values():
+        try:
+            builtin_ggufs.add(str(builtin_gguf_path(model)))
+        except ModelNotFoundError:
+            pass
     found = sources.found_models()
     found_paths = {str(m.path) for m in found}
     for name, p in sorted(converted.items()):
         if p in builtin_paths:
             continue
         source = json.loads((p / SOURCE_FILE).read_text())
-        if source.get("gguf") in found_paths:
-            continue  # listed below under its own name
+        if source.get("gguf") in found_paths or source.get("gguf") in builtin_ggufs:
+            continue  # listed under its own name
         entries.append(ModelEntry(source.get("gguf", name), "converted", p, True, f"cached as {name}"))
     from minibatch.engine.gguf.architectures import ARCHITECTURES
     from minibatch.engine.models.config import SUPPORTED_MODEL_TYPES

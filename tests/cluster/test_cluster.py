@@ -174,7 +174,7 @@ def test_conversations_stay_with_their_replica_and_spread_over_both(cluster):
     )
     assert float(hits.split()[-1]) >= 16  # every second turn found its prefix
     for rid in served:
-        assert f'minibatch_requests_total{{replica="{rid}",finish_reason="length"}}' in text
+        assert f'minibatch_requests_total{{replica="{rid}",finish_reason="length",model="' in text
 
 
 def test_engine_views_total_every_replica(cluster):

@@ -35,7 +35,17 @@ def test_health_and_models(daemon, tiny_chat_model_dir):
     assert health["model"] == str(tiny_chat_model_dir) and health["max_model_len"] == 1024
     status, models = daemon.get("/v1/models")
     assert status == 200 and models["object"] == "list"
-    assert [(m["id"], m["object"]) for m in models["data"]] == [(str(tiny_chat_model_dir), "model")]
+    # the served model first, loaded; then what else the machine holds, loaded on first use
+    first, *rest = models["data"]
+    assert (first["id"], first["object"], first["loaded"], first["max_model_len"]) == (
+        str(tiny_chat_model_dir),
+        "model",
+        True,
+        1024,
+    )
+    assert ("smollm2-135m-instruct", False) in [(m["id"], m["loaded"]) for m in rest]
+    assert [m["name"] for m in health["models"]] == [str(tiny_chat_model_dir)]
+    assert health["models"][0]["expires_at"] == "0001-01-01T00:00:00Z"  # the daemon's own stays loaded
 
 
 def test_chat_completion_non_streaming(daemon):
@@ -368,7 +378,8 @@ def test_disconnect_mid_stream_frees_kv(daemon):
 
 
 def test_metrics_prometheus_text(daemon):
-    conn_status, _ = daemon.get("/health")
+    _, health = daemon.get("/health")
+    model = health["model"]
 
     async def go():
         async with session(daemon.socket) as s:
@@ -382,7 +393,8 @@ def test_metrics_prometheus_text(daemon):
         "minibatch_kv_cache_usage_ratio",
         "minibatch_time_to_first_token_seconds_bucket",
         "minibatch_preemptions_total",
-        'minibatch_mode{mode="continuous"}',
+        f'minibatch_mode{{mode="continuous",model="{model}"}} 1.0',  # every series names its model
+        f'minibatch_model_loaded{{model="{model}"}} 1.0',
     ):
         assert name in text, name
 

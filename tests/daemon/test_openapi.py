@@ -41,7 +41,8 @@ def test_request_bodies_are_the_models_the_daemon_validates_with():
 def test_the_served_document_states_the_models_facts():
     doc = document("tiny", 1000)
     props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
-    assert props["model"]["anyOf"][0] == {"enum": ["tiny", "tiny:latest", "default"]}
+    # any name the daemon can serve, loaded on first use (a name it lacks is a 404 listing what it has)
+    assert {"type": "string"} in props["model"]["anyOf"] and "'tiny'" in props["model"]["description"]
     tokens = [v for v in props["prompt"]["anyOf"] if v["type"] == "array" and v["items"].get("type") == "integer"]
     assert tokens and all(v["items"]["maximum"] == 999 and v["items"]["minimum"] == 0 for v in tokens)
 

@@ -249,8 +249,7 @@ def test_check1_random_bytes_and_invalid_json_get_4xx(tiny_daemon, payload):
 ollama_violation = st.one_of(
     st.tuples(
         st.just("messages"),
-        st.one_of(
-            st.just([]),
+        st.one_of(  # (no messages at all is Ollama's load request: valid)
             json_scalar,
             st.lists(
                 st.one_of(
@@ -283,6 +282,14 @@ ollama_violation = st.one_of(
         ),
     ),
     st.tuples(st.just("stream"), st.one_of(st.integers(), st.text(max_size=3))),
+    st.tuples(
+        st.just("keep_alive"),
+        st.one_of(
+            st.booleans(),
+            st.lists(st.integers(), max_size=2),
+            st.sampled_from(["5 minutes", "m5", "1e999", "--1", "forever", "5mm", "inf"]),
+        ),
+    ),
 )
 
 

@@ -1,0 +1,539 @@
+"""The models one daemon serves: loaded by name on first use, several at once, each its own engine, unloaded
+when their keep-alive runs out or another model needs the room.
+
+Every loaded model has its own engine (scheduler, batch, KV pool, mode) and monitor. By default they share
+one step loop (engine/step_loop.py): their steps alternate on one thread, so two models never run two
+OpenMP teams on the same cores at once (BENCHMARKS.md, "Several models", measures it against a thread per
+model, `--engine-loop per-model`). A load runs on the loop's thread too and pauses the other models' steps
+while it builds.
+
+Room: at most `max_loaded` models, and their weights plus KV pools within the memory budget. A model that
+does not fit evicts the least recently used idle one; a model with requests running or waiting is never
+evicted, and the load waits for room up to `load_wait` seconds, then answers 503 naming who holds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import gc
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from minibatch.engine.factory import EngineConfig
+from minibatch.engine.store import sources
+from minibatch.engine.store.cache import BUILTIN_MODELS, ModelNotFoundError, list_models, resolve_model
+
+from .monitor import EngineMonitor, Metrics
+from .pool_settings import DEFAULT_MEMORY_SHARE, PoolSettings, parse_duration
+from .protocol import ApiError
+
+if TYPE_CHECKING:
+    from minibatch.engine.async_engine import AsyncEngine
+    from minibatch.engine.core.info import EngineInfo
+    from minibatch.engine.step_loop import StepLoop
+    from minibatch.engine.text.structured import GrammarCompiler
+    from minibatch.engine.text.tokenizer import TextTokenizer
+
+log = logging.getLogger("minibatch.daemon")
+
+
+def parse_keep_alive(value, field_name: str = "keep_alive") -> float | None:
+    """A request's keep_alive (pool_settings.parse_duration), or a 400 naming the field."""
+    try:
+        return parse_duration(value, field_name)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), field_name, "invalid_value") from None
+
+
+def normal_name(name: str) -> str:
+    """The form two names of one model share: without Ollama's `ollama:` prefix and `:latest` tag."""
+    return name.removeprefix("ollama:").removesuffix(":latest")
+
+
+def spec_of(name: str) -> str:
+    """What resolve_model takes for a requested name: a built-in alias or a models-folder name may carry
+    the `:latest` that Ollama clients add."""
+    base = name.removesuffix(":latest")
+    if base != name and (base in BUILTIN_MODELS or sources.resolve_local(base) or Path(base).expanduser().exists()):
+        return base
+    return name
+
+
+def iso(ts: float | None) -> str:
+    """Ollama's way of writing a time; a model that never expires shows Go's zero time, as Ollama's do."""
+    if ts is None:
+        return "0001-01-01T00:00:00Z"
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def weights_bytes_on_disk(model_dir: Path) -> int:
+    """The model's weight files as stored: what a load of native weights takes, before its KV pool."""
+    source = model_dir / "minibatch-source.json"
+    if source.is_file():
+        gguf = json.loads(source.read_text()).get("gguf")
+        if gguf and Path(gguf).is_file():
+            return Path(gguf).stat().st_size
+    return sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+
+
+def total_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            import os
+
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+@dataclass(eq=False)
+class LoadedModel:
+    """One loaded model: its engine and what the API needs beside it."""
+
+    name: str
+    engine: AsyncEngine
+    tokenizer: TextTokenizer
+    grammars: GrammarCompiler | None
+    info: EngineInfo
+    monitor: EngineMonitor
+    loop: StepLoop
+    load_seconds: float
+    keep_alive: float | None  # this model's default: None while preloaded, else the daemon's --keep-alive
+    names: set[str] = field(default_factory=set)  # normal_name of every name it answers to
+    loaded_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    expires_at: float | None = None  # wall time it unloads once idle; None: never
+    leases: int = 0  # requests holding it
+    loaded: bool = True
+
+    @property
+    def footprint(self) -> int:
+        """Bytes it holds: the weights as loaded and the KV pool."""
+        memory = self.info.memory.loaded_bytes if self.info.memory else 0
+        return memory + self.info.kv_cache_bytes
+
+    @property
+    def busy(self) -> bool:
+        return self.leases > 0 or not self.engine.idle
+
+    def ready_engine(self) -> AsyncEngine:
+        if not self.engine.alive:
+            why = self.engine.fatal_error or "the engine has stopped"
+            raise ApiError(503, f"{self.name}: {why}; see the log", None, "engine_dead", "unavailable")
+        return self.engine
+
+    def touch(self, keep_alive: float | None) -> None:
+        self.last_used = time.monotonic()
+        self.expires_at = None if keep_alive is None else time.time() + keep_alive
+
+    def facts(self) -> dict:
+        """/health's entry for it: the engine's facts and its lifetime."""
+        st = self.engine.state
+        return self.info.as_dict() | {
+            "name": self.name,
+            "mode": st.mode,
+            "running": st.running,
+            "waiting": st.waiting,
+            "alive": self.engine.alive,
+            "loaded_at": iso(self.loaded_at),
+            "load_seconds": round(self.load_seconds, 2),
+            "expires_at": iso(self.expires_at),
+            "memory_bytes": self.footprint,
+        }
+
+
+_UNSET = object()
+
+
+class ModelPool:
+    """The loaded models by name, and the rules that load and unload them."""
+
+    def __init__(self, base: EngineConfig, settings: PoolSettings, loop: asyncio.AbstractEventLoop) -> None:
+        self.base = base
+        self.settings = settings
+        self.loop = loop
+        self.default_name = base.model
+        self.models: dict[str, LoadedModel] = {}
+        self.loading: dict[str, asyncio.Future] = {}
+        self.failed: dict[str, str] = {}  # the last load error by name
+        self.metrics = Metrics()
+        self.lost = asyncio.Event()  # an engine lost its device: the daemon exits
+        self.lost_error: str | None = None
+        self._load_lock = asyncio.Lock()
+        self._room = asyncio.Event()
+        self._shared: StepLoop | None = None
+        self._budget: int | None = settings.memory_bytes
+        self._expiry: asyncio.Task | None = None
+
+    # -- finding ---------------------------------------------------------------
+    def find(self, name: str | None) -> LoadedModel | None:
+        """The loaded model a request's name means (none or "default": the daemon's own), if loaded."""
+        want = normal_name(self.default_name if name in (None, "", "default") else name)
+        for m in self.models.values():
+            if want in m.names:
+                return m
+        return None
+
+    def default(self) -> LoadedModel | None:
+        """The model the engine endpoints show without ?model=: the daemon's own, else the latest used."""
+        m = self.find(None)
+        if m is not None:
+            return m
+        return max(self.models.values(), key=lambda m: m.last_used, default=None)
+
+    def served(self, name: str | None) -> LoadedModel:
+        """A loaded model for the engine endpoints (?model=), or 404/503 saying what is loaded."""
+        m = self.find(name) if name else self.default()
+        if m is not None:
+            return m
+        loaded = ", ".join(sorted(self.models)) or "none"
+        if name:
+            raise ApiError(404, f"model {name!r} is not loaded (loaded: {loaded})", "model", "model_not_loaded")
+        if self.loading:
+            raise ApiError(503, "the model is still loading", None, "not_ready", "unavailable", {"Retry-After": "2"})
+        raise ApiError(503, "no model is loaded; a request loads one by name", None, "no_model_loaded", "unavailable")
+
+    # -- loading ---------------------------------------------------------------
+    async def get(self, name: str | None) -> LoadedModel:
+        """The model a request names, loaded now if it is not (the request waits for the load)."""
+        while True:
+            m = self.find(name)
+            if m is not None:
+                return m
+            requested = self.default_name if name in (None, "", "default") else name
+            if not self.settings.on_demand and normal_name(requested) != normal_name(self.default_name):
+                raise ApiError(
+                    404,
+                    f"model {requested!r} does not exist; this daemon serves {self.default_name!r}",
+                    "model",
+                    "model_not_found",
+                )
+            key = normal_name(requested)
+            fut = self.loading.get(key)
+            if fut is None:
+                fut = self.loading[key] = asyncio.ensure_future(self._load(requested))
+                fut.add_done_callback(lambda _f, k=key: self.loading.pop(k, None))
+            m = await asyncio.shield(fut)
+            if m.loaded:  # (an eviction may have taken it between the load and this task's turn)
+                return m
+
+    @asynccontextmanager
+    async def lease(self, name: str | None, keep_alive=_UNSET) -> AsyncIterator[LoadedModel]:
+        """The model, held for one request: never evicted meanwhile; its keep-alive restarts at the end
+        (`keep_alive`: the request's own, else the model's)."""
+        m = await self.get(name)  # (loaded: nothing runs between its return and the lease)
+        m.leases += 1
+        try:
+            yield m
+        finally:
+            m.leases -= 1
+            m.touch(m.keep_alive if keep_alive is _UNSET else keep_alive)
+            self._room.set()
+            if m.expires_at is not None and m.expires_at <= time.time() and m.leases == 0:
+                asyncio.ensure_future(self._unload_when_idle(m, "keep_alive 0"))
+
+    def loaded_or_loading(self, name: str | None) -> bool:
+        return self.find(name) is not None or normal_name(name or self.default_name) in self.loading
+
+    def model_config(self, spec: str) -> EngineConfig:
+        """The engine options of `spec`: the daemon's, with its KV rule for several models on a GPU."""
+        cfg = dataclasses.replace(self.base, model=spec)
+        if cfg.kv_cache_gb is None and cfg.kv_cache_tokens is None and cfg.kv_cache_fraction is None:
+            if self._device() == "cuda":  # each model takes its share of the free memory at its load
+                from minibatch.engine.factory import DEFAULT_KV_FRACTION
+
+                cfg.kv_cache_fraction = DEFAULT_KV_FRACTION["cuda"] / self.settings.max_loaded
+        return cfg
+
+    def _device(self) -> str:
+        if self.base.device != "auto":
+            return self.base.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def budget(self) -> int:
+        """The memory the loaded models' weights and KV pools may take together."""
+        if self._budget is None:
+            if self._device() == "cuda":
+                import torch
+
+                total, what = torch.cuda.mem_get_info()[1], "GPU memory"
+            else:
+                total, what = total_memory_bytes(), "memory"
+            self._budget = int(total * DEFAULT_MEMORY_SHARE)
+            log.info(
+                "models may take %.1f GiB (%g of the %s; --models-memory-gb sets it), %d loaded at most",
+                self._budget / 2**30,
+                DEFAULT_MEMORY_SHARE,
+                what,
+                self.settings.max_loaded,
+            )
+        return self._budget
+
+    async def _load(self, requested: str) -> LoadedModel:
+        async with self._load_lock:
+            m = self.find(requested)  # loaded meanwhile, under another of its names
+            if m is not None:
+                return m
+            spec = spec_of(requested)
+            try:
+                model_dir = await asyncio.to_thread(resolve_model, spec, None, False)
+            except ModelNotFoundError as exc:
+                message = str(exc)
+                if "On this machine" not in message:
+                    names = ", ".join(e.name for e in list_models() if e.ready) or "none"
+                    message += f"; models here: {names}"
+                raise ApiError(
+                    404, f"model {requested!r} does not exist here: {message}", "model", "model_not_found"
+                ) from None
+            for m in self.models.values():  # another name of a loaded model
+                if m.info.model_dir == str(model_dir):
+                    m.names.add(normal_name(requested))
+                    return m
+            await self._make_room(requested, weights_bytes_on_disk(Path(model_dir)))
+            m = await self._build(requested, spec)
+            await self._fit(m)
+            return m
+
+    async def _build(self, name: str, spec: str) -> LoadedModel:
+        from minibatch.engine.step_loop import StepLoop
+
+        if self.settings.engine_loop == "shared":
+            if self._shared is None or not self._shared.alive:
+                self._shared = StepLoop()
+                self._shared.start()
+            loop = self._shared
+        else:
+            loop = StepLoop(name=f"minibatch-engine-{len(self.models)}", private=True)
+            loop.start()
+        config = self.model_config(spec)
+        log.info("loading model %s", name)
+        started = time.perf_counter()
+        try:
+            engine, tokenizer = await asyncio.wrap_future(loop.call(lambda: _build_engine(config)))
+        except Exception as exc:
+            if loop.private:
+                loop.stop()
+            self.failed[normal_name(name)] = why = f"{type(exc).__name__}: {exc}"
+            log.error("could not load model %s: %s", name, why)
+            raise ApiError(
+                500, f"model {name!r} could not be loaded: {why}", "model", "model_load_failed", "server_error"
+            ) from None
+        self.failed.pop(normal_name(name), None)
+        monitor = EngineMonitor(self.loop, name, self.metrics)
+        engine.stats_listeners.append(monitor.on_step_threadsafe)
+        info = engine.info
+        m = LoadedModel(
+            name=name,
+            engine=engine,
+            tokenizer=tokenizer,
+            grammars=_grammar_compiler(engine, tokenizer),
+            info=info,
+            monitor=monitor,
+            loop=loop,
+            load_seconds=time.perf_counter() - started,
+            keep_alive=self.settings.keep_alive,
+            names={normal_name(name), normal_name(info.model_dir)},
+        )
+        engine.on_detach.append(lambda: self.loop.call_soon_threadsafe(self._detached, m))
+        loop.attach(engine)
+        m.touch(m.keep_alive)
+        self.models[name] = m
+        self.metrics.loaded.labels(name).set(1)
+        for mode in ("continuous", "static"):
+            self.metrics.mode.labels(name, mode).set(1 if engine.mode == mode else 0)
+        self.metrics.load_seconds.labels(name).set(m.load_seconds)
+        self.metrics.memory.labels(name).set(m.footprint)
+        log.info(
+            "ready in %.1f s: %s (%s, %.0f MB, KV %.0f MB) on %s (%s), %d KV blocks of %d tokens (%s), mode %s, "
+            "speculative %s",
+            m.load_seconds,
+            name,
+            info.weights,
+            info.memory.loaded_bytes / 1e6 if info.memory else 0,
+            info.kv_cache_bytes / 1e6,
+            info.device,
+            info.dtype,
+            info.num_kv_blocks,
+            info.block_size,
+            info.kv_budget,
+            engine.mode,
+            info.speculative,
+        )
+        return m
+
+    async def preload(self, names: list[str]) -> None:
+        """Load the start's models (the first is the daemon's own); they stay loaded until evicted or
+        unloaded by a request's keep_alive."""
+        for name in names:
+            m = await self.get(name)
+            m.keep_alive = None
+            m.touch(None)
+
+    def _holders(self) -> str:
+        return ", ".join(
+            f"{m.name} ({m.engine.state.running} running, {m.engine.state.waiting} waiting, "
+            f"{m.footprint / 2**20:.0f} MB)"
+            for m in self.models.values()
+        )
+
+    async def _make_room(self, name: str, estimate: int) -> None:
+        """Unload idle models, least recently used first, until `name` fits; wait for busy ones to finish."""
+        budget = self.budget()
+        if estimate > budget:
+            raise ApiError(
+                503,
+                f"model {name!r} needs about {estimate / 2**30:.1f} GiB, more than the models' memory budget of "
+                f"{budget / 2**30:.1f} GiB (--models-memory-gb)",
+                "model",
+                "model_too_large",
+                "unavailable",
+            )
+        deadline = time.monotonic() + self.settings.load_wait
+        while True:
+            used = sum(m.footprint for m in self.models.values())
+            if len(self.models) < self.settings.max_loaded and used + estimate <= budget:
+                return
+            idle = [m for m in self.models.values() if not m.busy]
+            if idle:
+                await self.unload(min(idle, key=lambda m: m.last_used), f"to make room for {name}")
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ApiError(
+                    503,
+                    f"no room to load model {name!r}: {self._holders()} hold it, every one busy "
+                    f"(--max-loaded-models {self.settings.max_loaded}, memory budget {budget / 2**30:.1f} GiB); "
+                    f"waited {self.settings.load_wait:g} s",
+                    "model",
+                    "no_room",
+                    "unavailable",
+                    {"Retry-After": "5"},
+                )
+            self._room.clear()
+            try:
+                await asyncio.wait_for(self._room.wait(), min(left, 1.0))
+            except TimeoutError:
+                pass
+
+    async def _fit(self, new: LoadedModel) -> None:
+        """After a load: its real footprint may exceed the estimate; unload idle others until all fit."""
+        budget = self.budget()
+        while sum(m.footprint for m in self.models.values()) > budget:
+            idle = [m for m in self.models.values() if m is not new and not m.busy]
+            if not idle:
+                log.warning("the loaded models take more than the memory budget: %s", self._holders())
+                return
+            await self.unload(min(idle, key=lambda m: m.last_used), f"to make room for {new.name}")
+
+    # -- unloading -------------------------------------------------------------
+    async def unload(self, m: LoadedModel, why: str) -> None:
+        """Stop its engine and return its memory (the requests it still has end with an error)."""
+        if not m.loaded:
+            return
+        m.loaded = False
+        self.models.pop(m.name, None)
+        before = rss_bytes()
+        if not m.engine.idle:
+            m.engine.abort_all(f"model {m.name} was unloaded ({why})")
+        await asyncio.to_thread(m.engine.shutdown)
+        self.metrics.forget(m.name)
+        m.monitor.close()
+        m.engine.stats_listeners.clear()
+        await asyncio.to_thread(_collect)
+        log.info("unloaded %s (%s): RSS %.0f -> %.0f MB", m.name, why, before / 2**20, rss_bytes() / 2**20)
+        self._room.set()
+
+    async def _unload_when_idle(self, m: LoadedModel, why: str) -> None:
+        while m.loaded and not m.engine.idle and m.leases == 0:
+            await asyncio.sleep(0.05)
+        if m.loaded and m.leases == 0 and m.expires_at is not None and m.expires_at <= time.time():
+            await self.unload(m, why)
+
+    def _detached(self, m: LoadedModel) -> None:
+        """On the event loop: a model's engine left its loop; a lost device ends the daemon."""
+        if m.engine.fatal_error is not None:
+            self.lost_error = f"{m.name}: {m.engine.fatal_error}"
+            self.lost.set()
+
+    def start_expiry(self) -> None:
+        self._expiry = asyncio.ensure_future(self._expire())
+
+    async def _expire(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.time()
+            for m in list(self.models.values()):
+                if m.expires_at is not None and m.expires_at <= now and not m.busy:
+                    await self.unload(m, "keep_alive expired")
+
+    # -- the whole daemon ------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        return all(m.engine.idle for m in self.models.values())
+
+    def abort_all(self, error: str) -> None:
+        for m in self.models.values():
+            m.engine.abort_all(error)
+
+    async def close(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        for m in list(self.models.values()):
+            m.loaded = False
+            await asyncio.to_thread(m.engine.shutdown)
+        self.models.clear()
+        if self._shared is not None:
+            self._shared.stop()
+
+
+def _build_engine(config: EngineConfig):
+    """On the step loop's thread: the engine and its tokenizer."""
+    from minibatch.engine.async_engine import AsyncEngine
+    from minibatch.engine.factory import build_engine
+
+    engine = build_engine(config)
+    return AsyncEngine(engine), engine.tokenizer
+
+
+def _grammar_compiler(engine, tokenizer):
+    """What compiles response formats for this model (its vocabulary is read on first use), or None."""
+    from minibatch.engine.text.structured import GrammarCompiler
+
+    if not tokenizer.has_tokenizer_json:
+        return None
+    return GrammarCompiler(tokenizer.tokenizer_json, engine.info.vocab_size, list(engine.info.eos_token_ids))
+
+
+def _collect() -> None:
+    """An unloaded model's memory back to the OS: its cycles collected, the heap trimmed, a GPU's cache freed."""
+    from minibatch.engine.heap import release_free_memory
+
+    gc.collect()
+    release_free_memory()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,58 @@
+"""How many models a daemon keeps loaded, for how long and in how much memory: the settings the CLI, the
+cluster and daemon/models.py share, and Ollama's keep_alive durations. Light to import (the CLI reads it)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+DEFAULT_KEEP_ALIVE = 300.0  # seconds a model loaded on demand stays after its last request (Ollama's 5m)
+DEFAULT_MAX_LOADED = 3  # Ollama's default on a CPU
+DEFAULT_MEMORY_SHARE = 0.8  # of the machine's memory (a GPU's, on a GPU), when no --models-memory-gb is given
+DEFAULT_LOAD_WAIT = 60.0  # seconds a load waits for a busy model to free the room
+ENGINE_LOOPS = ("shared", "per-model")
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value, field_name: str = "keep_alive") -> float | None:
+    """Seconds a model stays loaded after a request, as Ollama reads keep_alive: a number of seconds or a
+    duration ("5m", "1h30m", "250ms"); 0 unloads after the request; negative keeps it loaded (None)."""
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f'{field_name}: a duration such as "5m" or a number of seconds, got {value!r}')
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        text = str(value).strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text)
+            parts = _DURATION.findall(body)
+            if not parts or "".join(n + u for n, u in parts) != body:
+                raise ValueError(
+                    f'{field_name}: {value!r} is not a duration (say "5m", "30s", "1h", 0 or -1)'
+                ) from None
+            seconds = sign * sum(float(n) * _UNIT[u] for n, u in parts)
+    if not math.isfinite(seconds):
+        raise ValueError(f"{field_name}: must be finite, got {value!r}")
+    return None if seconds < 0 else seconds
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    on_demand: bool = True  # False: only the preloaded models answer (a cluster replica serves one)
+    max_loaded: int = DEFAULT_MAX_LOADED
+    memory_bytes: int | None = None  # None: DEFAULT_MEMORY_SHARE of the device's memory
+    keep_alive: float | None = DEFAULT_KEEP_ALIVE  # for models loaded on demand; None: until evicted
+    load_wait: float = DEFAULT_LOAD_WAIT
+    engine_loop: str = "shared"
+
+    def __post_init__(self) -> None:
+        if self.max_loaded < 1:
+            raise ValueError(f"max_loaded_models must be at least 1, got {self.max_loaded}")
+        if self.engine_loop not in ENGINE_LOOPS:
+            raise ValueError(f"engine_loop must be one of {', '.join(ENGINE_LOOPS)}, got {self.engine_loop!r}")
+        if self.memory_bytes is not None and self.memory_bytes <= 0:
+            raise ValueError(f"models_memory_gb must be positive, got {self.memory_bytes / 2**30:g}")
