@@ -185,6 +185,7 @@ class ModelPool:
         self._shared: StepLoop | None = None
         self._budget: int | None = settings.memory_bytes
         self._expiry: asyncio.Task | None = None
+        self._collect_after: tuple[str, str, int] | None = None  # an unloaded model whose memory is to free
 
     # -- finding ---------------------------------------------------------------
     def find(self, name: str | None) -> LoadedModel | None:
@@ -308,6 +309,8 @@ class ModelPool:
                 raise ApiError(
                     404, f"model {requested!r} does not exist here: {message}", "model", "model_not_found"
                 ) from None
+            except Exception as exc:  # a file that is there but cannot be read as a model
+                raise self._failed(requested, exc) from None
             for m in self.models.values():  # another name of a loaded model
                 if m.info.model_dir == str(model_dir):
                     m.names.add(normal_name(requested))
@@ -336,11 +339,7 @@ class ModelPool:
         except Exception as exc:
             if loop.private:
                 loop.stop()
-            self.failed[normal_name(name)] = why = f"{type(exc).__name__}: {exc}"
-            log.error("could not load model %s: %s", name, why)
-            raise ApiError(
-                500, f"model {name!r} could not be loaded: {why}", "model", "model_load_failed", "server_error"
-            ) from None
+            raise self._failed(name, exc) from None
         self.failed.pop(normal_name(name), None)
         monitor = EngineMonitor(self.loop, name, self.metrics)
         engine.stats_listeners.append(monitor.on_step_threadsafe)
@@ -383,6 +382,12 @@ class ModelPool:
             info.speculative,
         )
         return m
+
+    def _failed(self, name: str, exc: Exception) -> ApiError:
+        """A model that cannot be loaded: logged, kept for /health, answered naming it and why."""
+        self.failed[normal_name(name)] = why = f"{type(exc).__name__}: {exc}"
+        log.error("could not load model %s: %s", name, why)
+        return ApiError(500, f"model {name!r} could not be loaded: {why}", "model", "model_load_failed", "server_error")
 
     async def preload(self, names: list[str]) -> None:
         """Load the start's models (the first is the daemon's own); they stay loaded until evicted or
@@ -462,8 +467,9 @@ class ModelPool:
         self.metrics.forget(m.name)
         m.monitor.close()
         m.engine.stats_listeners.clear()
-        await asyncio.to_thread(_collect)
-        log.info("unloaded %s (%s): RSS %.0f -> %.0f MB", m.name, why, before / 2**20, rss_bytes() / 2**20)
+        # Its memory is freed by the next expiry tick, once the requests' frames that saw it have ended.
+        self._collect_after = (m.name, why, before)
+        log.info("unloaded %s (%s)", m.name, why)
         self._room.set()
 
     async def _unload_when_idle(self, m: LoadedModel, why: str) -> None:
@@ -484,10 +490,19 @@ class ModelPool:
     async def _expire(self) -> None:
         while True:
             await asyncio.sleep(0.5)
-            now = time.time()
-            for m in list(self.models.values()):
-                if m.expires_at is not None and m.expires_at <= now and not m.busy:
-                    await self.unload(m, "keep_alive expired")
+            await self._expire_once()
+            if self._collect_after is not None:
+                name, why, before = self._collect_after
+                self._collect_after = None
+                await asyncio.to_thread(_collect)
+                log.info("%s's memory returned: RSS %.0f -> %.0f MB", name, before / 2**20, rss_bytes() / 2**20)
+
+    async def _expire_once(self) -> None:
+        """(Its own coroutine: no model stays referenced from the sleeping loop's frame.)"""
+        now = time.time()
+        for m in [m for m in self.models.values() if m.expires_at is not None and m.expires_at <= now]:
+            if not m.busy:
+                await self.unload(m, "keep_alive expired")
 
     # -- the whole daemon ------------------------------------------------------
     @property

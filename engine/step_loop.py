@@ -93,16 +93,7 @@ class StepLoop:
             self.iterations += 1
             self.wake.clear()
             self._run_jobs()
-            wait = math.inf
-            for engine in list(self._engines):
-                if engine.stop_requested:
-                    self._detach(engine)
-                    continue
-                w = engine.turn()
-                if engine.fatal_error is not None:  # a lost device: this engine steps no more
-                    self._detach(engine)
-                    continue
-                wait = 0.0 if w is None else min(wait, w)
+            wait = self._round()
             if wait > 0 and not self._stop.is_set():
                 self.wake.wait(None if wait == math.inf else wait)
         for engine in list(self._engines):
@@ -111,6 +102,21 @@ class StepLoop:
             _, fut = self._jobs.popleft()
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(RuntimeError("the step loop has stopped"))
+
+    def _round(self) -> float:
+        """One turn of every engine; how long the loop may sleep. (A method of its own: a detached engine
+        must not stay referenced from the loop's frame while it sleeps, or its memory is never freed.)"""
+        wait = math.inf
+        for engine in list(self._engines):
+            if engine.stop_requested:
+                self._detach(engine)
+                continue
+            w = engine.turn()
+            if engine.fatal_error is not None:  # a lost device: this engine steps no more
+                self._detach(engine)
+                continue
+            wait = 0.0 if w is None else min(wait, w)
+        return wait
 
     def _detach(self, engine: AsyncEngine) -> None:
         self._engines.remove(engine)
