@@ -31,7 +31,7 @@ from minibatch.engine.factory import EngineConfig
 from minibatch.engine.store import sources
 from minibatch.engine.store.cache import BUILTIN_MODELS, ModelNotFoundError, list_models, resolve_model
 
-from .monitor import EngineMonitor, Metrics
+from .monitor import EngineMonitor, Metrics, StepSignal
 from .pool_settings import DEFAULT_MEMORY_SHARE, PoolSettings, parse_duration
 from .protocol import ApiError
 
@@ -178,6 +178,7 @@ class ModelPool:
         self.loading: dict[str, asyncio.Future] = {}
         self.failed: dict[str, str] = {}  # the last load error by name
         self.metrics = Metrics()
+        self.signal = StepSignal()  # any model stepped, loaded or unloaded: the event streams look again
         self.lost = asyncio.Event()  # an engine lost its device: the daemon exits
         self.lost_error: str | None = None
         self._load_lock = asyncio.Lock()
@@ -234,7 +235,8 @@ class ModelPool:
             fut = self.loading.get(key)
             if fut is None:
                 fut = self.loading[key] = asyncio.ensure_future(self._load(requested))
-                fut.add_done_callback(lambda _f, k=key: self.loading.pop(k, None))
+                fut.add_done_callback(lambda _f, k=key: (self.loading.pop(k, None), self.signal.bump()))
+                self.signal.bump()  # the chat's panel shows it loading
             m = await asyncio.shield(fut)
             if m.loaded:  # (an eviction may have taken it between the load and this task's turn)
                 return m
@@ -341,7 +343,7 @@ class ModelPool:
                 loop.stop()
             raise self._failed(name, exc) from None
         self.failed.pop(normal_name(name), None)
-        monitor = EngineMonitor(self.loop, name, self.metrics)
+        monitor = EngineMonitor(self.loop, name, self.metrics, self.signal)
         engine.stats_listeners.append(monitor.on_step_threadsafe)
         info = engine.info
         m = LoadedModel(
@@ -360,6 +362,7 @@ class ModelPool:
         loop.attach(engine)
         m.touch(m.keep_alive)
         self.models[name] = m
+        self.signal.bump()
         self.metrics.loaded.labels(name).set(1)
         for mode in ("continuous", "static"):
             self.metrics.mode.labels(name, mode).set(1 if engine.mode == mode else 0)

@@ -72,15 +72,37 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+class StepSignal:
+    """Wakes every event stream when any model steps (a stream shows one model, and every model's bars)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self._event = asyncio.Event()
+
+    def bump(self) -> None:
+        self.version += 1
+        self._event.set()
+
+    async def wait(self) -> None:
+        self._event.clear()
+        await self._event.wait()
+
+
 class EngineMonitor:
     """One model's engine as the API shows it: its steps' rates, the stats snapshot and its events."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, model: str = "", metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        model: str = "",
+        metrics: Metrics | None = None,
+        signal: StepSignal | None = None,
+    ) -> None:
         self.loop = loop
         self.model = model
+        self.signal = signal or StepSignal()
         self.steps: deque[StepStats] = deque(maxlen=600)
         self.version = 0
-        self._changed = asyncio.Event()
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
         self.requests_finished = 0
@@ -121,7 +143,7 @@ class EngineMonitor:
         self.c_wasted.inc(s.padding_rows)
         self.c_draft.inc(s.draft_tokens)
         self.c_accepted.inc(s.accepted_tokens)
-        self._changed.set()
+        self.signal.bump()
 
     def on_request_done(self, m: RequestMetrics | None, finish_reason: str | None) -> None:
         self.metrics.requests.labels(self.model, finish_reason or "error").inc()
@@ -230,23 +252,23 @@ class EngineMonitor:
     async def events(self, engine, others=None) -> AsyncIterator[dict]:
         """The current state at once, then the latest step whenever it changes, at most every
         EVENT_INTERVAL (steps in between coalesce into the next event); ends once the model is unloaded.
-        `others()`: every loaded model's summary, carried in each event as `models`."""
+        `others()`: every loaded model's summary, carried in each event as `models` (an event then also
+        comes when another model steps)."""
         extra = (lambda: {"models": others()}) if others else dict
         yield self.latest_or_idle(engine) | extra()
-        seen = self.version
+        seen, seen_any = self.version, self.signal.version
         while not self.closed:
-            if self.version == seen or not self.steps:
-                self._changed.clear()
-                await self._changed.wait()
+            if self.version == seen and (others is None or self.signal.version == seen_any):
+                await self.signal.wait()
                 continue
-            seen = self.version
-            yield self.event() | extra()
+            seen, seen_any = self.version, self.signal.version
+            yield self.latest_or_idle(engine) | extra()
             await asyncio.sleep(EVENT_INTERVAL)
 
     def close(self) -> None:
         """The model is unloaded: its event streams end."""
         self.closed = True
-        self._changed.set()
+        self.signal.bump()
 
     def latest_or_idle(self, engine) -> dict:
         return self.event() if self.steps else self.idle_event(engine)

@@ -15,7 +15,9 @@ from .client import DaemonUnavailable
 from .frames import FRAME_MIN_S, PANEL_S, POLL_S, pace
 from .history import History, PaneSettings
 from .messages import PaneSubmitted, RequestOwner, TurnFinished
+from .names import short_model_name
 from .screens.help import HelpScreen
+from .screens.models import ModelScreen
 from .screens.settings import SettingsScreen
 from .widgets.chat_pane import PANE_COLORS, ChatPane
 from .widgets.engine_panel import EnginePanel
@@ -34,6 +36,7 @@ class MinibatchChat(App):
         Binding("ctrl+t", "toggle_mode", "static⇄continuous", priority=True),
         Binding("ctrl+g", "toggle_timeline", "timeline", priority=True),
         Binding("ctrl+s", "settings", "settings", priority=True),
+        Binding("ctrl+o", "pick_model", "model", priority=True),
         Binding("ctrl+l", "clear_pane", "clear", priority=True),
         Binding("escape", "cancel", "stop answer"),
         Binding("f1,question_mark", "help", "help"),
@@ -57,6 +60,7 @@ class MinibatchChat(App):
         self.owners: dict[str, int] = {}  # request id -> pane index, for the block map
         self.request_panes: dict[str, int] = {}  # every request id seen -> pane index, for the timeline (bounded)
         self.mode: str | None = None
+        self.view_model: str | None = None  # the model the panel shows: the focused pane's (None: the daemon's own)
 
     # -- layout -----------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -205,8 +209,45 @@ class MinibatchChat(App):
                 pane.settings = settings
                 pane.refresh_title()
                 self.history.save_settings(pane.pane_id, settings)
+                self.follow(pane)
 
         self.push_screen(SettingsScreen(pane.settings, f"pane {pane.index + 1} settings"), apply)
+
+    @work(group="models")
+    async def action_pick_model(self) -> None:
+        """The focused pane's model, picked from what the daemon lists (loaded ones marked)."""
+        pane = self.focused_pane()
+        try:
+            models = await self.client.models()
+        except DaemonUnavailable as exc:
+            self.notify(f"cannot list the models: {exc}", severity="error")
+            return
+
+        def apply(picked: str | None) -> None:
+            if picked is None:
+                return
+            pane.settings.model = picked or None
+            pane.refresh_title()
+            self.history.save_settings(pane.pane_id, pane.settings)
+            self.follow(pane)
+            if picked and not any(m["id"] == picked and m.get("loaded") for m in models):
+                pane.set_status(f"[dim]{picked} loads with the first message[/]")
+
+        self.push_screen(ModelScreen(models, pane.settings.model, f"pane {pane.index + 1}: model"), apply)
+
+    def on_descendant_focus(self) -> None:
+        self.follow(self.focused_pane())
+
+    def follow(self, pane: ChatPane) -> None:
+        """The panel, its block map and timeline show the focused pane's model."""
+        model = pane.settings.model
+        if model == self.view_model:
+            return
+        self.view_model = model
+        self.panel.timeline.clear()
+        self.watch_events()  # (exclusive: the stream of the previous model ends)
+        if self.panel.showing_timeline:
+            self.poll_steps()
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
@@ -236,8 +277,9 @@ class MinibatchChat(App):
         panel = self.panel
         while True:
             try:
-                async for event in self.client.events():
-                    if not panel.connected:
+                async for event in self.client.events(self.view_model):
+                    if not panel.connected or event.get("model") != panel.shown_model:
+                        panel.shown_model = event.get("model")
                         await self.show_model(panel)
                         for pane in self.panes():
                             if not pane.busy:
@@ -257,7 +299,9 @@ class MinibatchChat(App):
             h = await self.client.health()
         except DaemonUnavailable:
             return
-        panel.border_subtitle = " · ".join(str(h[k]) for k in ("model", "weights", "device") if h.get(k))
+        facts = next((m for m in h.get("models", []) if m.get("name") == panel.shown_model), h)
+        name = short_model_name(facts.get("name") or facts.get("model") or "")
+        panel.border_subtitle = " · ".join(str(v) for v in (name, facts.get("weights"), facts.get("device")) if v)
         panel.set_target(getattr(self.client, "target", ""))
 
     @work(exclusive=True, group="blocks")
@@ -265,7 +309,7 @@ class MinibatchChat(App):
         panel = self.panel
         while True:
             try:
-                panel.update_blocks(await self.client.blocks(), self.owners)
+                panel.update_blocks(await self.client.blocks(self.view_model), self.owners)
             except DaemonUnavailable:
                 pass
             await asyncio.sleep(self.poll_interval)
@@ -276,7 +320,9 @@ class MinibatchChat(App):
         panel = self.panel
         while panel.showing_timeline:
             try:
-                panel.timeline.add(await self.client.steps(panel.timeline.last_step), self.request_panes)
+                panel.timeline.add(
+                    await self.client.steps(panel.timeline.last_step, self.view_model), self.request_panes
+                )
             except DaemonUnavailable:
                 pass
             await asyncio.sleep(self.poll_interval)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from urllib.parse import quote
 
 import aiohttp
 
@@ -63,20 +64,25 @@ class DaemonClient:
     async def health(self) -> dict:
         return await self._json("GET", "/health")
 
+    async def models(self) -> list[dict]:
+        """Every model the daemon can serve: [{id, loaded, ...}], the loaded ones first."""
+        return (await self._json("GET", "/v1/models"))["data"]
+
     async def set_mode(self, mode: str) -> dict:
+        """Every loaded model's batching mode."""
         return await self._json("PUT", "/v1/engine/mode", {"mode": mode})
 
-    async def blocks(self) -> dict:
-        return await self._json("GET", "/v1/engine/blocks")
+    async def blocks(self, model: str | None = None) -> dict:
+        return await self._json("GET", "/v1/engine/blocks" + _model_query(model, "?"))
 
-    async def steps(self, since: int = 0) -> dict:
-        """The engine's step records after step `since` (the batch timeline)."""
-        return await self._json("GET", f"/v1/engine/steps?since={since}")
+    async def steps(self, since: int = 0, model: str | None = None) -> dict:
+        """The engine's step records after step `since` (the batch timeline) of `model` (None: the daemon's own)."""
+        return await self._json("GET", f"/v1/engine/steps?since={since}" + _model_query(model, "&"))
 
-    async def events(self) -> AsyncIterator[dict]:
-        """Engine step events until the connection drops (then DaemonUnavailable)."""
+    async def events(self, model: str | None = None) -> AsyncIterator[dict]:
+        """Engine step events of `model` until the connection drops (then DaemonUnavailable)."""
         try:
-            async with self._s().get("/v1/engine/events") as r:
+            async with self._s().get("/v1/engine/events" + _model_query(model, "?")) as r:
                 if r.status != 200:
                     raise DaemonUnavailable(f"events: HTTP {r.status}")
                 async for line in r.content:
@@ -115,3 +121,7 @@ class DaemonClient:
                         )
         except (aiohttp.ClientConnectionError, OSError) as exc:
             raise DaemonUnavailable(str(exc)) from exc
+
+
+def _model_query(model: str | None, sep: str) -> str:
+    return f"{sep}model={quote(model, safe='')}" if model else ""

@@ -15,7 +15,8 @@ CREATE TABLE IF NOT EXISTS panes (
     temperature REAL NOT NULL DEFAULT 0.7,
     top_p REAL NOT NULL DEFAULT 0.95,
     max_tokens INTEGER NOT NULL DEFAULT 512,
-    seed INTEGER
+    seed INTEGER,
+    model TEXT
 );
 CREATE TABLE IF NOT EXISTS messages (
     id INTEGER PRIMARY KEY,
@@ -34,11 +35,14 @@ class PaneSettings:
     top_p: float = 0.95
     max_tokens: int = 512
     seed: int | None = None
+    model: str | None = None  # the pane's model (any the daemon lists); None: the daemon's own
 
     def request_params(self) -> dict:
         params = {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens}
         if self.seed is not None:
             params["seed"] = self.seed
+        if self.model is not None:
+            params["model"] = self.model
         return params
 
 
@@ -56,42 +60,50 @@ class History:
         self.db = sqlite3.connect(str(path))
         self.db.execute("PRAGMA foreign_keys = ON")
         self.db.executescript(SCHEMA)
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(panes)")}
+        if "model" not in columns:  # a history from before panes had their model
+            with self.db:
+                self.db.execute("ALTER TABLE panes ADD COLUMN model TEXT")
 
     def close(self) -> None:
         self.db.close()
 
     def panes(self) -> list[StoredPane]:
         rows = self.db.execute(
-            "SELECT id, system_prompt, temperature, top_p, max_tokens, seed FROM panes ORDER BY position, id"
+            "SELECT id, system_prompt, temperature, top_p, max_tokens, seed, model FROM panes ORDER BY position, id"
         ).fetchall()
         out = []
-        for pid, sp, t, p, m, seed in rows:
+        for pid, sp, t, p, m, seed, model in rows:
             msgs = self.db.execute(
                 "SELECT role, content FROM messages WHERE pane_id = ? ORDER BY id", (pid,)
             ).fetchall()
-            out.append(StoredPane(pid, PaneSettings(sp, t, p, m, seed), [{"role": r, "content": c} for r, c in msgs]))
+            out.append(
+                StoredPane(pid, PaneSettings(sp, t, p, m, seed, model), [{"role": r, "content": c} for r, c in msgs])
+            )
         return out
 
     def new_pane(self, position: int, settings: PaneSettings | None = None) -> int:
         s = asdict(settings or PaneSettings())
         with self.db:
             cur = self.db.execute(
-                "INSERT INTO panes (position, system_prompt, temperature, top_p, max_tokens, seed) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (position, s["system_prompt"], s["temperature"], s["top_p"], s["max_tokens"], s["seed"]),
+                "INSERT INTO panes (position, system_prompt, temperature, top_p, max_tokens, seed, model) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (position, s["system_prompt"], s["temperature"], s["top_p"], s["max_tokens"], s["seed"], s["model"]),
             )
         return int(cur.lastrowid)
 
     def save_settings(self, pane_id: int, settings: PaneSettings) -> None:
         with self.db:
             self.db.execute(
-                "UPDATE panes SET system_prompt = ?, temperature = ?, top_p = ?, max_tokens = ?, seed = ? WHERE id = ?",
+                "UPDATE panes SET system_prompt = ?, temperature = ?, top_p = ?, max_tokens = ?, seed = ?, model = ? "
+                "WHERE id = ?",
                 (
                     settings.system_prompt,
                     settings.temperature,
                     settings.top_p,
                     settings.max_tokens,
                     settings.seed,
+                    settings.model,
                     pane_id,
                 ),
             )

@@ -51,6 +51,11 @@ class FakeClient:
         self.connected = True
         self.next_id = 0
         self.release = asyncio.Event()
+        self.listed = [{"id": "fake-model", "loaded": True}, {"id": "qwen2.5:0.5b", "loaded": False}]
+        self.viewed: list[str | None] = []  # the model of every events(), blocks() and steps() call
+
+    async def models(self) -> list[dict]:
+        return self.listed
 
     async def close(self) -> None:
         pass
@@ -62,12 +67,14 @@ class FakeClient:
         self.modes.append(mode)
         return {"mode": "continuous", "requested_mode": mode}
 
-    async def blocks(self) -> dict:
+    async def blocks(self, model: str | None = None) -> dict:
+        self.viewed.append(model)
         if not self.connected:
             raise DaemonUnavailable("down")
         return {"total": 64, "owners": {f"req-{i}": [1 + 2 * i, 2 + 2 * i] for i in range(self.next_id)}, "shared": [1]}
 
-    async def steps(self, since: int = 0) -> dict:
+    async def steps(self, since: int = 0, model: str | None = None) -> dict:
+        self.viewed.append(model)
         self.steps_calls += 1
         if not self.connected:
             raise DaemonUnavailable("down")
@@ -77,7 +84,8 @@ class FakeClient:
             "steps": [r for r in self.step_records if r["step"] > since][:200],
         }
 
-    async def events(self):
+    async def events(self, model: str | None = None):
+        self.viewed.append(model)
         if self.events_queue is None:
             self.events_queue = asyncio.Queue()
         if not self.connected:

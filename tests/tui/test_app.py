@@ -223,9 +223,16 @@ def test_settings_modal_applies_and_persists(history):
 
 def test_settings_validation_names_the_field():
     with pytest.raises(ValueError, match="temperature.*between 0 and 2"):
-        parse_settings({"system_prompt": "", "temperature": "3", "top_p": "1", "max_tokens": "5", "seed": ""})
+        parse_settings(
+            {"model": "", "system_prompt": "", "temperature": "3", "top_p": "1", "max_tokens": "5", "seed": ""}
+        )
     with pytest.raises(ValueError, match="max tokens: not a valid int"):
-        parse_settings({"system_prompt": "", "temperature": "1", "top_p": "1", "max_tokens": "lots", "seed": ""})
+        parse_settings(
+            {"model": "", "system_prompt": "", "temperature": "1", "top_p": "1", "max_tokens": "lots", "seed": ""}
+        )
+    ok = {"model": " qwen2.5:0.5b ", "system_prompt": "", "temperature": "1", "top_p": "1", "max_tokens": "9"}
+    assert parse_settings({**ok, "seed": ""}).model == "qwen2.5:0.5b"
+    assert parse_settings({**ok, "model": "", "seed": ""}).model is None  # the daemon's own
 
 
 def test_help_screen_and_clear(history):
@@ -490,3 +497,36 @@ def test_the_panel_draws_only_the_newest_event_at_its_rate(history):
     before, after, batch = asyncio.run(go())
     assert before <= 5 and after == before
     assert "batch  0/8" in batch  # the newest event (step 200: 200 % 8 running)
+
+
+def test_a_pane_picks_its_model_and_the_panel_follows_it(history):
+    """ctrl+o lists the daemon's models; the pick goes into the pane's requests, its title and the history,
+    and the panel's event stream switches to that model (whose lines then show every loaded model)."""
+    client = FakeClient("ok")
+
+    async def go():
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await wait_until(pilot, lambda: client.events_queue is not None)
+            await pilot.press("ctrl+o")
+            await wait_until(pilot, lambda: app.screen.__class__.__name__ == "ModelScreen")
+            await pilot.press("down", "down", "enter")  # the daemon's own, fake-model, qwen2.5:0.5b
+            pane = app.panes()[0]
+            await wait_until(pilot, lambda: pane.settings.model == "qwen2.5:0.5b")
+            await wait_until(pilot, lambda: client.viewed and client.viewed[-1] == "qwen2.5:0.5b")
+            assert "qwen2.5:0.5b" in str(pane.query_one(".pane-title").render())
+            await type_and_send(pilot, "hi")
+            await wait_until(pilot, lambda: not pane.busy and pane.messages)
+            models = {
+                "fake-model": {"state": "ready", "running": 1, "max_num_seqs": 8, "kv_usage_percent": 5.0},
+                "qwen2.5:0.5b": {"state": "loading"},
+            }
+            await client.events_queue.put({**event(running=1, step=9), "model": "qwen2.5:0.5b", "models": models})
+            await wait_until(pilot, lambda: "2 models" in str(app.panel.lines["engine-models"].render()))
+            lines = str(app.panel.lines["engine-models"].render())
+            assert "▶qwen2.5:0.5b" in lines and "loading" in lines and " 1/8" in lines
+        return client.params[-1]
+
+    params = asyncio.run(go())
+    assert params["model"] == "qwen2.5:0.5b"
+    assert history.panes()[0].settings.model == "qwen2.5:0.5b"  # remembered with the conversation

@@ -77,3 +77,42 @@ def test_two_panes_broadcast_in_a_real_terminal(tiny_chat_model_dir, short_tmp):
     finally:
         tmux("kill-server", check=False)
         daemon.stop()
+
+
+def test_two_panes_on_two_models_broadcast_at_once(tiny_chat_model_dir, short_tmp):
+    """The second pane picks the built-in model (ctrl+o); a broadcast then runs both engines at once and the
+    panel shows both models' lines."""
+    sock = short_tmp / "d.sock"
+    daemon = Daemon(sock, tiny_chat_model_dir, "--kv-cache-gb", "0.05").wait_ready()
+    env = f"MINIBATCH_CHAT_DB={short_tmp / 'chat.db'}"
+    cmd = f"env {env} {sys.executable} -m minibatch.tui.cli --socket {sock} --new"
+    tmux("kill-server", check=False)
+    try:
+        tmux("new-session", "-d", "-s", "chat", "-x", "140", "-y", "44", cmd)
+        tmux("resize-window", "-t", "chat", "-x", "140", "-y", "44", check=False)
+        wait_for(lambda s: "mode" in s and "continuous" in s, what="the engine panel")
+        tmux("send-keys", "-t", "chat", "C-n")
+        wait_for(lambda s: "pane 2" in s, what="a second pane")
+        tmux("send-keys", "-t", "chat", "C-o")
+        wait_for(lambda s: "smollm2-135m-instruct" in s and "loads on first use" in s, what="the model picker")
+        tmux("send-keys", "-t", "chat", "Down", "Down", "Enter")  # the daemon's own, the loaded one, the built-in
+        wait_for(lambda s: "pane 2  smollm2-135m-instruct" in s, what="pane 2 on the built-in model")
+        tmux("send-keys", "-t", "chat", "-l", "hello there")
+        wait_for(lambda s: "hello there" in s, what="the typed text")
+        tmux("send-keys", "-t", "chat", "C-b")
+        saw_both, final = False, ""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            final = screen()
+            saw_both = saw_both or ("2 models" in final and "smollm2-135m-in" in final)
+            if final.count("TTFT") >= 2:
+                break
+            time.sleep(0.05)
+        assert final.count("TTFT") >= 2, final  # both panes answered, each from its model
+        assert saw_both, final  # the panel listed both engines
+        assert "Traceback" not in final
+        _, health = daemon.get("/health")
+        assert {m["name"] for m in health["models"]} == {str(tiny_chat_model_dir), "smollm2-135m-instruct"}
+    finally:
+        tmux("kill-server", check=False)
+        daemon.stop()

@@ -11,6 +11,7 @@ from textual.widgets import Button, Input, Label
 from ..history import PaneSettings
 
 FIELDS = [
+    ("model", "model (empty: the daemon's own; ctrl+o lists them)", str),
     ("system_prompt", "system prompt", str),
     ("temperature", "temperature (0 = greedy, up to 2)", float),
     ("top_p", "top_p (0, 1]", float),
@@ -27,6 +28,9 @@ def parse_settings(values: dict[str, str]) -> PaneSettings:
         raw = values[name].strip()
         if name == "system_prompt":
             out[name] = values[name]
+            continue
+        if name == "model":
+            out[name] = raw or None
             continue
         if name == "seed" and raw == "":
             out[name] = None

@@ -12,6 +12,7 @@ from textual.widgets import Input, Static
 from ..client import DaemonUnavailable
 from ..history import PaneSettings
 from ..messages import PaneSubmitted, RequestOwner, TurnFinished
+from ..names import short_model_name
 from .transcript import Transcript
 
 PANE_COLORS = ["#e06c75", "#61afef", "#98c379", "#e5c07b", "#c678dd", "#56b6c2"]
@@ -62,9 +63,10 @@ class ChatPane(Vertical):
         yield Input(placeholder="Message (enter to send, esc to stop)", classes="pane-input")
 
     def _title(self) -> str:
+        model = short_model_name(self.settings.model) if self.settings.model else "default model"
         return (
-            f"[b {self.color}]■[/] pane {self.index + 1}  "
-            f"[dim]t={self.settings.temperature:g} max={self.settings.max_tokens}[/]"
+            f"[b {self.color}]■[/] pane {self.index + 1}  {model}  "
+            f"[dim]t={self.settings.temperature:g} max={self.settings.max_tokens} · ctrl+o model[/]"
         )
 
     def refresh_title(self) -> None:

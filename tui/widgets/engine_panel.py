@@ -12,6 +12,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
 
+from ..names import short_model_name
 from .timeline import Timeline
 
 HISTORY = 180  # occupancy samples kept: one a panel redraw (frames.py), about a minute
@@ -80,6 +81,24 @@ def replica_lines(replicas: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def model_lines(models: dict[str, dict], shown: str | None) -> str:
+    """One compact line per loaded (or loading) model: its batch and KV use and its decode rate; the one the
+    bars above show is marked."""
+    lines = [f"[b]{len(models)} models[/] [dim](the bars: ▶)[/]"]
+    for name, m in models.items():
+        mark = "▶" if name == shown else " "
+        label = f"{short_model_name(name)[:14]:<14}"
+        if m.get("state") == "loading":
+            lines.append(f"{mark}{label} [yellow]loading…[/]")
+            continue
+        cap, running = m.get("max_num_seqs") or 0, m.get("running") or 0
+        lines.append(
+            f"{mark}{label} {running:>2}/{cap:<2}{bar(running / cap if cap else 0, 4)} "
+            f"KV{(m.get('kv_usage_percent') or 0):3.0f}% {m.get('decode_tokens_per_s') or 0:5.0f}t/s"
+        )
+    return "\n".join(lines)
+
+
 class EnginePanel(Vertical):
     """Fed /v1/engine/events by the app (update_stats keeps the newest), drawn at the panel's rate (redraw)."""
 
@@ -89,9 +108,11 @@ class EnginePanel(Vertical):
         self.occupancy: deque[float] = deque([0.0] * HISTORY, maxlen=HISTORY)
         self.last: dict | None = None  # the newest event
         self.connected = False
+        self.shown_model: str | None = None  # the model whose engine the bars show
         self.hit_blocks = 0  # prefix-cache hits seen since the panel opened
         self.redraws = 0  # redraws that changed something, over the panel's life
         self._drawn_step: int | None = None  # the event the lines show
+        self._drawn_models: dict | None = None  # and the other models' lines it drew
         self._texts: dict[str, object] = {}  # what each Static shows now
         self._cells: tuple | None = None  # what the block map shows now
 
@@ -103,19 +124,21 @@ class EnginePanel(Vertical):
                 ("engine-batch", ""),
                 ("engine-kv", ""),
                 ("engine-replicas", ""),  # behind minibatch-serve: a line per replica
+                ("engine-models", ""),  # several models loaded: a line per model
                 ("engine-numbers", ""),
                 ("engine-map", ""),
             )
         }
         self.spark = Sparkline(list(self.occupancy), id="engine-spark", summary_function=max)
         self.lines["engine-replicas"].display = False
+        self.lines["engine-models"].display = False
         self._timeline = Timeline(self.pane_colors, id="engine-timeline")
 
     def compose(self) -> ComposeResult:
         yield self.lines["engine-mode"]
         yield self.lines["engine-batch"]
         yield self.spark
-        for wid in ("engine-kv", "engine-replicas", "engine-numbers", "engine-map"):
+        for wid in ("engine-kv", "engine-replicas", "engine-models", "engine-numbers", "engine-map"):
             yield self.lines[wid]
         yield self._timeline
 
@@ -170,10 +193,10 @@ class EnginePanel(Vertical):
         changed = samples != self.spark.data
         if changed:
             self.spark.data = samples
-        if e.get("step") is not None and e.get("step") == self._drawn_step:
+        if e.get("step") is not None and (e.get("step"), e.get("models")) == (self._drawn_step, self._drawn_models):
             self.redraws += changed
             return
-        self._drawn_step = e.get("step")
+        self._drawn_step, self._drawn_models = e.get("step"), e.get("models")
         pending = f"\n[yellow]→ {e['pending_mode']} at the batch boundary[/]" if e.get("pending_mode") else ""
         changed |= self._show("engine-mode", f"[b]mode[/] [b reverse] {e['mode']} [/] [dim]ctrl+t[/]{pending}")
         running, cap = e["running"], e["max_num_seqs"]
@@ -189,6 +212,10 @@ class EnginePanel(Vertical):
         self.lines["engine-replicas"].display = "replicas" in e
         if "replicas" in e:
             changed |= self._show("engine-replicas", replica_lines(e["replicas"]))
+        several = len(e.get("models") or ()) > 1
+        self.lines["engine-models"].display = several
+        if several:
+            changed |= self._show("engine-models", model_lines(e["models"], e.get("model")))
         lines = [
             f"prefill {e.get('prefill_tokens_per_s', 0):7.1f} tok/s",
             f"decode  {e.get('decode_tokens_per_s', 0):7.1f} tok/s",

@@ -41,6 +41,11 @@ class Timeline(Static):
         self.max_rows = 0
         self._drawn: tuple | None = None  # (last step, size, panes) the picture shows
 
+    def clear(self) -> None:
+        """Another model's steps come next (the focused pane's model changed): start over."""
+        self.records.clear()
+        self.last_step, self._drawn = 0, None
+
     def add(self, payload: dict, panes: dict[str, int]) -> None:
         """New records from the daemon; `panes` maps request ids to pane indexes."""
         steps = payload.get("steps", [])
