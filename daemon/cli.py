@@ -16,22 +16,13 @@ import sys
 import time
 from pathlib import Path
 
-from minibatch.engine.spec_decode.config import DEFAULT_METHOD, DEFAULT_NUM_TOKENS, MAX_NUM_TOKENS, SPEC_METHODS
-
 from .client import request_json
 from .lifecycle import LifecycleError, ensure_private_dir, running_pid
 from .paths import default_log_file, default_socket
 from .pool_settings import DEFAULT_LOAD_WAIT, DEFAULT_MAX_LOADED, DEFAULT_MEMORY_SHARE
 
-OPTIONS = [
-    # flag, type, default, help
-    (
-        "--model",
-        str,
-        "smollm2-135m-instruct",
-        "the daemon's own model, loaded at start and used when a request names none: model alias, HF "
-        "directory, .gguf file or hub id (any other model `minibatchd models` lists loads when a request names it)",
-    ),
+# The daemon's models on demand (a cluster application serves one model and has none of these).
+MODEL_OPTIONS = [
     ("--preload", str, None, "more models to load at start, comma-separated (they stay loaded, as --model does)"),
     (
         "--keep-alive",
@@ -66,66 +57,9 @@ OPTIONS = [
         "shared: every model's steps alternate on one thread (one OpenMP team on the cores); per-model: a "
         "thread each, stepping at once",
     ),
-    ("--mode", str, "continuous", "batching mode at start: continuous or static"),
-    ("--max-num-seqs", int, 32, "running requests at most (static: the batch size)"),
-    ("--max-num-batched-tokens", int, 512, "tokens per forward step"),
-    (
-        "--max-model-len",
-        int,
-        None,
-        "context limit (default: the model's; LongRoPE models: their original length, and past it the long factors)",
-    ),
-    ("--max-queue", int, 256, "requests that may wait behind a full batch; more get 429"),
-    ("--max-wait-ms", float, 50.0, "static mode: longest wait for a batch to fill"),
-    (
-        "--kv-cache-gb",
-        float,
-        None,
-        "KV cache size in GiB (default: --kv-cache-fraction of the memory left after loading)",
-    ),
-    (
-        "--kv-cache-fraction",
-        float,
-        None,
-        "share of the memory available once the model is loaded that the KV cache takes "
-        "(default 0.1 on CPU, 0.8 of free GPU memory)",
-    ),
-    ("--kv-cache-tokens", int, None, "KV cache size in tokens, as llama.cpp's -c (instead of --kv-cache-gb)"),
-    ("--block-size", int, 16, "tokens per KV block"),
-    ("--timeline-steps", int, 512, "engine steps the timeline keeps (GET /v1/engine/steps, the chat's timeline)"),
-    ("--device", str, "auto", "auto, cpu or cuda"),
-    ("--dtype", str, "auto", "auto (fp32 on CPU, bf16 on GPU), float32, float16, bfloat16"),
-    (
-        "--weights",
-        str,
-        "auto",
-        "auto (native on CPU), native (GGUF blocks as they are, 8-bit activations, integer "
-        "dot products), native-exact (GGUF blocks, fp32 activations: the dequantised model's results), float32 "
-        "(dequantised at load), q8_0 (quantize a safetensors model at load)",
-    ),
-    (
-        "--speculative",
-        str,
-        DEFAULT_METHOD,
-        f"speculative decoding: {', '.join(SPEC_METHODS)} (ngram: draft tokens looked up in the request's own "
-        "prompt and output; draft: proposed by --draft-model; verified in one forward: the same answers, "
-        "fewer steps)",
-    ),
-    (
-        "--num-speculative-tokens",
-        int,
-        DEFAULT_NUM_TOKENS,
-        f"draft tokens per row per step at most, 1 to {MAX_NUM_TOKENS} (fewer when the batch is large "
-        "or a request's drafts keep failing)",
-    ),
-    (
-        "--draft-model",
-        str,
-        None,
-        "with --speculative draft: a smaller model of the same vocabulary (any spec --model takes) whose greedy "
-        "continuation is the draft",
-    ),
-    ("--threads", int, None, "PyTorch CPU threads (default: all cores)"),
+]
+# The listeners, limits and log (flag, type, default, help); the engine's options are in engine/options.py.
+DAEMON_OPTIONS = [
     ("--host", str, None, "also listen on TCP at this host (default 127.0.0.1 when --port is set)"),
     ("--port", int, None, "also listen on TCP at this port (off by default)"),
     (
@@ -155,11 +89,21 @@ def add_common(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_server_options(p: argparse.ArgumentParser) -> None:
-    for flag, typ, default, help_ in OPTIONS:
+def server_options(models: bool = True) -> list[tuple]:
+    """(flag, type, default, help) of every `start` option: the engine's (one definition, engine/options.py),
+    the models' on demand (`models`), then the daemon's."""
+    from minibatch.engine.options import ENGINE_OPTIONS
+
+    engine = [(o.flag, o.type, o.default, o.help) for o in ENGINE_OPTIONS]
+    return engine + (MODEL_OPTIONS if models else []) + DAEMON_OPTIONS
+
+
+def add_server_options(p: argparse.ArgumentParser, models: bool = True) -> None:
+    for flag, typ, default, help_ in server_options(models):
         env = os.environ.get(env_name(flag))
         value = typ(env) if env not in (None, "") else default
-        p.add_argument(flag, type=typ, default=value, help=f"{help_} (env {env_name(flag)})")
+        shown = f"; default {default}" if default is not None else ""
+        p.add_argument(flag, type=typ, default=value, help=f"{help_} (env {env_name(flag)}{shown})")
     p.add_argument(
         "--no-prefix-caching",
         action="store_true",
@@ -210,30 +154,9 @@ def socket_of(args) -> Path:
 
 
 def engine_config(args):
-    from minibatch.engine.factory import EngineConfig
+    from minibatch.engine.options import engine_config
 
-    return EngineConfig(
-        model=args.model,
-        mode=args.mode,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        max_wait_ms=args.max_wait_ms,
-        max_queue=args.max_queue,
-        block_size=args.block_size,
-        kv_cache_gb=args.kv_cache_gb,
-        kv_cache_fraction=args.kv_cache_fraction,
-        kv_cache_tokens=args.kv_cache_tokens,
-        device=args.device,
-        dtype=args.dtype,
-        threads=args.threads,
-        weights=args.weights,
-        timeline_steps=args.timeline_steps,
-        enable_prefix_caching=not args.no_prefix_caching,
-        speculative=args.speculative,
-        num_speculative_tokens=args.num_speculative_tokens,
-        draft_model=args.draft_model,
-    )
+    return engine_config(vars(args))
 
 
 def pool_settings(args):

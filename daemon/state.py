@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from minibatch.engine.core.admission import QueueFull, RequestRejected
+from minibatch.engine.core.sampling_params import DEFAULT_MAX_TOKENS
 
 from .guard import Guard
 from .models import LoadedModel, ModelPool, parse_keep_alive
 from .protocol import ApiError, ChatRequest, parse_body
-
-DEFAULT_MAX_TOKENS = 1024
 
 
 @dataclass

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from minibatch.engine.core.block_manager import BlockManager
-from minibatch.engine.core.config import MODES, SchedulerConfig
+from minibatch.engine.core.config import MODES, SCHEDULER_DEFAULTS, SchedulerConfig
 from minibatch.engine.core.engine import LLMEngine
 from minibatch.engine.core.info import WEIGHT_MODES, EngineInfo
 from minibatch.engine.core.sampling_params import SAMPLING_DEFAULT_FIELDS
@@ -22,11 +22,11 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 class EngineConfig:
     model: str = DEFAULT_MODEL
     mode: str = "continuous"
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int = SCHEDULER_DEFAULTS["max_num_seqs"]
+    max_num_batched_tokens: int = SCHEDULER_DEFAULTS["max_num_batched_tokens"]
     max_model_len: int | None = None  # None: the model's own context length (LongRoPE: its original one)
-    max_wait_ms: float = 50.0
-    max_queue: int | None = None  # requests that may wait behind a full batch (the scheduler's cap)
+    max_wait_ms: float = SCHEDULER_DEFAULTS["max_wait_ms"]
+    max_queue: int | None = 256  # requests that may wait behind a full batch (the scheduler's cap; None: no cap)
     block_size: int = 16
     kv_cache_gb: float | None = None  # None: kv_cache_fraction of the memory available once the model is loaded
     kv_cache_fraction: float | None = None  # None: 0.1 on CPU, 0.8 on a GPU (see kv_budget)

@@ -42,6 +42,7 @@ class Shape:
 
 
 SHAPES = {  # from each model's config.json (the vocabulary is the built-in one's)
+    "smollm2-135m": Shape("llama", 576, 1536, 30, 9, 3, 64, True, False, 1e5, 1e-5, 8192),
     "qwen2.5-0.5b": Shape("qwen2", 896, 4864, 24, 14, 2, 64, True, True, 1e6, 1e-6, 32768),
     "qwen2.5-1.5b": Shape("qwen2", 1536, 8960, 28, 12, 2, 128, True, True, 1e6, 1e-6, 32768),
     "llama-3.2-1b": Shape("llama", 2048, 8192, 16, 32, 8, 64, True, False, 5e5, 1e-5, 131072),

@@ -14,7 +14,7 @@ CREATE TABLE IF NOT EXISTS panes (
     system_prompt TEXT NOT NULL DEFAULT '',
     temperature REAL NOT NULL DEFAULT 0.7,
     top_p REAL NOT NULL DEFAULT 0.95,
-    max_tokens INTEGER NOT NULL DEFAULT 512,
+    max_tokens INTEGER NOT NULL DEFAULT 0,  -- 0: the daemon's default
     seed INTEGER,
     model TEXT
 );
@@ -33,12 +33,14 @@ class PaneSettings:
     system_prompt: str = ""
     temperature: float = 0.7
     top_p: float = 0.95
-    max_tokens: int = 512
+    max_tokens: int | None = None  # None: the daemon's default (DEFAULT_MAX_TOKENS, within the context)
     seed: int | None = None
     model: str | None = None  # the pane's model (any the daemon lists); None: the daemon's own
 
     def request_params(self) -> dict:
-        params = {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens}
+        params = {"temperature": self.temperature, "top_p": self.top_p}
+        if self.max_tokens is not None:
+            params["max_tokens"] = self.max_tokens
         if self.seed is not None:
             params["seed"] = self.seed
         if self.model is not None:
@@ -78,7 +80,9 @@ class History:
                 "SELECT role, content FROM messages WHERE pane_id = ? ORDER BY id", (pid,)
             ).fetchall()
             out.append(
-                StoredPane(pid, PaneSettings(sp, t, p, m, seed, model), [{"role": r, "content": c} for r, c in msgs])
+                StoredPane(
+                    pid, PaneSettings(sp, t, p, m or None, seed, model), [{"role": r, "content": c} for r, c in msgs]
+                )
             )
         return out
 
@@ -88,7 +92,15 @@ class History:
             cur = self.db.execute(
                 "INSERT INTO panes (position, system_prompt, temperature, top_p, max_tokens, seed, model) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (position, s["system_prompt"], s["temperature"], s["top_p"], s["max_tokens"], s["seed"], s["model"]),
+                (
+                    position,
+                    s["system_prompt"],
+                    s["temperature"],
+                    s["top_p"],
+                    s["max_tokens"] or 0,
+                    s["seed"],
+                    s["model"],
+                ),
             )
         return int(cur.lastrowid)
 
@@ -101,7 +113,7 @@ class History:
                     settings.system_prompt,
                     settings.temperature,
                     settings.top_p,
-                    settings.max_tokens,
+                    settings.max_tokens or 0,
                     settings.seed,
                     settings.model,
                     pane_id,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 MODES = ("continuous", "static")
 
@@ -27,3 +27,7 @@ class SchedulerConfig:
             )
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
+
+
+# Each limit's default, read by EngineConfig (engine/factory.py) so the daemon's options default to these.
+SCHEDULER_DEFAULTS = {f.name: f.default for f in fields(SchedulerConfig)}

@@ -11,6 +11,9 @@ if TYPE_CHECKING:
 
 # The fields a model's generation_config.json may give defaults for (as vLLM reads them).
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# Tokens a request generates when it sets no limit: the one default of every API and the chat (the daemon
+# lowers it to what fits the model's context).
+DEFAULT_MAX_TOKENS = 1024
 MAX_LOGPROBS = 20  # alternatives per token at most, as OpenAI allows
 MAX_TOP_K = 1_000_000  # far above any vocabulary; bounds the tensor the sampler builds
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
@@ -57,7 +60,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2], subtracted once from tokens already in the output
     frequency_penalty: float = 0.0  # in [-2, 2], subtracted per occurrence in the output
     seed: int | None = None  # same seed -> same tokens, whatever else is in the batch
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     stop: list[str] = field(default_factory=list)  # stop strings, matched on the text, not included
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False

@@ -31,6 +31,7 @@ COVERED = {
     "fire.py": "test_fire",
     "bench_chat.py": "test_bench_chat",
     "bench_spec.py": "test_bench_spec",
+    "bench_models.py": "test_bench_models",
     "bench.py": "test_bench_over_the_socket",
     "bench_engine.py": "test_bench_engine_quick",
     "bench_overhead.py": "test_bench_overhead",
@@ -218,6 +219,45 @@ def test_bench_chat(daemon, env, tmp_path):
     assert row["ratio"] == pytest.approx(with_chat["tok_s"] / without["tok_s"])
     assert row["hog"]["0.5"]["tokens"] == without["tokens"]
     assert "2 panes: engine" in proc.stdout and "beside a busy loop of 50% of a core" in proc.stdout
+
+
+def test_bench_models(daemon, env, tmp_path):
+    """Two models through one daemon: their loads, the memory an unload returns, each alone and both at once."""
+    made = tmp_path / "second.gguf"
+    run(env, SCRIPTS / "make_model.py", "--shape", "smollm2-135m", "--layers", "2", "--quantize", "Q4_1", "--out", made)
+    report = tmp_path / "models.json"
+    args = ["--socket", daemon.socket, "--models", f"smollm2-135m-instruct,{made}", "--concurrency", "1"]
+    proc = run(
+        env,
+        SCRIPTS / "bench_models.py",
+        *args,
+        "--requests",
+        "2",
+        "--repeats",
+        "1",
+        "--max-tokens",
+        "4",
+        "--json",
+        report,
+    )
+    (entry,) = json.loads(report.read_text())["loops"].values()
+    for load in entry["loads"]:
+        for kind in ("first", "reload"):
+            r = load[kind]
+            assert r["load_s"] > 0 and r["rss_loaded_mb"] > r["rss_after_unload_mb"] > 0
+    rows = {(r["scenario"], r["model"]): r for r in entry["busy"]}
+    assert set(rows) == {
+        ("alone", "smollm2-135m-instruct"),
+        ("alone", str(made)),
+        ("together", "smollm2-135m-instruct"),
+        ("together", str(made)),
+        ("together", f"smollm2-135m-instruct+{made}"),
+    }
+    assert all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert all(r["failed"] == 0 for r in rows.values() if "failed" in r)
+    assert "| together | smollm2-135m-instruct |" in proc.stdout
+    _, health = daemon.get("/health")
+    assert health["model"] == "smollm2-135m-instruct" and "memory" in health  # left as it was found
 
 
 def test_bench_spec(daemon, env, tmp_path):

@@ -15,7 +15,7 @@ FIELDS = [
     ("system_prompt", "system prompt", str),
     ("temperature", "temperature (0 = greedy, up to 2)", float),
     ("top_p", "top_p (0, 1]", float),
-    ("max_tokens", "max tokens", int),
+    ("max_tokens", "max tokens (empty: the daemon's default)", int),
     ("seed", "seed (empty: none)", int),
 ]
 LIMITS = {"temperature": (0.0, 2.0), "top_p": (1e-9, 1.0), "max_tokens": (1, 8192), "seed": (0, 2**63 - 1)}
@@ -32,7 +32,7 @@ def parse_settings(values: dict[str, str]) -> PaneSettings:
         if name == "model":
             out[name] = raw or None
             continue
-        if name == "seed" and raw == "":
+        if name in ("seed", "max_tokens") and raw == "":
             out[name] = None
             continue
         try:

@@ -66,7 +66,7 @@ class ChatPane(Vertical):
         model = short_model_name(self.settings.model) if self.settings.model else "default model"
         return (
             f"[b {self.color}]■[/] pane {self.index + 1}  {model}  "
-            f"[dim]t={self.settings.temperature:g} max={self.settings.max_tokens} · ctrl+o model[/]"
+            f"[dim]t={self.settings.temperature:g} max={self.settings.max_tokens or 'default'} · ctrl+o model[/]"
         )
 
     def refresh_title(self) -> None:
