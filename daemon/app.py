@@ -11,7 +11,7 @@ import uuid
 
 from aiohttp import web
 
-from . import ollama, openapi
+from . import anthropic, ollama, openapi, responses_api
 from .catalog import catalog
 from .grammars import check_tool_schemas, forced_call, response_grammar, tool_call_grammar
 from .guard import Guard, guard_middleware
@@ -31,13 +31,12 @@ async def errors(request: web.Request, handler):
     try:
         return await handler(request)
     except ApiError as exc:
-        body = ollama.error_body(exc) if ollama.owns(request) else exc.body()
-        return web.json_response(body, status=exc.status, headers=exc.headers)
+        return web.json_response(error_body(request, exc), status=exc.status, headers=exc.headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         err = ApiError(exc.status, exc.reason, None, exc.reason.lower().replace(" ", "_"))
-        body = ollama.error_body(err) if ollama.owns(request) else err.body()
+        body = error_body(request, err)
         return web.json_response(
             body, status=exc.status, headers={k: v for k, v in exc.headers.items() if k == "Allow"}
         )
@@ -45,9 +44,17 @@ async def errors(request: web.Request, handler):
         raise
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return web.json_response(
-            ApiError(500, "internal error; see the daemon log", None, "internal", "server_error").body(), status=500
-        )
+        err = ApiError(500, "internal error; see the daemon log", None, "internal", "server_error")
+        return web.json_response(error_body(request, err), status=500)
+
+
+def error_body(request: web.Request, exc: ApiError) -> dict:
+    """The error in the shape of the API the request speaks: Ollama's, Anthropic's, else OpenAI's."""
+    if ollama.owns(request):
+        return ollama.error_body(exc)
+    if anthropic.owns(request):
+        return anthropic.error_body(exc)
+    return exc.body()
 
 
 async def health(request: web.Request) -> web.Response:
@@ -365,4 +372,6 @@ def create_app(state: DaemonState, guard: Guard | None = None) -> web.Applicatio
     app.router.add_put("/v1/engine/mode", put_mode)
     app.router.add_get("/metrics", metrics)
     ollama.add_routes(app)
+    anthropic.add_routes(app)
+    responses_api.add_routes(app)
     return app

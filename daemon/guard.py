@@ -10,7 +10,7 @@ listener has none, so every TCP request passes, in this order:
    (403) unless that origin is in `--allowed-origins`. Allowed origins get
    CORS answers, preflight `OPTIONS` included (answered before the key check:
    browsers never send credentials on a preflight).
-3. Key: with keys configured, `Authorization: Bearer KEY`, compared in
+3. Key: with keys configured, `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`), compared in
    constant time against every key -> else 401 with `WWW-Authenticate: Bearer`.
 4. Content type: a POST or PUT body must be `application/json` -> else 415.
    This alone stops the "simple" cross-site POST a browser sends unasked.
@@ -284,6 +284,8 @@ class Guard:
             self.reload_keys()
             auth = request.headers.get("Authorization", "")
             scheme, _, token = auth.partition(" ")
+            if not auth and "x-api-key" in request.headers:  # Anthropic's clients send the key this way
+                scheme, token, auth = "bearer", request.headers["x-api-key"], "x-api-key"
             if scheme.lower() != "bearer" or not keys_match(token.strip(), self.api_keys):
                 self.refused["unauthorized"] += 1
                 msg = (
@@ -317,7 +319,7 @@ class Guard:
                 "Access-Control-Allow-Origin": origin,
                 "Vary": "Origin",
                 "Access-Control-Allow-Methods": ", ".join(methods),
-                "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                "Access-Control-Allow-Headers": "Authorization, Content-Type, x-api-key, anthropic-version",
                 "Access-Control-Max-Age": CORS_MAX_AGE,
             },
         )

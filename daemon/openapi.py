@@ -16,7 +16,7 @@ from pydantic.json_schema import models_json_schema
 
 from minibatch.engine.core.info import EngineInfo
 
-from . import ollama, schemas
+from . import anthropic, ollama, responses_api, schemas
 from .protocol import MAX_BODY_BYTES, ChatRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
@@ -55,6 +55,10 @@ def _events(what: str) -> dict:
 
 def _query(name: str, schema: dict, description: str) -> dict:
     return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+
+
+def _path(name: str, pattern: str) -> dict:
+    return {"name": name, "in": "path", "required": True, "schema": {"type": "string", "pattern": pattern}}
 
 
 # (method, path, summary, request body model or None, {status: (description, {media type: model or schema})},
@@ -157,6 +161,51 @@ def _operations() -> list[tuple]:
         ("get", "/metrics", "Prometheus metrics", None, {200: {TEXT: {"type": "string"}}}, {**GUARDED}, []),
         (
             "post",
+            "/v1/messages",
+            "Anthropic: a message (streamed as Anthropic's events with stream: true)",
+            anthropic.MessagesRequest,
+            {200: {JSON: s.AnthropicMessageOut, SSE: _events("one of Anthropic's message stream events")}},
+            gen,
+            [],
+        ),
+        (
+            "post",
+            "/v1/messages/count_tokens",
+            "Anthropic: the prompt tokens a message request would take",
+            anthropic.CountTokensRequest,
+            {200: {JSON: s.TokenCount}},
+            {**GUARDED, **BODY, **ENGINE, **MODEL},
+            [],
+        ),
+        (
+            "post",
+            "/v1/responses",
+            "OpenAI Responses: a response (streamed as response.* events with stream: true)",
+            responses_api.ResponsesRequest,
+            {200: {JSON: s.ResponseOut, SSE: _events("one response.* event")}},
+            {**gen, 404: "a model name this machine lacks, or a previous_response_id not stored (or expired)"},
+            [],
+        ),
+        (
+            "get",
+            "/v1/responses/{response_id}",
+            "OpenAI Responses: a stored response",
+            None,
+            {200: {JSON: s.ResponseOut}},
+            {**GUARDED, 404: "no such stored response (or expired)"},
+            [_path("response_id", responses_api.ID_PATTERN)],
+        ),
+        (
+            "delete",
+            "/v1/responses/{response_id}",
+            "OpenAI Responses: forget a stored response",
+            None,
+            {200: {JSON: s.ResponseDeleted}},
+            {**GUARDED, 404: "no such stored response (or expired)"},
+            [_path("response_id", responses_api.ID_PATTERN)],
+        ),
+        (
+            "post",
             "/api/chat",
             "Ollama: a chat answer (streamed as NDJSON unless stream is false)",
             ollama.ChatBody,
@@ -239,7 +288,11 @@ def document(model: str | None = None, vocab_size: int | None = None, version: s
             models.add((body, "validation"))
         for content in answers.values():
             models.update((m, "serialization") for m in content.values() if isinstance(m, type))
-    models |= {(schemas.ErrorBody, "serialization"), (schemas.OllamaError, "serialization")}
+    models |= {
+        (schemas.ErrorBody, "serialization"),
+        (schemas.OllamaError, "serialization"),
+        (schemas.AnthropicError, "serialization"),
+    }
     refs, components = _schemas(sorted(models, key=lambda m: (m[0].__name__, m[1])))
     engine_info = _json_schema_bounds(TypeAdapter(EngineInfo).json_schema(ref_template=REF, mode="serialization"))
     components.update(engine_info.pop("$defs", {}))
@@ -274,7 +327,14 @@ def document(model: str | None = None, vocab_size: int | None = None, version: s
 
     paths: dict[str, dict] = {}
     for method, path, summary, body, answers, errors, params in ops:
-        error = refs[(schemas.OllamaError if path.startswith("/api/") else schemas.ErrorBody, "serialization")]
+        shape = (
+            schemas.OllamaError
+            if path.startswith("/api/")
+            else schemas.AnthropicError
+            if path in anthropic.PATHS
+            else schemas.ErrorBody
+        )
+        error = refs[(shape, "serialization")]
         responses = {str(code): {"description": "ok", "content": content(media)} for code, media in answers.items()}
         for code, why in errors.items():
             responses[str(code)] = {"description": why, "content": {JSON: {"schema": error}}}

@@ -42,6 +42,20 @@ class OllamaError(BaseModel):
     error: str
 
 
+class AnthropicErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: str  # invalid_request_error, authentication_error, not_found_error, ...
+    message: str
+
+
+class AnthropicError(BaseModel):
+    """Every error of Anthropic's endpoints, in Anthropic's shape."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
 # -- OpenAI-compatible --------------------------------------------------------
 class Timings(_Out):
     queue_wait_ms: float | None = None
@@ -317,3 +331,36 @@ class OllamaShowRequest(_Out):
     model_config = ConfigDict(extra="allow", json_schema_extra=SHOW_NAMED)
     model: str | None = None
     name: str | None = None  # older clients send the name here
+
+
+# -- Anthropic ------------------------------------------------------------------
+class AnthropicMessageOut(_Out):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]  # text and tool_use blocks
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+    usage: dict[str, int]
+
+
+class TokenCount(_Out):
+    input_tokens: int
+
+
+# -- Responses ------------------------------------------------------------------
+class ResponseOut(_Out):
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    model: str
+    output: list[dict[str, Any]]  # message and function_call items
+    usage: dict[str, Any] | None
+
+
+class ResponseDeleted(_Out):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool

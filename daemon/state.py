@@ -74,9 +74,11 @@ def submit(
     index: int = 0,
     share_prompt_with: str | None = None,
     prompt_index: int | None = None,
+    prompt_param: str | None = None,
 ) -> None:
     """Submit one completion; a refusal becomes the API's error, naming the field and, in a batch of
-    prompts (`prompt_index`), the prompt: `prompt.1`, `prompt.0.3` (its token 3)."""
+    prompts (`prompt_index`), the prompt: `prompt.1`, `prompt.0.3` (its token 3). `prompt_param`: the
+    field a refused prompt is named by in the API that sent it (`messages`, `input`)."""
     limit = model.info.max_model_len
     # Unset max_tokens: what fits the context (at least 1, so a prompt that fills it is refused as too long).
     default_max = max(1, min(DEFAULT_MAX_TOKENS, limit - len(ids))) if limit else DEFAULT_MAX_TOKENS
@@ -90,8 +92,8 @@ def submit(
         raise ApiError(exc.status, str(exc), exc.field, exc.code, "rate_limit_error", {"Retry-After": "1"}) from None
     except RequestRejected as exc:
         param, message = exc.field, str(exc)
-        if isinstance(body, ChatRequest) and param == "prompt":
-            param = "messages"  # what the chat API turns into the prompt
+        if param == "prompt" and (prompt_param or isinstance(body, ChatRequest)):
+            param = prompt_param or "messages"  # what the API turns into the prompt
         elif param is not None and param.split(".")[0] == "prompt":
             if prompt_index is not None:
                 param = f"prompt.{prompt_index}{param[len('prompt') :]}"

@@ -20,12 +20,24 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from minibatch.engine.async_engine import AsyncEngine
+from typing import Protocol
 
 log = logging.getLogger("minibatch.engine")
+
+
+class Steppable(Protocol):
+    """What the loop needs of an engine (AsyncEngine is one)."""
+
+    fatal_error: str | None
+
+    @property
+    def stop_requested(self) -> bool: ...
+
+    def bind(self, loop: StepLoop) -> None: ...
+
+    def turn(self) -> float | None: ...
+
+    def detached(self) -> None: ...
 
 
 class StepLoop:
@@ -33,7 +45,7 @@ class StepLoop:
         """`private`: the loop of one engine, which ends when that engine lets go of it."""
         self.wake = threading.Event()
         self.private = private
-        self._engines: list[AsyncEngine] = []
+        self._engines: list[Steppable] = []
         self._jobs: deque[tuple[Callable[[], object], Future]] = deque()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -55,14 +67,14 @@ class StepLoop:
         self.wake.set()
         return fut
 
-    def attach(self, engine: AsyncEngine) -> None:
+    def attach(self, engine: Steppable) -> None:
         """Step `engine` from now on (it is stepped from the next round)."""
         engine.bind(self)
         self._jobs.append((lambda: self._engines.append(engine), Future()))
         self.wake.set()
 
     @property
-    def engines(self) -> tuple[AsyncEngine, ...]:
+    def engines(self) -> tuple[Steppable, ...]:
         return tuple(self._engines)
 
     @property
@@ -118,7 +130,7 @@ class StepLoop:
             wait = 0.0 if w is None else min(wait, w)
         return wait
 
-    def _detach(self, engine: AsyncEngine) -> None:
+    def _detach(self, engine: Steppable) -> None:
         self._engines.remove(engine)
         engine.detached()
         if self.private and not self._engines:  # its one engine is gone: the thread ends

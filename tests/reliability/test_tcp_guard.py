@@ -211,6 +211,8 @@ def test_check16_cors_preflight_and_answers_for_an_allowed_origin(keyed_daemon):
     assert set(h.strip().lower() for h in headers["Access-Control-Allow-Headers"].split(",")) == {
         "authorization",
         "content-type",
+        "x-api-key",  # Anthropic's clients send their key and version in these
+        "anthropic-version",
     }
     status, headers, _ = http(
         port, "OPTIONS", "/v1/engine/mode", None, {"Origin": ORIGIN, "Access-Control-Request-Method": "PUT"}

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from minibatch.daemon.client import request_json
 from tests.daemon.helpers import Daemon
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -223,10 +224,13 @@ def test_bench_chat(daemon, env, tmp_path):
 
 def test_bench_models(daemon, env, tmp_path):
     """Two models through one daemon: their loads, the memory an unload returns, each alone and both at once."""
-    made = tmp_path / "second.gguf"
-    run(env, SCRIPTS / "make_model.py", "--shape", "smollm2-135m", "--layers", "2", "--quantize", "Q4_1", "--out", made)
+    # two made models: the daemon's own model stays as the other tests find it (warm caches included)
+    made = [tmp_path / f"m{seed}.gguf" for seed in (1, 2)]
+    for seed, path in zip((1, 2), made):
+        shape = ["--shape", "smollm2-135m", "--layers", "2", "--quantize", "Q4_1", "--seed", str(seed)]
+        run(env, SCRIPTS / "make_model.py", *shape, "--out", path)
     report = tmp_path / "models.json"
-    args = ["--socket", daemon.socket, "--models", f"smollm2-135m-instruct,{made}", "--concurrency", "1"]
+    args = ["--socket", daemon.socket, "--models", f"{made[0]},{made[1]}", "--concurrency", "1"]
     proc = run(
         env,
         SCRIPTS / "bench_models.py",
@@ -246,16 +250,14 @@ def test_bench_models(daemon, env, tmp_path):
             r = load[kind]
             assert r["load_s"] > 0 and r["rss_loaded_mb"] > r["rss_after_unload_mb"] > 0
     rows = {(r["scenario"], r["model"]): r for r in entry["busy"]}
-    assert set(rows) == {
-        ("alone", "smollm2-135m-instruct"),
-        ("alone", str(made)),
-        ("together", "smollm2-135m-instruct"),
-        ("together", str(made)),
-        ("together", f"smollm2-135m-instruct+{made}"),
-    }
+    a, b = map(str, made)
+    assert set(rows) == {("alone", a), ("alone", b), ("together", a), ("together", b), ("together", f"{a}+{b}")}
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
     assert all(r["failed"] == 0 for r in rows.values() if "failed" in r)
-    assert "| together | smollm2-135m-instruct |" in proc.stdout
+    assert f"| together | {a} |" in proc.stdout
+    for path in made:  # unloaded again: the shared daemon keeps only what it had
+        status, out = request_json(str(daemon.socket), "POST", "/api/generate", {"model": str(path), "keep_alive": 0})
+        assert status == 200 and out["done_reason"] == "unload", out
     _, health = daemon.get("/health")
     assert health["model"] == "smollm2-135m-instruct" and "memory" in health  # left as it was found
 

@@ -1,0 +1,490 @@
+"""Anthropic's Messages API on the same listeners, for the clients that speak it (the `anthropic` SDKs,
+Claude Code and other agents): `POST /v1/messages` and `POST /v1/messages/count_tokens`.
+
+Only the shapes live here: a request's system prompt and content blocks become the chat template's
+messages (tool_use blocks an assistant's tool calls, tool_result blocks tool messages, thinking blocks
+its reasoning), its tools the same tool specs and grammars the OpenAI API uses (tools.py,
+grammars.py), and it is admitted, sampled and streamed by the same core (state.submit, the model's
+engine). Answers are `message` objects with content blocks and Anthropic's stop reasons; a stream is
+Anthropic's event sequence; errors are `{"type": "error", "error": {"type", "message"}}` naming the
+field. The key may come as `x-api-key` (guard.py) and `anthropic-version` is accepted and not checked.
+Unknown top-level fields are ignored (newer clients send beta fields); the known ones are validated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+
+from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
+
+from .grammars import check_tool_schemas, response_grammar, tool_call_grammar
+from .messages import FUNCTION_NAME, MAX_TOOLS
+from .protocol import ApiError, Float, Int, parse_body
+from .state import STATE, read_raw, submit
+from .tools import CallSplitter, check_template, parse_calls
+
+PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+# Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    cache_control: dict[str, Any] | None = None  # prompt caching is automatic here (prefix cache)
+
+
+class TextBlock(_Block):
+    type: Literal["text"]
+    text: StrictStr
+    citations: list[Any] | None = None
+
+
+class ToolUseBlock(_Block):
+    type: Literal["tool_use"]
+    id: StrictStr = Field(min_length=1, max_length=256)
+    name: StrictStr = Field(pattern=FUNCTION_NAME)
+    input: dict[str, Any]
+
+
+class ToolResultBlock(_Block):
+    type: Literal["tool_result"]
+    tool_use_id: StrictStr = Field(min_length=1, max_length=256)
+    content: StrictStr | list[TextBlock] = ""
+    is_error: StrictBool | None = None
+
+
+class ThinkingBlock(_Block):
+    type: Literal["thinking"]
+    thinking: StrictStr
+    signature: StrictStr | None = None
+
+
+class RedactedThinkingBlock(_Block):
+    type: Literal["redacted_thinking"]
+    data: StrictStr
+
+
+class MediaBlock(BaseModel):
+    """Images and documents: accepted by the schema so the refusal can name the block."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image", "document"]
+
+
+Block = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock | MediaBlock,
+    Field(discriminator="type"),
+]
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["user", "assistant"]
+    content: StrictStr | list[Block]
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: StrictStr = Field(pattern=FUNCTION_NAME)
+    description: StrictStr | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["auto", "any", "tool", "none"]
+    name: StrictStr | None = None
+    disable_parallel_tool_use: StrictBool | None = None
+
+
+class ThinkingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["enabled", "disabled"]
+    budget_tokens: Int | None = Field(default=None, ge=1)
+
+
+class JsonOutputFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # accepted: no knob here
+    format: JsonOutputFormat | None = None  # the answer follows this JSON schema (structured output)
+
+
+class CountTokensRequest(BaseModel):
+    """POST /v1/messages/count_tokens: what the prompt of a Messages request would be."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: StrictStr
+    messages: list[AnthropicMessage] = Field(min_length=1, max_length=1000)
+    system: StrictStr | list[TextBlock] | None = None
+    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    """POST /v1/messages."""
+
+    max_tokens: Int = Field(ge=1)  # required, as Anthropic requires it
+    stop_sequences: list[StrictStr] | None = Field(default=None, max_length=16)
+    temperature: Float | None = Field(default=None, ge=0.0, le=1.0)
+    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: Int | None = Field(default=None, ge=0, le=MAX_TOP_K)
+    metadata: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
+    stream: StrictBool = False
+
+    def sampling_params(self, default_max_tokens: int, model_defaults: dict | None = None) -> SamplingParams:
+        d = model_defaults or {}
+        if self.stop_sequences and any(not s for s in self.stop_sequences):
+            raise ApiError(400, "stop_sequences: stop sequences must not be empty", "stop_sequences", "invalid_value")
+        return SamplingParams(
+            temperature=self.temperature if self.temperature is not None else d.get("temperature", 1.0),
+            top_p=self.top_p if self.top_p is not None else d.get("top_p", 1.0),
+            top_k=self.top_k if self.top_k else d.get("top_k", 0),
+            max_tokens=self.max_tokens,
+            stop=list(self.stop_sequences or []),
+        )
+
+
+# -- requests into the core's terms ---------------------------------------------------------------------
+def _text(content: str | list[TextBlock]) -> str:
+    return content if isinstance(content, str) else "".join(b.text for b in content)
+
+
+def template_messages(body: CountTokensRequest) -> list[dict]:
+    """The conversation as the chat template reads it (the OpenAI API's form, messages.py)."""
+    out: list[dict] = []
+    if body.system:
+        out.append({"role": "system", "content": _text(body.system)})
+    for i, m in enumerate(body.messages):
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        text, calls, thoughts = [], [], []
+        for j, b in enumerate(m.content):
+            where = f"messages.{i}.content.{j}"
+            if isinstance(b, MediaBlock):
+                raise ApiError(400, f"{where}: {b.type} blocks are not supported (text only)", where, "unsupported")
+            if isinstance(b, TextBlock):
+                text.append(b.text)
+            elif isinstance(b, ThinkingBlock):
+                if m.role != "assistant":
+                    raise ApiError(400, f"{where}: thinking blocks belong to assistant messages", where)
+                thoughts.append(b.thinking)
+            elif isinstance(b, RedactedThinkingBlock):
+                continue  # its thoughts are not readable: nothing to show the template
+            elif isinstance(b, ToolUseBlock):
+                if m.role != "assistant":
+                    raise ApiError(400, f"{where}: tool_use blocks belong to assistant messages", where)
+                calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}})
+            else:  # a tool result: the tool's message, in order
+                if m.role != "user":
+                    raise ApiError(400, f"{where}: tool_result blocks belong to user messages", where)
+                if text:
+                    out.append({"role": "user", "content": "".join(text)})
+                    text = []
+                result = _text(b.content)
+                out.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": b.tool_use_id,
+                        "content": f"Error: {result}" if b.is_error else result,
+                    }
+                )
+        if m.role == "assistant":
+            msg: dict = {"role": "assistant", "content": "".join(text)}
+            if calls:
+                msg["tool_calls"] = calls
+            if thoughts:
+                msg["reasoning_content"] = "".join(thoughts)
+            out.append(msg)
+        elif text:
+            out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+def tool_specs(body: CountTokensRequest) -> list[dict] | None:
+    """The tools as the template and the grammar take them; none when tool_choice is none."""
+    choice = body.tool_choice
+    if not body.tools or (choice is not None and choice.type == "none"):
+        if choice is not None and choice.type in ("any", "tool"):
+            raise ApiError(400, "tool_choice: a call is required but the request offers no tools", "tool_choice")
+        return None
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                **({"description": t.description} if t.description else {}),
+                "parameters": t.input_schema,
+            },
+        }
+        for t in body.tools
+    ]
+
+
+def forced(body: MessagesRequest, specs: list[dict] | None) -> tuple[list[dict], str | None] | None:
+    """(the functions, the one named or None for any) when tool_choice requires a call."""
+    choice = body.tool_choice
+    if specs is None or choice is None or choice.type in ("auto", "none"):
+        return None
+    functions = [s["function"] for s in specs]
+    if choice.type == "any":
+        return functions, None
+    if choice.name is None:
+        raise ApiError(400, "tool_choice.name: required when type is tool", "tool_choice.name", "missing")
+    if choice.name not in {f["name"] for f in functions}:
+        raise ApiError(400, f"tool_choice.name: no tool named {choice.name!r} in tools", "tool_choice.name")
+    return functions, choice.name
+
+
+def prompt_ids(model, body: CountTokensRequest, specs: list[dict] | None) -> list[int]:
+    if specs is not None:
+        check_template(model.tokenizer)
+    try:
+        return model.tokenizer.chat(template_messages(body), tools=specs)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "messages", "no_chat_template") from None
+
+
+# -- answers in Anthropic's shapes -----------------------------------------------------------------------
+def error_body(exc: ApiError) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(exc.status, "api_error"), "message": exc.message}}
+
+
+def owns(request: web.Request) -> bool:
+    """Whether a request is one of Anthropic's (its errors then take Anthropic's shape)."""
+    return request.path in PATHS
+
+
+def stop_reason(out, matched: str | None, calls: list) -> tuple[str, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) for a finished output."""
+    if calls:
+        return "tool_use", None
+    if out.finish_reason == "length":
+        return "max_tokens", None
+    return ("stop_sequence", matched) if matched else ("end_turn", None)
+
+
+def matched_stop(model, out, token_ids: list[int], text: str, stops: list[str]) -> str | None:
+    """The stop sequence that ended the output, if one did: the earliest one in the decoded tokens past the
+    text the client got (the engine leaves the stop string out of the text)."""
+    if not stops or out.finish_reason != "stop":
+        return None
+    tail = model.tokenizer.decode(token_ids)[len(text) :]
+    found = [(tail.find(s), s) for s in stops if s in tail]
+    return min(found)[1] if found else None
+
+
+def content_blocks(text: str, calls: list[dict]) -> list[dict]:
+    blocks: list[dict] = [{"type": "text", "text": text}] if text or not calls else []
+    for c in calls:
+        blocks.append({"type": "tool_use", "id": tool_use_id(c), "name": c["function"]["name"], "input": _input(c)})
+    return blocks
+
+
+def tool_use_id(call: dict) -> str:
+    return "toolu_" + call["id"].removeprefix("call_")
+
+
+def _input(call: dict) -> dict:
+    try:
+        value = json.loads(call["function"]["arguments"])
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def usage(prompt_tokens: int, output_tokens: int, metrics) -> dict:
+    cached = metrics.cached_prompt_tokens if metrics else 0
+    return {
+        "input_tokens": prompt_tokens - cached,  # Anthropic counts cache reads apart from the input
+        "output_tokens": output_tokens,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body = parse_body(await read_raw(request, state), MessagesRequest)
+    async with state.lease(body.model) as model:
+        engine = model.ready_engine()
+        specs = tool_specs(body)
+        ids = prompt_ids(model, body, specs)
+        grammar, must = None, None
+        if specs is not None:
+            await check_tool_schemas(model, specs)
+            must = forced(body, specs)
+            if must is not None:
+                grammar = await tool_call_grammar(model, *must)
+        fmt = body.output_config.format if body.output_config else None
+        if fmt is not None:
+            if must is not None:
+                raise ApiError(
+                    400, "output_config.format: cannot be combined with a required tool call", "output_config.format"
+                )
+            grammar = await response_grammar(model, fmt.schema_, "output_config.format.schema")
+        rid = f"msg_{uuid.uuid4().hex[:24]}"
+        submit(model, engine, body, ids, rid, grammar, prompt_param="messages")
+        outputs = engine.stream(rid)
+        try:
+            if body.stream:
+                return await stream(request, state, model, body, rid, outputs, len(ids), specs is not None)
+            try:
+                async with asyncio.timeout(state.request_timeout):
+                    return await whole(model, body, rid, outputs, len(ids), specs is not None)
+            except TimeoutError:
+                raise ApiError(504, f"the request ran past its limit of {state.request_timeout:g} s", None) from None
+        finally:
+            await outputs.aclose()
+
+
+async def whole(model, body: MessagesRequest, rid: str, outputs, prompt_tokens: int, tools: bool) -> web.Response:
+    text, token_ids, last = [], [], None
+    async for out in outputs:
+        text.append(out.text)
+        token_ids += out.token_ids
+        last = out
+    model.monitor.on_request_done(last.metrics, None if last.error else last.finish_reason)
+    if last.error:
+        raise ApiError(500, last.error, None, "engine_error", "server_error")
+    joined = "".join(text)
+    content, calls = parse_calls(joined) if tools else (joined, [])
+    if tools and not calls:
+        content = joined
+    matched = matched_stop(model, last, token_ids, joined, body.stop_sequences or [])
+    reason, seq = stop_reason(last, matched, calls)
+    return web.json_response(
+        {
+            "id": rid,
+            "type": "message",
+            "role": "assistant",
+            "model": model.name,
+            "content": content_blocks(content or "", calls),
+            "stop_reason": reason,
+            "stop_sequence": seq,
+            "usage": usage(prompt_tokens, len(token_ids), last.metrics),
+        }
+    )
+
+
+async def stream(request, state, model, body: MessagesRequest, rid: str, outputs, prompt_tokens: int, tools: bool):
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": rid}
+    )
+    await resp.prepare(request)
+
+    async def send(kind: str, payload: dict) -> None:
+        data = json.dumps({"type": kind, **payload}, separators=(",", ":"))
+        await resp.write(f"event: {kind}\ndata: {data}\n\n".encode())
+
+    message = {
+        "id": rid,
+        "type": "message",
+        "role": "assistant",
+        "model": model.name,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {**usage(prompt_tokens, 0, None), "output_tokens": 0},
+    }
+    await send("message_start", {"message": message})
+    await send("ping", {})
+    index, text_open, token_ids, sent = 0, False, [], []
+    splitter = CallSplitter() if tools else None
+    last_ping = time.monotonic()
+    try:
+        async with asyncio.timeout(state.request_timeout):
+            async for out in outputs:
+                token_ids += out.token_ids
+                if out.error:
+                    model.monitor.on_request_done(out.metrics, None)
+                    await send("error", {"error": {"type": "api_error", "message": out.error}})
+                    return resp
+                piece = splitter.push(out.text) if splitter else out.text
+                calls: list[dict] = []
+                if out.finished and splitter:
+                    rest, calls = splitter.finish()
+                    piece += rest
+                if piece:
+                    if not text_open:
+                        await send(
+                            "content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}}
+                        )
+                        text_open = True
+                    sent.append(piece)
+                    await send("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": piece}})
+                if time.monotonic() - last_ping > 10:
+                    await send("ping", {})
+                    last_ping = time.monotonic()
+                if not out.finished:
+                    continue
+                if text_open:
+                    await send("content_block_stop", {"index": index})
+                    index += 1
+                for c in calls:
+                    block = {"type": "tool_use", "id": tool_use_id(c), "name": c["function"]["name"], "input": {}}
+                    await send("content_block_start", {"index": index, "content_block": block})
+                    partial = json.dumps(_input(c), ensure_ascii=False)
+                    await send(
+                        "content_block_delta",
+                        {"index": index, "delta": {"type": "input_json_delta", "partial_json": partial}},
+                    )
+                    await send("content_block_stop", {"index": index})
+                    index += 1
+                model.monitor.on_request_done(out.metrics, out.finish_reason)
+                joined = "".join(sent)
+                matched = matched_stop(model, out, token_ids, joined, body.stop_sequences or [])
+                reason, seq = stop_reason(out, matched, calls)
+                await send(
+                    "message_delta",
+                    {
+                        "delta": {"stop_reason": reason, "stop_sequence": seq},
+                        "usage": {"output_tokens": len(token_ids)},
+                    },
+                )
+                await send("message_stop", {})
+    except TimeoutError:
+        await send("error", {"error": {"type": "timeout_error", "message": "the request ran past its time limit"}})
+    await resp.write_eof()
+    return resp
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = parse_body(await read_raw(request, state), CountTokensRequest)
+    async with state.lease(body.model) as model:
+        return web.json_response({"input_tokens": len(prompt_ids(model, body, tool_specs(body)))})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", count_tokens)

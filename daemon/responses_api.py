@@ -1,0 +1,533 @@
+"""OpenAI's Responses API on the same listeners, for the clients that speak it (the openai SDK's
+`responses.create`, Codex and other agents): `POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`.
+
+Only the shapes live here: `instructions` and `input` (a string, or message / function_call /
+function_call_output items) become the chat template's messages; `tools`, `tool_choice` and
+`text.format` the same tool specs and grammars the Chat Completions API uses (tools.py, grammars.py);
+the request is admitted, sampled and streamed by the same core (state.submit, the model's engine).
+`previous_response_id` continues a stored response: its input and output come before the new input.
+Stored responses (`store`, default true) are kept in memory, at most STORE_MAX of them for at most
+STORE_TTL_S seconds each; an unknown or expired id is a 404 that says so. Errors are the OpenAI shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from collections import OrderedDict
+from typing import Annotated, Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag
+
+from minibatch.engine.core.sampling_params import SamplingParams
+
+from .grammars import check_tool_schemas, response_grammar, tool_call_grammar
+from .messages import FUNCTION_NAME, MAX_TOOLS
+from .protocol import ApiError, Float, Int, parse_body
+from .state import STATE, read_raw, submit
+from .tools import CallSplitter, check_template, parse_calls
+
+STORE_MAX = 512  # responses kept for previous_response_id and GET, the oldest evicted first
+STORE_TTL_S = 3600.0
+ID_PATTERN = "^resp_[0-9a-f]{24}$"  # what _id("resp") makes
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class InputText(_Body):
+    type: Literal["input_text", "output_text", "text"]
+    text: StrictStr
+    annotations: list[Any] | None = None
+
+
+class MessageItem(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: StrictStr | list[InputText]
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+
+class FunctionCallItem(_Body):
+    type: Literal["function_call"]
+    call_id: StrictStr = Field(min_length=1, max_length=256)
+    name: StrictStr = Field(pattern=FUNCTION_NAME)
+    arguments: StrictStr
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+
+class FunctionCallOutputItem(_Body):
+    type: Literal["function_call_output"]
+    call_id: StrictStr = Field(min_length=1, max_length=256)
+    output: StrictStr
+    id: StrictStr | None = None
+    status: StrictStr | None = None
+
+
+class ReasoningItem(BaseModel):
+    """An earlier reasoning item sent back: nothing of it reaches the template."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["reasoning"]
+
+
+def _item_kind(value) -> str:
+    return value.get("type", "message") if isinstance(value, dict) else "message"
+
+
+Item = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
+    Discriminator(_item_kind),
+]
+
+
+class FunctionTool(_Body):
+    type: Literal["function"]
+    name: StrictStr = Field(pattern=FUNCTION_NAME)
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class NamedFunction(_Body):
+    type: Literal["function"]
+    name: StrictStr
+
+
+class TextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: StrictStr | None = None
+    strict: StrictBool | None = None
+
+
+class TextOptions(_Body):
+    format: TextFormat | None = None
+    verbosity: StrictStr | None = None
+
+
+class Reasoning(_Body):
+    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    summary: StrictStr | None = None
+
+
+class ResponsesRequest(_Body):
+    model: StrictStr | None = None
+    input: Annotated[
+        Annotated[StrictStr, Tag("text")] | Annotated[list[Item], Tag("items")],
+        Discriminator(lambda v: "text" if isinstance(v, str) else "items"),
+        Field(min_length=1),
+    ]
+    instructions: StrictStr | None = None
+    tools: list[FunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
+    text: TextOptions | None = None
+    max_output_tokens: Int | None = Field(default=None, ge=1)
+    temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
+    reasoning: Reasoning | None = None  # accepted; the effort is the template's business (ignored here)
+    stream: StrictBool = False
+    store: StrictBool = True
+    previous_response_id: StrictStr | None = None
+    metadata: dict[str, StrictStr] | None = Field(default=None, max_length=16)
+    parallel_tool_calls: StrictBool | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    user: StrictStr | None = None
+
+    def sampling_params(self, default_max_tokens: int, model_defaults: dict | None = None) -> SamplingParams:
+        d = model_defaults or {}
+        return SamplingParams(
+            temperature=self.temperature if self.temperature is not None else d.get("temperature", 1.0),
+            top_p=self.top_p if self.top_p is not None else d.get("top_p", 1.0),
+            top_k=d.get("top_k", 0),
+            min_p=d.get("min_p", 0.0),
+            max_tokens=self.max_output_tokens or default_max_tokens,
+        )
+
+
+# -- the store -------------------------------------------------------------------------------------------
+class ResponseStore:
+    """Recent responses by id, with what each one's conversation was (for previous_response_id)."""
+
+    def __init__(self, max_items: int = STORE_MAX, ttl: float = STORE_TTL_S) -> None:
+        self.max_items, self.ttl = max_items, ttl
+        self._items: OrderedDict[str, tuple[float, dict, list[dict]]] = OrderedDict()
+
+    def put(self, response: dict, conversation: list[dict]) -> None:
+        self._items[response["id"]] = (time.monotonic(), response, conversation)
+        self._items.move_to_end(response["id"])
+        while len(self._items) > self.max_items:
+            self._items.popitem(last=False)
+
+    def get(self, rid: str, param: str = "response_id") -> tuple[dict, list[dict]]:
+        if not re.fullmatch(ID_PATTERN, rid):
+            raise ApiError(404, f"{param}: {rid[:80]!r} is not a response id (resp_ and 24 hex digits)", param)
+        entry = self._items.get(rid)
+        if entry is not None and time.monotonic() - entry[0] > self.ttl:
+            del self._items[rid]
+            entry = None
+        if entry is None:
+            raise ApiError(
+                404,
+                f"{param}: no stored response {rid!r} (responses are kept {self.ttl / 60:g} minutes, "
+                f"{self.max_items} at most, and only with store: true)",
+                param,
+                "response_not_found",
+            )
+        return entry[1], entry[2]
+
+    def delete(self, rid: str) -> None:
+        self.get(rid)
+        del self._items[rid]
+
+
+STORE = web.AppKey("responses", ResponseStore)
+
+
+# -- requests into the core's terms ---------------------------------------------------------------------
+def _text(content) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+def conversation(body: ResponsesRequest, earlier: list[dict]) -> list[dict]:
+    """The chat template's messages: the stored conversation, the instructions, then this input."""
+    out = list(earlier)
+    if body.instructions:
+        out = [m for m in out if m["role"] != "system"]
+        out.insert(0, {"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        return [*out, {"role": "user", "content": body.input}]
+    for item in body.input:
+        if isinstance(item, MessageItem):
+            role = "system" if item.role == "developer" else item.role
+            out.append({"role": role, "content": _text(item.content)})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": _args(item)}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+    return out
+
+
+def _args(item: FunctionCallItem):
+    try:
+        return json.loads(item.arguments)
+    except ValueError:
+        return item.arguments
+
+
+def tool_specs(body: ResponsesRequest) -> list[dict] | None:
+    if not body.tools or body.tool_choice == "none":
+        if body.tool_choice not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice: a call is required but the request offers no tools", "tool_choice")
+        return None
+    return [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})} for t in body.tools]
+
+
+def forced(body: ResponsesRequest, specs: list[dict] | None) -> tuple[list[dict], str | None] | None:
+    choice = body.tool_choice
+    if specs is None or choice in (None, "auto", "none"):
+        return None
+    functions = [s["function"] for s in specs]
+    if choice == "required":
+        return functions, None
+    if choice.name not in {f["name"] for f in functions}:
+        raise ApiError(400, f"tool_choice.name: no tool named {choice.name!r} in tools", "tool_choice.name")
+    return functions, choice.name
+
+
+async def grammar_for(model, body: ResponsesRequest, specs):
+    must = forced(body, specs)
+    fmt = body.text.format if body.text else None
+    if must is not None:
+        if fmt is not None and fmt.type != "text":
+            raise ApiError(400, "text.format: cannot be combined with a required tool call", "text.format")
+        return await tool_call_grammar(model, *must)
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return await response_grammar(model, "json", "text.format")
+    if fmt.schema_ is None:
+        raise ApiError(400, "text.format.schema: required when type is json_schema", "text.format.schema", "missing")
+    return await response_grammar(model, fmt.schema_, "text.format.schema")
+
+
+# -- answers in the Responses shapes ---------------------------------------------------------------------
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def output_items(text: str, calls: list[dict]) -> list[dict]:
+    items = []
+    if text or not calls:
+        items.append(
+            {
+                "type": "message",
+                "id": _id("msg"),
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}],
+            }
+        )
+    for c in calls:
+        items.append(
+            {
+                "type": "function_call",
+                "id": _id("fc"),
+                "call_id": c["id"],
+                "name": c["function"]["name"],
+                "arguments": c["function"]["arguments"],
+                "status": "completed",
+            }
+        )
+    return items
+
+
+def response_object(rid: str, model, body: ResponsesRequest, status: str, output: list, usage: dict | None) -> dict:
+    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": status,
+        "error": None,
+        "incomplete_details": incomplete,
+        "model": model.name,
+        "output": output,
+        "instructions": body.instructions,
+        "previous_response_id": body.previous_response_id,
+        "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+        "tool_choice": body.tool_choice.model_dump()
+        if isinstance(body.tool_choice, BaseModel)
+        else body.tool_choice or "auto",
+        "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "max_output_tokens": body.max_output_tokens,
+        "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)}
+        if body.text and body.text.format
+        else {"format": {"type": "text"}},
+        "store": body.store,
+        "metadata": body.metadata or {},
+        "usage": usage,
+    }
+
+
+def usage_of(prompt_tokens: int, output_tokens: int, metrics) -> dict:
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": metrics.cached_prompt_tokens if metrics else 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt_tokens + output_tokens,
+    }
+
+
+def remember(store: ResponseStore, response: dict, messages: list[dict], text: str, calls: list[dict]) -> None:
+    """The conversation a later previous_response_id continues: this one's messages and its answer."""
+    answer: dict = {"role": "assistant", "content": text}
+    if calls:
+        answer["tool_calls"] = [
+            {**c, "function": {"name": c["function"]["name"], "arguments": _parsed(c["function"]["arguments"])}}
+            for c in calls
+        ]
+    store.put(response, [*messages, answer])
+
+
+def _parsed(arguments: str):
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+async def create(request: web.Request) -> web.StreamResponse:
+    state, store = request.app[STATE], request.app[STORE]
+    body = parse_body(await read_raw(request, state), ResponsesRequest)
+    earlier = store.get(body.previous_response_id, "previous_response_id")[1] if body.previous_response_id else []
+    async with state.lease(body.model) as model:
+        engine = model.ready_engine()
+        specs = tool_specs(body)
+        if specs is not None:
+            check_template(model.tokenizer)
+            await check_tool_schemas(model, specs)
+        messages = conversation(body, earlier)
+        try:
+            ids = model.tokenizer.chat(messages, tools=specs)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "input", "no_chat_template") from None
+        grammar = await grammar_for(model, body, specs)
+        rid = _id("resp")
+        submit(model, engine, body, ids, rid, grammar, prompt_param="input")
+        outputs = engine.stream(rid)
+        try:
+            if body.stream:
+                return await stream(request, state, store, model, body, rid, outputs, messages, len(ids), specs)
+            try:
+                async with asyncio.timeout(state.request_timeout):
+                    return await whole(store, model, body, rid, outputs, messages, len(ids), specs)
+            except TimeoutError:
+                raise ApiError(504, f"the request ran past its limit of {state.request_timeout:g} s", None) from None
+        finally:
+            await outputs.aclose()
+
+
+def _split(text: str, specs) -> tuple[str, list[dict]]:
+    if specs is None:
+        return text, []
+    content, calls = parse_calls(text)
+    return ((content or "") if calls else text), calls
+
+
+async def whole(store, model, body, rid, outputs, messages, prompt_tokens, specs) -> web.Response:
+    text, n, last = [], 0, None
+    async for out in outputs:
+        text.append(out.text)
+        n += len(out.token_ids)
+        last = out
+    model.monitor.on_request_done(last.metrics, None if last.error else last.finish_reason)
+    if last.error:
+        raise ApiError(500, last.error, None, "engine_error", "server_error")
+    content, calls = _split("".join(text), specs)
+    status = "incomplete" if last.finish_reason == "length" and not calls else "completed"
+    response = response_object(
+        rid, model, body, status, output_items(content, calls), usage_of(prompt_tokens, n, last.metrics)
+    )
+    if body.store:
+        remember(store, response, messages, content, calls)
+    return web.json_response(response)
+
+
+async def stream(request, state, store, model, body, rid, outputs, messages, prompt_tokens, specs):
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": rid}
+    )
+    await resp.prepare(request)
+    seq = 0
+
+    async def send(kind: str, payload: dict) -> None:
+        nonlocal seq
+        data = json.dumps({"type": kind, "sequence_number": seq, **payload}, separators=(",", ":"))
+        seq += 1
+        await resp.write(f"event: {kind}\ndata: {data}\n\n".encode())
+
+    started = response_object(rid, model, body, "in_progress", [], None)
+    await send("response.created", {"response": started})
+    await send("response.in_progress", {"response": started})
+    msg_id, index, sent, n, opened = _id("msg"), 0, [], 0, False
+    splitter = CallSplitter() if specs is not None else None
+
+    async def open_message() -> None:
+        item = {"type": "message", "id": msg_id, "status": "in_progress", "role": "assistant", "content": []}
+        await send("response.output_item.added", {"output_index": 0, "item": item})
+        part = {"type": "output_text", "text": "", "annotations": []}
+        await send(
+            "response.content_part.added", {"item_id": msg_id, "output_index": 0, "content_index": 0, "part": part}
+        )
+
+    try:
+        async with asyncio.timeout(state.request_timeout):
+            async for out in outputs:
+                n += len(out.token_ids)
+                if out.error:
+                    model.monitor.on_request_done(out.metrics, None)
+                    failed = {**started, "status": "failed", "error": {"code": "server_error", "message": out.error}}
+                    await send("response.failed", {"response": failed})
+                    return resp
+                piece = splitter.push(out.text) if splitter else out.text
+                calls: list[dict] = []
+                if out.finished and splitter:
+                    rest, calls = splitter.finish()
+                    piece += rest
+                if piece:
+                    if not opened:
+                        await open_message()
+                        opened = True
+                    sent.append(piece)
+                    await send(
+                        "response.output_text.delta",
+                        {"item_id": msg_id, "output_index": 0, "content_index": 0, "delta": piece, "logprobs": []},
+                    )
+                if not out.finished:
+                    continue
+                model.monitor.on_request_done(out.metrics, out.finish_reason)
+                text = "".join(sent)
+                items = []
+                if opened or not calls:
+                    if not opened:
+                        await open_message()
+                    part = {"type": "output_text", "text": text, "annotations": []}
+                    await send(
+                        "response.output_text.done",
+                        {"item_id": msg_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []},
+                    )
+                    await send(
+                        "response.content_part.done",
+                        {"item_id": msg_id, "output_index": 0, "content_index": 0, "part": part},
+                    )
+                    message = {"type": "message", "id": msg_id, "status": "completed", "role": "assistant"}
+                    items.append({**message, "content": [part]})
+                    await send("response.output_item.done", {"output_index": 0, "item": items[-1]})
+                    index = 1
+                for c in calls:
+                    item = output_items("", [c])[-1]
+                    await send(
+                        "response.output_item.added",
+                        {"output_index": index, "item": {**item, "arguments": "", "status": "in_progress"}},
+                    )
+                    await send(
+                        "response.function_call_arguments.delta",
+                        {"item_id": item["id"], "output_index": index, "delta": item["arguments"]},
+                    )
+                    await send(
+                        "response.function_call_arguments.done",
+                        {"item_id": item["id"], "output_index": index, "arguments": item["arguments"]},
+                    )
+                    await send("response.output_item.done", {"output_index": index, "item": item})
+                    items.append(item)
+                    index += 1
+                status = "incomplete" if out.finish_reason == "length" and not calls else "completed"
+                done = response_object(rid, model, body, status, items, usage_of(prompt_tokens, n, out.metrics))
+                if body.store:
+                    remember(store, done, messages, text, calls)
+                await send("response.completed" if status == "completed" else "response.incomplete", {"response": done})
+    except TimeoutError:
+        failed = {
+            **started,
+            "status": "failed",
+            "error": {"code": "timeout", "message": "the request ran past its time limit"},
+        }
+        await send("response.failed", {"response": failed})
+    await resp.write_eof()
+    return resp
+
+
+async def get_response(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STORE].get(request.match_info["response_id"])[0])
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    rid = request.match_info["response_id"]
+    request.app[STORE].delete(rid)
+    return web.json_response({"id": rid, "object": "response.deleted", "deleted": True})
+
+
+def add_routes(app: web.Application) -> None:
+    app[STORE] = ResponseStore()
+    app.router.add_post("/v1/responses", create)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
