@@ -12,10 +12,10 @@ import uuid
 from aiohttp import web
 
 from . import anthropic, ollama, openapi, responses_api
-from .catalog import catalog
 from .grammars import check_tool_schemas, forced_call, response_grammar, tool_call_grammar
 from .guard import Guard, guard_middleware
-from .models import LoadedModel
+from .models.catalog import catalog
+from .models.pool import LoadedModel
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse_body
 from .responses import full_response, stream_response, timeout_message
 from .schemas import ModeRequest

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from .client import request_json
 from .lifecycle import LifecycleError, ensure_private_dir, running_pid
+from .models.settings import DEFAULT_LOAD_WAIT, DEFAULT_MAX_LOADED, DEFAULT_MEMORY_SHARE
 from .paths import default_log_file, default_socket
-from .pool_settings import DEFAULT_LOAD_WAIT, DEFAULT_MAX_LOADED, DEFAULT_MEMORY_SHARE
 
 # The daemon's models on demand (a cluster application serves one model and has none of these).
 MODEL_OPTIONS = [
@@ -161,7 +161,7 @@ def engine_config(args):
 
 def pool_settings(args):
     """How many models stay loaded, for how long, in how much memory (ValueError naming the option)."""
-    from .pool_settings import PoolSettings, parse_duration
+    from .models.settings import PoolSettings, parse_duration
 
     return PoolSettings(
         max_loaded=args.max_loaded_models,

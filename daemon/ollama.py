@@ -7,7 +7,7 @@ durations (nanoseconds) on the last line; `GET /api/tags`, `POST /api/show`,
 Ollama's shape, `{"error": "..."}`, naming the field. Top-level fields and
 options we do not use (num_ctx, num_gpu...) are accepted and
 ignored, as Ollama does with options a model lacks; the ones we use are
-validated. `model` names any model the daemon can serve (daemon/models.py loads it on first use;
+validated. `model` names any model the daemon can serve (daemon/models/pool.py loads it on first use;
 left out: the daemon's own), and `keep_alive` says how long it stays loaded after the request.
 """
 
@@ -25,10 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
 
-from .catalog import catalog
 from .grammars import response_grammar
 from .messages import MAX_TOOLS, Tool
-from .models import iso, parse_keep_alive
+from .models.catalog import catalog
+from .models.pool import iso, parse_keep_alive
 from .protocol import ApiError, Float, Int, parse_body
 from .schemas import OllamaShowRequest
 from .state import STATE, read_raw, submit
@@ -305,7 +305,7 @@ def _time(ts: float) -> str:
 
 
 def model_entry(entry: dict) -> dict:
-    """A catalog entry (daemon/catalog.py) in /api/tags' shape."""
+    """A catalog entry (daemon/models/catalog.py) in /api/tags' shape."""
     weights, family = entry["quantization"], entry["family"]
     return {
         "name": tag(entry["id"]),

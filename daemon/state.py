@@ -16,7 +16,7 @@ from minibatch.engine.core.admission import QueueFull, RequestRejected
 from minibatch.engine.core.sampling_params import DEFAULT_MAX_TOKENS
 
 from .guard import Guard
-from .models import LoadedModel, ModelPool, parse_keep_alive
+from .models.pool import LoadedModel, ModelPool, parse_keep_alive
 from .protocol import ApiError, ChatRequest, parse_body
 
 

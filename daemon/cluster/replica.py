@@ -28,7 +28,7 @@ import aiohttp
 from ray import serve
 
 from minibatch.daemon.client import request_json
-from minibatch.daemon.pool_settings import PoolSettings
+from minibatch.daemon.models.settings import PoolSettings
 from minibatch.daemon.server import DaemonConfig
 from minibatch.daemon.server import serve as serve_daemon
 from minibatch.engine.factory import EngineConfig

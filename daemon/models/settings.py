@@ -1,5 +1,5 @@
 """How many models a daemon keeps loaded, for how long and in how much memory: the settings the CLI, the
-cluster and daemon/models.py share, and Ollama's keep_alive durations. Light to import (the CLI reads it)."""
+cluster and models/pool.py share, and Ollama's keep_alive durations. Light to import (the CLI reads it)."""
 
 from __future__ import annotations
 

@@ -31,9 +31,9 @@ from minibatch.engine.factory import EngineConfig
 from minibatch.engine.store import sources
 from minibatch.engine.store.cache import BUILTIN_MODELS, ModelNotFoundError, list_models, resolve_model
 
-from .monitor import EngineMonitor, Metrics, StepSignal
-from .pool_settings import DEFAULT_MEMORY_SHARE, PoolSettings, parse_duration
-from .protocol import ApiError
+from ..monitor import EngineMonitor, Metrics, StepSignal
+from ..protocol import ApiError
+from .settings import DEFAULT_MEMORY_SHARE, PoolSettings, parse_duration
 
 if TYPE_CHECKING:
     from minibatch.engine.async_engine import AsyncEngine
@@ -46,7 +46,7 @@ log = logging.getLogger("minibatch.daemon")
 
 
 def parse_keep_alive(value, field_name: str = "keep_alive") -> float | None:
-    """A request's keep_alive (pool_settings.parse_duration), or a 400 naming the field."""
+    """A request's keep_alive (settings.parse_duration), or a 400 naming the field."""
     try:
         return parse_duration(value, field_name)
     except ValueError as exc:
