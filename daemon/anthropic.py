@@ -27,6 +27,7 @@ from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
 from .grammars import check_tool_schemas, response_grammar, tool_call_grammar
 from .messages import FUNCTION_NAME, MAX_TOOLS
 from .protocol import ApiError, Float, Int, parse_body
+from .reasoning import ReasoningSplitter, split_reasoning
 from .state import STATE, read_raw, submit
 from .tools import CallSplitter, check_template, parse_calls
 
@@ -265,11 +266,25 @@ def forced(body: MessagesRequest, specs: list[dict] | None) -> tuple[list[dict],
     return functions, choice.name
 
 
+def thinking_of(model, body: CountTokensRequest) -> tuple[dict, tuple[tuple[str, str], bool] | None]:
+    """(the template's switches, how the output's thinking is split) for a thinking model: with `thinking`
+    enabled its thoughts come back as thinking blocks; without it, a template that has the switch renders a
+    prompt that does not think (Anthropic's default), else the thoughts still come back apart."""
+    tok = model.tokenizer
+    if tok.reasoning_tags is None:
+        return {}, None
+    enabled = body.thinking is not None and body.thinking.type == "enabled"
+    args = {} if enabled or not tok.can_stop_thinking else {"enable_thinking": False}
+    messages = template_messages(body)
+    inside = tok.thinks_from_prompt(messages, tools=tool_specs(body), **args)
+    return args, (None if args else (tok.reasoning_tags, inside))
+
+
 def prompt_ids(model, body: CountTokensRequest, specs: list[dict] | None) -> list[int]:
     if specs is not None:
         check_template(model.tokenizer)
     try:
-        return model.tokenizer.chat(template_messages(body), tools=specs)
+        return model.tokenizer.chat(template_messages(body), tools=specs, **thinking_of(model, body)[0])
     except ValueError as exc:
         raise ApiError(400, str(exc), "messages", "no_chat_template") from None
 
@@ -303,8 +318,9 @@ def matched_stop(model, out, token_ids: list[int], text: str, stops: list[str]) 
     return min(found)[1] if found else None
 
 
-def content_blocks(text: str, calls: list[dict]) -> list[dict]:
-    blocks: list[dict] = [{"type": "text", "text": text}] if text or not calls else []
+def content_blocks(text: str, calls: list[dict], thought: str = "") -> list[dict]:
+    blocks: list[dict] = [{"type": "thinking", "thinking": thought, "signature": ""}] if thought else []
+    blocks += [{"type": "text", "text": text}] if text or not calls else []
     for c in calls:
         blocks.append({"type": "tool_use", "id": tool_use_id(c), "name": c["function"]["name"], "input": _input(c)})
     return blocks
@@ -355,19 +371,20 @@ async def messages(request: web.Request) -> web.StreamResponse:
         rid = f"msg_{uuid.uuid4().hex[:24]}"
         submit(model, engine, body, ids, rid, grammar, prompt_param="messages")
         outputs = engine.stream(rid)
+        reasoning = thinking_of(model, body)[1]
         try:
             if body.stream:
-                return await stream(request, state, model, body, rid, outputs, len(ids), specs is not None)
+                return await stream(request, state, model, body, rid, outputs, len(ids), specs is not None, reasoning)
             try:
                 async with asyncio.timeout(state.request_timeout):
-                    return await whole(model, body, rid, outputs, len(ids), specs is not None)
+                    return await whole(model, body, rid, outputs, len(ids), specs is not None, reasoning)
             except TimeoutError:
                 raise ApiError(504, f"the request ran past its limit of {state.request_timeout:g} s", None) from None
         finally:
             await outputs.aclose()
 
 
-async def whole(model, body: MessagesRequest, rid: str, outputs, prompt_tokens: int, tools: bool) -> web.Response:
+async def whole(model, body: MessagesRequest, rid: str, outputs, prompt_tokens: int, tools: bool, reasoning=None):
     text, token_ids, last = [], [], None
     async for out in outputs:
         text.append(out.text)
@@ -376,7 +393,7 @@ async def whole(model, body: MessagesRequest, rid: str, outputs, prompt_tokens: 
     model.monitor.on_request_done(last.metrics, None if last.error else last.finish_reason)
     if last.error:
         raise ApiError(500, last.error, None, "engine_error", "server_error")
-    joined = "".join(text)
+    thought, joined = split_reasoning("".join(text), *reasoning) if reasoning else ("", "".join(text))
     content, calls = parse_calls(joined) if tools else (joined, [])
     if tools and not calls:
         content = joined
@@ -388,7 +405,7 @@ async def whole(model, body: MessagesRequest, rid: str, outputs, prompt_tokens: 
             "type": "message",
             "role": "assistant",
             "model": model.name,
-            "content": content_blocks(content or "", calls),
+            "content": content_blocks(content or "", calls, thought),
             "stop_reason": reason,
             "stop_sequence": seq,
             "usage": usage(prompt_tokens, len(token_ids), last.metrics),
@@ -396,7 +413,9 @@ async def whole(model, body: MessagesRequest, rid: str, outputs, prompt_tokens: 
     )
 
 
-async def stream(request, state, model, body: MessagesRequest, rid: str, outputs, prompt_tokens: int, tools: bool):
+async def stream(
+    request, state, model, body: MessagesRequest, rid: str, outputs, prompt_tokens: int, tools: bool, reasoning=None
+):
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": rid}
     )
@@ -420,6 +439,8 @@ async def stream(request, state, model, body: MessagesRequest, rid: str, outputs
     await send("ping", {})
     index, text_open, token_ids, sent = 0, False, [], []
     splitter = CallSplitter() if tools else None
+    thinking = ReasoningSplitter(*reasoning) if reasoning else None
+    thinking_open = False
     last_ping = time.monotonic()
     try:
         async with asyncio.timeout(state.request_timeout):
@@ -429,7 +450,24 @@ async def stream(request, state, model, body: MessagesRequest, rid: str, outputs
                     model.monitor.on_request_done(out.metrics, None)
                     await send("error", {"error": {"type": "api_error", "message": out.error}})
                     return resp
-                piece = splitter.push(out.text) if splitter else out.text
+                thought, piece = thinking.push(out.text) if thinking else ("", out.text)
+                if out.finished and thinking:
+                    more, rest = thinking.finish()
+                    thought, piece = thought + more, piece + rest
+                if thought:
+                    if not thinking_open:
+                        block = {"type": "thinking", "thinking": "", "signature": ""}
+                        await send("content_block_start", {"index": index, "content_block": block})
+                        thinking_open = True
+                    delta = {"type": "thinking_delta", "thinking": thought}
+                    await send("content_block_delta", {"index": index, "delta": delta})
+                if thinking_open and (piece or out.finished):  # the thinking is over: its block closes
+                    await send(
+                        "content_block_delta", {"index": index, "delta": {"type": "signature_delta", "signature": ""}}
+                    )
+                    await send("content_block_stop", {"index": index})
+                    index, thinking_open = index + 1, False
+                piece = splitter.push(piece) if splitter else piece
                 calls: list[dict] = []
                 if out.finished and splitter:
                     rest, calls = splitter.finish()

@@ -17,6 +17,7 @@ from .guard import Guard, guard_middleware
 from .models.catalog import catalog
 from .models.pool import LoadedModel
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse_body
+from .reasoning import reasoning_format
 from .responses import full_response, stream_response, timeout_message
 from .schemas import ModeRequest
 from .state import GUARD, STATE, DaemonState, read_body, read_raw, submit
@@ -112,6 +113,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             raise ApiError(400, str(exc), "messages", "no_chat_template") from None
         if body.max_completion_tokens and not body.max_tokens:
             body.max_tokens = body.max_completion_tokens
+        messages = [m.for_template() for m in body.messages]
+        reasoning = None
+        tags = model.tokenizer.reasoning_tags
+        if tags is not None and reasoning_format(body.reasoning_format, state.reasoning_format) == "auto":
+            reasoning = tags, model.tokenizer.thinks_from_prompt(messages, tools=specs)
         make_grammar = None
         if specs is not None:
             await check_tool_schemas(model, specs)
@@ -128,6 +134,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             f"chatcmpl-{uuid.uuid4().hex}",
             make_grammar=make_grammar,
             tools=specs is not None,
+            reasoning=reasoning,
         )
 
 
@@ -153,6 +160,7 @@ async def run_request(
     make_grammar=None,
     tools: bool = False,
     batch: bool = False,
+    reasoning: tuple[tuple[str, str], bool] | None = None,
 ):
     """Submit the request's completions, all or none, and answer with their choices.
 
@@ -185,11 +193,11 @@ async def run_request(
     try:
         if body.stream:
             return await stream_response(
-                request, state, model, streams, base, chat, prompt_tokens, body.include_usage, tools
+                request, state, model, streams, base, chat, prompt_tokens, body.include_usage, tools, reasoning
             )
         try:
             async with asyncio.timeout(state.request_timeout):
-                return await full_response(model, streams, base, chat, prompt_tokens, tools)
+                return await full_response(model, streams, base, chat, prompt_tokens, tools, reasoning)
         except TimeoutError:
             raise ApiError(504, timeout_message(state), None, "timeout") from None
     finally:

@@ -60,6 +60,12 @@ MODEL_OPTIONS = [
 ]
 # The listeners, limits and log (flag, type, default, help); the engine's options are in engine/options.py.
 DAEMON_OPTIONS = [
+    (
+        "--reasoning-format",
+        str,
+        "auto",
+        "a thinking model's reasoning: auto (apart, in reasoning_content / thinking) or none (left in the content)",
+    ),
     ("--host", str, None, "also listen on TCP at this host (default 127.0.0.1 when --port is set)"),
     ("--port", int, None, "also listen on TCP at this port (off by default)"),
     (
@@ -221,6 +227,8 @@ def cmd_start(args) -> int:
         ensure_private_dir(sock.parent)
         cfg = engine_config(args)
         models = pool_settings(args)
+        if args.reasoning_format not in ("auto", "none"):
+            raise ValueError(f"--reasoning-format: must be auto or none, got {args.reasoning_format!r}")
         guard = guard_of(args)  # a refused bind is reported here, before anything listens
     except (LifecycleError, ValueError) as exc:
         print(f"minibatchd: {exc}", file=sys.stderr)
@@ -249,6 +257,7 @@ def cmd_start(args) -> int:
             guard,
             models,
             preload_of(args),
+            args.reasoning_format,
         )
         return asyncio.run(serve(conf))
     return start_background(args, sock, guard.api_keys[0] if guard.api_keys else None)

@@ -30,6 +30,7 @@ from .messages import MAX_TOOLS, Tool
 from .models.catalog import catalog
 from .models.pool import iso, parse_keep_alive
 from .protocol import ApiError, Float, Int, parse_body
+from .reasoning import ReasoningSplitter, split_reasoning
 from .schemas import OllamaShowRequest
 from .state import STATE, read_raw, submit
 from .tools import CallSplitter, check_template, parse_calls
@@ -87,6 +88,9 @@ class _Request(_Lenient):
     stream: StrictBool = True
     # how long the model stays loaded after this request: seconds or a duration ("5m"); 0 unloads it, -1 keeps it
     keep_alive: StrictStr | Int | Float | None = None
+    # a thinking model: true, its reasoning apart in `thinking`; false, a prompt that does not think where the
+    # template has the switch (enable_thinking); unset: apart, as --reasoning-format says
+    think: StrictBool | None = None
     options: Options = Field(default_factory=Options)
     format: Literal["json", ""] | dict[str, Any] | None = None  # any JSON, or a JSON schema
 
@@ -211,12 +215,14 @@ async def answer(request: web.Request, state, model, body, chat: bool, started: 
         messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
             {"role": "user", "content": body.prompt}
         ]
+    tok = model.tokenizer
+    args = {"enable_thinking": False} if body.think is False and tok.can_stop_thinking else {}
+    apart = tok.reasoning_tags is not None and messages is not None and body.think is not False
+    if body.think is None and state.reasoning_format == "none":
+        apart = False
     try:
-        ids = (
-            model.tokenizer.encode_prompt(body.prompt)
-            if messages is None
-            else model.tokenizer.chat(messages, tools=tools)
-        )
+        ids = tok.encode_prompt(body.prompt) if messages is None else tok.chat(messages, tools=tools, **args)
+        reasoning = (tok.reasoning_tags, tok.thinks_from_prompt(messages, tools=tools, **args)) if apart else None
     except ValueError as exc:
         raise ApiError(400, str(exc), "messages", "no_chat_template") from None
     request_id = f"ollama-{uuid.uuid4().hex}"
@@ -224,11 +230,11 @@ async def answer(request: web.Request, state, model, body, chat: bool, started: 
     submit(model, engine, body, ids, request_id, grammar)
     outputs = engine.stream(request_id)
 
-    def line(text: str, calls: list | None = None) -> dict:
+    def line(text: str, calls: list | None = None, thinking: str = "") -> dict:
         head = {"model": model.name, "created_at": now_iso()}
         if not chat:
-            return {**head, "response": text, "done": False}
-        message = {"role": "assistant", "content": text}
+            return {**head, "response": text, **({"thinking": thinking} if thinking else {}), "done": False}
+        message = {"role": "assistant", "content": text, **({"thinking": thinking} if thinking else {})}
         if calls:  # Ollama's shape: arguments as an object, no ids
             message["tool_calls"] = [
                 {"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
@@ -253,20 +259,29 @@ async def answer(request: web.Request, state, model, body, chat: bool, started: 
                 model.monitor.on_request_done(last.metrics, None if last.error else last.finish_reason)
                 if last.error:
                     raise ApiError(500, last.error, None, "engine_error", "server_error")
+                thought, answer = split_reasoning("".join(text), *reasoning) if reasoning else ("", "".join(text))
+                content, calls = split_calls(answer)
                 return web.json_response(
-                    {**line(*split_calls("".join(text))), **final_counters(last, len(ids), n, started)}
+                    {**line(content, calls, thought), **final_counters(last, len(ids), n, started)}
                 )
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "X-Request-Id": request_id})
             await resp.prepare(request)
             n = 0
             splitter = CallSplitter() if tools else None  # a tool call is held back and sent whole at the end
+            thinking = ReasoningSplitter(*reasoning) if reasoning else None  # the reasoning streams apart
             async for out in outputs:
                 n += len(out.token_ids)
                 if out.error:
                     model.monitor.on_request_done(out.metrics, None)
                     await resp.write(json.dumps({"error": out.error}).encode() + b"\n")
                     break
-                text, calls = (splitter.push(out.text), []) if splitter else (out.text, [])
+                thought, text = thinking.push(out.text) if thinking else ("", out.text)
+                if out.finished and thinking:
+                    more, rest = thinking.finish()
+                    thought, text = thought + more, text + rest
+                if thought:
+                    await resp.write(json.dumps(line("", None, thought)).encode() + b"\n")
+                text, calls = (splitter.push(text), []) if splitter else (text, [])
                 if out.finished and splitter:
                     rest, calls = splitter.finish()
                     text += rest

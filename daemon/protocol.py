@@ -173,6 +173,9 @@ class ChatRequest(_Sampling):
         False  # each output token's log-probability (of the model's logits, before sampling settings)
     )
     top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # a thinking model's reasoning: apart in message.reasoning_content (auto), or left in the content (none)
+    reasoning_format: Literal["auto", "none"] | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # accepted: no knob here
 
     def logprobs_k(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

@@ -11,6 +11,7 @@ from aiohttp import web
 from minibatch.engine.core.request import RequestMetrics
 
 from .protocol import ApiError
+from .reasoning import ReasoningSplitter, split_reasoning
 from .tools import CallSplitter, parse_calls
 
 
@@ -33,13 +34,14 @@ def timings(m: RequestMetrics | None) -> dict:
     }
 
 
-def usage(m: RequestMetrics | None, prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(m: RequestMetrics | None, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int = 0) -> dict:
     cached = m.cached_prompt_tokens if m else 0
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
     }
 
 
@@ -107,7 +109,7 @@ async def merged(streams: list) -> AsyncIterator[tuple[int, object]]:
 
 
 async def full_response(
-    model, streams: list, base, chat: bool, prompt_tokens: int, tools: bool = False
+    model, streams: list, base, chat: bool, prompt_tokens: int, tools: bool = False, reasoning=None
 ) -> web.Response:
     n = len(streams)
     text, count, last = [[] for _ in range(n)], 0, [None] * n
@@ -125,16 +127,21 @@ async def full_response(
     failed = next((out for out in last if out.error), None)
     if failed is not None:
         raise ApiError(500, failed.error, None, "engine_error", "server_error")
-    choices = []
+    choices, thought_tokens = [], 0
     for i in range(n):
-        content = "".join(text[i])
+        content, thought = "".join(text[i]), ""
+        if chat and reasoning is not None:  # the thinking apart; calls and JSON are read from the answer
+            thought, content = split_reasoning(content, *reasoning)
+            thought_tokens += len(model.tokenizer.encode(thought)) if thought else 0
         choice = {"index": i, "finish_reason": last[i].finish_reason}
         if chat:
             choice["message"] = {"role": "assistant", "content": content}
+            if thought:
+                choice["message"]["reasoning_content"] = thought
             if tools:
                 rest, calls = parse_calls(content)
                 if calls:
-                    choice["message"] = {"role": "assistant", "content": rest, "tool_calls": calls}
+                    choice["message"] = {**choice["message"], "content": rest, "tool_calls": calls}
                     choice["finish_reason"] = "tool_calls"
             choice["logprobs"] = {"content": chat_logprobs(model.tokenizer, token_ids[i], entries[i])} if want else None
         else:
@@ -147,7 +154,7 @@ async def full_response(
             **base,
             "object": "chat.completion" if chat else "text_completion",
             "choices": choices,
-            "usage": usage(last[0].metrics, prompt_tokens, count),
+            "usage": usage(last[0].metrics, prompt_tokens, count, thought_tokens),
             "minibatch": timings(last[0].metrics),
         }
     )
@@ -163,6 +170,7 @@ async def stream_response(
     prompt_tokens: int,
     include_usage: bool,
     tools: bool = False,
+    reasoning=None,
 ):
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": base["id"]}
@@ -201,6 +209,7 @@ async def stream_response(
             await send(chunk(i, None, None, role=True))
     count, metrics = 0, None
     splitters = [CallSplitter() if tools else None for _ in range(n)]
+    thinking = [ReasoningSplitter(*reasoning) if chat and reasoning is not None else None for _ in range(n)]
     try:
         async with asyncio.timeout(state.request_timeout):
             async for i, out in merged(streams):
@@ -211,8 +220,15 @@ async def stream_response(
                     break
                 carries = out.logprobs is not None and bool(out.token_ids)
                 text, finish = out.text, out.finish_reason
+                if thinking[i] is not None:  # the reasoning streams apart, before the answer
+                    thought, text = thinking[i].push(text)
+                    if out.finished:
+                        more, rest = thinking[i].finish()
+                        thought, text = thought + more, text + rest
+                    if thought:
+                        await send(chunk(i, None, None, delta={"reasoning_content": thought}))
                 if splitters[i] is not None:  # content streams; a tool call is held back and sent whole at the end
-                    text = splitters[i].push(out.text)
+                    text = splitters[i].push(text)
                     if out.finished:
                         rest, found = splitters[i].finish()
                         if rest:
@@ -236,7 +252,10 @@ async def stream_response(
                     await send(final)
                     metrics = metrics or out.metrics
         if include_usage and metrics is not None:
-            await send({**base, "object": obj, "choices": [], "usage": usage(metrics, prompt_tokens, count)})
+            thought_tokens = sum(len(model.tokenizer.encode(t.text)) for t in thinking if t is not None and t.text)
+            await send(
+                {**base, "object": obj, "choices": [], "usage": usage(metrics, prompt_tokens, count, thought_tokens)}
+            )
     except TimeoutError:
         await send(ApiError(504, timeout_message(state), None, "timeout").body())
     await resp.write(b"data: [DONE]\n\n")

@@ -36,6 +36,7 @@ class DaemonConfig:
     guard: Guard | None = None
     models: PoolSettings = field(default_factory=PoolSettings)
     preload: tuple[str, ...] = ()  # more models to load at start, after the daemon's own
+    reasoning_format: str = "auto"  # a thinking model's reasoning apart (auto) or in the content (none)
 
 
 def app_runner(app: web.Application, read_timeout: float) -> web.AppRunner:
@@ -75,7 +76,10 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         log.error("%s", exc)
         return 1
     state = DaemonState(
-        model_name=config.engine.model, request_timeout=config.request_timeout, body_timeout=config.read_timeout
+        model_name=config.engine.model,
+        request_timeout=config.request_timeout,
+        body_timeout=config.read_timeout,
+        reasoning_format=config.reasoning_format,
     )
     guard = config.guard or Guard()
     runner = app_runner(create_app(state, guard), config.read_timeout)

@@ -25,6 +25,7 @@ class DaemonState:
     model_name: str  # the daemon's own model (--model): what a request without a model gets
     request_timeout: float = 600.0  # wall-clock limit per request, seconds
     body_timeout: float = 30.0  # seconds to receive a request body
+    reasoning_format: str = "auto"  # --reasoning-format: a thinking model's reasoning apart (auto) or not (none)
     pool: ModelPool | None = None  # the loaded models
     started_at: float = field(default_factory=time.time)
     status: str = "loading"  # loading | ready | draining | failed

@@ -8,6 +8,7 @@ behaviour of its own, special tokens the file does not mark) goes through transf
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from functools import lru_cache
@@ -17,6 +18,9 @@ from pathlib import Path
 _PLAIN_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
 # The named special tokens transformers hands a chat template (its SPECIAL_TOKENS_ATTRIBUTES).
 _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 class TextTokenizer:
@@ -97,10 +101,40 @@ class TextTokenizer:
         """How the model writes a call, as far as we parse it: "hermes" (<tool_call>{json}</tool_call>) or None."""
         return "hermes" if self.chat_template and "<tool_call>" in self.chat_template else None
 
+    @functools.cached_property
+    def reasoning_tags(self) -> tuple[str, str] | None:
+        """(open, close) of the model's thinking when its template thinks, else None. The rule (as llama.cpp
+        and vLLM detect Qwen3, DeepSeek-R1's distills and SmolLM3): `<think>` and `</think>` are each one
+        token of the vocabulary, and the chat template writes `<think>` or reads `enable_thinking`."""
+        template = self.chat_template or ""
+        if "<think>" not in template and "enable_thinking" not in template:
+            return None
+        vocab = self.vocab()
+        return (THINK_OPEN, THINK_CLOSE) if THINK_OPEN in vocab and THINK_CLOSE in vocab else None
+
+    @property
+    def can_stop_thinking(self) -> bool:
+        """Whether the template has Qwen3's switch (`enable_thinking`) to render a prompt that does not think."""
+        return "enable_thinking" in (self.chat_template or "")
+
+    def thinks_from_prompt(self, messages: list[dict], tools: list[dict] | None = None, **template_args) -> bool:
+        """Whether the rendered generation prompt already opens the thinking (DeepSeek-R1's templates end
+        with `<think>`), so the output starts inside it."""
+        tags = self.reasoning_tags
+        if tags is None:
+            return False
+        text = self.render_chat(messages, tools=tools, **template_args)
+        return text.rfind(tags[0]) > text.rfind(tags[1])
+
     def render_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **template_args,
     ) -> str:
-        """The conversation as text, rendered with the model's chat template (and its tools, if given)."""
+        """The conversation as text, rendered with the model's chat template (and its tools, if given);
+        `template_args` are the template's own switches (`enable_thinking=False`)."""
         if not self.has_chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
         import jinja2
@@ -108,7 +142,7 @@ class TextTokenizer:
         try:
             if self._tok is None:
                 return self.hf.apply_chat_template(
-                    messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
+                    messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **template_args
                 )
             return _compiled(self.chat_template).render(
                 messages=[_with_reasoning_aliases(m) for m in messages],
@@ -116,15 +150,20 @@ class TextTokenizer:
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._special,
+                **template_args,
             )
         except jinja2.TemplateError as exc:  # raise_exception() in the template, or a template bug
             raise ValueError(f"the model's chat template refused these messages: {exc}") from exc
 
     def chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **template_args,
     ) -> list[int]:
         """Token ids of the conversation rendered with the model's chat template (no special tokens added)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools))
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools, **template_args))
 
 
 def _plain_tokenizer(model_dir: Path, config: dict):

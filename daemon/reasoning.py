@@ -1,0 +1,92 @@
+"""A thinking model's reasoning, split from its answer: `<think>…</think>` (tokenizer.reasoning_tags says
+which models think) goes to `reasoning_content` / Ollama's `thinking` / Anthropic's thinking blocks, the
+rest is the answer that tool calls and JSON are read from. `--reasoning-format none` (or a request's
+`reasoning_format: "none"`) leaves everything in the content, as the model wrote it."""
+
+from __future__ import annotations
+
+from .protocol import ApiError
+
+REASONING_FORMATS = ("auto", "none")
+
+
+def reasoning_format(requested: str | None, default: str) -> str:
+    value = requested or default
+    if value not in REASONING_FORMATS:
+        raise ApiError(
+            400, f"reasoning_format: must be one of {', '.join(REASONING_FORMATS)}, got {value!r}", "reasoning_format"
+        )
+    return value
+
+
+class ReasoningSplitter:
+    """Streams (reasoning, answer) pieces from output deltas; a tag cut across deltas is held back until
+    it is whole. `inside`: the output starts in the thinking (the prompt opened it)."""
+
+    def __init__(self, tags: tuple[str, str], inside: bool = False) -> None:
+        self.open, self.close = tags
+        self.inside = inside
+        self.started = inside  # the thinking began (the open tag seen, or opened by the prompt)
+        self.done = False  # the close tag seen: the rest is the answer
+        self._held = ""
+        self._trim = inside  # drop the newlines that follow a tag
+        self.reasoning: list[str] = []
+
+    def push(self, delta: str) -> tuple[str, str]:
+        text, thought, answer = self._held + delta, [], []
+        self._held = ""
+        while text:
+            if self._trim:  # the newlines right after a tag belong to neither part
+                text = text.lstrip("\n")
+                if not text:
+                    break
+                self._trim = False
+            if self.done:
+                answer.append(text)
+                break
+            if not self.inside:
+                stripped = text.lstrip()
+                if not self.started and stripped.startswith(self.open):
+                    self.inside = self.started = self._trim = True
+                    text = stripped[len(self.open) :]
+                    continue
+                if not self.started and self.open.startswith(stripped) and stripped:
+                    self._held = text  # maybe the start of the open tag
+                    break
+                self.done = True  # the answer starts without thinking
+                continue
+            end = text.find(self.close)
+            if end >= 0:
+                thought.append(text[:end])
+                self.inside, self.done, self._trim = False, True, True
+                text = text[end + len(self.close) :]
+                continue
+            keep = next((k for k in range(len(self.close) - 1, 0, -1) if text.endswith(self.close[:k])), 0)
+            thought.append(text[: len(text) - keep])
+            self._held = text[len(text) - keep :]
+            break
+        out = "".join(thought)
+        self.reasoning.append(out)
+        return out, "".join(answer)
+
+    def finish(self) -> tuple[str, str]:
+        """What is held back at the end: unfinished thinking stays thinking, an unfinished tag is text."""
+        held, self._held = self._held, ""
+        if not held:
+            return "", ""
+        if self.inside:
+            self.reasoning.append(held)
+            return held, ""
+        return "", held
+
+    @property
+    def text(self) -> str:
+        return "".join(self.reasoning)
+
+
+def split_reasoning(text: str, tags: tuple[str, str], inside: bool = False) -> tuple[str, str]:
+    """(reasoning, answer) of a whole output."""
+    s = ReasoningSplitter(tags, inside)
+    r1, a1 = s.push(text)
+    r2, a2 = s.finish()
+    return r1 + r2, a1 + a2

@@ -1,0 +1,187 @@
+"""A thinking model's reasoning apart from its answer: the splitter on its own, then the real daemon with a tiny
+model whose template thinks (Qwen3's switch, a generation prompt that opens `<think>` as DeepSeek-R1's does)
+and whose vocabulary has `<think>` and `</think>` as tokens."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from minibatch.daemon.reasoning import ReasoningSplitter, split_reasoning
+from minibatch.engine.text.tokenizer import TextTokenizer
+from tests.conftest import TINY_COMMON, TOKENIZER_FILES
+
+from .helpers import Daemon, session
+
+TAGS = ("<think>", "</think>")
+THINKING_TEMPLATE = """{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.role == 'assistant' and m.reasoning_content %}<think>
+{{ m.reasoning_content }}
+</think>
+
+{% endif %}{{ m.content }}<|im_end|>
+{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% else %}<think>
+{% endif %}{% endif %}"""
+
+
+def test_the_splitter_streams_reasoning_then_the_answer():
+    assert split_reasoning("<think>\nhmm, 2+2\n</think>\n\nIt is 4.", TAGS) == ("hmm, 2+2\n", "It is 4.")
+    assert split_reasoning("hmm</think>4", TAGS, inside=True) == ("hmm", "4")  # the prompt opened it
+    assert split_reasoning("Just 4.", TAGS) == ("", "Just 4.")  # no thinking: all answer
+    assert split_reasoning("<think>never closed", TAGS) == ("never closed", "")
+    # tags cut anywhere across deltas: nothing of them leaks, nothing is lost
+    text = "<think>\nstep one, step two\n</think>\n\nThe answer."
+    for cut in range(1, len(text)):
+        s = ReasoningSplitter(TAGS)
+        parts = [s.push(text[:cut]), s.push(text[cut:]), s.finish()]
+        assert ("".join(p[0] for p in parts), "".join(p[1] for p in parts)) == (
+            "step one, step two\n",
+            "The answer.",
+        ), cut
+
+
+@pytest.fixture(scope="module")
+def thinking_model_dir(tmp_path_factory, builtin_model_dir) -> Path:
+    import torch
+    import transformers
+    from tokenizers import AddedToken, Tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-thinking")
+    for name in TOKENIZER_FILES:
+        if (builtin_model_dir / name).exists():
+            shutil.copy(builtin_model_dir / name, path / name)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    torch.manual_seed(5)
+    cfg = transformers.LlamaConfig(
+        **{**TINY_COMMON, "vocab_size": tok.get_vocab_size(), "max_position_embeddings": 1024},
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def daemon(thinking_model_dir):
+    d = tempfile.mkdtemp(prefix="mbth-", dir="/tmp")
+    daemon = Daemon(Path(d) / "d.sock", thinking_model_dir, "--kv-cache-gb", "0.05").wait_ready()
+    yield daemon
+    assert daemon.stop() == 0, daemon.log_text()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def sdk(daemon) -> openai.OpenAI:
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.socket)), timeout=120)
+    return openai.OpenAI(base_url="http://localhost/v1", api_key="unused", max_retries=0, http_client=http)
+
+
+ASK = [{"role": "user", "content": "What is 2+2?"}]
+# (seeded sampling: the tiny random model's greedy output is only newlines; a seed makes any draw repeatable)
+
+
+def test_the_template_is_detected_as_thinking(thinking_model_dir, builtin_model_dir):
+    tok = TextTokenizer(thinking_model_dir)
+    assert tok.reasoning_tags == TAGS and tok.can_stop_thinking
+    assert tok.thinks_from_prompt(ASK) and not tok.thinks_from_prompt(ASK, enable_thinking=False)
+    assert TextTokenizer(builtin_model_dir).reasoning_tags is None  # SmolLM2's template does not think
+
+
+def test_reasoning_content_whole_streamed_and_left_in_with_none(daemon):
+    client = sdk(daemon)
+    r = client.chat.completions.create(model="default", messages=ASK, max_tokens=12, temperature=1.0, seed=7)
+    message = r.choices[0].message
+    thought = message.model_extra["reasoning_content"]
+    # the prompt opened the thinking and the random model never closes it: everything is reasoning
+    assert thought and message.content == "" and "<think>" not in thought
+    assert 0 < r.usage.completion_tokens_details.reasoning_tokens <= 14
+    chunks = list(
+        client.chat.completions.create(
+            model="default", messages=ASK, max_tokens=12, temperature=1.0, seed=7, stream=True
+        )
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == thought
+    assert "".join(d.content or "" for d in deltas) == ""
+    plain = client.chat.completions.create(
+        model="default", messages=ASK, max_tokens=12, temperature=1.0, seed=7, extra_body={"reasoning_format": "none"}
+    )
+    assert plain.choices[0].message.content.strip() == thought.strip()
+    assert "reasoning_content" not in (plain.choices[0].message.model_extra or {})
+
+
+def test_ollama_think_both_ways(daemon):
+    import asyncio
+
+    async def go():
+        async with session(daemon.socket) as s:
+            out = {}
+            for think in (True, False):
+                body = {
+                    "messages": ASK,
+                    "think": think,
+                    "stream": False,
+                    "options": {"temperature": 1.0, "seed": 7, "num_predict": 8},
+                }
+                async with s.post("/api/chat", json=body) as r:
+                    out[think] = await r.json()
+            body = {"messages": ASK, "think": True, "options": {"temperature": 1.0, "seed": 7, "num_predict": 8}}
+            async with s.post("/api/chat", json=body) as r:
+                out["stream"] = [json.loads(line) for line in (await r.text()).splitlines() if line]
+            return out
+
+    out = asyncio.run(go())
+    thinking = out[True]["message"]["thinking"]
+    assert thinking and out[True]["message"]["content"] == ""
+    # think false: the template's switch renders a prompt whose thinking is already closed; all answer
+    assert "thinking" not in out[False]["message"] and out[False]["message"]["content"]
+    assert out[False]["prompt_eval_count"] > out[True]["prompt_eval_count"]
+    streamed = "".join(line["message"].get("thinking", "") for line in out["stream"] if "message" in line)
+    assert streamed == thinking
+
+
+def test_anthropic_thinking_blocks(daemon):
+    anthropic = pytest.importorskip("anthropic")
+    httpx2 = pytest.importorskip("httpx2")
+    http = httpx2.Client(transport=httpx2.HTTPTransport(uds=str(daemon.socket)), timeout=120)
+    client = anthropic.Anthropic(base_url="http://localhost", api_key="unused", max_retries=0, http_client=http)
+    sampled = {"temperature": 1.0}
+    r = client.messages.create(
+        model="default",
+        max_tokens=10,
+        messages=ASK,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        extra_body=sampled,
+    )
+    assert [b.type for b in r.content][:1] == ["thinking"] and r.content[0].thinking
+    off = client.messages.create(model="default", max_tokens=10, messages=ASK, extra_body=sampled)
+    assert [b.type for b in off.content] == ["text"]  # no thinking asked: the template's switch turns it off
+    assert (
+        off.usage.input_tokens + off.usage.cache_read_input_tokens
+        > r.usage.input_tokens + r.usage.cache_read_input_tokens
+    )
+    with client.messages.stream(
+        model="default",
+        max_tokens=10,
+        messages=ASK,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+        extra_body=sampled,
+    ) as s:
+        events = list(s)
+        final = s.get_final_message()
+    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+    assert "thinking_delta" in deltas and final.content[0].type == "thinking" and final.content[0].thinking
