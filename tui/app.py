@@ -278,12 +278,13 @@ class MinibatchChat(App):
         while True:
             try:
                 async for event in self.client.events(self.view_model):
-                    if not panel.connected or event.get("model") != panel.shown_model:
-                        panel.shown_model = event.get("model")
-                        await self.show_model(panel)
+                    if not panel.connected:  # (re)connected: the panes may ask again
                         for pane in self.panes():
                             if not pane.busy:
                                 pane.set_status("ready")
+                    if not panel.connected or event.get("model") != panel.shown_model:
+                        panel.shown_model = event.get("model")
+                        await self.show_model(panel)
                     self.mode = event["mode"]
                     panel.update_stats(event)
             except DaemonUnavailable as exc:
