@@ -123,6 +123,10 @@ class Scheduler:
         req.status = status
         req.finished_time = self.clock()
         if req in self.running:
+            if status != RequestStatus.FINISHED_ABORTED:
+                # Its verified blocks stay findable by a later prompt once freed (a request that ends at its
+                # first token has computed its whole prompt); an aborted one may have ended on a fault.
+                self.blocks.cache_full_blocks(req)
             self._release_all(self.policies[self.mode].on_finish(req))
         self._switch_if_at_boundary()
 

@@ -133,6 +133,19 @@ def test_prefix_cache_hit_skips_cached_prompt_blocks():
     assert second.output_token_ids == solo_output(history + [40, 41, 42], 2)
 
 
+@pytest.mark.parametrize("mode", ["continuous", "static"])
+def test_a_request_that_ends_at_its_first_token_leaves_its_prompt_cached(mode):
+    """Its prompt's full blocks are registered before they are freed: a later prompt finds them."""
+    engine, runner, clock = make(block_size=4, budget=64, mode=mode)
+    history = list(range(3, 15))  # 12 tokens = 3 blocks
+    engine.add_request("once", history, params(1))
+    run(engine, clock)
+    again = engine.add_request("again", history + [40], params(2))
+    run(engine, clock)
+    assert again.num_cached_tokens == 12 and again.output_token_ids == solo_output(history + [40], 2)
+    assert engine.scheduler.blocks.num_used_blocks == 0
+
+
 def test_static_batch_no_join_and_early_finisher_returns_at_once():
     engine, runner, clock = make(seqs=2, mode="static", budget=64)
     engine.add_request("short", [5, 6, 7], params(2))
