@@ -127,3 +127,30 @@ async def read_sse(resp: aiohttp.ClientResponse) -> tuple[list[dict | str], byte
 
 def chat_body(text: str = "Hello!", **kw) -> dict:
     return {"messages": [{"role": "user", "content": text}], **kw}
+
+
+def save_tools_model(tiny_chat_model_dir: Path, dest: Path, template: str) -> Path:
+    """The tiny chat model in `dest` with another chat template (one that renders tools)."""
+    for f in tiny_chat_model_dir.iterdir():
+        shutil.copy(f, dest / f.name)
+    (dest / "chat_template.jinja").write_text(template)
+    return dest
+
+
+@contextmanager
+def keyed_daemon(model: Path | str, key: str, prefix: str = "mbk-") -> Iterator[Daemon]:
+    """A ready daemon on a short socket and on a TCP port that wants `key` (its URL as `daemon.url`)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    daemon = Daemon(Path(d) / "d.sock", model, "--port", str(port), "--api-key", key, "--kv-cache-gb", "0.05")
+    daemon.wait_ready()
+    daemon.url = f"http://127.0.0.1:{port}"
+    try:
+        yield daemon
+    finally:
+        assert daemon.stop() == 0, daemon.log_text()
+        shutil.rmtree(d, ignore_errors=True)

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
-import socket
-import tempfile
 from pathlib import Path
 
 import httpx
@@ -18,7 +15,7 @@ import pytest
 from minibatch.daemon.anthropic import MessagesRequest, template_messages
 from minibatch.engine.text.tokenizer import TextTokenizer
 
-from .helpers import Daemon
+from .helpers import keyed_daemon, save_tools_model
 from .test_tools import HISTORY, TOOLS_TEMPLATE, WEATHER
 
 anthropic = pytest.importorskip("anthropic")
@@ -28,26 +25,13 @@ TOOL = {"name": "get_weather", "description": "Weather in a city", "input_schema
 
 @pytest.fixture(scope="module")
 def tools_model_dir(tiny_chat_model_dir, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-tools-anthropic")
-    for f in tiny_chat_model_dir.iterdir():
-        shutil.copy(f, path / f.name)
-    (path / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
-    return path
+    return save_tools_model(tiny_chat_model_dir, tmp_path_factory.mktemp("tiny-tools-anthropic"), TOOLS_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def daemon(tools_model_dir):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    d = tempfile.mkdtemp(prefix="mba-", dir="/tmp")
-    daemon = Daemon(
-        Path(d) / "d.sock", tools_model_dir, "--port", str(port), "--api-key", KEY, "--kv-cache-gb", "0.05"
-    ).wait_ready()
-    daemon.url = f"http://127.0.0.1:{port}"
-    yield daemon
-    assert daemon.stop() == 0, daemon.log_text()
-    shutil.rmtree(d, ignore_errors=True)
+    with keyed_daemon(tools_model_dir, KEY, prefix="mba-") as daemon:
+        yield daemon
 
 
 def tcp(daemon, key: str = KEY):

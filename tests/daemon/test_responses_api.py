@@ -5,9 +5,6 @@ the store's GET / DELETE and its 404s; over the socket and over TCP with a key."
 from __future__ import annotations
 
 import json
-import shutil
-import socket
-import tempfile
 from pathlib import Path
 
 import httpx
@@ -15,7 +12,7 @@ import jsonschema
 import openai
 import pytest
 
-from .helpers import Daemon
+from .helpers import keyed_daemon, save_tools_model
 from .test_tools import TOOLS_TEMPLATE, WEATHER
 
 KEY = "test-key-responses-0123456789"
@@ -24,26 +21,13 @@ FUNCTION = {"type": "function", **WEATHER["function"]}
 
 @pytest.fixture(scope="module")
 def tools_model_dir(tiny_chat_model_dir, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-tools-responses")
-    for f in tiny_chat_model_dir.iterdir():
-        shutil.copy(f, path / f.name)
-    (path / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
-    return path
+    return save_tools_model(tiny_chat_model_dir, tmp_path_factory.mktemp("tiny-tools-responses"), TOOLS_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def daemon(tools_model_dir):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    d = tempfile.mkdtemp(prefix="mbr-", dir="/tmp")
-    daemon = Daemon(
-        Path(d) / "d.sock", tools_model_dir, "--port", str(port), "--api-key", KEY, "--kv-cache-gb", "0.05"
-    ).wait_ready()
-    daemon.url = f"http://127.0.0.1:{port}"
-    yield daemon
-    assert daemon.stop() == 0, daemon.log_text()
-    shutil.rmtree(d, ignore_errors=True)
+    with keyed_daemon(tools_model_dir, KEY, prefix="mbr-") as daemon:
+        yield daemon
 
 
 def tcp(daemon) -> openai.OpenAI:

@@ -18,7 +18,7 @@ import transformers
 from minibatch.daemon.tools import CallSplitter, parse_calls
 from minibatch.engine.text.tokenizer import TextTokenizer
 
-from .helpers import Daemon
+from .helpers import Daemon, save_tools_model
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -106,11 +106,7 @@ HISTORY = [
 
 @pytest.fixture(scope="module")
 def tools_model_dir(tiny_chat_model_dir, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-tools")
-    for f in tiny_chat_model_dir.iterdir():
-        shutil.copy(f, path / f.name)
-    (path / "chat_template.jinja").write_text(TOOLS_TEMPLATE)
-    return path
+    return save_tools_model(tiny_chat_model_dir, tmp_path_factory.mktemp("tiny-tools"), TOOLS_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
