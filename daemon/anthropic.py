@@ -27,7 +27,7 @@ from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
 from .grammars import check_tool_schemas, response_grammar, tool_call_grammar
 from .messages import FUNCTION_NAME, MAX_TOOLS
 from .protocol import ApiError, Float, Int, parse_body
-from .reasoning import ReasoningSplitter, split_reasoning
+from .reasoning import ReasoningSplitter, Thinking, gate, split_reasoning
 from .state import STATE, read_raw, submit
 from .tools import CallSplitter, check_template, parse_calls
 
@@ -266,7 +266,7 @@ def forced(body: MessagesRequest, specs: list[dict] | None) -> tuple[list[dict],
     return functions, choice.name
 
 
-def thinking_of(model, body: CountTokensRequest) -> tuple[dict, tuple[tuple[str, str], bool] | None]:
+def thinking_of(model, body: CountTokensRequest) -> tuple[dict, Thinking | None]:
     """(the template's switches, how the output's thinking is split) for a thinking model: with `thinking`
     enabled its thoughts come back as thinking blocks; without it, a template that has the switch renders a
     prompt that does not think (Anthropic's default), else the thoughts still come back apart."""
@@ -277,7 +277,7 @@ def thinking_of(model, body: CountTokensRequest) -> tuple[dict, tuple[tuple[str,
     args = {} if enabled or not tok.can_stop_thinking else {"enable_thinking": False}
     messages = template_messages(body)
     inside = tok.thinks_from_prompt(messages, tools=tool_specs(body), **args)
-    return args, (None if args else (tok.reasoning_tags, inside))
+    return args, (None if args else Thinking(tok.reasoning_tags, inside))
 
 
 def prompt_ids(model, body: CountTokensRequest, specs: list[dict] | None) -> list[int]:
@@ -369,9 +369,10 @@ async def messages(request: web.Request) -> web.StreamResponse:
                 )
             grammar = await response_grammar(model, fmt.schema_, "output_config.format.schema")
         rid = f"msg_{uuid.uuid4().hex[:24]}"
-        submit(model, engine, body, ids, rid, grammar, prompt_param="messages")
-        outputs = engine.stream(rid)
         reasoning = thinking_of(model, body)[1]
+        budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
+        submit(model, engine, body, ids, rid, gate(model, grammar, reasoning, budget), prompt_param="messages")
+        outputs = engine.stream(rid)
         try:
             if body.stream:
                 return await stream(request, state, model, body, rid, outputs, len(ids), specs is not None, reasoning)

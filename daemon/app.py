@@ -17,7 +17,7 @@ from .guard import Guard, guard_middleware
 from .models.catalog import catalog
 from .models.pool import LoadedModel
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse_body
-from .reasoning import reasoning_format
+from .reasoning import Thinking, gate, reasoning_format
 from .responses import full_response, stream_response, timeout_message
 from .schemas import ModeRequest
 from .state import GUARD, STATE, DaemonState, read_body, read_raw, submit
@@ -117,7 +117,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         reasoning = None
         tags = model.tokenizer.reasoning_tags
         if tags is not None and reasoning_format(body.reasoning_format, state.reasoning_format) == "auto":
-            reasoning = tags, model.tokenizer.thinks_from_prompt(messages, tools=specs)
+            reasoning = Thinking(tags, model.tokenizer.thinks_from_prompt(messages, tools=specs))
         make_grammar = None
         if specs is not None:
             await check_tool_schemas(model, specs)
@@ -135,6 +135,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             make_grammar=make_grammar,
             tools=specs is not None,
             reasoning=reasoning,
+            reasoning_budget=body.max_reasoning_tokens,
         )
 
 
@@ -160,18 +161,20 @@ async def run_request(
     make_grammar=None,
     tools: bool = False,
     batch: bool = False,
-    reasoning: tuple[tuple[str, str], bool] | None = None,
+    reasoning: Thinking | None = None,
+    reasoning_budget: int | None = None,
 ):
     """Submit the request's completions, all or none, and answer with their choices.
 
     Each prompt (several when `batch`: a completions batch) gets n completions, choice `prompt_index * n + i`;
     the first of each prompt computes it, the others borrow its KV blocks. `make_grammar` gives each
-    completion its own grammar state."""
+    completion its own grammar state; with the reasoning apart it constrains the answer after the thinking,
+    which `reasoning_budget` bounds."""
     engine = model.ready_engine()
     if make_grammar is None:
         make_grammar = lambda: response_grammar(model, body.response_format, "response_format")  # noqa: E731
     total = len(prompts) * body.n
-    grammars = [await make_grammar() for _ in range(total)]
+    grammars = [gate(model, await make_grammar(), reasoning, reasoning_budget) for _ in range(total)]
     ids_n = [request_id] if total == 1 else [f"{request_id}-{i}" for i in range(total)]
     for k, rid in enumerate(ids_n):
         p, i = divmod(k, body.n)

@@ -30,7 +30,7 @@ from .messages import MAX_TOOLS, Tool
 from .models.catalog import catalog
 from .models.pool import iso, parse_keep_alive
 from .protocol import ApiError, Float, Int, parse_body
-from .reasoning import ReasoningSplitter, split_reasoning
+from .reasoning import ReasoningSplitter, Thinking, gate, split_reasoning
 from .schemas import OllamaShowRequest
 from .state import STATE, read_raw, submit
 from .tools import CallSplitter, check_template, parse_calls
@@ -222,11 +222,13 @@ async def answer(request: web.Request, state, model, body, chat: bool, started: 
         apart = False
     try:
         ids = tok.encode_prompt(body.prompt) if messages is None else tok.chat(messages, tools=tools, **args)
-        reasoning = (tok.reasoning_tags, tok.thinks_from_prompt(messages, tools=tools, **args)) if apart else None
+        reasoning = (
+            Thinking(tok.reasoning_tags, tok.thinks_from_prompt(messages, tools=tools, **args)) if apart else None
+        )
     except ValueError as exc:
         raise ApiError(400, str(exc), "messages", "no_chat_template") from None
     request_id = f"ollama-{uuid.uuid4().hex}"
-    grammar = await response_grammar(model, body.format or None, "format")
+    grammar = gate(model, await response_grammar(model, body.format or None, "format"), reasoning, None)
     submit(model, engine, body, ids, request_id, grammar)
     outputs = engine.stream(request_id)
 

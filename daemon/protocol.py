@@ -176,6 +176,8 @@ class ChatRequest(_Sampling):
     # a thinking model's reasoning: apart in message.reasoning_content (auto), or left in the content (none)
     reasoning_format: Literal["auto", "none"] | None = None
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # accepted: no knob here
+    # thinking tokens at most, then the thinking is closed and the answer (its format or tool call) follows
+    max_reasoning_tokens: Int | None = Field(default=None, ge=0)
 
     def logprobs_k(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

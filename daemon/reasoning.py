@@ -5,6 +5,11 @@ rest is the answer that tool calls and JSON are read from. `--reasoning-format n
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+from minibatch.engine.core.sampling_params import GrammarState
+from minibatch.engine.text.thinking import ThinkingGate
+
 from .protocol import ApiError
 
 REASONING_FORMATS = ("auto", "none")
@@ -17,6 +22,24 @@ def reasoning_format(requested: str | None, default: str) -> str:
             400, f"reasoning_format: must be one of {', '.join(REASONING_FORMATS)}, got {value!r}", "reasoning_format"
         )
     return value
+
+
+class Thinking(NamedTuple):
+    """How a request's output thinks: the model's (open, close) tags, and whether the prompt opened them."""
+
+    tags: tuple[str, str]
+    inside: bool
+
+
+def gate(model, grammar: GrammarState | None, thinking: Thinking | None, budget: int | None) -> GrammarState | None:
+    """The grammar the sampler sees. With the reasoning apart, the answer's grammar starts after the thinking
+    and `budget` (thinking tokens at most, None: no bound) closes it; with it left in the content (or a model
+    that does not think) the grammar constrains the whole output, as before."""
+    if thinking is None or (grammar is None and budget is None):
+        return grammar
+    vocab = model.tokenizer.vocab()
+    open_id, close_id = (vocab[tag] for tag in thinking.tags)
+    return ThinkingGate(grammar, open_id, close_id, list(model.info.eos_token_ids), thinking.inside, budget)
 
 
 class ReasoningSplitter:

@@ -18,6 +18,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from aiohttp import web
@@ -27,7 +28,9 @@ from minibatch.engine.core.sampling_params import SamplingParams
 
 from .grammars import check_tool_schemas, response_grammar, tool_call_grammar
 from .messages import FUNCTION_NAME, MAX_TOOLS
+from .models.pool import LoadedModel
 from .protocol import ApiError, Float, Int, parse_body
+from .reasoning import ReasoningSplitter, Thinking, gate, split_reasoning
 from .state import STATE, read_raw, submit
 from .tools import CallSplitter, check_template, parse_calls
 
@@ -136,7 +139,9 @@ class ResponsesRequest(_Body):
     max_output_tokens: Int | None = Field(default=None, ge=1)
     temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
-    reasoning: Reasoning | None = None  # accepted; the effort is the template's business (ignored here)
+    # accepted; the effort is the template's business (ignored here). A thinking model's thoughts come back as
+    # a reasoning item before the answer (with --reasoning-format auto)
+    reasoning: Reasoning | None = None
     stream: StrictBool = False
     store: StrictBool = True
     previous_response_id: StrictStr | None = None
@@ -271,8 +276,14 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
-def output_items(text: str, calls: list[dict]) -> list[dict]:
-    items = []
+def reasoning_item(rs_id: str, thought: str, status: str = "completed") -> dict:
+    """A thinking model's thoughts as the Responses API gives them: a reasoning item of reasoning_text."""
+    content = [{"type": "reasoning_text", "text": thought}] if status == "completed" else []
+    return {"type": "reasoning", "id": rs_id, "status": status, "summary": [], "content": content}
+
+
+def output_items(text: str, calls: list[dict], thought: str = "") -> list[dict]:
+    items = [reasoning_item(_id("rs"), thought)] if thought else []
     if text or not calls:
         items.append(
             {
@@ -327,19 +338,23 @@ def response_object(rid: str, model, body: ResponsesRequest, status: str, output
     }
 
 
-def usage_of(prompt_tokens: int, output_tokens: int, metrics) -> dict:
+def usage_of(model, prompt_tokens: int, output_tokens: int, metrics, thought: str = "") -> dict:
     return {
         "input_tokens": prompt_tokens,
         "input_tokens_details": {"cached_tokens": metrics.cached_prompt_tokens if metrics else 0},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": len(model.tokenizer.encode(thought)) if thought else 0},
         "total_tokens": prompt_tokens + output_tokens,
     }
 
 
-def remember(store: ResponseStore, response: dict, messages: list[dict], text: str, calls: list[dict]) -> None:
+def remember(
+    store: ResponseStore, response: dict, messages: list[dict], text: str, calls: list[dict], thought: str = ""
+) -> None:
     """The conversation a later previous_response_id continues: this one's messages and its answer."""
     answer: dict = {"role": "assistant", "content": text}
+    if thought:
+        answer["reasoning_content"] = thought
     if calls:
         answer["tool_calls"] = [
             {**c, "function": {"name": c["function"]["name"], "arguments": _parsed(c["function"]["arguments"])}}
@@ -370,16 +385,21 @@ async def create(request: web.Request) -> web.StreamResponse:
             ids = model.tokenizer.chat(messages, tools=specs)
         except ValueError as exc:
             raise ApiError(400, str(exc), "input", "no_chat_template") from None
-        grammar = await grammar_for(model, body, specs)
+        tags = model.tokenizer.reasoning_tags
+        thinking = None
+        if tags is not None and state.reasoning_format == "auto":
+            thinking = Thinking(tags, model.tokenizer.thinks_from_prompt(messages, tools=specs))
+        grammar = gate(model, await grammar_for(model, body, specs), thinking, None)
         rid = _id("resp")
         submit(model, engine, body, ids, rid, grammar, prompt_param="input")
         outputs = engine.stream(rid)
+        answer = Answer(store, model, body, rid, messages, len(ids), specs, thinking)
         try:
             if body.stream:
-                return await stream(request, state, store, model, body, rid, outputs, messages, len(ids), specs)
+                return await stream(request, state, answer, outputs)
             try:
                 async with asyncio.timeout(state.request_timeout):
-                    return await whole(store, model, body, rid, outputs, messages, len(ids), specs)
+                    return await whole(answer, outputs)
             except TimeoutError:
                 raise ApiError(504, f"the request ran past its limit of {state.request_timeout:g} s", None) from None
         finally:
@@ -393,28 +413,51 @@ def _split(text: str, specs) -> tuple[str, list[dict]]:
     return ((content or "") if calls else text), calls
 
 
-async def whole(store, model, body, rid, outputs, messages, prompt_tokens, specs) -> web.Response:
+@dataclass(slots=True)
+class Answer:
+    """What a response is answered with, beside the engine's outputs."""
+
+    store: ResponseStore
+    model: LoadedModel
+    body: ResponsesRequest
+    rid: str
+    messages: list[dict]
+    prompt_tokens: int
+    specs: list[dict] | None
+    thinking: Thinking | None
+
+    def finish(self, status: str, items: list[dict], n: int, metrics, text: str, calls, thought: str) -> dict:
+        usage = usage_of(self.model, self.prompt_tokens, n, metrics, thought)
+        response = response_object(self.rid, self.model, self.body, status, items, usage)
+        if self.body.store:
+            remember(self.store, response, self.messages, text, calls, thought)
+        return response
+
+
+def _status(finish_reason: str | None, calls: list) -> str:
+    return "incomplete" if finish_reason == "length" and not calls else "completed"
+
+
+async def whole(a: Answer, outputs) -> web.Response:
     text, n, last = [], 0, None
     async for out in outputs:
         text.append(out.text)
         n += len(out.token_ids)
         last = out
-    model.monitor.on_request_done(last.metrics, None if last.error else last.finish_reason)
+    a.model.monitor.on_request_done(last.metrics, None if last.error else last.finish_reason)
     if last.error:
         raise ApiError(500, last.error, None, "engine_error", "server_error")
-    content, calls = _split("".join(text), specs)
-    status = "incomplete" if last.finish_reason == "length" and not calls else "completed"
-    response = response_object(
-        rid, model, body, status, output_items(content, calls), usage_of(prompt_tokens, n, last.metrics)
+    thought, answer = split_reasoning("".join(text), *a.thinking) if a.thinking else ("", "".join(text))
+    content, calls = _split(answer, a.specs)
+    items = output_items(content, calls, thought)
+    return web.json_response(
+        a.finish(_status(last.finish_reason, calls), items, n, last.metrics, content, calls, thought)
     )
-    if body.store:
-        remember(store, response, messages, content, calls)
-    return web.json_response(response)
 
 
-async def stream(request, state, store, model, body, rid, outputs, messages, prompt_tokens, specs):
+async def stream(request, state, a: Answer, outputs):
     resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": rid}
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": a.rid}
     )
     await resp.prepare(request)
     seq = 0
@@ -425,66 +468,88 @@ async def stream(request, state, store, model, body, rid, outputs, messages, pro
         seq += 1
         await resp.write(f"event: {kind}\ndata: {data}\n\n".encode())
 
-    started = response_object(rid, model, body, "in_progress", [], None)
+    started = response_object(a.rid, a.model, a.body, "in_progress", [], None)
     await send("response.created", {"response": started})
     await send("response.in_progress", {"response": started})
-    msg_id, index, sent, n, opened = _id("msg"), 0, [], 0, False
-    splitter = CallSplitter() if specs is not None else None
+    items: list[dict] = []  # the finished output items, in order
+    msg_id, rs_id, sent, thoughts, n = _id("msg"), _id("rs"), [], [], 0
+    opened = thinking_open = False
+    splitter = CallSplitter() if a.specs is not None else None
+    reasoning = ReasoningSplitter(*a.thinking) if a.thinking else None
+
+    def where(item_id: str) -> dict:
+        return {"item_id": item_id, "output_index": len(items), "content_index": 0}
+
+    async def open_item(item: dict, part: dict) -> None:
+        await send("response.output_item.added", {"output_index": len(items), "item": item})
+        await send("response.content_part.added", {**where(item["id"]), "part": part})
+
+    async def close_reasoning() -> None:
+        thought = "".join(thoughts)
+        await send("response.reasoning_text.done", {**where(rs_id), "text": thought})
+        item = reasoning_item(rs_id, thought)
+        await send("response.content_part.done", {**where(rs_id), "part": item["content"][0]})
+        await send("response.output_item.done", {"output_index": len(items), "item": item})
+        items.append(item)
 
     async def open_message() -> None:
         item = {"type": "message", "id": msg_id, "status": "in_progress", "role": "assistant", "content": []}
-        await send("response.output_item.added", {"output_index": 0, "item": item})
-        part = {"type": "output_text", "text": "", "annotations": []}
-        await send(
-            "response.content_part.added", {"item_id": msg_id, "output_index": 0, "content_index": 0, "part": part}
-        )
+        await open_item(item, {"type": "output_text", "text": "", "annotations": []})
 
     try:
         async with asyncio.timeout(state.request_timeout):
             async for out in outputs:
                 n += len(out.token_ids)
                 if out.error:
-                    model.monitor.on_request_done(out.metrics, None)
+                    a.model.monitor.on_request_done(out.metrics, None)
                     failed = {**started, "status": "failed", "error": {"code": "server_error", "message": out.error}}
                     await send("response.failed", {"response": failed})
                     return resp
-                piece = splitter.push(out.text) if splitter else out.text
+                thought, piece = reasoning.push(out.text) if reasoning else ("", out.text)
+                if out.finished and reasoning:
+                    more, rest = reasoning.finish()
+                    thought, piece = thought + more, piece + rest
+                if thought:
+                    if not thinking_open:
+                        await open_item(
+                            reasoning_item(rs_id, "", "in_progress"), {"type": "reasoning_text", "text": ""}
+                        )
+                        thinking_open = True
+                    thoughts.append(thought)
+                    await send("response.reasoning_text.delta", {**where(rs_id), "delta": thought})
+                piece = splitter.push(piece) if splitter else piece
                 calls: list[dict] = []
                 if out.finished and splitter:
                     rest, calls = splitter.finish()
                     piece += rest
+                if thinking_open and (piece or calls or out.finished):
+                    await close_reasoning()
+                    thinking_open = False
                 if piece:
                     if not opened:
                         await open_message()
                         opened = True
                     sent.append(piece)
-                    await send(
-                        "response.output_text.delta",
-                        {"item_id": msg_id, "output_index": 0, "content_index": 0, "delta": piece, "logprobs": []},
-                    )
+                    await send("response.output_text.delta", {**where(msg_id), "delta": piece, "logprobs": []})
                 if not out.finished:
                     continue
-                model.monitor.on_request_done(out.metrics, out.finish_reason)
+                a.model.monitor.on_request_done(out.metrics, out.finish_reason)
                 text = "".join(sent)
-                items = []
                 if opened or not calls:
                     if not opened:
                         await open_message()
                     part = {"type": "output_text", "text": text, "annotations": []}
-                    await send(
-                        "response.output_text.done",
-                        {"item_id": msg_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []},
-                    )
-                    await send(
-                        "response.content_part.done",
-                        {"item_id": msg_id, "output_index": 0, "content_index": 0, "part": part},
-                    )
+                    await send("response.output_text.done", {**where(msg_id), "text": text, "logprobs": []})
+                    await send("response.content_part.done", {**where(msg_id), "part": part})
                     message = {"type": "message", "id": msg_id, "status": "completed", "role": "assistant"}
+                    await send(
+                        "response.output_item.done",
+                        {"output_index": len(items), "item": {**message, "content": [part]}},
+                    )
                     items.append({**message, "content": [part]})
-                    await send("response.output_item.done", {"output_index": 0, "item": items[-1]})
-                    index = 1
                 for c in calls:
                     item = output_items("", [c])[-1]
+                    index = len(items)
                     await send(
                         "response.output_item.added",
                         {"output_index": index, "item": {**item, "arguments": "", "status": "in_progress"}},
@@ -499,11 +564,8 @@ async def stream(request, state, store, model, body, rid, outputs, messages, pro
                     )
                     await send("response.output_item.done", {"output_index": index, "item": item})
                     items.append(item)
-                    index += 1
-                status = "incomplete" if out.finish_reason == "length" and not calls else "completed"
-                done = response_object(rid, model, body, status, items, usage_of(prompt_tokens, n, out.metrics))
-                if body.store:
-                    remember(store, done, messages, text, calls)
+                status = _status(out.finish_reason, calls)
+                done = a.finish(status, items, n, out.metrics, text, calls, "".join(thoughts))
                 await send("response.completed" if status == "completed" else "response.incomplete", {"response": done})
     except TimeoutError:
         failed = {

@@ -185,3 +185,96 @@ def test_anthropic_thinking_blocks(daemon):
         final = s.get_final_message()
     deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
     assert "thinking_delta" in deltas and final.content[0].type == "thinking" and final.content[0].thinking
+
+
+FLAG = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+
+
+def test_a_budget_closes_the_thinking_and_the_schema_constrains_the_answer(daemon):
+    client = sdk(daemon)
+    fmt = {"type": "json_schema", "json_schema": {"name": "flag", "schema": FLAG}}
+    out = {}
+    for budget in (2, 6):
+        r = client.chat.completions.create(
+            model="default",
+            messages=ASK,
+            max_tokens=40,
+            temperature=1.0,
+            seed=7,
+            response_format=fmt,
+            logprobs=True,
+            extra_body={"max_reasoning_tokens": budget},
+        )
+        message = r.choices[0].message
+        tokens = [t.token for t in r.choices[0].logprobs.content]
+        assert tokens.index("</think>") == budget, tokens  # exactly `budget` thoughts, then the forced close
+        # the random model never closes its thinking: the budget did, and the answer is the schema's JSON
+        assert json.loads(message.content) in ({"ok": True}, {"ok": False}), message.content
+        assert r.choices[0].finish_reason == "stop"
+        out[budget] = message.model_extra["reasoning_content"]
+    assert out[2] and out[6].startswith(out[2]) and len(out[6]) > len(out[2])  # the same draw, cut sooner
+    # without a budget the schema still waits for the thinking to end: here it never does
+    r = client.chat.completions.create(
+        model="default", messages=ASK, max_tokens=12, temperature=1.0, seed=7, response_format=fmt
+    )
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content == ""
+    # with the reasoning left in the content the grammar constrains the whole output, as for any model
+    r = client.chat.completions.create(
+        model="default",
+        messages=ASK,
+        max_tokens=40,
+        temperature=1.0,
+        seed=7,
+        response_format=fmt,
+        extra_body={"reasoning_format": "none"},
+    )
+    assert json.loads(r.choices[0].message.content) in ({"ok": True}, {"ok": False})
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.socket))) as http:
+        bad = http.post("http://localhost/v1/chat/completions", json={"messages": ASK, "max_reasoning_tokens": -1})
+    assert bad.status_code == 400 and "max_reasoning_tokens" in bad.json()["error"]["message"]
+
+
+def test_anthropic_budget_tokens_bounds_the_thinking(daemon):
+    import asyncio
+
+    body = {
+        "model": "default",
+        "max_tokens": 40,
+        "messages": ASK,
+        "temperature": 1.0,
+        "thinking": {"type": "enabled", "budget_tokens": 3},
+        "output_config": {"format": {"type": "json_schema", "schema": FLAG}},
+    }
+
+    async def go():
+        async with session(daemon.socket) as s:
+            async with s.post("/v1/messages", json=body) as r:
+                return r.status, await r.json()
+
+    status, r = asyncio.run(go())
+    assert status == 200, r
+    assert [b["type"] for b in r["content"]] == ["thinking", "text"] and r["content"][0]["thinking"]
+    assert json.loads(r["content"][1]["text"]) in ({"ok": True}, {"ok": False}) and r["stop_reason"] == "end_turn"
+
+
+def test_responses_reasoning_items_whole_and_streamed(daemon):
+    client = sdk(daemon)
+    fmt = {"format": {"type": "json_schema", "name": "flag", "schema": FLAG}}
+    r = client.responses.create(model="default", input="What is 2+2?", max_output_tokens=10, temperature=1.0)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    thought = r.output[0].content[0].text
+    assert thought and r.output[1].content[0].text == "" and r.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(
+        client.responses.create(
+            model="default", input="What is 2+2?", max_output_tokens=10, temperature=1.0, stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_item.done")
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    final = events[-1].response
+    assert final.output[0].type == "reasoning" and final.output[0].content[0].text == streamed and streamed
+    assert [e.output_index for e in events if e.type == "response.output_item.added"] == [0, 1]
+    # a format constrains the answer after the thoughts, which this model never closes: no answer yet
+    r = client.responses.create(model="default", input="What is 2+2?", max_output_tokens=8, temperature=1.0, text=fmt)
+    assert r.status == "incomplete" and r.output[0].type == "reasoning"
