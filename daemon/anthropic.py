@@ -160,6 +160,7 @@ class MessagesRequest(CountTokensRequest):
     metadata: dict[str, Any] | None = None
     output_config: OutputConfig | None = None
     stream: StrictBool = False
+    ignore_eos: StrictBool = False  # an extension, as in the chat API: run to max_tokens (benchmarks)
 
     def sampling_params(self, default_max_tokens: int, model_defaults: dict | None = None) -> SamplingParams:
         d = model_defaults or {}
@@ -171,6 +172,7 @@ class MessagesRequest(CountTokensRequest):
             top_k=self.top_k if self.top_k else d.get("top_k", 0),
             max_tokens=self.max_tokens,
             stop=list(self.stop_sequences or []),
+            ignore_eos=self.ignore_eos,
         )
 
 

@@ -6,6 +6,7 @@
   .venv/bin/python scripts/bench.py --sweep rate:0.5,1,2,4 --requests 48
   .venv/bin/python scripts/bench.py --sweep variance --requests 48
   .venv/bin/python scripts/bench.py --url http://127.0.0.1:8080 --model smollm2-135m-instruct   # any OpenAI server
+  .venv/bin/python scripts/bench.py --workload chat --api messages   # the same trace through Anthropic's /v1/messages
   .venv/bin/python scripts/bench.py --peers minibatch:native,llama.cpp:Q4_1,llama.cpp:Q8_0 --llama-server PATH
 
 Every variant replays the same trace (prompts, output lengths forced with
@@ -28,7 +29,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import CHAT_SET, TraceItem, chat_trace, median_summary, summarize, synthetic_trace  # noqa: E402
-from loadgen import Result, env_socket, session, steps_since, stream_request, wait_mode  # noqa: E402
+from loadgen import Result, env_socket, session, steps_since, stream_message, stream_request, wait_mode  # noqa: E402
+
+APIS = ("openai", "messages")  # --api: OpenAI's completions / chat completions, or Anthropic's Messages
+
+
+def message_body(item: TraceItem, tokenizer) -> dict:
+    """The trace item as a Messages request: its conversation, or its prompt's text as one user turn."""
+    messages = item.messages
+    if messages is None:
+        text = item.prompt_text if item.prompt_text is not None else tokenizer.decode(item.prompt_ids)
+        messages = [{"role": "user", "content": text}]
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    body = {"model": "default", "messages": [m for m in messages if m["role"] != "system"]}
+    if system:
+        body["system"] = "\n".join(system)
+    return body | {"max_tokens": item.max_tokens, "temperature": 0.0, "ignore_eos": True}
 
 
 def body_of(item: TraceItem) -> tuple[dict, bool]:
@@ -41,9 +57,11 @@ def body_of(item: TraceItem) -> tuple[dict, bool]:
 
 
 async def replay(
-    s, trace: list[TraceItem], concurrency: int | None, progress=None, native: bool = True
+    s, trace: list[TraceItem], concurrency: int | None, progress=None, native: bool = True, tokenizer=None
 ) -> tuple[list[Result], float, dict]:
-    """Send the trace on its schedule (at most `concurrency` in flight); sample minibatchd's engine meanwhile."""
+    """Send the trace on its schedule (at most `concurrency` in flight); sample minibatchd's engine meanwhile.
+    With a `tokenizer`, every request goes to Anthropic's /v1/messages instead (the tokenizer decodes
+    token-id prompts)."""
     sem = asyncio.Semaphore(concurrency) if concurrency else None
     samples: list[dict] = []
     done = asyncio.Event()
@@ -56,12 +74,16 @@ async def replay(
 
     async def one(i: int, item: TraceItem) -> Result:
         await asyncio.sleep(max(0.0, start + item.at - time.monotonic()))
-        body, chat = body_of(item)
+        if tokenizer is not None:
+            send = stream_message(s, i, message_body(item, tokenizer))
+        else:
+            body, chat = body_of(item)
+            send = stream_request(s, i, body, chat)
         if sem is None:
-            res = await stream_request(s, i, body, chat)
+            res = await send
         else:
             async with sem:
-                res = await stream_request(s, i, body, chat)
+                res = await send
         if progress is not None:
             progress.update(1)
         return res
@@ -309,6 +331,7 @@ async def run(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     corpus = tokenizer.encode(" ".join(json.loads(line)["prompt"] for line in CHAT_SET.read_text().splitlines()))
     modes = args.modes.split(",") if native else ["server"]
+    via = tokenizer if args.api == "messages" else None
     pts = points(args)
     largest = max(p[1] for p in pts)  # the point whose TTFT distribution is plotted
     total = len(pts) * args.repeats * len(modes) * args.requests
@@ -338,10 +361,11 @@ async def run(args) -> int:
                             [TraceItem(0.0, w.prompt_ids, w.messages, min(8, w.max_tokens)) for w in warm],
                             None,
                             native=native,
+                            tokenizer=via,
                         )
                     record = native and rep == 0 and x == largest
                     before = (await steps_since(s, 1 << 62))["last_step"] if record else 0
-                    results, wall, engine = await replay(s, trace, concurrency, progress, native=native)
+                    results, wall, engine = await replay(s, trace, concurrency, progress, native=native, tokenizer=via)
                     if record:  # the largest point's step records, both modes: scripts/timeline.py --json draws them
                         data = await steps_since(s, before)
                         data["truncated"] = bool(data["steps"]) and data["steps"][0]["step"] > before + 1
@@ -441,6 +465,13 @@ def main() -> int:
         "with --peers, the .gguf every server runs",
     )
     ap.add_argument("--workload", choices=["synthetic", "chat"], default="synthetic")
+    ap.add_argument(
+        "--api",
+        choices=APIS,
+        default="openai",
+        help="openai: /v1/completions (synthetic) and /v1/chat/completions (chat); messages: Anthropic's "
+        "/v1/messages for every request (the relay's own cost, on the same trace)",
+    )
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=lambda v: tuple(map(int, v.split(","))), default=(32, 256))
     ap.add_argument(

@@ -142,6 +142,47 @@ async def stream_request(s: aiohttp.ClientSession, index: int, body: dict, chat:
     return res
 
 
+async def stream_message(s: aiohttp.ClientSession, index: int, body: dict) -> Result:
+    """One Anthropic Messages request (`POST /v1/messages`, streamed), timed as stream_request times a chat one."""
+    body = {**body, "stream": True}
+    start = time.monotonic()
+    res = Result(index, start)
+    parts = []
+    try:
+        async with s.post("/v1/messages", json=body) as r:
+            res.status = r.status
+            if r.status != 200:
+                res.error = (await r.json(content_type=None)).get("error", {}).get("message", f"HTTP {r.status}")
+                return res
+            async for line in r.content:
+                if not line.startswith(b"data: "):
+                    continue
+                event = json.loads(line[6:])
+                kind = event["type"]
+                if kind == "error":
+                    res.error = event["error"]["message"]
+                    return res
+                if kind == "message_start":
+                    usage = event["message"]["usage"]
+                    res.prompt_tokens = usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
+                elif kind == "content_block_delta" and event["delta"]["type"] == "text_delta":
+                    now = time.monotonic() - start
+                    if res.ttft is None:
+                        res.ttft = now
+                    else:
+                        res.token_times.append(now)
+                    parts.append(event["delta"]["text"])
+                elif kind == "message_delta":
+                    res.output_tokens = event["usage"]["output_tokens"]
+                    res.finish_reason = event["delta"]["stop_reason"]
+        res.e2e = time.monotonic() - start
+        res.text = "".join(parts)
+        res.ok = res.finish_reason is not None
+    except (aiohttp.ClientError, OSError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
 def percentile(values: list[float], p: float) -> float | None:
     """Linear-interpolated percentile (p in [0, 100]); None for no values."""
     vals = sorted(v for v in values if v is not None)

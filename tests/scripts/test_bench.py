@@ -179,5 +179,21 @@ def test_bench_end_to_end_against_the_tiny_daemon(tiny_chat_model_dir, short_tmp
             and len(lines) == 3
             and all("TTFT" in line for line in lines)
         ), fire.stdout
+        # the same trace through Anthropic's /v1/messages: every request completes with the same output tokens
+        tokens = {}
+        for api in ("openai", "messages"):
+            run = subprocess.run(
+                [sys.executable, str(SCRIPTS / "bench.py"), "--socket", str(daemon.socket), "--api", api]
+                + ["--requests", "3", "--prompt-len", "8,24", "--output-len", "4,12", "--repeats", "1"]
+                + ["--warmup", "0", "--modes", "continuous", "--out", str(tmp_path / api)],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert run.returncode == 0, run.stderr[-3000:]
+            (row,) = json.loads((tmp_path / api / "summary.json").read_text())["rows"]
+            assert row["summary"]["completed"] == 3 and row["summary"]["ttft"]["p50"] > 0, row
+            tokens[api] = row["summary"]["output_tokens"]
+        assert tokens["messages"] == tokens["openai"] > 0
     finally:
         daemon.stop()
