@@ -24,12 +24,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
 
+from .answer import AnswerStream, split_answer
 from .grammars import check_tool_schemas, response_grammar, tool_call_grammar
 from .messages import FUNCTION_NAME, MAX_TOOLS
 from .protocol import ApiError, Float, Int, parse_body
-from .reasoning import ReasoningSplitter, Thinking, gate, split_reasoning
+from .reasoning import Thinking, gate
 from .state import STATE, read_raw, submit
-from .tools import CallSplitter, check_template, parse_calls
+from .tools import check_template
 
 PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)
@@ -312,7 +313,7 @@ def stop_reason(out, matched: str | None, calls: list) -> tuple[str, str | None]
 
 def matched_stop(model, out, token_ids: list[int], text: str, stops: list[str]) -> str | None:
     """The stop sequence that ended the output, if one did: the earliest one in the decoded tokens past the
-    text the client got (the engine leaves the stop string out of the text)."""
+    output's text (`text`: all of it, thoughts and calls too; the engine leaves the stop string out)."""
     if not stops or out.finish_reason != "stop":
         return None
     tail = model.tokenizer.decode(token_ids)[len(text) :]
@@ -396,11 +397,8 @@ async def whole(model, body: MessagesRequest, rid: str, outputs, prompt_tokens: 
     model.monitor.on_request_done(last.metrics, None if last.error else last.finish_reason)
     if last.error:
         raise ApiError(500, last.error, None, "engine_error", "server_error")
-    thought, joined = split_reasoning("".join(text), *reasoning) if reasoning else ("", "".join(text))
-    content, calls = parse_calls(joined) if tools else (joined, [])
-    if tools and not calls:
-        content = joined
-    matched = matched_stop(model, last, token_ids, joined, body.stop_sequences or [])
+    thought, content, calls = split_answer("".join(text), reasoning, tools)
+    matched = matched_stop(model, last, token_ids, "".join(text), body.stop_sequences or [])
     reason, seq = stop_reason(last, matched, calls)
     return web.json_response(
         {
@@ -440,9 +438,8 @@ async def stream(
     }
     await send("message_start", {"message": message})
     await send("ping", {})
-    index, text_open, token_ids, sent = 0, False, [], []
-    splitter = CallSplitter() if tools else None
-    thinking = ReasoningSplitter(*reasoning) if reasoning else None
+    index, text_open, token_ids, output = 0, False, [], []
+    answer = AnswerStream(reasoning, tools)
     thinking_open = False
     last_ping = time.monotonic()
     try:
@@ -453,10 +450,8 @@ async def stream(
                     model.monitor.on_request_done(out.metrics, None)
                     await send("error", {"error": {"type": "api_error", "message": out.error}})
                     return resp
-                thought, piece = thinking.push(out.text) if thinking else ("", out.text)
-                if out.finished and thinking:
-                    more, rest = thinking.finish()
-                    thought, piece = thought + more, piece + rest
+                output.append(out.text)  # the whole output (thoughts and calls too): where a stop sequence cut it
+                thought, piece, calls = answer.push(out.text, out.finished)
                 if thought:
                     if not thinking_open:
                         block = {"type": "thinking", "thinking": "", "signature": ""}
@@ -464,24 +459,18 @@ async def stream(
                         thinking_open = True
                     delta = {"type": "thinking_delta", "thinking": thought}
                     await send("content_block_delta", {"index": index, "delta": delta})
-                if thinking_open and (piece or out.finished):  # the thinking is over: its block closes
+                if thinking_open and (piece or calls or out.finished):  # the thinking is over: its block closes
                     await send(
                         "content_block_delta", {"index": index, "delta": {"type": "signature_delta", "signature": ""}}
                     )
                     await send("content_block_stop", {"index": index})
                     index, thinking_open = index + 1, False
-                piece = splitter.push(piece) if splitter else piece
-                calls: list[dict] = []
-                if out.finished and splitter:
-                    rest, calls = splitter.finish()
-                    piece += rest
                 if piece:
                     if not text_open:
                         await send(
                             "content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}}
                         )
                         text_open = True
-                    sent.append(piece)
                     await send("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": piece}})
                 if time.monotonic() - last_ping > 10:
                     await send("ping", {})
@@ -502,8 +491,7 @@ async def stream(
                     await send("content_block_stop", {"index": index})
                     index += 1
                 model.monitor.on_request_done(out.metrics, out.finish_reason)
-                joined = "".join(sent)
-                matched = matched_stop(model, out, token_ids, joined, body.stop_sequences or [])
+                matched = matched_stop(model, out, token_ids, "".join(output), body.stop_sequences or [])
                 reason, seq = stop_reason(out, matched, calls)
                 await send(
                     "message_delta",

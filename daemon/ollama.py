@@ -25,15 +25,16 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
 
+from .answer import AnswerStream, split_answer
 from .grammars import response_grammar
 from .messages import MAX_TOOLS, Tool
 from .models.catalog import catalog
 from .models.pool import iso, parse_keep_alive
 from .protocol import ApiError, Float, Int, parse_body
-from .reasoning import ReasoningSplitter, Thinking, gate, split_reasoning
+from .reasoning import Thinking, gate
 from .schemas import OllamaShowRequest
 from .state import STATE, read_raw, submit
-from .tools import CallSplitter, check_template, parse_calls
+from .tools import check_template
 
 VERSION = "0.6.0"  # the Ollama API version whose shapes these follow
 
@@ -244,12 +245,6 @@ async def answer(request: web.Request, state, model, body, chat: bool, started: 
             ]
         return {**head, "message": message, "done": False}
 
-    def split_calls(text: str) -> tuple[str, list]:
-        if not tools:
-            return text, []
-        content, calls = parse_calls(text)
-        return (content or "", calls) if calls else (text, [])
-
     try:
         async with asyncio.timeout(state.request_timeout):
             if not body.stream:
@@ -261,32 +256,24 @@ async def answer(request: web.Request, state, model, body, chat: bool, started: 
                 model.monitor.on_request_done(last.metrics, None if last.error else last.finish_reason)
                 if last.error:
                     raise ApiError(500, last.error, None, "engine_error", "server_error")
-                thought, answer = split_reasoning("".join(text), *reasoning) if reasoning else ("", "".join(text))
-                content, calls = split_calls(answer)
+                thought, content, calls = split_answer("".join(text), reasoning, bool(tools))
                 return web.json_response(
-                    {**line(content, calls, thought), **final_counters(last, len(ids), n, started)}
+                    {**line(content or "", calls, thought), **final_counters(last, len(ids), n, started)}
                 )
             resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "X-Request-Id": request_id})
             await resp.prepare(request)
             n = 0
-            splitter = CallSplitter() if tools else None  # a tool call is held back and sent whole at the end
-            thinking = ReasoningSplitter(*reasoning) if reasoning else None  # the reasoning streams apart
+            # the reasoning streams apart; a tool call is held back and sent whole at the end
+            answer = AnswerStream(reasoning, bool(tools))
             async for out in outputs:
                 n += len(out.token_ids)
                 if out.error:
                     model.monitor.on_request_done(out.metrics, None)
                     await resp.write(json.dumps({"error": out.error}).encode() + b"\n")
                     break
-                thought, text = thinking.push(out.text) if thinking else ("", out.text)
-                if out.finished and thinking:
-                    more, rest = thinking.finish()
-                    thought, text = thought + more, text + rest
+                thought, text, calls = answer.push(out.text, out.finished)
                 if thought:
                     await resp.write(json.dumps(line("", None, thought)).encode() + b"\n")
-                text, calls = (splitter.push(text), []) if splitter else (text, [])
-                if out.finished and splitter:
-                    rest, calls = splitter.finish()
-                    text += rest
                 if text and not out.finished:
                     await resp.write(json.dumps(line(text)).encode() + b"\n")
                 if out.finished:

@@ -10,9 +10,8 @@ from aiohttp import web
 
 from minibatch.engine.core.request import RequestMetrics
 
+from .answer import AnswerStream, split_answer
 from .protocol import ApiError
-from .reasoning import ReasoningSplitter, split_reasoning
-from .tools import CallSplitter, parse_calls
 
 
 def timings(m: RequestMetrics | None) -> dict:
@@ -129,20 +128,17 @@ async def full_response(
         raise ApiError(500, failed.error, None, "engine_error", "server_error")
     choices, thought_tokens = [], 0
     for i in range(n):
-        content, thought = "".join(text[i]), ""
-        if chat and reasoning is not None:  # the thinking apart; calls and JSON are read from the answer
-            thought, content = split_reasoning(content, *reasoning)
-            thought_tokens += len(model.tokenizer.encode(thought)) if thought else 0
+        # the thinking apart; calls and JSON are read from the answer
+        thought, content, calls = split_answer("".join(text[i]), reasoning if chat else None, tools)
+        thought_tokens += len(model.tokenizer.encode(thought)) if thought else 0
         choice = {"index": i, "finish_reason": last[i].finish_reason}
         if chat:
             choice["message"] = {"role": "assistant", "content": content}
             if thought:
                 choice["message"]["reasoning_content"] = thought
-            if tools:
-                rest, calls = parse_calls(content)
-                if calls:
-                    choice["message"] = {**choice["message"], "content": rest, "tool_calls": calls}
-                    choice["finish_reason"] = "tool_calls"
+            if calls:
+                choice["message"]["tool_calls"] = calls
+                choice["finish_reason"] = "tool_calls"
             choice["logprobs"] = {"content": chat_logprobs(model.tokenizer, token_ids[i], entries[i])} if want else None
         else:
             choice.update(
@@ -208,8 +204,7 @@ async def stream_response(
         for i in range(n):
             await send(chunk(i, None, None, role=True))
     count, metrics = 0, None
-    splitters = [CallSplitter() if tools else None for _ in range(n)]
-    thinking = [ReasoningSplitter(*reasoning) if chat and reasoning is not None else None for _ in range(n)]
+    answers = [AnswerStream(reasoning if chat else None, tools) for _ in range(n)]
     try:
         async with asyncio.timeout(state.request_timeout):
             async for i, out in merged(streams):
@@ -219,32 +214,17 @@ async def stream_response(
                     await send(ApiError(500, out.error, None, "engine_error", "server_error").body())
                     break
                 carries = out.logprobs is not None and bool(out.token_ids)
-                text, finish = out.text, out.finish_reason
-                if thinking[i] is not None:  # the reasoning streams apart, before the answer
-                    thought, text = thinking[i].push(text)
-                    if out.finished:
-                        more, rest = thinking[i].finish()
-                        thought, text = thought + more, text + rest
-                    if thought:
-                        await send(chunk(i, None, None, delta={"reasoning_content": thought}))
-                if splitters[i] is not None:  # content streams; a tool call is held back and sent whole at the end
-                    text = splitters[i].push(text)
-                    if out.finished:
-                        rest, found = splitters[i].finish()
-                        if rest:
-                            await send(chunk(i, rest, None))
-                        if found:
-                            await send(
-                                chunk(
-                                    i,
-                                    None,
-                                    None,
-                                    delta={"tool_calls": [{"index": k, **c} for k, c in enumerate(found)]},
-                                )
-                            )
-                            finish = "tool_calls"
+                finish = out.finish_reason
+                # the reasoning streams apart, before the answer; a tool call is held back and sent whole at the end
+                thought, text, found = answers[i].push(out.text, out.finished)
+                if thought:
+                    await send(chunk(i, None, None, delta={"reasoning_content": thought}))
                 if text or (carries and not out.finished):
                     await send(chunk(i, text, None, out=out))
+                if found:
+                    calls = [{"index": k, **c} for k, c in enumerate(found)]
+                    await send(chunk(i, None, None, delta={"tool_calls": calls}))
+                    finish = "tool_calls"
                 if out.finished:
                     model.monitor.on_request_done(out.metrics, out.finish_reason)
                     final = chunk(i, None, finish, out=None if text else out)
@@ -252,7 +232,7 @@ async def stream_response(
                     await send(final)
                     metrics = metrics or out.metrics
         if include_usage and metrics is not None:
-            thought_tokens = sum(len(model.tokenizer.encode(t.text)) for t in thinking if t is not None and t.text)
+            thought_tokens = sum(len(model.tokenizer.encode(a.thought)) for a in answers if a.thought)
             await send(
                 {**base, "object": obj, "choices": [], "usage": usage(metrics, prompt_tokens, count, thought_tokens)}
             )

@@ -26,13 +26,14 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, St
 
 from minibatch.engine.core.sampling_params import SamplingParams
 
+from .answer import AnswerStream, split_answer
 from .grammars import check_tool_schemas, response_grammar, tool_call_grammar
 from .messages import FUNCTION_NAME, MAX_TOOLS
 from .models.pool import LoadedModel
 from .protocol import ApiError, Float, Int, parse_body
-from .reasoning import ReasoningSplitter, Thinking, gate, split_reasoning
+from .reasoning import Thinking, gate
 from .state import STATE, read_raw, submit
-from .tools import CallSplitter, check_template, parse_calls
+from .tools import check_template
 
 STORE_MAX = 512  # responses kept for previous_response_id and GET, the oldest evicted first
 STORE_TTL_S = 3600.0
@@ -406,13 +407,6 @@ async def create(request: web.Request) -> web.StreamResponse:
             await outputs.aclose()
 
 
-def _split(text: str, specs) -> tuple[str, list[dict]]:
-    if specs is None:
-        return text, []
-    content, calls = parse_calls(text)
-    return ((content or "") if calls else text), calls
-
-
 @dataclass(slots=True)
 class Answer:
     """What a response is answered with, beside the engine's outputs."""
@@ -447,8 +441,8 @@ async def whole(a: Answer, outputs) -> web.Response:
     a.model.monitor.on_request_done(last.metrics, None if last.error else last.finish_reason)
     if last.error:
         raise ApiError(500, last.error, None, "engine_error", "server_error")
-    thought, answer = split_reasoning("".join(text), *a.thinking) if a.thinking else ("", "".join(text))
-    content, calls = _split(answer, a.specs)
+    thought, content, calls = split_answer("".join(text), a.thinking, a.specs is not None)
+    content = content or ""
     items = output_items(content, calls, thought)
     return web.json_response(
         a.finish(_status(last.finish_reason, calls), items, n, last.metrics, content, calls, thought)
@@ -474,8 +468,7 @@ async def stream(request, state, a: Answer, outputs):
     items: list[dict] = []  # the finished output items, in order
     msg_id, rs_id, sent, thoughts, n = _id("msg"), _id("rs"), [], [], 0
     opened = thinking_open = False
-    splitter = CallSplitter() if a.specs is not None else None
-    reasoning = ReasoningSplitter(*a.thinking) if a.thinking else None
+    answer = AnswerStream(a.thinking, a.specs is not None)
 
     def where(item_id: str) -> dict:
         return {"item_id": item_id, "output_index": len(items), "content_index": 0}
@@ -505,10 +498,7 @@ async def stream(request, state, a: Answer, outputs):
                     failed = {**started, "status": "failed", "error": {"code": "server_error", "message": out.error}}
                     await send("response.failed", {"response": failed})
                     return resp
-                thought, piece = reasoning.push(out.text) if reasoning else ("", out.text)
-                if out.finished and reasoning:
-                    more, rest = reasoning.finish()
-                    thought, piece = thought + more, piece + rest
+                thought, piece, calls = answer.push(out.text, out.finished)
                 if thought:
                     if not thinking_open:
                         await open_item(
@@ -517,11 +507,6 @@ async def stream(request, state, a: Answer, outputs):
                         thinking_open = True
                     thoughts.append(thought)
                     await send("response.reasoning_text.delta", {**where(rs_id), "delta": thought})
-                piece = splitter.push(piece) if splitter else piece
-                calls: list[dict] = []
-                if out.finished and splitter:
-                    rest, calls = splitter.finish()
-                    piece += rest
                 if thinking_open and (piece or calls or out.finished):
                     await close_reasoning()
                     thinking_open = False

@@ -13,7 +13,8 @@ import httpx
 import openai
 import pytest
 
-from minibatch.daemon.reasoning import ReasoningSplitter, split_reasoning
+from minibatch.daemon.answer import AnswerStream, split_answer
+from minibatch.daemon.reasoning import ReasoningSplitter, Thinking, split_reasoning
 from minibatch.engine.text.tokenizer import TextTokenizer
 from tests.conftest import TINY_COMMON, TOKENIZER_FILES
 
@@ -49,6 +50,25 @@ def test_the_splitter_streams_reasoning_then_the_answer():
             "step one, step two\n",
             "The answer.",
         ), cut
+
+
+def test_an_answer_splits_the_same_whole_and_streamed():
+    """Thoughts, text and a tool call: every API face gets these parts from daemon/answer.py, whatever
+    the deltas' cuts."""
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    text = f"<think>\nadd them\n</think>\n\nLet me add. {call}"
+    thinking = Thinking(TAGS, inside=False)
+    whole = split_answer(text, thinking, tools=True)
+    assert whole.thought == "add them\n" and whole.text == "Let me add." and len(whole.calls) == 1
+    assert whole.calls[0]["function"]["name"] == "add"
+    for cut in range(1, len(text)):
+        stream = AnswerStream(thinking, tools=True)
+        parts = [stream.push(text[:cut]), stream.push(text[cut:], finished=True)]
+        assert "".join(p.thought for p in parts) == whole.thought == stream.thought, cut
+        assert "".join(p.text for p in parts).strip() == whole.text, cut
+        assert parts[0].calls == [] and [c["function"] for c in parts[1].calls] == [whole.calls[0]["function"]]
+    plain = split_answer("no thinking, no tools", None, tools=False)
+    assert plain == ("", "no thinking, no tools", [])
 
 
 @pytest.fixture(scope="module")
