@@ -39,6 +39,14 @@ class Result:
     text: str = ""
     server: dict = field(default_factory=dict)  # the daemon's own timings ("minibatch")
 
+    def arrived(self) -> None:
+        """A text chunk came now: the first one's time is the TTFT, the later ones' the token times."""
+        now = time.monotonic() - self.sent_at
+        if self.ttft is None:
+            self.ttft = now
+        else:
+            self.token_times.append(now)
+
     @property
     def itl(self) -> list[float]:
         times = ([self.ttft] if self.ttft is not None else []) + self.token_times
@@ -125,11 +133,7 @@ async def stream_request(s: aiohttp.ClientSession, index: int, body: dict, chat:
                 choice = chunk["choices"][0]
                 text = choice["delta"].get("content") if chat else choice.get("text")
                 if text:
-                    now = time.monotonic() - start
-                    if res.ttft is None:
-                        res.ttft = now
-                    else:
-                        res.token_times.append(now)
+                    res.arrived()
                     parts.append(text)
                 if choice["finish_reason"]:
                     res.finish_reason = choice["finish_reason"]
@@ -166,11 +170,7 @@ async def stream_message(s: aiohttp.ClientSession, index: int, body: dict) -> Re
                     usage = event["message"]["usage"]
                     res.prompt_tokens = usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
                 elif kind == "content_block_delta" and event["delta"]["type"] == "text_delta":
-                    now = time.monotonic() - start
-                    if res.ttft is None:
-                        res.ttft = now
-                    else:
-                        res.token_times.append(now)
+                    res.arrived()
                     parts.append(event["delta"]["text"])
                 elif kind == "message_delta":
                     res.output_tokens = event["usage"]["output_tokens"]
