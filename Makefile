@@ -2,6 +2,7 @@
 #   make install   create .venv and install minibatch with what it needs
 #   make test      install if needed, lint, then run the whole test suite
 #   make lint      ruff: the formatter's check and the lint rules of pyproject.toml
+#   make bench     re-measure the README's headline figures and rewrite their tables (not part of make test)
 #   make gpu-check on a machine with an NVIDIA GPU (see README: GPU check)
 
 PYTHON ?= python3
@@ -20,7 +21,7 @@ TORCH_SPEC ?= torch==2.13.0
 endif
 TORCH_PIP_ARGS ?=
 
-.PHONY: install lint test chat gpu-check gpu-prepare compat-check clean-venv
+.PHONY: install lint test chat bench gpu-check gpu-prepare compat-check clean-venv
 
 install: $(STAMP)
 
@@ -48,6 +49,14 @@ test: install lint
 # Start the daemon with the built-in model if it is not running, then open the chat.
 chat: install
 	$(VENV)/bin/minibatch-chat --start
+
+# Every headline figure re-measured on this machine and code (scripts/record.py): JSON and plots under
+# results/record/, then the tables in README.md and BENCHMARKS.md rewritten from docs/bench/record.json.
+# BENCH_ARGS=--quick: small traces, a few minutes, results/ only. LLAMA_SERVER, LLAMA_BENCH, LLAMA_QUANTIZE:
+# llama.cpp's binaries, for its side of the comparisons (skipped, with a note, when not given).
+BENCH_ARGS ?=
+bench: install
+	$(PY) scripts/record.py $(BENCH_ARGS)
 
 # On a machine with an NVIDIA GPU, as it is (its python3, torch and triton; nothing installed):
 # the kernel tests compiled, parity, CUDA graphs, decode speed, the transformers peer; a JSON report.

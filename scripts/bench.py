@@ -448,6 +448,7 @@ async def run_peers(args, out: Path) -> int:
         return 2
     md = compare.table(rows)
     (out / "peers.md").write_text(md + "\n")
+    (out / "peers.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1, default=str))
     print(md)
     for line in compare.ratios(rows):
         print(line)

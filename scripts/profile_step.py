@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import statistics
 import sys
 import time
@@ -139,6 +140,13 @@ def print_parts(parts: dict[str, float], total_ms: float) -> None:
     print(f"  {'rest of the step':<28} {rest:7.2f} ms  (update, detokenize, stats; timed without the wrappers)")
 
 
+def write_json(path: Path | None, engine, rows: list[dict]) -> int:
+    """The measured steps with the weights they ran on, for scripts/record.py."""
+    if path is not None:
+        path.write_text(json.dumps({"weights": engine.info.weights, "steps": rows}, indent=1))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct", help="alias, HF directory or .gguf file")
@@ -149,7 +157,9 @@ def main() -> int:
     ap.add_argument(
         "--prefill", type=int, default=0, help="instead: one prompt of this many tokens prefilled in one step"
     )
+    ap.add_argument("--json", type=Path, default=None, help="write the measured steps here")
     args = ap.parse_args()
+    measured: list[dict] = []
     if args.prefill:
         engine = build_engine(
             EngineConfig(
@@ -167,23 +177,24 @@ def main() -> int:
             f"({args.prefill / step_ms * 1e3:.1f} tok/s, median of {max(args.steps, 1)}); instrumented:"
         )
         print_parts(parts, step_ms)
-        return 0
-    for rows in (int(r) for r in args.rows.split(",")):
+        measured.append({"kind": "prefill", "tokens": args.prefill, "step_ms": step_ms, "parts_ms": parts})
+        return write_json(args.json, engine, measured)
+    for n_rows in (int(r) for r in args.rows.split(",")):
         engine = build_engine(
             EngineConfig(
                 model=args.model,
                 weights=args.weights,
-                max_num_seqs=max(rows, 1),
+                max_num_seqs=max(n_rows, 1),
                 enable_prefix_caching=False,
-                max_num_batched_tokens=max(512, rows),
+                max_num_batched_tokens=max(512, n_rows),
                 kv_cache_gb=1.0,
             )
         )
-        fill(engine, rows, args.context)
+        fill(engine, n_rows, args.context)
         step_ms, unrecorded_ms, parts = profile(engine, args.steps)
         print(
-            f"\n{engine.info.weights}, {rows} running, context ~{args.context}: step {step_ms:.1f} ms "
-            f"({rows / step_ms * 1e3:.1f} tok/s; {unrecorded_ms:.1f} ms without the timeline, interleaved); "
+            f"\n{engine.info.weights}, {n_rows} running, context ~{args.context}: step {step_ms:.1f} ms "
+            f"({n_rows / step_ms * 1e3:.1f} tok/s; {unrecorded_ms:.1f} ms without the timeline, interleaved); "
             "per step, instrumented:"
         )
         print_parts(parts, step_ms)
@@ -192,7 +203,10 @@ def main() -> int:
             f"  the matmuls read {streamed / 1e6:.0f} MB of weights per step: "
             f"{streamed / parts.get('matmul', float('nan')) / 1e6:.1f} GB/s"
         )
-    return 0
+        measured.append(
+            {"kind": "decode", "rows": n_rows, "context": args.context, "step_ms": step_ms, "parts_ms": parts}
+        )
+    return write_json(args.json, engine, measured)
 
 
 if __name__ == "__main__":

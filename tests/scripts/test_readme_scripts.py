@@ -47,6 +47,8 @@ COVERED = {
     "make_model.py": "test_make_model",
     "perplexity.py": "test_perplexity",
     "fuzz.sh": "test_fuzz_script",
+    "record.py": "test_record_quick",
+    "tables.py": "test_tables_check",
 }
 
 
@@ -505,3 +507,73 @@ def test_fuzz_script(env):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "fuzz: 2 examples per operation and mode" in proc.stdout
     assert re.search(r"(\d+) passed", proc.stdout) and int(re.search(r"(\d+) passed", proc.stdout).group(1)) >= 30
+
+
+def test_tables_check(env):
+    """The committed tables are what the committed record renders (scripts/tables.py's round trip)."""
+    proc = run(env, SCRIPTS / "tables.py", "--check")
+    assert proc.stdout == ""
+    edited = Path(tempfile.mkdtemp(prefix="mb-tables-"))
+    try:
+        shutil.copytree(ROOT / "docs", edited / "docs")
+        readme = (ROOT / "README.md").read_text()
+        shutil.copy(ROOT / "BENCHMARKS.md", edited / "BENCHMARKS.md")
+        start = readme.index("<!-- record:modes-headline -->")
+        cut = readme.index("| 1 |", start)
+        (edited / "README.md").write_text(readme[:cut] + "| 1 | 999 |" + readme[cut + 5 :])
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPTS / "tables.py"), "--check", "--root", str(edited)],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 1 and "README.md: differs from the record: modes-headline" in proc.stdout
+        run(env, SCRIPTS / "tables.py", "--root", edited)
+        assert (edited / "README.md").read_text() == readme
+    finally:
+        shutil.rmtree(edited, ignore_errors=True)
+
+
+def test_record_quick(env, tmp_path):
+    """`make bench`'s pieces with the smallest parameters: a private daemon per model, both modes at two
+    points, the sweeps, the prefill; then published into a copy of the docs."""
+    docs = tmp_path / "docs"
+    (docs / "docs" / "bench").mkdir(parents=True)
+    for name in ("README.md", "BENCHMARKS.md"):
+        shutil.copy(ROOT / name, docs / name)
+    args = ["--quick", "--models", "smollm2-135m-instruct", "--pieces", "serving,modes,sweeps,prefill"]
+    args += ["--concurrency", "1,2", "--requests", "3", "--repeats", "1", "--prefill-tokens", "32"]
+    proc = run(env, SCRIPTS / "record.py", *args, "--out", tmp_path / "out", "--publish", "--docs", docs, timeout=900)
+    [path] = (tmp_path / "out").glob("*/record.json")
+    record = json.loads(path.read_text())
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert record["run"]["commit"] == head[:12] and record["run"]["quick"] is True
+    assert record["run"]["machine"]["cores"] == os.cpu_count() and record["run"]["versions"]["torch"]
+    secs = record["sections"]
+    assert set(secs) == {"serving", "modes", "variance", "rate", "prefill"}
+    [model] = secs["modes"]["models"]
+    assert [p["c"] for p in model["points"]] == [1, 2]
+    for p in model["points"]:
+        for mode in ("continuous", "static"):
+            m = p[mode]
+            assert m["failed"] == 0 and m["requests"] == 3 and m["tok_s"] > 0 and m["ttft"]["p50"] > 0, (p, mode)
+            assert m["e2e"]["p50"] <= m["e2e"]["p95"] <= m["e2e"]["p99"]
+        assert p["continuous"]["wasted_row_steps"] == 0 and p["static"]["wasted_row_steps"] >= 0
+    assert len(secs["variance"]["points"]) == 5 and len(secs["rate"]["points"]) == 2
+    [serving] = secs["serving"]["rows"]
+    assert serving["start_s"] > 0 and serving["rss_after_mb"] > 100 and serving["file_mb"] > 90
+    [pre] = secs["prefill"]["rows"]
+    assert pre["tokens"] == 32 and pre["tok_s"] == pytest.approx(32 / pre["step_ms"] * 1e3)
+    assert "peers" not in secs and any("record: plot:" in line for line in proc.stderr.splitlines())
+    # published: the copy's record holds the run's sections, its tables were rewritten from them
+    published = json.loads((docs / "docs" / "bench" / "record.json").read_text())
+    assert published["sections"] == secs
+    readme = (docs / "README.md").read_text()
+    block = readme[readme.index("<!-- record:modes-headline -->") : readme.index("<!-- /record:modes-headline -->")]
+    assert "`make bench --quick`" in block and head[:10] in block
+    rows = re.findall(r"^\| (\d+) \| \**([\d.]+)\** / \**([\d.]+)\** \| ([\d.]+)×", block, re.M)
+    assert [int(r[0]) for r in rows] == [1, 2]
+    for (_, cont, stat, ratio), p in zip(rows, model["points"]):
+        assert float(cont) == pytest.approx(p["continuous"]["tok_s"], abs=0.05)
+        assert float(stat) == pytest.approx(p["static"]["tok_s"], abs=0.05)
+        assert float(ratio) == pytest.approx(p["continuous"]["tok_s"] / p["static"]["tok_s"], abs=0.006)
+    assert (docs / "docs" / "bench" / "record_modes.png").stat().st_size > 0
