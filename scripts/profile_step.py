@@ -157,6 +157,11 @@ def main() -> int:
     ap.add_argument(
         "--prefill", type=int, default=0, help="instead: one prompt of this many tokens prefilled in one step"
     )
+    ap.add_argument(
+        "--speculative",
+        default="off",
+        help="the engine's speculative decoding (default off: every step decodes one token per row)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the measured steps here")
     args = ap.parse_args()
     measured: list[dict] = []
@@ -165,6 +170,7 @@ def main() -> int:
             EngineConfig(
                 model=args.model,
                 weights=args.weights,
+                speculative=args.speculative,
                 max_num_seqs=1,
                 enable_prefix_caching=False,
                 max_num_batched_tokens=args.prefill,
@@ -184,6 +190,7 @@ def main() -> int:
             EngineConfig(
                 model=args.model,
                 weights=args.weights,
+                speculative=args.speculative,
                 max_num_seqs=max(n_rows, 1),
                 enable_prefix_caching=False,
                 max_num_batched_tokens=max(512, n_rows),

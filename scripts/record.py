@@ -266,10 +266,9 @@ TRACE = ["--prompt-len", "16,64", "--output-len", "8,128", "--workload", "synthe
 def modes(run: Run, model: Model, daemon: Daemon) -> dict:
     args = run.args
     plan = QUICK_POINTS if args.quick else FULL_POINTS["large" if model.large else "small"]
-    if args.concurrency:
-        plan = [(c, n, r) for c, n, r in plan if c in args.concurrency] or [
-            (c, max(2, 2 * c), 1) for c in args.concurrency
-        ]
+    if args.concurrency:  # the plan's point where it has one, else 2c requests once
+        known = {c: (c, n, r) for c, n, r in plan}
+        plan = [known.get(c, (c, max(2, 2 * c), 1)) for c in args.concurrency]
     points = []
     for c, n, reps in plan:
         n, reps = args.requests or n, args.repeats or reps
@@ -312,21 +311,11 @@ def prefill(run: Run, models: list[Model]) -> None:
     rows = []
     for m in models:
         path = run.out / f"prefill-{m.key}.json"
-        steps = "2" if run.args.quick else "5"
-        run.script(
-            "profile_step.py",
-            "--model",
-            m.spec,
-            "--prefill",
-            "512",
-            "--steps",
-            steps,
-            "--json",
-            str(path),
-            log=f"prefill-{m.key}.log",
-        )
+        steps, tokens = ("2" if run.args.quick else "5"), run.args.prefill_tokens
+        argv = ["--model", m.spec, "--prefill", str(tokens), "--steps", steps, "--json", str(path)]
+        run.script("profile_step.py", *argv, log=f"prefill-{m.key}.log")
         ms = json.loads(path.read_text())["steps"][0]["step_ms"]
-        row = m.info() | {"tokens": 512, "step_ms": ms, "tok_s": 512 / ms * 1e3, "llama_bench_tok_s": None}
+        row = m.info() | {"tokens": tokens, "step_ms": ms, "tok_s": tokens / ms * 1e3, "llama_bench_tok_s": None}
         if run.args.llama["bench"] and m.file:
             row["llama_bench_tok_s"] = llama_bench(run, m)
         rows.append(row)

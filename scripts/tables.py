@@ -176,6 +176,12 @@ def cluster(sec: dict) -> str:
             f"{o['ingress_p99_ms']:.1f} ms; straight to the replica p50 {o['direct_p50_ms']:.1f} ms: the ingress "
             f"adds {o['added_p50_ms']:.1f} ms (p50).",
         ]
+    k = sec.get("key_cost")
+    if k:
+        lines.append(
+            f"The routing key of a request: {k['hash_us']:.0f} µs to hash its text blocks, against "
+            f"{k['tokenize_us']:.0f} µs to render its chat template and tokenize ({k['requests']} requests)."
+        )
     return "\n".join(lines)
 
 
