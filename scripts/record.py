@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`make bench`: re-measure every figure the README headlines on today's code, and rewrite their tables.
 
-  make bench                                  # the full run (about 75 minutes on a 2-core machine)
+  make bench                                  # the full run (79 minutes on a 2-core Xeon)
   make bench BENCH_ARGS=--quick               # small traces, a few minutes; results/ only
   LLAMA_SERVER=... LLAMA_BENCH=... LLAMA_QUANTIZE=... make bench    # with llama.cpp's side too
 
