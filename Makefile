@@ -52,7 +52,7 @@ chat: install
 
 # Every headline figure re-measured on this machine and code (scripts/record.py): JSON and plots under
 # results/record/, then the tables in README.md and BENCHMARKS.md rewritten from docs/bench/record.json.
-# BENCH_ARGS=--quick: small traces, a few minutes, results/ only. LLAMA_SERVER, LLAMA_BENCH, LLAMA_QUANTIZE:
+# BENCH_ARGS=--quick: the built-in model, small traces, about 5 minutes, results/ only. LLAMA_SERVER, LLAMA_BENCH, LLAMA_QUANTIZE:
 # llama.cpp's binaries, for its side of the comparisons (skipped, with a note, when not given).
 BENCH_ARGS ?=
 bench: install

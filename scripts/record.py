@@ -2,7 +2,7 @@
 """`make bench`: re-measure every figure the README headlines on today's code, and rewrite their tables.
 
   make bench                                  # the full run (79 minutes on a 2-core Xeon)
-  make bench BENCH_ARGS=--quick               # small traces, a few minutes; results/ only
+  make bench BENCH_ARGS=--quick               # the built-in model, small traces, ~5 minutes; results/ only
   LLAMA_SERVER=... LLAMA_BENCH=... LLAMA_QUANTIZE=... make bench    # with llama.cpp's side too
 
 Pieces (--pieces), each run by the script that owns its method, on private daemons started here:
@@ -18,9 +18,9 @@ Pieces (--pieces), each run by the script that owns its method, on private daemo
   cluster   one daemon against two minibatch-serve replicas (bench_cluster.py)
   peers     against llama-server on the same files (bench.py --peers), with LLAMA_SERVER; skipped otherwise
 
-Models (--models): the built-in model and `shape:llama-3.2-1b`, a random-weight GGUF in that model's exact
-shape that make_model.py writes under results/models when missing: Q4_K_M by LLAMA_QUANTIZE when given,
-else Q4_0 by gguf's own quantizers (the nearest type it has), as the output says.
+Models (--models): the built-in model and `shape:llama-3.2-1b` (--quick: the built-in model alone), a
+random-weight GGUF in that model's exact shape that make_model.py writes under results/models when missing:
+Q4_K_M by LLAMA_QUANTIZE when given, else Q4_0 by gguf's own quantizers (the nearest type), as it says.
 
 Every run writes each piece's own output and one record.json (the machine, the commit, the versions) under
 results/record/STAMP/. A full run then publishes: its sections replace those of docs/bench/record.json,
@@ -397,7 +397,11 @@ def peers(run: Run, models: list[Model]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small traces and one repetition: a few minutes")
-    ap.add_argument("--models", default=f"{BUILTIN},shape:llama-3.2-1b", help="comma list: alias, file or shape:NAME")
+    ap.add_argument(
+        "--models",
+        default=None,
+        help=f"comma list: alias, file or shape:NAME (default {BUILTIN},shape:llama-3.2-1b; with --quick {BUILTIN})",
+    )
     ap.add_argument("--pieces", default=",".join(PIECES), help="comma list of " + ", ".join(PIECES))
     ap.add_argument(
         "--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=None, help="modes: only these"
@@ -420,7 +424,8 @@ def main() -> int:
     args.llama = {k: os.environ.get(f"LLAMA_{k.upper()}") or None for k in ("server", "bench", "quantize")}
     run = Run(args)
     run.say(f"{run.out} (commit {run.stamp['commit']}{' + changes' if run.stamp['dirty'] else ''})")
-    models = [Model(spec, run) for spec in args.models.split(",")]
+    specs = args.models or (BUILTIN if args.quick else f"{BUILTIN},shape:llama-3.2-1b")
+    models = [Model(spec, run) for spec in specs.split(",")]
     per_model = []
     for m in models:
         if not ({"serving", "modes", "sweeps"} & set(pieces)):
