@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import CHAT_SET  # noqa: E402
 from loadgen import percentile, session, stream_request  # noqa: E402
+from tables import cluster as table  # noqa: E402  (the layout the record's tables use)
 
 from minibatch.daemon.client import UnixHTTPConnection, request_json  # noqa: E402
 
@@ -220,19 +221,6 @@ def run_setup(kind: str, folder: Path, convos: list, args) -> dict:
         subprocess.run([*cli, "stop", "--socket", sock], stdout=subprocess.DEVNULL, timeout=180)
 
 
-def table(report: dict) -> str:
-    rows = [
-        "| setup | turns | output tok/s | TTFT p50 | TTFT p95 | prefix-cache hit rate |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in report["setups"]:
-        rows.append(
-            f"| {r['setup']} | {r['turns']} | {r['output_tok_s']:.1f} | {r['ttft_p50_ms']:.0f} ms "
-            f"| {r['ttft_p95_ms']:.0f} ms | {100 * r['prefix_hit_rate']:.1f}% |"
-        )
-    return "\n".join(rows)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--conversations", type=int, default=16)
@@ -255,24 +243,12 @@ def main() -> int:
             report["setups"].append(run_setup(kind, Path(d), convos, args))
     print(table(report))
     for r in report["setups"]:
-        if "one_token" in r:
-            o = r["one_token"]
-            print(
-                f"\n1-token request, {o['n']} each: through the ingress p50 {o['ingress_p50_ms']:.1f} ms, p99 "
-                f"{o['ingress_p99_ms']:.1f} ms; straight to the replica p50 {o['direct_p50_ms']:.1f} ms, p99 "
-                f"{o['direct_p99_ms']:.1f} ms; added p50 {o['added_p50_ms']:.1f} ms, p99 {o['added_p99_ms']:.1f} ms"
-            )
         if "ingress_cpu_us_per_token" in r:
             print(f"{r['setup']}: the ingress process used {r['ingress_cpu_s']:.1f} CPU s, "
                   f"{r['ingress_cpu_us_per_token']:.0f} us per streamed token")  # fmt: skip
         if "route_decisions" in r:
             print(f"{r['setup']}: route decisions {r['route_decisions']}, prompt tokens per replica "
                   f"{r['per_replica_prompt_tokens']}")  # fmt: skip
-    k = report["key_cost"]
-    print(
-        f"routing key per request ({k['requests']} requests): text block hashes {k['hash_us']:.0f} us, "
-        f"chat template + tokenizer {k['tokenize_us']:.0f} us"
-    )
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))

@@ -173,8 +173,9 @@ def cluster(sec: dict) -> str:
         lines += [
             "",
             f"A 1-token request through the ingress: p50 {o['ingress_p50_ms']:.1f} ms, p99 "
-            f"{o['ingress_p99_ms']:.1f} ms; straight to the replica p50 {o['direct_p50_ms']:.1f} ms: the ingress "
-            f"adds {o['added_p50_ms']:.1f} ms (p50).",
+            f"{o['ingress_p99_ms']:.1f} ms; straight to the replica p50 {o['direct_p50_ms']:.1f} ms, p99 "
+            f"{o['direct_p99_ms']:.1f} ms: the ingress adds {o['added_p50_ms']:.1f} ms (p50), "
+            f"{o['added_p99_ms']:.1f} ms (p99).",
         ]
     k = sec.get("key_cost")
     if k:
