@@ -230,12 +230,24 @@ BLOCKS = {
 }
 
 
+ALSO = {"serving": ("prefill",)}  # a block's columns from another section, which may come from another run
+
+
+def heading(record: dict, names: tuple[str, ...]) -> str:
+    """The stamp of the runs behind a block: one line when one run measured all its sections, else one per section."""
+    secs = [(n, record["sections"][n]) for n in names if n in record["sections"]]
+    stamps = {n: stamp(sec) for n, sec in secs}
+    if len(set(stamps.values())) <= 1:
+        return next(iter(stamps.values()), "")
+    return "  \n".join(f"{n}: {line}" for n, line in stamps.items())
+
+
 def render(record: dict) -> dict[str, str]:
-    """Every block whose sections the record has, each under the stamp of its first section."""
+    """Every block whose sections the record has, under the stamp of the run(s) that measured them."""
     out = {}
     for name, (needs, draw) in BLOCKS.items():
         if all(n in record["sections"] for n in needs):
-            head = stamp(record["sections"][needs[0]]) + "\n\n" if needs else ""
+            head = heading(record, (*needs, *ALSO.get(name, ()))) + "\n\n" if needs else ""
             out[name] = head + draw(record).strip() + "\n"
     return out
 

@@ -82,3 +82,19 @@ def test_every_stamp_names_its_date_commit_and_machine():
         needs = tables.BLOCKS[name][0][0]
         run = record["sections"][needs]["run"]
         assert run["date"] in head and run["commit"][:10] in head and run["machine"]["cpu"] in head, head
+
+
+def test_a_block_built_from_two_runs_names_both():
+    """The serving table takes its prefill columns from the prefill section: when another run measured that,
+    the block carries one stamp per section, so no figure sits under a run that did not measure it."""
+    record = committed()
+    assert {"serving", "prefill"} <= set(record["sections"])
+    same = copy.deepcopy(record)
+    same["sections"]["prefill"]["run"] = same["sections"]["serving"]["run"]
+    head = tables.render(same)["serving"].split("\n\n")[0]
+    assert head.count("commit") == 1 and not head.startswith("serving:")
+    other = copy.deepcopy(same)
+    other["sections"]["prefill"]["run"] = other["sections"]["prefill"]["run"] | {"commit": "e" * 12}
+    lines = tables.render(other)["serving"].split("\n\n")[0].splitlines()
+    assert [line.split(":")[0] for line in lines] == ["serving", "prefill"]
+    assert "eeeeeeeeee" in lines[1] and same["sections"]["serving"]["run"]["commit"][:10] in lines[0]
