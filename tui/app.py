@@ -11,7 +11,7 @@ from textual.binding import Binding
 from textual.containers import Grid, Horizontal
 from textual.widgets import Footer
 
-from .client import DaemonUnavailable
+from .client import DaemonUnavailable, ModelNotLoaded
 from .frames import FRAME_MIN_S, PANEL_S, POLL_S, pace
 from .history import History, PaneSettings
 from .messages import PaneSubmitted, RequestOwner, TurnFinished
@@ -280,18 +280,18 @@ class MinibatchChat(App):
                 async for event in self.client.events(self.view_model):
                     if not panel.connected:  # (re)connected: the panes may ask again
                         for pane in self.panes():
-                            if not pane.busy:
-                                pane.set_status("ready")
+                            pane.connection_back()
                     if not panel.connected or event.get("model") != panel.shown_model:
                         panel.shown_model = event.get("model")
                         await self.show_model(panel)
                     self.mode = event["mode"]
                     panel.update_stats(event)
+            except ModelNotLoaded as exc:  # the daemon is there; the model loads with a pane's first message
+                panel.set_not_loaded(str(exc))
             except DaemonUnavailable as exc:
                 panel.set_disconnected(str(exc))
                 for pane in self.panes():
-                    if not pane.busy:
-                        pane.set_status("[yellow]reconnecting…[/]")
+                    pane.connection_lost()
             await asyncio.sleep(1.0)
 
     async def show_model(self, panel: EnginePanel) -> None:

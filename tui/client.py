@@ -14,6 +14,10 @@ class DaemonUnavailable(ConnectionError):
     """Nothing answers on the socket (daemon not running, restarting, or still loading)."""
 
 
+class ModelNotLoaded(Exception):
+    """The daemon answers but has not loaded the model asked for (it loads with the first request naming it)."""
+
+
 @dataclass(slots=True)
 class Delta:
     """One piece of a streamed answer."""
@@ -83,6 +87,8 @@ class DaemonClient:
         """Engine step events of `model` until the connection drops (then DaemonUnavailable)."""
         try:
             async with self._s().get("/v1/engine/events" + _model_query(model, "?")) as r:
+                if r.status == 404 and model:
+                    raise ModelNotLoaded(model)
                 if r.status != 200:
                     raise DaemonUnavailable(f"events: HTTP {r.status}")
                 async for line in r.content:

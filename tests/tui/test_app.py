@@ -196,6 +196,39 @@ def test_disconnect_shows_reconnecting_then_recovers(history):
     assert "reconnecting" in during and after == "ready"
 
 
+def test_an_answer_keeps_its_numbers_over_a_reconnect_and_a_model_not_loaded_yet(history):
+    """A pane that finished says how it went until the next answer: the events of a model that is not loaded
+    yet leave it be (the panel says the model loads with the first message); a lost connection shows while it
+    lasts, and the numbers come back with the daemon."""
+    from minibatch.tui.client import DaemonUnavailable, ModelNotLoaded
+
+    client = FakeClient("Paris.")
+
+    async def go():
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await wait_until(pilot, lambda: client.events_queue is not None)
+            client.events_queue.put_nowait(event())
+            await type_and_send(pilot, "capital?")
+            pane = app.panes()[0]
+            await wait_until(pilot, lambda: not pane.busy and len(pane.messages) == 2)
+            client.events_queue.put_nowait(ModelNotLoaded("qwen2.5:0.5b"))
+            mode_line = app.query_one("#engine-mode")
+            await wait_until(pilot, lambda: "loads with the first message" in str(mode_line.render()))
+            not_loaded = str(pane.query_one(".pane-status").render())
+            client.events_queue.put_nowait(event(step=2))
+            await wait_until(pilot, lambda: "continuous" in str(app.query_one("#engine-mode").render()))
+            client.events_queue.put_nowait(DaemonUnavailable("connection reset"))
+            await wait_until(pilot, lambda: "reconnecting" in str(app.query_one("#engine-mode").render()))
+            away = str(pane.query_one(".pane-status").render())
+            client.events_queue.put_nowait(event(step=3))
+            await wait_until(pilot, lambda: "reconnecting" not in str(app.query_one("#engine-mode").render()))
+            return not_loaded, away, str(pane.query_one(".pane-status").render())
+
+    not_loaded, away, back = asyncio.run(go())
+    assert "TTFT 12 ms" in not_loaded and "reconnecting" in away and "TTFT 12 ms" in back
+
+
 def test_settings_modal_applies_and_persists(history):
     client = FakeClient("x")
 

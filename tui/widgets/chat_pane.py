@@ -16,6 +16,10 @@ from ..names import short_model_name
 from .transcript import Transcript
 
 PANE_COLORS = ["#e06c75", "#61afef", "#98c379", "#e5c07b", "#c678dd", "#56b6c2"]
+# What a pane's status line says while the daemon is away; only these give way to "ready" when it is back
+# (a finished answer's numbers stay).
+RECONNECTING = "[yellow]reconnecting…[/]"
+LOST = "[yellow]connection lost — reconnecting…[/]"
 
 
 def format_status(timings: dict, tokens: int, seconds: float, finish: str | None, replica: str | None = None) -> str:
@@ -54,6 +58,7 @@ class ChatPane(Vertical):
         self._answer: int | None = None  # the streaming answer's index in the transcript
         self._chunks = 0
         self._status = "ready"
+        self._before_lost = "ready"  # the status line a reconnect gives back
         self.flushes = 0  # transcript updates drawn, over the pane's life
 
     def compose(self) -> ComposeResult:
@@ -77,6 +82,16 @@ class ChatPane(Vertical):
         if text != self._status:
             self._status = text
             self.query_one(".pane-status", Static).update(text, layout=False)
+
+    def connection_lost(self) -> None:
+        """The daemon is away: an idle pane says so, and says again what it said before once it is back."""
+        if not self.busy and self._status not in (RECONNECTING, LOST):
+            self._before_lost = self._status
+            self.set_status(RECONNECTING)
+
+    def connection_back(self) -> None:
+        if not self.busy and self._status in (RECONNECTING, LOST):
+            self.set_status(self._before_lost if self._status == RECONNECTING else "ready")
 
     @property
     def undrawn(self) -> bool:
@@ -167,7 +182,7 @@ class ChatPane(Vertical):
             if complete:
                 self.set_status(format_status(timings, tokens, time.monotonic() - started, finish, replica))
         except DaemonUnavailable:
-            self.set_status("[yellow]connection lost — reconnecting…[/]")
+            self.set_status(LOST)
         finally:
             self.flush(status=False)  # the tail that came after the last frame
             self._answer = None

@@ -168,6 +168,11 @@ class EnginePanel(Vertical):
         self.connected, self._drawn_step = False, None
         self._show("engine-mode", f"[b]engine[/] [yellow]reconnecting…[/]\n[dim]{reason[:70]}[/]")
 
+    def set_not_loaded(self, model: str) -> None:
+        """The daemon answers, but the model the panel follows has no engine yet."""
+        self.connected, self._drawn_step = False, None
+        self._show("engine-mode", f"[b]engine[/] [dim]{model[:40]} loads with the first message[/]")
+
     def _show(self, wid: str, content) -> bool:
         """Update one Static if what it shows changed; lay out again only when its line count did."""
         old = self._texts.get(wid)
