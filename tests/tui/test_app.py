@@ -532,6 +532,28 @@ def test_the_panel_draws_only_the_newest_event_at_its_rate(history):
     assert "batch  0/8" in batch  # the newest event (step 200: 200 % 8 running)
 
 
+def test_a_replica_that_joins_the_merged_events_is_drawn(history):
+    """Behind an ingress each event merges every replica's latest; one whose replica joins idle keeps the
+    step (the busiest replica's) and must still be drawn."""
+    from minibatch.daemon.cluster.aggregate import event as merged
+
+    client = FakeClient()
+    busy, idle = {**event(running=1, step=40), "replica": "a"}, {**event(step=3), "replica": "b"}
+
+    async def go():
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await wait_until(pilot, lambda: client.events_queue is not None)
+            client.events_queue.put_nowait(merged({"a": busy}, 0.0))
+            await wait_until(pilot, lambda: "1 replica" in str(app.panel.lines["engine-replicas"].render()))
+            client.events_queue.put_nowait(merged({"a": busy, "b": idle}, 0.1))
+            await wait_until(pilot, lambda: "2 replicas" in str(app.panel.lines["engine-replicas"].render()))
+            return app.panel.drawn_step, str(app.panel.lines["engine-batch"].render())
+
+    step, batch = asyncio.run(go())
+    assert step == 40 and "batch  1/16" in batch  # both replicas' rows
+
+
 def test_a_pane_picks_its_model_and_the_panel_follows_it(history):
     """ctrl+o lists the daemon's models; the pick goes into the pane's requests, its title and the history,
     and the panel's event stream switches to that model (whose lines then show every loaded model)."""

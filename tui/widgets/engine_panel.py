@@ -111,8 +111,8 @@ class EnginePanel(Vertical):
         self.shown_model: str | None = None  # the model whose engine the bars show
         self.hit_blocks = 0  # prefix-cache hits seen since the panel opened
         self.redraws = 0  # redraws that changed something, over the panel's life
-        self._drawn_step: int | None = None  # the event the lines show
-        self._drawn_models: dict | None = None  # and the other models' lines it drew
+        self._drawn: dict | None = None  # the event the lines show (each event a new one: a cluster's merged
+        # events can change, a replica joining, while their step, the slowest replica's, does not)
         self._texts: dict[str, object] = {}  # what each Static shows now
         self._cells: tuple | None = None  # what the block map shows now
 
@@ -145,7 +145,7 @@ class EnginePanel(Vertical):
     @property
     def drawn_step(self) -> int | None:
         """The step of the event the panel's lines show."""
-        return self._drawn_step
+        return self._drawn.get("step") if self._drawn is not None else None
 
     @property
     def timeline(self) -> Timeline:
@@ -165,12 +165,12 @@ class EnginePanel(Vertical):
         self.border_title = "engine · " + (target if len(target) <= 20 else "…" + target[-19:]) if target else "engine"
 
     def set_disconnected(self, reason: str) -> None:
-        self.connected, self._drawn_step = False, None
+        self.connected, self._drawn = False, None
         self._show("engine-mode", f"[b]engine[/] [yellow]reconnecting…[/]\n[dim]{reason[:70]}[/]")
 
     def set_not_loaded(self, model: str) -> None:
         """The daemon answers, but the model the panel follows has no engine yet."""
-        self.connected, self._drawn_step = False, None
+        self.connected, self._drawn = False, None
         self._show("engine-mode", f"[b]engine[/] [dim]{model[:40]} loads with the first message[/]")
 
     def _show(self, wid: str, content) -> bool:
@@ -198,10 +198,10 @@ class EnginePanel(Vertical):
         changed = samples != self.spark.data
         if changed:
             self.spark.data = samples
-        if e.get("step") is not None and (e.get("step"), e.get("models")) == (self._drawn_step, self._drawn_models):
+        if e is self._drawn:
             self.redraws += changed
             return
-        self._drawn_step, self._drawn_models = e.get("step"), e.get("models")
+        self._drawn = e
         pending = f"\n[yellow]→ {e['pending_mode']} at the batch boundary[/]" if e.get("pending_mode") else ""
         changed |= self._show("engine-mode", f"[b]mode[/] [b reverse] {e['mode']} [/] [dim]ctrl+t[/]{pending}")
         running, cap = e["running"], e["max_num_seqs"]
