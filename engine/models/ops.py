@@ -44,6 +44,11 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
+    @staticmethod
+    def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> int64 [rows]: the sampler's argmax
+        """Each row's argmax, the first of ties (a NaN counts as the largest)."""
+        return x.argmax(dim=-1)
+
 
 class CpuOps(TorchOps):
     """The same operations as single-pass C++ kernels (fp32 CPU); TorchOps is their twin."""
@@ -66,6 +71,12 @@ class CpuOps(TorchOps):
 
     def silu_mul(self, gate_up):
         return self.ext.silu_mul(gate_up)
+
+    def argmax_rows(self, x):
+        """On the kernels' pool: torch's argmax over two rows or more runs an OpenMP region, whose threads
+        spin on after it (libgomp's wait) and take a core from the pool's worker for the rest of a small
+        step; a decode step of two rows, or one row verifying one draft token, ran twice as long so."""
+        return self.ext.argmax_rows(x.float())
 
 
 class TritonOps(TorchOps):

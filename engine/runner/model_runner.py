@@ -24,7 +24,7 @@ class ModelRunner:
     ) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.device = next(model.parameters()).device
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, model.ops.argmax_rows)
         self.graphs = None  # DecodeGraphs on CUDA: pure-decode steps replay a captured forward
 
     @torch.inference_mode()
@@ -73,7 +73,13 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
             if not rows:
                 return RunnerOutput()
-            logits = self.model.compute_logits(hidden[batch.logits_indices[rows]])
+            if len(rows) == len(chunks) == hidden.shape[0]:
+                # one token per sequence, every one sampled (decode and verify rows): no gather, whose
+                # parallel region would leave OpenMP's threads spinning beside the kernels' pool
+                picked = hidden
+            else:
+                picked = hidden[batch.logits_indices[rows]]
+            logits = self.model.compute_logits(picked)
         reqs = [r for r, _, _ in sampling]
         tokens, logprobs = take_tokens(logits, reqs, [d for _, d, _ in sampling], self.sampler)
         result = RunnerOutput({r.request_id: t for r, t in zip(reqs, tokens)})

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from minibatch.engine.core.request import Request
+from minibatch.engine.models.ops import TorchOps
 
 
 class Sampler:
@@ -17,8 +20,13 @@ class Sampler:
     draw per row and no cumulative sums.
     """
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        argmax: Callable[[torch.Tensor], torch.Tensor] = TorchOps.argmax_rows,  # the model's ops' (CpuOps: a kernel)
+    ) -> None:
         self.device = torch.device(device)
+        self.argmax = argmax
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.seed()
@@ -42,9 +50,9 @@ class Sampler:
         if guided:
             apply_grammar_masks(logits, guided, [reqs[i] for i in guided])
         if all(r.params.greedy for r in reqs):
-            return logits.argmax(dim=-1).tolist()
+            return self.argmax(logits).tolist()
         greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
-        result = logits.argmax(dim=-1)
+        result = self.argmax(logits)
         if not bool(greedy.all()):
             idx = (~greedy).nonzero().squeeze(1)
             sampled = self._sample(logits[idx], [reqs[i] for i in idx.tolist()])
@@ -76,7 +84,7 @@ class Sampler:
         noise = torch.empty_like(probs)
         for i, r in enumerate(reqs):
             noise[i].exponential_(generator=self._generator(r))
-        return (probs / noise).argmax(dim=-1)
+        return self.argmax(probs / noise)
 
     def _generator(self, r: Request) -> torch.Generator:
         if r.params.seed is None:

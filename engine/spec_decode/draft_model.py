@@ -80,7 +80,7 @@ class DraftModelProposer:
     def _next(self, chunks: list[list[int]], starts: list[int], tables: list[list[int]]) -> list[int]:
         batch = build_flat_batch(chunks, starts, tables, self.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
-        return self.model.compute_logits(hidden[batch.logits_indices]).argmax(dim=-1).tolist()
+        return self.model.ops.argmax_rows(self.model.compute_logits(hidden[batch.logits_indices])).tolist()
 
     def forget(self, request_id: str) -> None:
         sh = self._shadows.pop(request_id, None)

@@ -1,6 +1,8 @@
 // The model's small per-token operations on the CPU, each one pass over its data: the C++ twins
 // of the Triton kernels in kernels/ (rmsnorm.py, rotary.py, activation.py). At decode, PyTorch
-// spends more time dispatching the dozen small ops these replace than computing them.
+// spends more time dispatching the dozen small ops these replace than computing them. And the sampler's
+// argmax over the vocabulary: torch's own runs a parallel region of OpenMP for two rows or more, whose
+// threads then spin beside the kernels' pool for the rest of the step (TorchOps.argmax_rows says more).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -26,7 +28,59 @@ inline void norm_row(const float* h, const float* w, float* out, int64_t d, floa
   for (int64_t i = 0; i < d; ++i) out[i] = w[i] * (h[i] * inv);
 }
 
+// The index of the row's largest value, the first of several that tie; a row holding a NaN gives its first
+// NaN, as torch.argmax does. Two passes over the row (it stays in cache): its maximum and whether it holds
+// a NaN, then the first place that matches.
+inline int64_t argmax_row(const float* v, int64_t n) {
+  float best = -INFINITY;
+  bool nan = false;
+  int64_t i = 0;
+#ifdef MB_VEC_AVX2
+  __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(v + i);
+    vmax = _mm256_max_ps(vmax, x);  // a NaN in x leaves vmax as it was: vnan keeps it
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (float l : lanes) best = std::max(best, l);
+  nan = _mm256_movemask_ps(vnan) != 0;
+#endif
+  for (; i < n; ++i) {
+    best = std::max(best, v[i]);
+    nan = nan || v[i] != v[i];
+  }
+  i = 0;
+#ifdef MB_VEC_AVX2
+  if (!nan) {
+    const __m256 b = _mm256_set1_ps(best);
+    for (; i + 8 <= n; i += 8) {
+      const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + i), b, _CMP_EQ_OQ));
+      if (hit) return i + __builtin_ctz(hit);
+    }
+  }
+#endif
+  for (; i < n; ++i)
+    if (nan ? v[i] != v[i] : v[i] == best) return i;
+  return 0;  // unreachable: some value equals the maximum
+}
+
 }  // namespace
+
+// [rows, n] -> int64 [rows]: each row's argmax (rows split over the kernels' threads)
+at::Tensor argmax_rows(at::Tensor x) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1), ld = x.stride(0);
+  TORCH_CHECK(n > 0, "argmax_rows needs at least one value per row");
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  parallel_for_rows(rows, 0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) op[r] = argmax_row(xp + r * ld, n);
+  });
+  return out;
+}
 
 // out = rms_norm(x) * weight
 at::Tensor rms_norm(at::Tensor x,       // [tokens, dim] fp32

@@ -8,7 +8,7 @@ import torch
 from minibatch.engine.models.config import RopeConfig
 from minibatch.engine.models.llama import RotaryEmbedding
 from minibatch.engine.models.ops import CpuOps, TorchOps
-from minibatch.kernels.cpu_ext import load_cpu_extension
+from minibatch.kernels.cpu_ext import load_cpu_extension, load_other_build
 
 ext = load_cpu_extension()
 pytestmark = pytest.mark.skipif(ext is None, reason="the C++ extension cannot be built here")
@@ -62,3 +62,34 @@ def test_rotary_refuses_a_position_outside_the_table():
 def test_silu_mul(tokens):
     gate_up = torch.randn(tokens, 2 * 1536) * 4
     torch.testing.assert_close(CpuOps(ext).silu_mul(gate_up), TorchOps().silu_mul(gate_up), rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module", params=["this-cpu", "portable"])
+def any_build(request):
+    """The extension as built for this CPU, and for x86-64's baseline (argmax_rows' scalar loops)."""
+    return ext if request.param == "this-cpu" else load_other_build(request.param)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 40])  # one row serial, the pool's rows, OpenMP's beyond 16
+def test_argmax_rows_against_torch(any_build, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 49152, generator=g)
+    x[0, 7] = x[0, 900] = x[0].max() + 1  # a tie: the first index wins
+    if rows > 1:
+        x[1] = float("-inf")  # every value -inf: index 0
+    if rows > 2:
+        x[2, 5000] = float("nan")  # a NaN counts as the largest
+        x[2, 6000] = float("nan")
+        x[3, -1] = float("inf")  # at the row's very end
+    got = CpuOps(any_build).argmax_rows(x)
+    assert got.dtype == torch.long and got.tolist() == TorchOps().argmax_rows(x).tolist()
+    assert got[0] == 7 and (rows < 3 or (got[1], got[2], got[3]) == (0, 5000, 49151))
+
+
+def test_argmax_rows_of_a_strided_view_and_an_odd_width(any_build):
+    base = torch.randn(6, 1000)
+    x = base[:, 3:994]  # rows apart from each other, 991 values: the vector loop's tail
+    x[4, 990] = 50.0  # the largest in the tail
+    assert CpuOps(any_build).argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+    with pytest.raises(RuntimeError, match="at least one value"):
+        CpuOps(any_build).argmax_rows(torch.empty(2, 0))
