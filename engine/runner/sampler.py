@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -15,18 +16,16 @@ class Sampler:
     """Picks one token per row of logits. Greedy rows take the argmax.
 
     A seeded request draws from its own generator, advanced once per token, so
-    it gets the same tokens whatever else shares the batch. Sampling uses the
-    exponential race (argmax of p / E with E ~ Exp(1)), which needs one noise
-    draw per row and no cumulative sums.
+    it gets the same tokens whatever else shares the batch. A sampled row
+    inverts its distribution function at one uniform draw (`ops.sample_rows`):
+    top-k, top-p and min-p first mask the logits they cut to -inf, and the
+    draw applies the temperature.
     """
 
-    def __init__(
-        self,
-        device: torch.device | str = "cpu",
-        argmax: Callable[[torch.Tensor], torch.Tensor] = TorchOps.argmax_rows,  # the model's ops' (CpuOps: a kernel)
-    ) -> None:
+    def __init__(self, device: torch.device | str = "cpu", ops: TorchOps | None = None) -> None:
         self.device = torch.device(device)
-        self.argmax = argmax
+        self.ops = ops or TorchOps()  # the model's (CpuOps: kernels on the CPU's pool)
+        self.argmax: Callable[[torch.Tensor], torch.Tensor] = self.ops.argmax_rows
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.seed()
@@ -51,40 +50,56 @@ class Sampler:
             apply_grammar_masks(logits, guided, [reqs[i] for i in guided])
         if all(r.params.greedy for r in reqs):
             return self.argmax(logits).tolist()
-        greedy = torch.tensor([r.params.greedy for r in reqs], device=logits.device)
-        result = self.argmax(logits)
-        if not bool(greedy.all()):
-            idx = (~greedy).nonzero().squeeze(1)
-            sampled = self._sample(logits[idx], [reqs[i] for i in idx.tolist()])
-            result[idx] = sampled
-        return result.tolist()
+        return self._sample(logits, reqs).tolist()
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Every row in one pass over the logits (a greedy row as temperature 0: its argmax, drawing nothing);
+        only rows that top-k, top-p or min-p cut are gathered first."""
+        cut = [
+            i
+            for i, r in enumerate(reqs)
+            if not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0)
+        ]
+        if cut:
+            idx = torch.tensor(cut, device=logits.device)
+            logits = logits.clone()
+            logits[idx] = self._cut(logits[idx], [reqs[i] for i in cut])
+        inv_temps = torch.tensor(
+            [math.inf if r.params.greedy else 1.0 / r.params.temperature for r in reqs],
+            dtype=torch.float32,
+            device=logits.device,
+        )
+        zero = torch.zeros(1, device=self.device)
+        u = torch.cat(
+            [zero if r.params.greedy else torch.rand(1, generator=self._generator(r), device=self.device) for r in reqs]
+        )
+        return self.ops.sample_rows(logits, inv_temps, u)
+
+    @staticmethod
+    def _cut(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """The rows' logits with what top-k, top-p and min-p cut set to -inf (probabilities at each row's
+        temperature; the top token always stays)."""
         temps = torch.tensor([r.params.temperature for r in reqs], device=logits.device)
         # Shifted so each row's top is 0 before dividing: a small temperature cannot overflow it to inf.
-        logits = (logits - logits.max(dim=-1, keepdim=True).values) / temps[:, None]
+        scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temps[:, None]
+        drop = torch.zeros_like(scaled, dtype=torch.bool)
         top_k = [r.params.top_k for r in reqs]
         if any(k > 0 for k in top_k):
-            ks = torch.tensor([k if k > 0 else logits.shape[1] for k in top_k], device=logits.device)
-            kth = logits.sort(dim=-1, descending=True).values.gather(
-                1, (ks - 1).clamp(max=logits.shape[1] - 1)[:, None]
-            )
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = logits.softmax(dim=-1)
+            ks = torch.tensor([k if k > 0 else scaled.shape[1] for k in top_k], device=logits.device)
+            at = (ks - 1).clamp(max=scaled.shape[1] - 1)[:, None]
+            kth = scaled.sort(dim=-1, descending=True).values.gather(1, at)
+            drop |= scaled < kth
+        probs = scaled.masked_fill(drop, float("-inf")).softmax(dim=-1)
         top_p = torch.tensor([r.params.top_p for r in reqs], device=logits.device)
         if bool((top_p < 1).any()):
             sorted_p, order = probs.sort(dim=-1, descending=True)
             # drop a token when the mass before it already reaches top_p (the top token always stays)
             drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p[:, None]
-            drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-            probs = probs.masked_fill(drop, 0.0)
+            drop |= torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         min_p = torch.tensor([r.params.min_p for r in reqs], device=logits.device)
         if bool((min_p > 0).any()):
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs)
-        for i, r in enumerate(reqs):
-            noise[i].exponential_(generator=self._generator(r))
-        return self.argmax(probs / noise)
+            drop |= probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        return logits.masked_fill(drop, float("-inf"))
 
     def _generator(self, r: Request) -> torch.Generator:
         if r.params.seed is None:

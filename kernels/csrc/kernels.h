@@ -26,3 +26,4 @@ at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
 void rotary_inplace(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_mul(at::Tensor gate_up);
 at::Tensor argmax_rows(at::Tensor x);
+at::Tensor sample_rows(at::Tensor x, at::Tensor inv_temps, at::Tensor u);

@@ -20,4 +20,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding of q and k, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("argmax_rows", &argmax_rows, "each row's argmax, the first of ties (fp32 [rows, n] -> int64 [rows])");
+  m.def("sample_rows", &sample_rows, "one draw per row from softmax(logits * inv_temp), by the uniform u");
 }

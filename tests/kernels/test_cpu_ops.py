@@ -93,3 +93,38 @@ def test_argmax_rows_of_a_strided_view_and_an_odd_width(any_build):
     assert CpuOps(any_build).argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
     with pytest.raises(RuntimeError, match="at least one value"):
         CpuOps(any_build).argmax_rows(torch.empty(2, 0))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_sample_rows_draws_what_the_twin_draws(any_build, rows):
+    """The same uniform gives the same token (a draw lands on another only within float rounding of a
+    boundary of the distribution function, which random uniforms do not hit); a masked logit never wins."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 49152, generator=g) * 3
+    x[0, ::2] = float("-inf")  # masked: never drawn
+    inv_t = torch.rand(rows, generator=g) * 2 + 0.2
+    for _ in range(25):
+        u = torch.rand(rows, generator=g)
+        got = CpuOps(any_build).sample_rows(x, inv_t, u)
+        assert got.tolist() == TorchOps().sample_rows(x, inv_t, u).tolist()
+        assert got[0] % 2 == 1
+    edge = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf")]])
+    one = torch.ones(1)
+    assert CpuOps(any_build).sample_rows(edge, one, torch.zeros(1)).item() == 0  # u = 0: the first with weight
+    assert CpuOps(any_build).sample_rows(edge, one, torch.full((1,), 0.9999999)).item() == 2  # near 1: the last
+    assert CpuOps(any_build).sample_rows(torch.full((1, 4), float("-inf")), one, torch.zeros(1)).item() == 0
+
+
+def test_sample_rows_follows_the_distribution():
+    """Over many uniforms a row's draws have the softmax's frequencies (chi-square, 7 bins, p < 1e-4 fails)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -2.0, float("-inf"), 1.5]])
+    inv_t = torch.tensor([1 / 0.8])
+    u = torch.rand(20000, generator=torch.Generator().manual_seed(0))
+    ops = CpuOps(ext)
+    draws = ops.sample_rows(logits.expand(20000, -1).contiguous(), inv_t.expand(20000).contiguous(), u)
+    counts = torch.bincount(draws, minlength=8).double()
+    assert counts[6] == 0
+    p = torch.softmax(logits * inv_t, dim=-1).double()
+    keep = p > 0
+    chi2 = float((((counts - 20000 * p) ** 2) / (20000 * p))[keep].sum())
+    assert chi2 < 32.0, chi2  # chi-square with 6 degrees of freedom: P(> 32) < 2e-5
