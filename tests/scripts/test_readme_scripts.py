@@ -221,7 +221,12 @@ def test_bench_chat(daemon, env, tmp_path):
     assert with_chat["chat_cpu_s"] > 0 and with_chat["frames_per_s"] > 0 and with_chat["chat_rss_mb"] > 10
     assert row["ratio"] == pytest.approx(with_chat["tok_s"] / without["tok_s"])
     assert row["hog"]["0.5"]["tokens"] == without["tokens"]
+    # the engine's own window starts when the first request arrives: after the key, before the last token
+    for v in (with_chat, without):
+        assert 0 <= v["dispatch_s"] < v["wall_s"] and v["engine_tok_s"] >= v["tok_s"]
+    assert row["engine_ratio"] == pytest.approx(with_chat["engine_tok_s"] / without["engine_tok_s"])
     assert "2 panes: engine" in proc.stdout and "beside a busy loop of 50% of a core" in proc.stdout
+    assert "the broadcast reached the engine" in proc.stdout
 
 
 def test_bench_models(daemon, env, tmp_path):
