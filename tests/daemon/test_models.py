@@ -208,8 +208,8 @@ def test_the_least_recently_used_idle_model_is_evicted_never_a_busy_one(tiny_cha
     own, other = str(tiny_chat_model_dir), str(qwen_chat_dir)
     d = tempfile.mkdtemp(prefix="mb-evict-", dir="/tmp")
     daemon = Daemon(
-        Path(d) / "d.sock", own, "--max-loaded-models", "1", "--load-wait", "1", "--kv-cache-gb", "0.05"
-    ).wait_ready()
+        Path(d) / "d.sock", own, "--max-loaded-models", "1", "--load-wait", "0.25", "--kv-cache-gb", "0.05"
+    ).wait_ready()  # the wait is well inside the busy request's 400 tokens (about 0.5 s on this tiny model)
     try:
         client = sdk(daemon)
         greedy(client, other)  # evicts the idle own model

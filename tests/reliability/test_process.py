@@ -53,15 +53,15 @@ def test_check11_sigterm_drains_in_flight_requests_then_exits_cleanly(tiny_chat_
 
 def test_check11_drain_timeout_ends_the_rest_with_an_explicit_error(tiny_chat_model_dir, short_tmp):
     d = Daemon(
-        short_tmp / "d.sock", tiny_chat_model_dir, "--kv-cache-gb", "0.05", "--shutdown-timeout", "0.5"
-    ).wait_ready()
+        short_tmp / "d.sock", tiny_chat_model_dir, "--kv-cache-gb", "0.05", "--shutdown-timeout", "0.25"
+    ).wait_ready()  # 0.25 s in, then 0.25 s of drain: half the 900 tokens' time (about 1 s on this tiny model)
 
     async def go():
         async with session(d.socket) as s:
             job = asyncio.ensure_future(
                 s.post("/v1/chat/completions", json=chat_body(max_tokens=900, ignore_eos=True, stream=True))
             )
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.25)
             os.kill(d.pid, signal.SIGTERM)
             return (await read_sse(await job))[0]
 
