@@ -88,7 +88,7 @@ class CpuOps(TorchOps):
     def argmax_rows(self, x):
         """On the kernels' pool: torch's argmax over two rows or more runs an OpenMP region, whose threads
         spin on after it (libgomp's wait) and take a core from the pool's worker for the rest of a small
-        step; a decode step of two rows, or one row verifying one draft token, ran twice as long so."""
+        step; a decode step of two rows, or one row verifying one draft token, ran 1.5 times as long so."""
         return self.ext.argmax_rows(x.float())
 
     def sample_rows(self, logits, inv_temps, u):

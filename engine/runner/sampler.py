@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -25,7 +24,6 @@ class Sampler:
     def __init__(self, device: torch.device | str = "cpu", ops: TorchOps | None = None) -> None:
         self.device = torch.device(device)
         self.ops = ops or TorchOps()  # the model's (CpuOps: kernels on the CPU's pool)
-        self.argmax: Callable[[torch.Tensor], torch.Tensor] = self.ops.argmax_rows
         self.generators: dict[str, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.seed()
@@ -49,7 +47,7 @@ class Sampler:
         if guided:
             apply_grammar_masks(logits, guided, [reqs[i] for i in guided])
         if all(r.params.greedy for r in reqs):
-            return self.argmax(logits).tolist()
+            return self.ops.argmax_rows(logits).tolist()
         return self._sample(logits, reqs).tolist()
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

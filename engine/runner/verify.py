@@ -55,7 +55,7 @@ def take_tokens(
         offsets.append(at)
         at += 1 + len(d)
     if all(_plain(r) for r in reqs):
-        return _take_argmax(sampler.argmax(logits).tolist(), logits, reqs, drafts, offsets)
+        return _take_argmax(sampler.ops.argmax_rows(logits).tolist(), logits, reqs, drafts, offsets)
     taken: list[list[int]] = [[] for _ in reqs]
     lps: list[list[TokenLogprob] | None] = [[] if r.params.logprobs is not None else None for r in reqs]
     base = [len(r.output_token_ids) for r in reqs]

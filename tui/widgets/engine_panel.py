@@ -112,7 +112,7 @@ class EnginePanel(Vertical):
         self.hit_blocks = 0  # prefix-cache hits seen since the panel opened
         self.redraws = 0  # redraws that changed something, over the panel's life
         self._drawn: dict | None = None  # the event the lines show (each event a new one: a cluster's merged
-        # events can change, a replica joining, while their step, the slowest replica's, does not)
+        # events can change, a replica joining, while their step, the busiest replica's, does not)
         self._texts: dict[str, object] = {}  # what each Static shows now
         self._cells: tuple | None = None  # what the block map shows now
 
