@@ -219,7 +219,9 @@ def test_stats_and_events_move_while_requests_run(daemon):
 
             listener = asyncio.create_task(listen())
             await asyncio.sleep(0.2)
-            jobs = [s.post("/v1/chat/completions", json=chat_body(max_tokens=60, ignore_eos=True)) for _ in range(3)]
+            # one token a step and 300 of them: well over five event intervals (50 ms) of work, however fast
+            body = chat_body(max_tokens=300, ignore_eos=True, speculative=False)
+            jobs = [s.post("/v1/chat/completions", json=body) for _ in range(3)]
             responses = await asyncio.gather(*jobs)
             await asyncio.wait_for(listener, 30)
             for r in responses:
