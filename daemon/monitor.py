@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -207,7 +208,8 @@ class EngineMonitor:
             "requests_finished": self.requests_finished,
             **self.rates(),
             "last_error": engine.last_error,
-            "recent_steps": [asdict(s) for s in list(self.steps)[-recent:]],
+            # the newest `recent` steps, none for 0 (a slice from -0 would be all of them)
+            "recent_steps": [asdict(s) for s in itertools.islice(reversed(self.steps), recent)][::-1],
         }
 
     def event(self) -> dict:

@@ -167,6 +167,24 @@ def test_context_error_names_both_numbers_and_runs_no_prefill(daemon):
     assert len(daemon.get("/v1/engine/stats?steps=600")[1]["recent_steps"]) == steps_before
 
 
+def test_stats_steps_is_how_many_recent_steps_come_back(daemon):
+    """`steps=N` gives the newest N step records, oldest first; `steps=0` gives none (callers that poll
+    the counters ask for none, and must not be handed the whole ring)."""
+
+    async def go():
+        async with session(daemon.socket) as s:
+            async with s.post("/v1/completions", json={"prompt": [5] * 8, "max_tokens": 6, "speculative": False}) as r:
+                assert r.status == 200, await r.text()
+
+    run(go())
+    assert daemon.get("/v1/engine/stats?steps=0")[1]["recent_steps"] == []
+    three = daemon.get("/v1/engine/stats?steps=3")[1]["recent_steps"]
+    many = daemon.get("/v1/engine/stats?steps=600")[1]["recent_steps"]
+    assert len(three) == 3 and len(many) >= 6  # a prefill and a step per token at least
+    assert three == many[-3:]
+    assert [s["step"] for s in three] == sorted(s["step"] for s in three)
+
+
 def test_bad_json_and_wrong_method_use_the_error_shape(daemon):
     async def go():
         async with session(daemon.socket) as s:
