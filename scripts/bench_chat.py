@@ -9,8 +9,9 @@ For each pane count it starts `minibatch-chat` in a pseudo-terminal of --size (a
 it: the script answers its capability query and reads every byte it draws), types one prompt of the
 bundled chat set into each pane and broadcasts them (ctrl+b), and waits until the daemon has finished
 them all. Then the same requests (the same messages and the panes' parameters, greedy, so the same
-tokens) go out from a plain client with the chat closed. Repeats alternate the two, and the medians
-are reported:
+tokens) go out from a plain client with the chat closed. Repeats alternate the two; the medians are
+reported, and each ratio is the median of the repeats' own ratios (a with/without pair runs within a
+minute, so the machine's drift cancels in it), printed beside it:
 
 - engine tok/s: the daemon's generated-token counter over the wall time from the broadcast to the
   last request's end, with the chat and without it, and their ratio;
@@ -18,7 +19,8 @@ are reported:
   window), its frames per second (synchronized-output frames it wrote) and its resident memory.
 
 --hog F[,F...] adds the contention figures: the same requests without the chat beside a busy loop
-that takes the fraction F of one core (busy F of every 10 ms), against none, in the same run.
+that takes the fraction F of one core (busy F of every 10 ms), each repeat against its own run with
+no loop.
 """
 
 from __future__ import annotations
@@ -327,19 +329,28 @@ def main() -> int:
             texts = prompts(n)
             without_chat(daemon, args, texts, settings)  # warm-up: the prefix cache and the allocator
             runs = {"with": [], "without": []}
+            hogged: dict[float, list[dict]] = {f: [] for f in hogs}
+            hog_ratios: dict[float, list[float]] = {f: [] for f in hogs}
             for r in range(args.repeats):  # alternate, so drift hits both alike
                 order = ("without", "with") if r % 2 == 0 else ("with", "without")
                 for variant in order:
                     fn = with_chat if variant == "with" else without_chat
                     runs[variant].append(fn(daemon, args, texts, settings))
+                for f in hogs:  # each beside the idle run of the same repeat
+                    with hog(f):
+                        hogged[f].append(without_chat(daemon, args, texts, settings))
+                    hog_ratios[f].append(hogged[f][-1]["tok_s"] / runs["without"][-1]["tok_s"])
             row = {"panes": n, "with": median_of(runs["with"]), "without": median_of(runs["without"])}
-            row["ratio"] = row["with"]["tok_s"] / row["without"]["tok_s"]
-            row["engine_ratio"] = row["with"]["engine_tok_s"] / row["without"]["engine_tok_s"]
-            row["hog"] = {}
-            for f in hogs:
-                with hog(f):
-                    hogged = median_of([without_chat(daemon, args, texts, settings) for _ in range(args.repeats)])
-                row["hog"][str(f)] = {**hogged, "ratio": hogged["tok_s"] / row["without"]["tok_s"]}
+            # each repeat's with/without pair, measured minutes apart at most: the median of their ratios
+            pairs = list(zip(runs["with"], runs["without"]))
+            row["ratios"] = [w["tok_s"] / wo["tok_s"] for w, wo in pairs]
+            row["ratio"] = statistics.median(row["ratios"])
+            row["engine_ratios"] = [w["engine_tok_s"] / wo["engine_tok_s"] for w, wo in pairs]
+            row["engine_ratio"] = statistics.median(row["engine_ratios"])
+            row["hog"] = {
+                str(f): {**median_of(hogged[f]), "ratios": hog_ratios[f], "ratio": statistics.median(hog_ratios[f])}
+                for f in hogs
+            }
             report["rows"].append(row)
             print_row(row)
     finally:
@@ -355,7 +366,8 @@ def print_row(row: dict) -> None:
     w, wo = row["with"], row["without"]
     print(
         f"{row['panes']} pane{'s' if row['panes'] > 1 else ''}: engine {w['tok_s']:.1f} tok/s with the chat, "
-        f"{wo['tok_s']:.1f} without: {row['ratio']:.2f}x; the chat {w['chat_cpu_s_per_1k_tokens']:.2f} s CPU "
+        f"{wo['tok_s']:.1f} without: {row['ratio']:.2f}x ({spread(row['ratios'])}); "
+        f"the chat {w['chat_cpu_s_per_1k_tokens']:.2f} s CPU "
         f"per 1,000 tokens, {w['frames_per_s']:.1f} frames/s, {w['chat_rss_mb']:.0f} MB resident",
         flush=True,
     )
@@ -367,8 +379,15 @@ def print_row(row: dict) -> None:
     )
     for f, h in row["hog"].items():
         print(
-            f"  beside a busy loop of {float(f):.0%} of a core: {h['tok_s']:.1f} tok/s, {h['ratio']:.2f}x", flush=True
+            f"  beside a busy loop of {float(f):.0%} of a core: {h['tok_s']:.1f} tok/s, {h['ratio']:.2f}x "
+            f"({spread(h['ratios'])})",
+            flush=True,
         )
+
+
+def spread(ratios: list[float]) -> str:
+    """Each repeat's ratio, for the reader to see how far the median is from its runs."""
+    return "runs " + ", ".join(f"{x:.2f}" for x in ratios)
 
 
 if __name__ == "__main__":
