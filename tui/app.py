@@ -88,8 +88,13 @@ class MinibatchChat(App):
         wall_then, cpu_then, panel_at = self._clock
         self.frame_interval = pace(self.frame_interval, (cpu - cpu_then) / max(now - wall_then, 1e-3))
         panel_due = now - panel_at >= PANEL_S
-        for pane in self.panes():
+        panes = self.panes()
+        # a blinking cursor is two screen updates a second of its own: steady while any answer streams
+        blink = not any(p.busy for p in panes)
+        for pane in panes:
             pane.flush(status=panel_due)
+            if pane.input.cursor_blink != blink:
+                pane.input.cursor_blink = blink
         if panel_due:
             self.panel.redraw()
         self._clock = (now, cpu, now if panel_due else panel_at)

@@ -15,7 +15,9 @@ changed (a transcript repaints only its changed rows while its height stays).
 - PANEL_S, 0.3 s: the panel's lines (mode, batch, KV, rates, contention) and its sparkline redraw at
   most about three times a second: numbers that change faster cannot be read anyway.
 - POLL_S, 0.5 s: the KV block map and the batch timeline fetch their data twice a second and redraw
-  only when it changed.
+  only when it changed; the block map in the panel's next redraw, not as a screen update of its own.
+- While any answer streams the inputs' cursors hold still: a blinking one is two screen updates a second
+  that show nothing new.
 """
 
 FRAME_MIN_S = 0.1

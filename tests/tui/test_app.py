@@ -585,3 +585,59 @@ def test_a_pane_picks_its_model_and_the_panel_follows_it(history):
     params = asyncio.run(go())
     assert params["model"] == "qwen2.5:0.5b"
     assert history.panes()[0].settings.model == "qwen2.5:0.5b"  # remembered with the conversation
+
+
+def test_the_cursor_holds_still_while_an_answer_streams(history):
+    """A blinking cursor redraws the screen twice a second on its own: while any pane streams, no input
+    blinks; once none does, they blink again."""
+    client = FakeClient("a long answer", hold=True)
+
+    async def go():
+        history.new_pane(0, PaneSettings())
+        history.new_pane(1, PaneSettings())
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 36)) as pilot:
+            first, second = app.panes()
+            before = [p.input.cursor_blink for p in (first, second)]
+            await type_and_send(pilot, "talk")
+            await wait_until(pilot, lambda: "long" in "".join(transcript_texts(first)))
+            await wait_until(pilot, lambda: not second.input.cursor_blink)
+            during = [p.input.cursor_blink for p in (first, second)]
+            client.release.set()
+            await wait_until(pilot, lambda: not first.busy)
+            await wait_until(pilot, lambda: first.input.cursor_blink and second.input.cursor_blink)
+            return before, during
+
+    before, during = asyncio.run(go())
+    assert before == [True, True] and during == [False, False]
+
+
+def test_the_block_map_is_drawn_in_the_panels_frame():
+    """A new block map waits for the panel's next redraw (the frame clock's), and an unchanged one is not
+    drawn again."""
+    from textual.app import App
+
+    class Host(App):
+        def compose(self):
+            yield EnginePanel(["#e06c75", "#61afef"], id="engine")
+
+    blocks = {"total": 8, "owners": {"r0": [1, 2]}, "shared": []}
+
+    async def go():
+        app = Host()
+        async with app.run_test(size=(60, 40)) as pilot:
+            panel = app.query_one(EnginePanel)
+            shown = app.query_one("#engine-map")
+            empty = str(shown.render())
+            panel.update_blocks(blocks, {"r0": 1})
+            await pilot.pause()
+            waiting = str(shown.render())
+            panel.redraw()
+            await pilot.pause()
+            drawn = str(shown.render())
+            panel.update_blocks(blocks, {"r0": 1})  # the same map: nothing to draw
+            again = panel._map
+            return empty, waiting, drawn, again
+
+    empty, waiting, drawn, again = asyncio.run(go())
+    assert waiting == empty and "KV block map" in drawn and "■" in drawn and again is None

@@ -60,12 +60,13 @@ class ChatPane(Vertical):
         self._status = "ready"
         self._before_lost = "ready"  # the status line a reconnect gives back
         self.flushes = 0  # transcript updates drawn, over the pane's life
+        self.input = Input(placeholder="Message (enter to send, esc to stop)", classes="pane-input")
 
     def compose(self) -> ComposeResult:
         yield Static(self._title(), classes="pane-title")
         yield Transcript(self.messages, self.color, classes="transcript")
         yield Static(self._status, classes="pane-status")
-        yield Input(placeholder="Message (enter to send, esc to stop)", classes="pane-input")
+        yield self.input
 
     def _title(self) -> str:
         model = short_model_name(self.settings.model) if self.settings.model else "default model"

@@ -115,6 +115,7 @@ class EnginePanel(Vertical):
         # events can change, a replica joining, while their step, the busiest replica's, does not)
         self._texts: dict[str, object] = {}  # what each Static shows now
         self._cells: tuple | None = None  # what the block map shows now
+        self._map: Text | None = None  # a block map drawn at the next redraw
 
         # its parts, made once: the redraws use these, not DOM queries (cheap, and safe while shutting down)
         self.lines = {
@@ -189,7 +190,11 @@ class EnginePanel(Vertical):
         self.hit_blocks += e.get("prefix_hit_blocks", 0)
 
     def redraw(self) -> None:
-        """Draw the newest event: each line only if it changed, the sparkline one sample a redraw."""
+        """Draw the newest event: each line only if it changed, the sparkline one sample a redraw; and the
+        block map if it moved since the last redraw."""
+        if self._map is not None:
+            self._show("engine-map", self._map)
+            self._map = None
         e = self.last
         if e is None or not self.connected:
             return
@@ -253,4 +258,4 @@ class EnginePanel(Vertical):
                 text.append("◆" if shared else "■", style=color)
             if (i + 1) % width == 0:
                 text.append("\n")
-        self.lines["engine-map"].update(text)
+        self._map = text  # drawn at the next redraw, in the frame clock's frame (not a screen update of its own)
