@@ -115,7 +115,7 @@ class ChatPane(Vertical):
         self.transcript.append(self._answer, text)
 
     def focus_input(self) -> None:
-        self.query_one(Input).focus()
+        self.input.focus()
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
@@ -125,10 +125,10 @@ class ChatPane(Vertical):
             self.post_message(PaneSubmitted(self.pane_id, text))
 
     def pending_input(self) -> str:
-        return self.query_one(Input).value.strip()
+        return self.input.value.strip()
 
     def take_input(self) -> str:
-        inp = self.query_one(Input)
+        inp = self.input
         text, inp.value = inp.value.strip(), ""
         return text
 
