@@ -11,7 +11,9 @@
 //
 // A portable path computes the same with plain loops (every CPU; tested here by building without
 // AVX2). Threads split the output columns; up to 8 rows (4 without AVX-512's registers) share every
-// unpacked weight group, and more rows pass over cache-sized tiles of columns a group at a time.
+// unpacked weight group, and more rows pass over cache-sized tiles of columns a group at a time. Q4_0,
+// Q4_1 and Q8_0 (with VNNI) take eight columns at a time instead, one per lane (dot_cols8), which makes
+// the rows of a few-sequence decode step or of a verify step cheap: see there.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
@@ -43,6 +45,8 @@ struct Acts {
   const float* d;
   const int16_t* bs;
   int64_t k;
+  const float* sa = nullptr;    // Q4_1: [M, K/32] d times the sum of the block's 32 quants (the minimum's factor)
+  const int32_t* so = nullptr;  // Q4_0, Q8_0: [M, K/32] the sum of the block's 32 quants times the weights' offset
 };
 
 #ifdef MBQ_AVX2
@@ -324,6 +328,143 @@ void dot_rows32_zmm(const Acts& a, const uint8_t* w, int64_t row_bytes, float* o
 }
 #endif
 
+// Q4_0, Q4_1 and Q8_0 eight columns at a time: the lanes of a register are eight weight rows (output
+// columns), not eight stretches of one row, so no row's block sum needs a horizontal reduction. For each
+// block the columns' bytes are transposed in registers to four weights per column and lane (a nibble type's
+// 16 bytes give eight registers from four, Q8_0's 32 bytes eight from eight), and one VNNI multiply-add per
+// register takes four activations of a row broadcast to every lane: 8 per row and block for 256 products,
+// where the loop above spends 4 and a three-step reduction for 32 products of one column. The eight
+// columns' scales come in one vector, so a row's block then costs a conversion and two or three
+// multiply-adds. The signed types' weights go in as unsigned bytes (Q4_0's nibbles as they are, Q8_0's
+// moved up by 128) and their offset times the activations' block sum comes off in integers, as on the
+// 512-bit loop. Integer sums are exact whatever their order, and a row is computed alike whatever M is, so
+// its result does not depend on the rows beside it. The nibble types' lanes hold the columns in the order
+// 0 2 4 6 1 3 5 7 (a 128-bit lane each for the even and the odd ones); the store puts them back.
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i x) {
+#if defined(__AVXVNNI__) && !defined(MINIBATCH_NO_VNNI)
+  return _mm256_dpbusd_avx_epi32(acc, u, x);
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(MINIBATCH_NO_VNNI)
+  return _mm256_dpbusd_epi32(acc, u, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline int32_t load_i32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline int16_t load_i16(const void* p) {
+  int16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+// Q8_0's flipped bytes reach 255: without VNNI, maddubs would saturate their pair sums, so it stays on its loop.
+#if !defined(MINIBATCH_NO_VNNI) && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+template <int64_t T>
+constexpr bool kColumns8 = T == Q4_0 || T == Q4_1 || (T == Q8_0 && kVnni);
+
+template <int64_t T, int M>
+void dot_cols8(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  using Tr = Traits<T>;
+  constexpr bool NIB = T != Q8_0;
+  constexpr int64_t QS = T == Q4_1 ? 4 : 2;  // where a block's quants start
+  constexpr int CH = M <= 4 ? 2 : 1;         // integer chains per row: a lone row's eight multiply-adds in two
+  const int64_t nb = a.k / 32;
+  const __m256i lo = _mm256_set1_epi8(0x0f);
+  // the lanes' columns: even then odd for the nibble types, in order for Q8_0
+  constexpr int col[8] = {0, NIB ? 2 : 1, NIB ? 4 : 2, NIB ? 6 : 3, NIB ? 1 : 4, NIB ? 3 : 5, NIB ? 5 : 6, 7};
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  // The eight columns are eight streams through memory, which the hardware prefetcher follows less well
+  // than the one stream of the loops above: each block's turn also prefetches its share of the next
+  // eight columns' lines, so they arrive while these are computed.
+  const int64_t lines = (8 * row_bytes + 63) / 64, per_block = (lines + nb - 1) / nb;
+  for (int64_t n = n0; n + 8 <= n1; n += 8) {
+    const uint8_t* c[8];
+    for (int j = 0; j < 8; ++j) c[j] = w + (n + j) * row_bytes;
+    const char* next = reinterpret_cast<const char*>(w + (n + 8) * row_bytes);
+    const int64_t ahead = n + 16 <= n1 ? lines : 0;
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t bi = 0; bi < nb; ++bi) {
+      const int64_t off = bi * Tr::BYTES;
+      for (int64_t l = bi * per_block; l < std::min(ahead, (bi + 1) * per_block); ++l)
+        _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+      __m256i u[8];  // u[t]: weights 4t..4t+3 of the block, one column a lane
+      if constexpr (NIB) {
+        __m256i y[4];  // columns 2p and 2p+1, 16 bytes each: byte i holds weights i (low nibble) and 16 + i
+        for (int p = 0; p < 4; ++p)
+          y[p] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(c[2 * p + 1] + off + QS),
+                                     reinterpret_cast<const __m128i*>(c[2 * p] + off + QS));
+        const __m256i t0 = _mm256_unpacklo_epi32(y[0], y[1]), t1 = _mm256_unpackhi_epi32(y[0], y[1]);
+        const __m256i t2 = _mm256_unpacklo_epi32(y[2], y[3]), t3 = _mm256_unpackhi_epi32(y[2], y[3]);
+        const __m256i z[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                              _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+        for (int t = 0; t < 4; ++t) {
+          u[t] = _mm256_and_si256(z[t], lo);
+          u[t + 4] = _mm256_and_si256(_mm256_srli_epi16(z[t], 4), lo);
+        }
+      } else {
+        __m256i y[8], t[8], v[8];
+        for (int j = 0; j < 8; ++j) y[j] = load256(c[j] + off + QS);
+        for (int j = 0; j < 8; j += 2) t[j] = _mm256_unpacklo_epi32(y[j], y[j + 1]), t[j + 1] = _mm256_unpackhi_epi32(y[j], y[j + 1]);
+        for (int g = 0; g < 8; g += 4)
+          for (int h = 0; h < 2; ++h)
+            v[g + 2 * h] = _mm256_unpacklo_epi64(t[g + h], t[g + h + 2]),
+                      v[g + 2 * h + 1] = _mm256_unpackhi_epi64(t[g + h], t[g + h + 2]);
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        for (int q = 0; q < 4; ++q) {  // v[q]: dwords q and 4 + q of columns 0-3; v[4 + q]: of columns 4-7
+          u[q] = _mm256_xor_si256(_mm256_permute2x128_si256(v[q], v[4 + q], 0x20), flip);
+          u[q + 4] = _mm256_xor_si256(_mm256_permute2x128_si256(v[q], v[4 + q], 0x31), flip);
+        }
+      }
+      const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(
+          load_i16(c[col[0]] + off), load_i16(c[col[1]] + off), load_i16(c[col[2]] + off), load_i16(c[col[3]] + off),
+          load_i16(c[col[4]] + off), load_i16(c[col[5]] + off), load_i16(c[col[6]] + off), load_i16(c[col[7]] + off)));
+      __m256 mw = _mm256_setzero_ps();
+      if constexpr (Tr::FMIN)
+        mw = _mm256_cvtph_ps(_mm_setr_epi16(load_i16(c[col[0]] + off + 2), load_i16(c[col[1]] + off + 2),
+                                            load_i16(c[col[2]] + off + 2), load_i16(c[col[3]] + off + 2),
+                                            load_i16(c[col[4]] + off + 2), load_i16(c[col[5]] + off + 2),
+                                            load_i16(c[col[6]] + off + 2), load_i16(c[col[7]] + off + 2)));
+      for (int r = 0; r < M; ++r) {
+        const int8_t* x = a.q + r * a.k + bi * 32;
+        __m256i sum[CH];
+        for (int q = 0; q < CH; ++q) sum[q] = _mm256_setzero_si256();
+        for (int t = 0; t < 8; ++t) sum[t % CH] = dpbusd(sum[t % CH], u[t], _mm256_set1_epi32(load_i32(x + 4 * t)));
+        if constexpr (CH == 2) sum[0] = _mm256_add_epi32(sum[0], sum[1]);
+        if constexpr (!Tr::FMIN) sum[0] = _mm256_sub_epi32(sum[0], _mm256_set1_epi32(a.so[r * nb + bi]));
+        const float da = a.d[r * nb + bi];
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[0]), _mm256_mul_ps(dw, _mm256_set1_ps(da)), acc[r]);
+        if constexpr (Tr::FMIN) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.sa[r * nb + bi]), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r)
+      _mm256_storeu_ps(out + r * ldo + n, NIB ? _mm256_permutevar8x32_ps(acc[r], order) : acc[r]);
+  }
+}
+
+// Whole groups of eight columns on the kernel above, the rest (a matrix's last few) on the loops above it.
+// Tiles and chunks start at multiples of 16, so which columns take which loop does not depend on M.
+template <int64_t T, int M>
+void columns8(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0,
+              int64_t n1) {
+  const int64_t n8 = n0 + (n1 - n0) / 8 * 8;
+  dot_cols8<T, M>(a, w, row_bytes, out, ldo, n0, n8);
+  if (n8 >= n1) return;
+#ifdef MBQ_ZMM
+  if constexpr (Traits<T>::SIGNED) return dot_rows32_zmm<T, M>(a, w, row_bytes, out, ldo, n8, n1);
+#endif
+  dot_rows32<T, M>(a, w, row_bytes, out, ldo, n8, n1);
+}
+
 // Columns [n0, n1) of out[r, :] for M rows. Each weight group is unpacked once and multiplied into every
 // row; the integer products of a whole block add up in int32 before one float scale per block and row.
 template <int64_t T, int M>
@@ -333,10 +474,12 @@ void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, in
 #ifdef MBQ_ZMM
     // the signed types lose their per-row sign fixes there (measured 4-12% faster at 1-512 rows); Q4_1 and
     // Q5_1 have none to lose and ran 5-15% slower on it, so they stay on the 256-bit loop
-    if constexpr (Tr::SIGNED) dot_rows32_zmm<T, M>(a, w, row_bytes, out, ldo, n0, n1);
+    if constexpr (kColumns8<T>) columns8<T, M>(a, w, row_bytes, out, ldo, n0, n1);
+    else if constexpr (Tr::SIGNED) dot_rows32_zmm<T, M>(a, w, row_bytes, out, ldo, n0, n1);
     else dot_rows32<T, M>(a, w, row_bytes, out, ldo, n0, n1);
 #else
-    dot_rows32<T, M>(a, w, row_bytes, out, ldo, n0, n1);
+    if constexpr (kColumns8<T>) columns8<T, M>(a, w, row_bytes, out, ldo, n0, n1);
+    else dot_rows32<T, M>(a, w, row_bytes, out, ldo, n0, n1);
 #endif
 #ifdef MBQ_ZMM
   } else if constexpr (!Tr::SIGNED && T != Q3_K) {  // Q3_K measured 2.6x slower at 1 row on it: not used
@@ -518,7 +661,22 @@ at::Tensor quant_linear_q8(at::Tensor q, at::Tensor d, at::Tensor bs,  // quanti
               " with in_features ", k, " needs ", k / t.elems * t.bytes);
   auto out = at::empty({m, n}, d.options());
   if (m == 0 || n == 0) return out;
-  const Acts a{q.data_ptr<int8_t>(), d.data_ptr<float>(), bs.data_ptr<int16_t>(), k};
+  Acts a{q.data_ptr<int8_t>(), d.data_ptr<float>(), bs.data_ptr<int16_t>(), k};
+  at::Tensor sums;  // per row and block, once for every column: what the eight-column loop subtracts or adds
+#ifdef MBQ_AVX2
+  if (type == Q4_1) {
+    sums = at::empty({m, k / 32}, d.options());
+    float* sp = sums.data_ptr<float>();
+    for (int64_t i = 0; i < m * (k / 32); ++i) sp[i] = a.d[i] * (float)(a.bs[2 * i] + a.bs[2 * i + 1]);
+    a.sa = sp;
+  } else if (type == Q4_0 || (type == Q8_0 && kVnni)) {
+    sums = at::empty({m, k / 32}, d.options().dtype(at::kInt));
+    int32_t* sp = sums.data_ptr<int32_t>();
+    const int shift = type == Q4_0 ? 3 : 7;  // offsets 8 and 128
+    for (int64_t i = 0; i < m * (k / 32); ++i) sp[i] = ((int32_t)a.bs[2 * i] + a.bs[2 * i + 1]) * (1 << shift);
+    a.so = sp;
+  }
+#endif
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   const int64_t row_bytes = qweight.size(1), nd = k / t.elems;
   float* op = out.data_ptr<float>();
@@ -527,7 +685,8 @@ at::Tensor quant_linear_q8(at::Tensor q, at::Tensor d, at::Tensor bs,  // quanti
   parallel_chunks_for_rows(m, n, m <= kRowGroup ? 64 : tile, [&](int64_t n0, int64_t n1) {
     for (int64_t c0 = n0; c0 < n1; c0 += tile)
       for (int64_t r0 = 0; r0 < m; r0 += kRowGroup) {
-        const Acts ar{a.q + r0 * k, a.d + r0 * nd, a.bs + r0 * (k / 16), k};
+        const Acts ar{a.q + r0 * k, a.d + r0 * nd, a.bs + r0 * (k / 16), k, a.sa ? a.sa + r0 * nd : nullptr,
+                      a.so ? a.so + r0 * nd : nullptr};
         t.fn(ar, std::min<int64_t>(kRowGroup, m - r0), wp, row_bytes, op + r0 * n, n, c0, std::min<int64_t>(c0 + tile, n1));
       }
   });
