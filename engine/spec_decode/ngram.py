@@ -17,12 +17,13 @@ class NgramIndex:
     the lookup, so a suffix never matches itself.
     """
 
-    __slots__ = ("n_min", "n_max", "tokens", "_last", "_indexed")
+    __slots__ = ("n_min", "n_max", "tokens", "_last", "_prev", "_indexed")
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
         self.tokens: list[int] = []
         self._last: dict[tuple[int, ...], int] = {}
+        self._prev: dict[tuple[int, ...], int] = {}  # the occurrence before the latest
         self._indexed = 0  # n-grams ending before this position are in _last
 
     def extend(self, tokens: list[int]) -> None:
@@ -30,10 +31,13 @@ class NgramIndex:
 
     def _index_upto(self, end: int) -> None:
         """Record every n-gram that ends before position `end` (exclusive), as its latest occurrence."""
-        toks, last = self.tokens, self._last
+        toks, last, prev = self.tokens, self._last, self._prev
         for stop in range(self._indexed, end):  # n-grams toks[stop-n+1 : stop+1], followed by position stop+1
             for n in range(self.n_min, min(self.n_max, stop + 1) + 1):
-                last[tuple(toks[stop - n + 1 : stop + 1])] = stop + 1
+                key = tuple(toks[stop - n + 1 : stop + 1])
+                if key in last:
+                    prev[key] = last[key]
+                last[key] = stop + 1
         self._indexed = max(self._indexed, end)
 
     def propose(self, k: int) -> list[int]:
@@ -47,6 +51,21 @@ class NgramIndex:
             after = self._last.get(tuple(toks[end - n :]))
             if after is not None:
                 return toks[after : min(after + k, end)]
+        return self._past_an_edit(k)
+
+    def _past_an_edit(self, k: int) -> list[int]:
+        """No suffix occurred before: maybe the last `s` tokens (1 or 2) replaced as many of an earlier
+        run, as where an edited copy fixes a word. The n tokens before them (n >= 2) found earlier, what
+        followed that occurrence `s` tokens on is the guess."""
+        toks, end = self.tokens, len(self.tokens)
+        for s in (1, 2):
+            for n in range(min(self.n_max, end - s - 1), max(self.n_min, 2) - 1, -1):
+                key = tuple(toks[end - s - n : end - s])
+                after = self._last.get(key)
+                if after == end - s:  # that is the run itself: the occurrence before it
+                    after = self._prev.get(key)
+                if after is not None and after + s < end - s - n:
+                    return toks[after + s : min(after + s + k, end - s - n)]
         return []
 
 

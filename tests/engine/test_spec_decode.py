@@ -40,6 +40,16 @@ def test_ngram_never_matches_its_own_suffix_and_stops_at_the_end():
     assert index([3, 1, 2, 3]).propose(0) == []
 
 
+def test_ngram_picks_up_the_copy_past_an_edited_token():
+    # the prompt's run 1 2 3 4 5 6 is being copied with its 3 replaced by 9: no suffix ending in 9 occurred,
+    # but the two tokens before it did, and three tokens on from them the run goes on
+    ix = index([1, 2, 3, 4, 5, 6, 0, 1, 2, 9])
+    assert ix.propose(3) == [4, 5, 6]
+    assert index([1, 2, 3, 4, 5, 6, 0, 1, 2, 9, 8]).propose(2) == [5, 6]  # 9 8 in place of 3 4
+    assert index([7, 1, 2, 9]).propose(3) == []  # [1, 2] never occurred before its own place
+    assert index([1, 2, 3, 0, 2, 9]).propose(3) == []  # one token before the edit is too weak a hint
+
+
 def test_ngram_grows_incrementally_as_one_build_would():
     tokens = [4, 1, 2, 3, 1, 2, 4, 1, 2, 3, 3, 1, 2]
     grown = NgramIndex(1, 3)
