@@ -69,17 +69,20 @@ inline __m256i bits32(const uint8_t* qhp) {  // bit j of the 32-bit qh -> 0x10 i
 
 inline __m256i load256(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// sum of each 4 consecutive u8 x s8 products, in 8 int32 lanes: one VNNI instruction where the CPU has it
-// (AVX-VNNI, or AVX-512 VNNI on 256-bit registers), else maddubs + madd (no overflow for |u| <= 128)
-inline __m256i dot4(__m256i u, __m256i x) {
+// acc + the sum of each 4 consecutive u8 x s8 products, in 8 int32 lanes: one VNNI instruction where the CPU
+// has it (AVX-VNNI, or AVX-512 VNNI on 256-bit registers), else maddubs + madd (no overflow for |u| * 2 * 127
+// within int16: the nibble types, or |u| <= 128)
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i x) {
 #if defined(__AVXVNNI__) && !defined(MINIBATCH_NO_VNNI)
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x);
+  return _mm256_dpbusd_avx_epi32(acc, u, x);
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(MINIBATCH_NO_VNNI)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+  return _mm256_dpbusd_epi32(acc, u, x);
 #else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
 #endif
 }
+
+inline __m256i dot4(__m256i u, __m256i x) { return dpbusd(_mm256_setzero_si256(), u, x); }
 
 // acc + the u8 x s8 pair sums times the int16 scales sv (per 16 values): madd + add, or one VNNI word dot
 inline __m256i dot_scaled(__m256i acc, __m256i u, __m256i x, __m256i sv) {
@@ -340,16 +343,6 @@ void dot_rows32_zmm(const Acts& a, const uint8_t* w, int64_t row_bytes, float* o
 // 512-bit loop. Integer sums are exact whatever their order, and a row is computed alike whatever M is, so
 // its result does not depend on the rows beside it. The nibble types' lanes hold the columns in the order
 // 0 2 4 6 1 3 5 7 (a 128-bit lane each for the even and the odd ones); the store puts them back.
-inline __m256i dpbusd(__m256i acc, __m256i u, __m256i x) {
-#if defined(__AVXVNNI__) && !defined(MINIBATCH_NO_VNNI)
-  return _mm256_dpbusd_avx_epi32(acc, u, x);
-#elif defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(MINIBATCH_NO_VNNI)
-  return _mm256_dpbusd_epi32(acc, u, x);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
-#endif
-}
-
 inline int32_t load_i32(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -702,8 +695,8 @@ bool int_path_has_avx2() {
 }
 
 bool int_path_has_vnni() {
-#if defined(MBQ_AVX2) && !defined(MINIBATCH_NO_VNNI) && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
-  return true;
+#ifdef MBQ_AVX2
+  return kVnni;
 #else
   return false;
 #endif
