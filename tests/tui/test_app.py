@@ -486,6 +486,71 @@ def test_a_burst_into_four_panes_draws_few_frames_and_the_same_transcripts(histo
     assert frames >= 1
 
 
+class PacedClient(FakeClient):
+    """An answer of `lines` short paragraphs, one chunk each, 0.12 s apart: at most four chunks (eight lines)
+    a frame even at the slowest frame rate, fewer than a jump's third of a 40-row view."""
+
+    def __init__(self, lines: int) -> None:
+        super().__init__()
+        self.lines = lines
+
+    async def chat(self, messages, **params):
+        yield Delta(request_id="req-paced")
+        for i in range(self.lines):
+            await asyncio.sleep(0.12)
+            yield Delta(text=f"line {i}\n\n")
+        yield Delta(finish_reason="stop", timings={"ttft_ms": 1.0, "decode_ms": 10.0})
+
+
+def test_a_long_answer_is_followed_in_jumps_of_a_third_of_the_view(history):
+    """The view follows an answer longer than the pane to its last line, and scrolls a third of its
+    height ahead at a time, not a line per line (a scroll repaints every row), without laying out the
+    screen for it."""
+    from textual.screen import Screen
+
+    from minibatch.tui.widgets.transcript import JUMP
+
+    client = PacedClient(40)  # 40 paragraphs: 80 lines into a pane of 30-odd rows
+    layouts = []
+
+    async def go():
+        history.new_pane(0, PaneSettings())
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 40)) as pilot:
+            pane = app.panes()[0]
+            t = pane.transcript
+            positions = []
+            t.watch(t, "scroll_y", lambda y: positions.append(y), init=False)
+            pane.query_one("Input").value = "a long one"
+            refresh_layout = Screen._refresh_layout
+
+            def counted(screen, *a, **k):
+                layouts.append(app.frames)  # the frame clock tick it came after
+                return refresh_layout(screen, *a, **k)
+
+            await pilot.pause(0.2)
+            Screen._refresh_layout = counted
+            try:
+                await pilot.press("enter")
+                await wait_until(pilot, lambda: len(pane.messages) == 2 and not pane.busy, 30)
+                await pilot.pause(0.2)
+            finally:
+                Screen._refresh_layout = refresh_layout
+            height = t.scrollable_content_region.height
+            last = len(t.plain_lines()) - 1  # the blank line after the answer
+            return positions, height, t.scroll_offset.y, last, app.frames
+
+    positions, height, top, last, frames = asyncio.run(go())
+    assert top <= last - 1 < top + height  # the answer's last line is in view
+    step = height // JUMP
+    moves = [b - a for a, b in zip([0.0, *positions], positions)]
+    assert moves and all(m >= step for m in moves), (moves, step)  # never a line at a time
+    assert len(positions) <= (last - height) // step + 2, (len(positions), last, height)
+    # layouts after the submitted input and when the scrollbar appeared (with the rounds that sets off): in two
+    # frames of many, not in every frame
+    assert len(set(layouts)) <= 2 < frames, (layouts, frames)
+
+
 def test_the_panel_says_when_the_machine_is_busy(history):
     from minibatch.tui.widgets.engine_panel import contention_line
 

@@ -6,7 +6,9 @@ streaming that was most of the chat's CPU. Here each message is rendered once to
 Markdown for answers) and kept; a streaming answer re-renders only its tail — the text after its last
 finished block (a blank line outside a code fence) — while the finished blocks' lines stay cached.
 When the answer ends it is rendered once whole, so the final picture is the message's own Markdown.
-Growing changes only this widget's virtual height, and it repaints only its own visible lines.
+Growing changes only this widget's virtual height (no layout of the screen), a view that follows the
+answer scrolls ahead by a third of its height at a time, and between scrolls only the changed rows are
+painted.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from rich.text import Text
 from textual.geometry import Region, Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
+
+JUMP = 3  # a view that follows the end scrolls ahead by 1/JUMP of its height at a time (see _changed)
 
 
 class _Markdown(RichMarkdown):
@@ -81,9 +85,10 @@ class Transcript(ScrollView, can_focus=False):
     def append(self, index: int, text: str) -> None:
         """More streamed text for message `index`: only the unfinished tail is rendered again."""
         m = self.messages[index]
+        kept = len(m.head)  # the lines drawn before that stay: the finished blocks' (a block finishing adds to them)
         m.text += text
         self._render(m)
-        self._changed(index, len(m.head))
+        self._changed(index, min(kept, len(m.head)))
 
     def set_text(self, index: int, text: str) -> None:
         m = self.messages[index]
@@ -141,18 +146,46 @@ class Transcript(ScrollView, can_focus=False):
         return [Strip([bar, *line]) for line in lines]
 
     def _changed(self, index: int | None = None, kept: int = 0) -> None:
-        """Lines of message `index` from its `kept`-th on (all messages' when None) were rendered anew."""
+        """Lines of message `index` from its `kept`-th on (all messages' when None) were rendered anew.
+
+        A view that follows the end scrolls by a third of its height when the text reaches its bottom
+        (xterm's jump scroll), not by a line each time a line is added: a scroll moves every row, so the
+        whole view is painted again, while text landing in the blank rows below the last line repaints
+        only those rows. With six panes streaming that is one full repaint every few frames instead of
+        six each frame, and the text stays still while it is read."""
         at_end = self.is_vertical_scroll_end or self.max_scroll_y == 0
         total = sum(len(m.lines) for m in self.messages)
-        if total != self._total or self.virtual_size.width != self._width or index is None:
-            self._total = total  # a new height: the view moves, so all of it is drawn again
-            self.virtual_size = Size(self._width, total)
-            if at_end:
-                self.scroll_end(animate=False, immediate=True, x_axis=False)
+        self._total = total
+        virtual = self.virtual_size.height
+        if index is None or self.virtual_size.width != self._width or total > virtual:
+            height = self.scrollable_content_region.height
+            ahead = height // JUMP if index is not None and at_end and total > height else 0
+            laid_out = self._grow(Size(self._width, total + ahead))  # a new height: all of the view is drawn
+            if at_end:  # after the layout when there is one: a scrollbar that is not there yet cannot scroll
+                self.scroll_end(animate=False, immediate=not laid_out, x_axis=False)
             self.refresh()
             return
-        first = sum(len(m.lines) for m in self.messages[:index]) + kept  # the same height: repaint the changed rows
-        self.refresh(Region(0, first - self.scroll_offset.y, self.size.width, total - first))
+        first = sum(len(m.lines) for m in self.messages[:index]) + kept  # the height holds: repaint from there
+        top = first - self.scroll_offset.y
+        self.refresh(Region(0, max(0, top), self.size.width, max(0, self.size.height - max(0, top))))
+
+    def _grow(self, size: Size) -> bool:
+        """A new virtual size. Setting it the usual way lays out the whole screen (the reactive is declared
+        with layout=True): with six panes streaming that was some twenty layouts a second, each one every
+        widget's arrangement and the scrollbars' resize. Only a scrollbar that appears or goes away changes
+        this widget's content width and so needs a layout; otherwise the size is set without one and the
+        scrollbar is told its new proportions, which repaints only the scrollbar. True: a layout comes."""
+        width, height = self.container_size
+        scrollbar = self.show_vertical_scrollbar
+        if not height or (size.height > height) != scrollbar or size.width != self.virtual_size.width:
+            self.virtual_size = size
+            return True
+        self.set_reactive(ScrollView.virtual_size, size)
+        if scrollbar:
+            bar = self.vertical_scrollbar
+            bar.window_virtual_size, bar.window_size = size.height, height - self.scrollbar_size_horizontal
+            bar.refresh()
+        return False
 
     def render_lines(self, crop: Region) -> list[Strip]:
         self._line_style = self.rich_style  # once a paint, not once a line: it walks the styles each time
