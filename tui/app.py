@@ -12,7 +12,7 @@ from textual.containers import Grid, Horizontal
 from textual.widgets import Footer
 
 from .client import DaemonUnavailable, ModelNotLoaded
-from .frames import FRAME_MIN_S, PANEL_S, POLL_S, pace
+from .frames import FRAME_MIN_S, PANEL_S, POLL_S, STATUS_S, pace
 from .history import History, PaneSettings
 from .messages import PaneSubmitted, RequestOwner, TurnFinished
 from .names import short_model_name
@@ -54,7 +54,7 @@ class MinibatchChat(App):
         self.client, self.history, self.poll_interval = client, history, poll_interval
         self.frames = 0  # frame clock ticks so far
         self.frame_interval = FRAME_MIN_S  # follows the chat's CPU use (frames.pace)
-        self._clock = (time.monotonic(), time.process_time(), 0.0)  # at the last frame: wall, CPU, panel drawn
+        self._clock = (time.monotonic(), time.process_time(), 0.0, 0.0)  # last frame: wall, CPU; panel, status drawn
         self.panel = EnginePanel(PANE_COLORS, id="engine")
         self.grid = Grid(id="panes")
         self.owners: dict[str, int] = {}  # request id -> pane index, for the block map
@@ -85,19 +85,19 @@ class MinibatchChat(App):
         after an interval paced by the chat's own CPU use."""
         self.frames += 1
         now, cpu = time.monotonic(), time.process_time()
-        wall_then, cpu_then, panel_at = self._clock
+        wall_then, cpu_then, panel_at, status_at = self._clock
         self.frame_interval = pace(self.frame_interval, (cpu - cpu_then) / max(now - wall_then, 1e-3))
-        panel_due = now - panel_at >= PANEL_S
+        panel_due, status_due = now - panel_at >= PANEL_S, now - status_at >= STATUS_S
         panes = self.panes()
         # a blinking cursor is two screen updates a second of its own: steady while any answer streams
         blink = not any(p.busy for p in panes)
         for pane in panes:
-            pane.flush(status=panel_due)
+            pane.flush(status=status_due)
             if pane.input.cursor_blink != blink:
                 pane.input.cursor_blink = blink
         if panel_due:
             self.panel.redraw()
-        self._clock = (now, cpu, now if panel_due else panel_at)
+        self._clock = (now, cpu, now if panel_due else panel_at, now if status_due else status_at)
         self.set_timer(self.frame_interval, self._frame)
 
     def panes(self) -> list[ChatPane]:

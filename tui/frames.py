@@ -14,6 +14,8 @@ changed (a transcript repaints only its changed rows while its height stays).
   engine and shows text in larger steps.
 - PANEL_S, 0.3 s: the panel's lines (mode, batch, KV, rates, contention) and its sparkline redraw at
   most about three times a second: numbers that change faster cannot be read anyway.
+- STATUS_S, 1 s: a streaming pane's status line (its chunk count) changes once a second: six panes'
+  counts every frame were six re-rendered lines of markup a frame, for a number that only says it moves.
 - POLL_S, 0.5 s: the KV block map and the batch timeline fetch their data twice a second and redraw
   only when it changed; the block map in the panel's next redraw, not as a screen update of its own.
 - While any answer streams the inputs' cursors hold still: a blinking one is two screen updates a second
@@ -24,6 +26,7 @@ FRAME_MIN_S = 0.1
 FRAME_MAX_S = 0.5
 CPU_BUDGET = 0.08  # share of one core the chat aims to stay under while it streams
 PANEL_S = 0.3
+STATUS_S = 1.0
 POLL_S = 0.5
 
 
