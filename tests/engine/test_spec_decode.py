@@ -82,6 +82,20 @@ def test_step_cost_fits_the_line_of_the_steps_it_sees():
     assert (flat.fixed, flat.per_token) == (1.0, 2.0)
 
 
+def test_step_cost_refits_every_few_steps_once_its_window_is_full(monkeypatch):
+    from minibatch.engine.spec_decode import draft_length
+
+    cost = StepCost()
+    fits = []
+    real = cost._fit
+    monkeypatch.setattr(cost, "_fit", lambda: (fits.append(1), real()))
+    n = draft_length.COST_WINDOW * 3
+    for i in range(n):
+        cost.observe(1 + i % 12, 0.004 + 0.0005 * (1 + i % 12))
+    assert len(fits) == n // draft_length.REFIT_EVERY  # not once a step after the window filled
+    assert cost.per_token == pytest.approx(0.0005, rel=1e-6)
+
+
 def test_bad_options_name_the_field_and_the_limit():
     from minibatch.engine.factory import EngineConfig
 
@@ -261,3 +275,36 @@ def test_a_new_request_starts_from_the_engines_recent_acceptance():
     req.num_computed_tokens = req.num_tokens - 1
     spec.propose([req])  # ... and after it failed, nothing until the next probe
     assert req.draft_token_ids == []
+
+
+def test_a_draft_is_cut_to_what_its_source_has_been_accepted_for():
+    """Two requests alike but for what found their drafts: one source's drafts have kept failing and the
+    other's been taken whole, so the first's draft is cut short and the second's kept at full length."""
+    from minibatch.engine.spec_decode.decoder import SpecDecoder
+    from minibatch.engine.spec_decode.draft_length import Draft
+
+    class TwoSources:
+        def propose(self, reqs, ks):
+            return [Draft([7] * k, "weak" if r.request_id == "a" else "strong") for r, k in zip(reqs, ks)]
+
+        def forget(self, request_id):
+            pass
+
+    spec = SpecDecoder(SpecConfig("ngram", 8), proposer=TwoSources())
+    engine, _ = make_engine(None)
+    reqs = []
+    for rid in ("a", "b"):
+        req = engine.add_request(rid, [3, 4, 5], SamplingParams(temperature=0, max_tokens=50))
+        req.output_token_ids.append(3)
+        req.num_computed_tokens = req.num_tokens - 1
+        reqs.append(req)
+    spec.propose(reqs)  # both sources new: both drafts at the length the requests' own rates allow
+    assert len(reqs[0].draft_token_ids) == len(reqs[1].draft_token_ids) > 1
+    for _ in range(30):
+        spec.observe(reqs[0], 1, 0)  # the weak source's drafts rejected at once ...
+        spec.observe(reqs[1], 1, 1)  # ... the strong one's accepted
+    spec._acceptance.clear()  # the requests start over from the engine's rate: only the sources differ
+    spec.propose(reqs)
+    weak, strong = (len(r.draft_token_ids) for r in reqs)
+    assert spec.sources["weak"].rate < 0.2 < 0.9 < spec.sources["strong"].rate
+    assert weak < strong and weak <= 1, (weak, strong)
