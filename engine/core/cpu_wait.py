@@ -26,7 +26,8 @@ class RunQueueWait:
 
     def __init__(self) -> None:
         self._engine_tid: int | None = None
-        self._paths: list[str] = []
+        self.tids: list[int] = []  # the threads read
+        self._fds: list[int] = []  # their schedstat files, kept open: a step reads them, it does not open them
         self._reads = 0
         self.available = os.path.exists(f"{TASKS}/{os.getpid()}/schedstat")
 
@@ -37,15 +38,15 @@ class RunQueueWait:
             self._scan()
         self._reads += 1
         total = 0
-        for path in self._paths:
+        for fd in self._fds:
             try:
-                with open(path, "rb") as f:
-                    total += int(f.read().split()[1])
+                total += int(os.pread(fd, 64, 0).split()[1])
             except (OSError, IndexError, ValueError):  # a thread that ended since the scan
                 continue
         return total / 1e9
 
     def _scan(self) -> None:
+        self.close()
         self._engine_tid = threading.get_native_id()
         main = os.getpid()
         try:
@@ -53,4 +54,18 @@ class RunQueueWait:
         except OSError:
             self.available = False
             return
-        self._paths = [f"{TASKS}/{t}/schedstat" for t in tids if t != main or t == self._engine_tid]
+        for t in tids:
+            if t != main or t == self._engine_tid:
+                try:
+                    self._fds.append(os.open(f"{TASKS}/{t}/schedstat", os.O_RDONLY))
+                except OSError:  # ended meanwhile
+                    continue
+                self.tids.append(t)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds, self.tids = [], []
+
+    def __del__(self) -> None:
+        self.close()

@@ -53,9 +53,9 @@ def test_a_thread_sharing_its_core_waits_and_the_wait_is_counted():
 def test_the_main_thread_is_left_out_when_the_engine_runs_elsewhere():
     rq = RunQueueWait()
     rq.seconds()  # scans from this (main) thread: the main thread counts
-    assert any(p.endswith(f"/{os.getpid()}/schedstat") for p in rq._paths)
-    seen: list[list[str]] = []
-    t = threading.Thread(target=lambda: (rq.seconds(), seen.append(list(rq._paths))))
+    assert os.getpid() in rq.tids
+    seen: list[list[int]] = []
+    t = threading.Thread(target=lambda: (rq.seconds(), seen.append(list(rq.tids))))
     t.start()
     t.join()
-    assert not any(p.endswith(f"/{os.getpid()}/schedstat") for p in seen[0]) and sys.platform.startswith("linux")
+    assert seen[0] and os.getpid() not in seen[0]  # the engine thread and the others, not the main one
