@@ -17,6 +17,7 @@ from minibatch.engine.spec_decode.draft_length import (
     PROBE_EVERY,
     STOP_BELOW,
     Acceptance,
+    Draft,
     StepCost,
     draft_depth,
 )
@@ -26,8 +27,9 @@ from minibatch.engine.spec_decode.ngram import NgramProposer
 class Proposer(Protocol):
     """Drafts for a few requests at once (ngram.NgramProposer, draft_model.DraftModelProposer)."""
 
-    def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
-        """Up to ks[i] tokens to follow each request's tokens (a point mass each: one guess per position)."""
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[Draft]:
+        """Up to ks[i] tokens to follow each request's tokens (a point mass each: one guess per position),
+        each with its source."""
 
     def forget(self, request_id: str) -> None:
         """The request is done: drop what the proposer kept for it."""
@@ -40,6 +42,8 @@ class SpecDecoder:
         self.cost = StepCost()
         self._acceptance: dict[str, Acceptance] = {}
         self.engine_acceptance = Acceptance()  # over every request's verifies: where a new request starts
+        self.sources: dict[str, Acceptance] = {}  # per draft source (Draft.source), engine-wide
+        self._source_of: dict[str, str] = {}  # request id -> the source of the draft it verifies next
         self.drafted = 0  # draft tokens verified, over the engine's life
         self.accepted = 0  # of them accepted
         self.verify_rows = 0  # rows that verified at least one draft token
@@ -48,7 +52,7 @@ class SpecDecoder:
         """Set `draft_token_ids` on every running request that decodes next and may speculate."""
         ready = [r for r in running if not r.status.finished and r.num_tokens - r.num_computed_tokens == 1]
         rows = len(ready)
-        asking, ks = [], []
+        asking, ks, probes = [], [], set()
         for req in ready:
             req.draft_token_ids = []
             if not req.params.speculative or not req.output_token_ids:
@@ -62,6 +66,7 @@ class SpecDecoder:
                 if acc.idle_steps < PROBE_EVERY:
                     continue
                 k = 1
+                probes.add(req.request_id)
             acc.idle_steps = 0
             k = min(k, req.params.max_tokens - len(req.output_token_ids) - 1)
             if k > 0:
@@ -70,10 +75,17 @@ class SpecDecoder:
         if not asking:
             return
         for req, draft in zip(asking, self.proposer.propose(asking, ks)):
+            tokens = draft.tokens
+            if tokens and req.request_id not in probes:  # a probe learns the request's rate: never cut
+                source = self.sources.get(draft.source)
+                if source is None:
+                    source = self.sources[draft.source] = Acceptance()
+                tokens = tokens[: draft_depth(source.rate, rows, self.cost, len(tokens))]
             grammar = req.params.grammar
-            if draft and grammar is not None:
-                draft = draft[: grammar.validate(draft)]
-            req.draft_token_ids = draft
+            if tokens and grammar is not None:
+                tokens = tokens[: grammar.validate(tokens)]
+            req.draft_token_ids = tokens
+            self._source_of[req.request_id] = draft.source
 
     def observe(self, req: Request, drafted: int, accepted: int) -> None:
         """A verify row kept `accepted` of its `drafted` tokens."""
@@ -88,6 +100,9 @@ class SpecDecoder:
         if acc is not None:
             acc.observe(drafted, accepted)
         self.engine_acceptance.observe(drafted, accepted, ENGINE_DECAY)
+        source = self.sources.get(self._source_of.get(req.request_id, ""))
+        if source is not None:
+            source.observe(drafted, accepted, ENGINE_DECAY)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
         """A step that computed only decode and verify rows: `tokens` of them in `seconds`."""
@@ -95,6 +110,7 @@ class SpecDecoder:
 
     def forget(self, request_id: str) -> None:
         self._acceptance.pop(request_id, None)
+        self._source_of.pop(request_id, None)
         self.proposer.forget(request_id)
 
     @property

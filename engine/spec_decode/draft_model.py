@@ -19,6 +19,7 @@ from minibatch.engine.attention.metadata import build_flat_batch
 from minibatch.engine.core.block_manager import BlockManager
 from minibatch.engine.core.request import Request
 from minibatch.engine.models.llama import LlamaForCausalLM
+from minibatch.engine.spec_decode.draft_length import Draft
 
 
 class DraftModelProposer:
@@ -44,7 +45,7 @@ class DraftModelProposer:
         return sh
 
     @torch.inference_mode()
-    def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[Draft]:
         drafts: list[list[int]] = [[] for _ in reqs]
         rows = []  # (index, shadow, k)
         for i, (req, k) in enumerate(zip(reqs, ks)):
@@ -53,7 +54,7 @@ class DraftModelProposer:
             if self.blocks.allocate(sh, sh.num_tokens + k - 1 - sh.num_computed_tokens):
                 rows.append((i, sh, k))
         if not rows:
-            return drafts
+            return [Draft(d, "model") for d in drafts]
         fed = [sh.tokens(sh.num_computed_tokens, sh.num_tokens) for _, sh, _ in rows]
         starts = [sh.num_computed_tokens for _, sh, _ in rows]
         for depth in range(max(k for _, _, k in rows)):
@@ -75,7 +76,7 @@ class DraftModelProposer:
                 break
         for req in reqs:  # the guesses' positions are recomputed next time: their blocks go back
             self.blocks.trim(self._shadows[req.request_id])
-        return drafts
+        return [Draft(d, "model") for d in drafts]
 
     def _next(self, chunks: list[list[int]], starts: list[int], tables: list[list[int]]) -> list[int]:
         batch = build_flat_batch(chunks, starts, tables, self.block_size, self.device)

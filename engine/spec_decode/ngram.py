@@ -8,6 +8,7 @@ what comes next. No second model: one dictionary lookup per suffix length per st
 from __future__ import annotations
 
 from minibatch.engine.core.request import Request
+from minibatch.engine.spec_decode.draft_length import Draft
 
 
 class NgramIndex:
@@ -17,11 +18,12 @@ class NgramIndex:
     the lookup, so a suffix never matches itself.
     """
 
-    __slots__ = ("n_min", "n_max", "tokens", "_last", "_prev", "_indexed")
+    __slots__ = ("n_min", "n_max", "tokens", "source", "_last", "_prev", "_indexed")
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
         self.tokens: list[int] = []
+        self.source = "none"  # what found the last proposal: "ngram<n>" (the suffix length matched) or "edit"
         self._last: dict[tuple[int, ...], int] = {}
         self._prev: dict[tuple[int, ...], int] = {}  # the occurrence before the latest
         self._indexed = 0  # n-grams ending before this position are in _last
@@ -44,12 +46,14 @@ class NgramIndex:
         """Up to k tokens that followed the longest suffix seen earlier (longest n first); [] when none."""
         toks = self.tokens
         end = len(toks)
+        self.source = "none"
         if k <= 0 or end < self.n_min + 1:
             return []
         self._index_upto(end - 1)  # occurrences ending before the last token: the suffix itself excluded
         for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
             after = self._last.get(tuple(toks[end - n :]))
             if after is not None:
+                self.source = f"ngram{n}"
                 return toks[after : min(after + k, end)]
         return self._past_an_edit(k)
 
@@ -65,6 +69,7 @@ class NgramIndex:
                 if after == end - s:  # that is the run itself: the occurrence before it
                     after = self._prev.get(key)
                 if after is not None and after + s < end - s - n:
+                    self.source = "edit"
                     return toks[after + s : min(after + s + k, end - s - n)]
         return []
 
@@ -76,7 +81,7 @@ class NgramProposer:
         self.n_min, self.n_max = n_min, n_max
         self._index: dict[str, NgramIndex] = {}
 
-    def propose(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
+    def propose(self, reqs: list[Request], ks: list[int]) -> list[Draft]:
         out = []
         for req, k in zip(reqs, ks):
             index = self._index.get(req.request_id)
@@ -86,7 +91,8 @@ class NgramProposer:
             have = len(index.tokens) - req.num_prompt_tokens
             if have < len(req.output_token_ids):
                 index.extend(req.output_token_ids[have:])
-            out.append(index.propose(k))
+            tokens = index.propose(k)
+            out.append(Draft(tokens, index.source))
         return out
 
     def forget(self, request_id: str) -> None:
