@@ -14,7 +14,7 @@ Pieces (--pieces), each run by the script that owns its method, on private daemo
   sweeps    the built-in model: the output-length-variance sweep (c = 16) and the request-rate sweep
   prefill   per model: one 512-token prompt's prefill step (profile_step.py), llama-bench's pp512 with
             LLAMA_BENCH
-  spec      speculation on and off (bench_spec.py: chat and copy-heavy prompts, c = 1 and 16)
+  spec      speculation on and off (bench_spec.py: chat, copy-heavy and forced-length prompts, c = 1, 4, 16, 64)
   cluster   one daemon against two minibatch-serve replicas (bench_cluster.py)
   peers     against llama-server on the same files (bench.py --peers), with LLAMA_SERVER; skipped otherwise
 
@@ -349,7 +349,7 @@ def llama_bench(run: Run, m: Model) -> float:
 def spec(run: Run) -> None:
     q = run.args.quick
     path = run.out / "spec.json"
-    argv = ["--workloads", "copy" if q else "chat,copy", "--concurrency", "1" if q else "1,16"]
+    argv = ["--workloads", "copy" if q else "chat,copy,forced", "--concurrency", "1" if q else "1,4,16,64"]
     argv += ["--repeats", "1" if q else "3", "--max-tokens", "32" if q else "96", "--json", str(path)]
     run.script("bench_spec.py", *argv, log="spec.log")
     run.section("spec", {"rows": json.loads(path.read_text())})

@@ -135,10 +135,15 @@ def serving(sec: dict, prefill: dict | None) -> str:
     return "\n".join(lines)
 
 
+def _percent(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.0f}%" if whole else "-"
+
+
 def spec(sec: dict) -> str:
     lines = [
-        "| workload | c | tok/s off / ngram | × | TPOT p50 off / ngram (ms) | accepted / drafted | texts differing |",
-        "|---|---:|---|---:|---|---:|---:|",
+        "| workload | c | tok/s off / ngram | × | TPOT p50 off / ngram (ms) | TPOT p95 off / ngram (ms) "
+        "| accepted / drafted | acceptance | texts differing |",
+        "|---|---:|---|---:|---|---|---:|---:|---:|",
     ]
     rows = sec["rows"]
     for r in rows:
@@ -152,7 +157,8 @@ def spec(sec: dict) -> str:
         lines.append(
             f"| {r['workload']} | {r['concurrency']} | {off['tokens_per_s']:.1f} / {r['tokens_per_s']:.1f} | "
             f"{_ratio(r['tokens_per_s'], off['tokens_per_s'])} | {off['tpot_p50_ms']:.1f} / {r['tpot_p50_ms']:.1f} | "
-            f"{r['accepted_tokens']:.0f} / {r['draft_tokens']:.0f} | {r.get('texts_differing', '-')} |"
+            f"{off['tpot_p95_ms']:.1f} / {r['tpot_p95_ms']:.1f} | {r['accepted_tokens']:.0f} / {r['draft_tokens']:.0f} | "
+            f"{_percent(r['accepted_tokens'], r['draft_tokens'])} | {r.get('texts_differing', '-')} |"
         )
     return "\n".join(lines)
 
