@@ -34,7 +34,7 @@ PRIOR_WEIGHT = 2.0  # a later request starts at the engine's recent rate, worth 
 ACCEPT_DECAY = 0.9  # per observation: acceptance follows the request's recent drafts
 ENGINE_DECAY = 0.99  # the engine-wide rates (all drafts', and each source's): the last hundred or so verifies
 STOP_BELOW = 0.2  # a request accepting less than this stops speculating ...
-PROBE_EVERY = 16  # ... and, like one whose drafts do not pay now, tries one draft token after this many steps
+PROBE_EVERY = 16  # ... and tries one draft token after this many steps, to see whether it still fails
 
 
 class StepCost:
@@ -86,6 +86,7 @@ class Acceptance:
     accepted: float = ACCEPT_PRIOR[0]
     rejected: float = ACCEPT_PRIOR[1]
     idle_steps: int = 0  # steps since it last drafted while stopped
+    verified: bool = False  # it has verified a draft: its rate is its own, not only the prior
 
     @property
     def rate(self) -> float:
@@ -103,6 +104,7 @@ class Acceptance:
         per-token rate's estimate is accepted tokens over accepted tokens plus rejections."""
         self.accepted = self.accepted * decay + accepted
         self.rejected = self.rejected * decay + (1 if accepted < drafted else 0)
+        self.verified = True
 
 
 def draft_depth(rate: float, rows: int, cost: StepCost, k_max: int) -> int:

@@ -308,3 +308,30 @@ def test_a_draft_is_cut_to_what_its_source_has_been_accepted_for():
     weak, strong = (len(r.draft_token_ids) for r in reqs)
     assert spec.sources["weak"].rate < 0.2 < 0.9 < spec.sources["strong"].rate
     assert weak < strong and weak <= 1, (weak, strong)
+
+
+def test_a_batch_too_large_for_drafts_gets_no_probes_but_a_failing_request_does():
+    """Drafts that do not pay at this batch size are not tried now and then: the batch decides. A request
+    whose drafts fail still tries one token every PROBE_EVERY steps, to learn whether it still fails."""
+    from minibatch.engine.spec_decode.decoder import SpecDecoder
+    from minibatch.engine.spec_decode.draft_length import PROBE_EVERY
+
+    spec = SpecDecoder(SpecConfig("ngram", 4))
+    spec.cost = StepCost(fixed=1e-3, per_token=1.0)  # a compute-bound step: no draft token pays
+    engine, _ = make_engine(None)
+    good = engine.add_request("good", [3, 4, 5, 3, 4, 5], SamplingParams(temperature=0, max_tokens=200))
+    bad = engine.add_request("bad", [3, 4, 5, 3, 4, 5], SamplingParams(temperature=0, max_tokens=200))
+    for req in (good, bad):
+        req.output_token_ids.append(3)
+        req.num_computed_tokens = req.num_tokens - 1
+    spec.propose([good, bad])  # neither has verified yet: both probe once
+    assert len(good.draft_token_ids) == len(bad.draft_token_ids) == 1
+    for _ in range(20):
+        spec.observe(good, 1, 1)
+        spec.observe(bad, 1, 0)
+    probes = {"good": 0, "bad": 0}
+    for _ in range(4 * PROBE_EVERY):
+        spec.propose([good, bad])
+        for req in (good, bad):
+            probes[req.request_id] += bool(req.draft_token_ids)
+    assert probes == {"good": 0, "bad": 4}, probes
