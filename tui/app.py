@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 from textual import on, work
@@ -12,7 +13,7 @@ from textual.containers import Grid, Horizontal
 from textual.widgets import Footer
 
 from .client import DaemonUnavailable, ModelNotLoaded
-from .frames import FRAME_MIN_S, PANEL_S, POLL_S, STATUS_S, pace
+from .frames import FRAME_MIN_S, FULL_GC_MAX_S, NO_FULL_GC, PANEL_S, POLL_S, STATUS_S, pace
 from .history import History, PaneSettings
 from .messages import PaneSubmitted, RequestOwner, TurnFinished
 from .names import short_model_name
@@ -78,6 +79,9 @@ class MinibatchChat(App):
         self.panes()[0].focus_input()
         self.watch_events()
         self.poll_blocks()
+        self._gc_threshold = gc.get_threshold()
+        gc.set_threshold(*self._gc_threshold[:2], NO_FULL_GC)  # full collections at the frame clock's choosing
+        self._full_gc_at, self._streamed = time.monotonic(), False
         self.set_timer(self.frame_interval, self._frame)
 
     def _frame(self) -> None:
@@ -97,6 +101,10 @@ class MinibatchChat(App):
                 pane.input.cursor_blink = blink
         if panel_due:
             self.panel.redraw()
+        self._streamed |= not blink
+        if (blink and self._streamed) or (now - self._full_gc_at > FULL_GC_MAX_S and gc.get_count()[2]):
+            gc.collect()  # the answers have ended (or it is overdue): the full collection they held back
+            self._full_gc_at, self._streamed = now, False
         self._clock = (now, cpu, now if panel_due else panel_at, now if status_due else status_at)
         self.set_timer(self.frame_interval, self._frame)
 
@@ -334,4 +342,6 @@ class MinibatchChat(App):
             await asyncio.sleep(self.poll_interval)
 
     async def on_unmount(self) -> None:
+        if hasattr(self, "_gc_threshold"):
+            gc.set_threshold(*self._gc_threshold)
         await self.client.close()

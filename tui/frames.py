@@ -18,6 +18,10 @@ changed (a transcript repaints only its changed rows while its height stays).
   counts every frame were six re-rendered lines of markup a frame, for a number that only says it moves.
 - POLL_S, 0.5 s: the KV block map and the batch timeline fetch their data twice a second and redraw
   only when it changed; the block map in the panel's next redraw, not as a screen update of its own.
+- Full garbage collections wait until no answer streams (or FULL_GC_MAX_S has passed): every cached line
+  of every transcript is a Textual strip with its own small caches, so a full collection walks hundreds of
+  thousands of objects, ~0.1 s, and while six panes streamed one came every few seconds. The young
+  generations are collected as usual.
 - While any answer streams the inputs' cursors hold still: a blinking one is two screen updates a second
   that show nothing new.
 """
@@ -28,6 +32,8 @@ CPU_BUDGET = 0.08  # share of one core the chat aims to stay under while it stre
 PANEL_S = 0.3
 STATUS_S = 1.0
 POLL_S = 0.5
+FULL_GC_MAX_S = 60.0
+NO_FULL_GC = 10**9  # the oldest generation's threshold while the chat decides when to collect it
 
 
 def pace(interval: float, cpu_share: float) -> float:

@@ -551,6 +551,47 @@ def test_a_long_answer_is_followed_in_jumps_of_a_third_of_the_view(history):
     assert len(set(layouts)) <= 2 < frames, (layouts, frames)
 
 
+def test_full_collections_wait_until_the_answers_end(history):
+    """While answers stream the garbage collector's oldest generation is left alone (a full collection
+    walks every cached line); the frame after the last answer ends collects it; the app gives the
+    collector its thresholds back when it closes."""
+    import gc
+
+    before = gc.get_threshold()
+    client = PacedClient(30)
+    full: list[bool] = []  # a full collection: was an answer streaming?
+    app_ref = []
+
+    def seen(phase, info):
+        if phase == "start" and info["generation"] == 2 and app_ref:
+            full.append(any(p.busy for p in app_ref[0].panes()))
+
+    async def go():
+        history.new_pane(0, PaneSettings())
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 40)) as pilot:
+            pane = app.panes()[0]
+            assert gc.get_threshold()[2] > 10**6
+            pane.query_one("Input").value = "go"
+            await pilot.pause(0.2)
+            app_ref.append(app)
+            gc.callbacks.append(seen)
+            try:
+                await pilot.press("enter")
+                await wait_until(pilot, lambda: pane.busy, 5)
+                for _ in range(3):
+                    await pilot.pause(0.2)
+                    gc.collect(1)  # the young generations as the allocations would; never a full one
+                await wait_until(pilot, lambda: len(pane.messages) == 2 and not pane.busy, 30)
+                await wait_until(pilot, lambda: bool(full), 5)
+            finally:
+                gc.callbacks.remove(seen)
+
+    asyncio.run(go())
+    assert full and not any(full), full  # collected, and only once nothing streamed
+    assert gc.get_threshold() == before
+
+
 def test_the_panel_says_when_the_machine_is_busy(history):
     from minibatch.tui.widgets.engine_panel import contention_line
 
