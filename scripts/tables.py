@@ -157,7 +157,8 @@ def spec(sec: dict) -> str:
         lines.append(
             f"| {r['workload']} | {r['concurrency']} | {off['tokens_per_s']:.1f} / {r['tokens_per_s']:.1f} | "
             f"{_ratio(r['tokens_per_s'], off['tokens_per_s'])} | {off['tpot_p50_ms']:.1f} / {r['tpot_p50_ms']:.1f} | "
-            f"{off['tpot_p95_ms']:.1f} / {r['tpot_p95_ms']:.1f} | {r['accepted_tokens']:.0f} / {r['draft_tokens']:.0f} | "
+            f"{off['tpot_p95_ms']:.1f} / {r['tpot_p95_ms']:.1f} | "
+            f"{r['accepted_tokens']:.0f} / {r['draft_tokens']:.0f} | "
             f"{_percent(r['accepted_tokens'], r['draft_tokens'])} | {r.get('texts_differing', '-')} |"
         )
     return "\n".join(lines)
