@@ -56,6 +56,8 @@ class MinibatchChat(App):
         self.frames = 0  # frame clock ticks so far
         self.frame_interval = FRAME_MIN_S  # follows the chat's CPU use (frames.pace)
         self._clock = (time.monotonic(), time.process_time(), 0.0, 0.0)  # last frame: wall, CPU; panel, status drawn
+        self._gc_threshold: tuple[int, int, int] | None = None  # the collector's own, while the app holds it back
+        self._full_gc_at, self._streamed = time.monotonic(), False  # the last full collection; answers since
         self.panel = EnginePanel(PANE_COLORS, id="engine")
         self.grid = Grid(id="panes")
         self.owners: dict[str, int] = {}  # request id -> pane index, for the block map
@@ -81,7 +83,6 @@ class MinibatchChat(App):
         self.poll_blocks()
         self._gc_threshold = gc.get_threshold()
         gc.set_threshold(*self._gc_threshold[:2], NO_FULL_GC)  # full collections at the frame clock's choosing
-        self._full_gc_at, self._streamed = time.monotonic(), False
         self.set_timer(self.frame_interval, self._frame)
 
     def _frame(self) -> None:
@@ -342,6 +343,6 @@ class MinibatchChat(App):
             await asyncio.sleep(self.poll_interval)
 
     async def on_unmount(self) -> None:
-        if hasattr(self, "_gc_threshold"):
+        if self._gc_threshold is not None:
             gc.set_threshold(*self._gc_threshold)
         await self.client.close()

@@ -72,7 +72,6 @@ class Transcript(ScrollView, can_focus=False):
         self.accent = accent
         self.messages = [Message(m["role"], m["content"]) for m in messages or []]
         self._width = 0
-        self._total = 0  # lines over all messages
         self._line_style = Style()
 
     # -- the conversation -------------------------------------------------
@@ -155,7 +154,6 @@ class Transcript(ScrollView, can_focus=False):
         six each frame, and the text stays still while it is read."""
         at_end = self.is_vertical_scroll_end or self.max_scroll_y == 0
         total = sum(len(m.lines) for m in self.messages)
-        self._total = total
         virtual = self.virtual_size.height
         if index is None or self.virtual_size.width != self._width or total > virtual:
             height = self.scrollable_content_region.height
