@@ -192,7 +192,7 @@ async def run_request(
     base = {"id": request_id, "created": int(time.time()), "model": model.name}
     chat = kind == "chat.completion"
     # Leaving these iterators early (timeout, client gone) aborts the requests and frees their blocks.
-    streams = [engine.stream(rid) for rid in ids_n]
+    streams = [engine.stream(rid, body.stream_interval) for rid in ids_n]
     try:
         if body.stream:
             return await stream_response(

@@ -84,8 +84,15 @@ class ApiError(Exception):
 MAX_N = 8
 
 
+MAX_STREAM_INTERVAL_MS = 1000
+
+
 class StreamOptions(Body):
     include_usage: StrictBool = False
+    # the least time between two chunks of the stream: text that comes sooner goes out in the next chunk,
+    # merged (the first token and the end are never held); a client that draws a few times a second asks
+    # for that and reads a few chunks a second instead of one per token
+    interval_ms: Int = Field(default=0, ge=0, le=MAX_STREAM_INTERVAL_MS)
 
 
 class JsonSchemaFormat(Body):
@@ -161,6 +168,11 @@ class _Sampling(Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def stream_interval(self) -> float:
+        """Seconds between a stream's chunks (stream_options.interval_ms); 0: a chunk per engine step."""
+        return self.stream_options.interval_ms / 1000 if self.stream and self.stream_options else 0.0
 
 
 class ChatRequest(_Sampling):

@@ -23,7 +23,7 @@ from minibatch.engine.core.admission import RequestRejected, check_capacity
 from minibatch.engine.core.config import MODES
 from minibatch.engine.core.engine import LLMEngine
 from minibatch.engine.core.info import EngineInfo
-from minibatch.engine.core.outputs import EngineState, RequestOutput, StepStats
+from minibatch.engine.core.outputs import EngineState, RequestOutput, StepStats, merge_outputs
 from minibatch.engine.core.request import Request
 from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.heap import release_free_memory
@@ -36,6 +36,26 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped; no request can run."""
 
 
+class _Stream:
+    """One request's outputs on their way to the event loop that submitted it."""
+
+    __slots__ = ("loop", "queue", "ended", "wake")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.ended = False  # the final output is in the queue
+        self.wake: asyncio.Future | None = None  # a paced reader waiting out its interval
+
+    def put(self, out: RequestOutput) -> None:
+        """On the event loop."""
+        self.queue.put_nowait(out)
+        if out.finished:
+            self.ended = True
+            if self.wake is not None and not self.wake.done():
+                self.wake.set_result(None)  # the end never waits for the interval
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, stats_ring: int = 600) -> None:
         """The queue cap is the scheduler's `max_queue`, counted here over every request in flight."""
@@ -45,7 +65,7 @@ class AsyncEngine:
         self._inbox: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._queued = 0  # submitted but not yet in the scheduler's waiting queue
         self.stats: deque[StepStats] = deque(maxlen=stats_ring)
@@ -148,9 +168,7 @@ class AsyncEngine:
             # exact however fast the engine admits.
             check_capacity(sched.config, self._inflight)
             self._inflight += 1
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, queue)
+        self._streams[request_id] = _Stream(asyncio.get_running_loop())
         self._queued += 1
 
         def add() -> None:
@@ -164,17 +182,36 @@ class AsyncEngine:
         self._wake.set()
         return request_id
 
-    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Outputs of a submitted request until its final one. Leaving early aborts it."""
-        _, queue = self._streams[request_id]
+    async def stream(self, request_id: str, interval: float = 0.0) -> AsyncIterator[RequestOutput]:
+        """Outputs of a submitted request until its final one. Leaving early aborts it.
+
+        `interval` > 0 paces the stream: after an output the next one comes no sooner than `interval`
+        seconds later, and holds every output that came meanwhile (merge_outputs). The first output and
+        the final one never wait: a reader sees the first token and the end as they happen, and a client
+        that draws text a few times a second reads a few outputs a second instead of one per step."""
+        s = self._streams[request_id]
         finished = False
+        next_at = 0.0
         try:
             while True:
-                out: RequestOutput = await queue.get()
+                if interval > 0 and not s.ended:
+                    wait = next_at - time.monotonic()
+                    if wait > 0:
+                        s.wake = s.loop.create_future()
+                        await asyncio.wait([s.wake], timeout=wait)
+                        s.wake.cancel()
+                        s.wake = None
+                out: RequestOutput = await s.queue.get()
+                if interval > 0 and not out.finished and not s.queue.empty():
+                    held = [out]
+                    while not s.queue.empty() and not held[-1].finished:
+                        held.append(s.queue.get_nowait())
+                    out = merge_outputs(held)
                 yield out
                 if out.finished:
                     finished = True
                     return
+                next_at = time.monotonic() + interval
         finally:
             if not finished:
                 self.abort(request_id)
@@ -250,11 +287,10 @@ class AsyncEngine:
         if out.finished:
             with self._count_lock:
                 self._inflight -= 1
-        entry = self._streams.get(out.request_id)
-        if entry is not None:
-            loop, queue = entry
+        s = self._streams.get(out.request_id)
+        if s is not None:
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, out)
+                s.loop.call_soon_threadsafe(s.put, out)
             except RuntimeError:  # the loop is closed
                 pass
 

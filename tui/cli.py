@@ -115,13 +115,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from .app import MinibatchChat
     from .client import DaemonClient
+    from .frames import FRAME_MIN_S
     from .history import History
 
     history = History(args.db or default_db())
     if args.new:
         history.reset()
     try:
-        MinibatchChat(DaemonClient(target, args.api_key), history).run()
+        # the daemon sends a pane's text no more often than the chat can draw it
+        MinibatchChat(DaemonClient(target, args.api_key, stream_interval=FRAME_MIN_S), history).run()
     finally:
         history.close()
     return 0

@@ -32,11 +32,14 @@ class Delta:
 
 
 class DaemonClient:
-    """`target` is the daemon's socket path or its http:// URL; `api_key` is sent as a Bearer token when given."""
+    """`target` is the daemon's socket path or its http:// URL; `api_key` is sent as a Bearer token when given.
+    `stream_interval` (seconds, 0: every engine step) is the least time between two chunks of a streamed
+    answer: the daemon merges the text that comes sooner (stream_options.interval_ms)."""
 
-    def __init__(self, target: str, api_key: str | None = None) -> None:
+    def __init__(self, target: str, api_key: str | None = None, stream_interval: float = 0.0) -> None:
         self.target = target
         self.api_key = api_key
+        self.stream_interval = stream_interval
         self._session: aiohttp.ClientSession | None = None
 
     def _s(self) -> aiohttp.ClientSession:
@@ -100,7 +103,10 @@ class DaemonClient:
 
     async def chat(self, messages: list[dict], **params) -> AsyncIterator[Delta]:
         """Stream an answer. Leaving the iteration early closes the connection, which aborts the request."""
-        body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}, **params}
+        options = {"include_usage": True}
+        if self.stream_interval > 0:
+            options["interval_ms"] = round(self.stream_interval * 1000)
+        body = {"messages": messages, "stream": True, "stream_options": options, **params}
         try:
             async with self._s().post("/v1/chat/completions", json=body) as r:
                 if r.status != 200:

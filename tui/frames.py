@@ -12,6 +12,10 @@ changed (a transcript repaints only its changed rows while its height stays).
   takes more than CPU_BUDGET of one core it draws less often, up to FRAME_MAX_S (0.5 s), and comes back
   when it takes less. A fast machine draws at ten frames a second; a slow one keeps its cores for the
   engine and shows text in larger steps.
+- Streams: the chat asks the daemon for a chunk of a pane's answer at most every FRAME_MIN_S
+  (stream_options.interval_ms): text it cannot draw sooner need not be received, parsed and handed to
+  its pane token by token (a chunk per engine step was ~0.2 s of the chat's CPU per 1,000 tokens
+  with six panes, and as much of the daemon's event loop).
 - PANEL_S, 0.3 s: the panel's lines (mode, batch, KV, rates, contention) and its sparkline redraw at
   most about three times a second: numbers that change faster cannot be read anyway.
 - STATUS_S, 1 s: a streaming pane's status line (its chunk count) changes once a second: six panes'

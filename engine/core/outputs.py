@@ -33,6 +33,27 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None  # per token in token_ids, when asked for
 
 
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one, as if its tokens had come in a single step (a paced stream
+    sends what came within its interval at once). The last output's end, metrics and error stand."""
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    logprobs = None
+    if any(o.logprobs is not None for o in outs):
+        logprobs = [lp for o in outs for lp in o.logprobs or []]
+    return RequestOutput(
+        last.request_id,
+        "".join(o.text for o in outs),
+        [t for o in outs for t in o.token_ids],
+        last.finished,
+        last.finish_reason,
+        last.metrics,
+        last.error,
+        logprobs,
+    )
+
+
 @dataclass(slots=True, frozen=True)
 class StepStats:
     """One engine step, as the stats endpoint, the event stream and the TUI see it."""

@@ -94,6 +94,33 @@ def test_chat_streaming_sse_format(daemon):
     assert len({c["id"] for c in chunks}) == 1
 
 
+def test_a_paced_stream_sends_the_same_text_in_fewer_chunks(daemon):
+    """stream_options.interval_ms: at most a chunk per interval after the first; the text is the same."""
+
+    async def go(options):
+        body = chat_body(max_tokens=80, temperature=0, ignore_eos=True, stream=True, stream_options=options)
+        async with session(daemon.socket) as s:
+            t0 = asyncio.get_running_loop().time()
+            async with s.post("/v1/chat/completions", json=body) as r:
+                events, _ = await read_sse(r)
+            return events, asyncio.get_running_loop().time() - t0
+
+    (plain, _), (paced, elapsed) = run(go({"include_usage": True})), run(go({"include_usage": True, "interval_ms": 40}))
+
+    def content(events):
+        return [
+            c["choices"][0]["delta"]["content"]
+            for c in events[:-1]
+            if c["choices"] and c["choices"][0]["delta"].get("content")
+        ]
+
+    assert "".join(content(paced)) == "".join(content(plain)) and len(content(plain)) >= 40
+    assert len(content(paced)) <= 2 + elapsed / 0.04
+    assert paced[-2]["usage"]["completion_tokens"] == 80 and paced[-1] == "[DONE]"
+    finals = [c for c in paced[:-1] if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == "length"
+
+
 def test_completions_text_and_token_prompt(daemon):
     async def go():
         async with session(daemon.socket) as s:
@@ -133,6 +160,9 @@ def test_completions_text_and_token_prompt(daemon):
         ),
         (chat_body(n=9), 400, "n", "less than or equal to 8"),
         (chat_body(speculative="yes"), 400, "speculative", "valid boolean"),
+        (chat_body(stream=True, stream_options={"interval_ms": 1001}), 400, "stream_options.interval_ms", "1000"),
+        (chat_body(stream=True, stream_options={"interval_ms": -5}), 400, "stream_options.interval_ms", "0"),
+        (chat_body(stream=True, stream_options={"interval_ms": "50"}), 400, "stream_options.interval_ms", "integer"),
         (chat_body(model="gpt-4"), 404, "model", "does not exist"),
         (chat_body(max_tokens=5000), 400, "max_tokens", "exceeds the context limit of 1024"),
         (chat_body("a lone \ud800 here"), 400, "messages.0.content", "lone UTF-16 surrogate"),

@@ -12,6 +12,7 @@ from minibatch.engine.core.admission import QueueFull, RequestRejected
 from minibatch.engine.core.block_manager import BlockManager
 from minibatch.engine.core.config import SchedulerConfig
 from minibatch.engine.core.engine import LLMEngine
+from minibatch.engine.core.outputs import RequestOutput, merge_outputs
 from minibatch.engine.core.sampling_params import SamplingParams
 
 from .fakes import CharTokenizer, FakeRunner
@@ -188,3 +189,57 @@ def test_run_on_this_thread_serves_on_the_callers_thread_and_shuts_down():
     finally:
         a.shutdown()
     assert not t.is_alive() and not a.alive
+
+
+def test_a_paced_stream_merges_what_came_within_its_interval():
+    """interval > 0: at most one output per interval after the first; the same tokens and text in order."""
+    a = make_async(SlowRunner(4, delay=0.002))
+
+    async def run(interval):
+        t0 = time.monotonic()
+        rid = a.submit([5, 6, 7], greedy(120))
+        outs = [o async for o in a.stream(rid, interval)]
+        return outs, time.monotonic() - t0
+
+    try:
+        plain, _ = asyncio.run(run(0.0))
+        paced, elapsed = asyncio.run(run(0.05))
+        assert [t for o in paced for t in o.token_ids] == [t for o in plain for t in o.token_ids]
+        assert "".join(o.text for o in paced) == "".join(o.text for o in plain)
+        assert len(plain) >= 120  # a step's output each: one token a step
+        assert paced[-1].finished and paced[-1].metrics.output_tokens == 120
+        # the first output, then one per 50 ms at most (the end may come sooner than its interval)
+        assert len(paced) <= 2 + elapsed / 0.05
+        assert any(len(o.token_ids) > 1 for o in paced)
+        assert a.engine.scheduler.blocks.num_used_blocks == 0
+    finally:
+        a.shutdown()
+
+
+def test_the_end_of_a_paced_stream_does_not_wait_for_its_interval():
+    a = make_async(SlowRunner(4, delay=0.002))
+
+    async def run():
+        t0 = time.monotonic()
+        rid = a.submit([5, 6, 7], greedy(20))
+        outs = [o async for o in a.stream(rid, 30.0)]
+        return outs, time.monotonic() - t0
+
+    try:
+        outs, elapsed = asyncio.run(run())
+        # the first output at once; the rest held, then sent the moment the request ends
+        assert len(outs) <= 2 and sum(len(o.token_ids) for o in outs) == 20 and outs[-1].finished
+        assert elapsed < 15.0  # far under the 30 s interval: the end woke the held stream
+    finally:
+        a.shutdown()
+
+
+def test_merged_outputs_keep_each_tokens_logprob_and_the_last_end():
+    first = RequestOutput("r", "a", [1], logprobs=[(-0.5, [(1, -0.5)])])
+    mid = RequestOutput("r", "", [], logprobs=[])
+    last = RequestOutput("r", "bc", [2, 3], True, "stop", logprobs=[(-0.1, []), (-0.2, [])])
+    out = merge_outputs([first, mid, last])
+    assert (out.text, out.token_ids, out.finished, out.finish_reason) == ("abc", [1, 2, 3], True, "stop")
+    assert out.logprobs == [(-0.5, [(1, -0.5)]), (-0.1, []), (-0.2, [])]
+    assert merge_outputs([first]) is first
+    assert merge_outputs([RequestOutput("r", "x", [4]), RequestOutput("r", "y", [5])]).logprobs is None
