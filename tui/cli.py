@@ -14,6 +14,8 @@ import platformdirs
 from minibatch.daemon.client import request_json
 from minibatch.daemon.paths import default_socket
 
+from .niceness import be_nice
+
 
 def default_db() -> Path:
     env = os.environ.get("MINIBATCH_CHAT_DB")
@@ -107,25 +109,27 @@ def main(argv: list[str] | None = None) -> int:
         while daemon_health(target, args.api_key)[0] != 200 and time.monotonic() < deadline:
             time.sleep(0.5)
 
-    if args.nice:
-        # The chat only draws; the daemon's threads do the work it shows. Being nicer than them, it takes
-        # an idle core at once but never preempts an engine thread (the engine's steps wait for their
-        # slowest thread, so one preempted thread stalls the whole step).
-        os.nice(args.nice)
+    # The chat only draws; the daemon's threads do the work it shows. Being nicer than them, it takes an
+    # idle core at once but never preempts an engine thread (the engine's steps wait for their slowest
+    # thread, so one preempted thread stalls the whole step).
+    restore_nice = be_nice(args.nice) if args.nice else lambda: None
 
-    from .app import MinibatchChat
-    from .client import DaemonClient
-    from .frames import FRAME_MIN_S
-    from .history import History
-
-    history = History(args.db or default_db())
-    if args.new:
-        history.reset()
     try:
-        # the daemon sends a pane's text no more often than the chat can draw it
-        MinibatchChat(DaemonClient(target, args.api_key, stream_interval=FRAME_MIN_S), history).run()
+        from .app import MinibatchChat
+        from .client import DaemonClient
+        from .frames import FRAME_MIN_S
+        from .history import History
+
+        history = History(args.db or default_db())
+        if args.new:
+            history.reset()
+        try:
+            # the daemon sends a pane's text no more often than the chat can draw it
+            MinibatchChat(DaemonClient(target, args.api_key, stream_interval=FRAME_MIN_S), history).run()
+        finally:
+            history.close()
     finally:
-        history.close()
+        restore_nice()
     return 0
 
 

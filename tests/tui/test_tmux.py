@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -47,6 +48,9 @@ def test_two_panes_broadcast_in_a_real_terminal(tiny_chat_model_dir, short_tmp):
         tmux("new-session", "-d", "-s", "chat", "-x", "130", "-y", "40", cmd)
         tmux("resize-window", "-t", "chat", "-x", "130", "-y", "40", check=False)
         wait_for(lambda s: "mode" in s and "continuous" in s, what="the engine panel")
+        if Path("/proc/self/autogroup").exists():  # its terminal session yields to the daemon's (niceness.py)
+            pid = tmux("list-panes", "-t", "chat", "-F", "#{pane_pid}").split()[0]
+            assert Path(f"/proc/{pid}/autogroup").read_text().split()[-1] == "10"
         tmux("send-keys", "-t", "chat", "C-n")
         wait_for(lambda s: s.count("pane 2") >= 1, what="a second pane")
         tmux("send-keys", "-t", "chat", "-l", "hello there")
