@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from minibatch.tui.widgets.transcript import stable_prefix
+import asyncio
+
+import pytest
+from textual.app import App
+
+from minibatch.tui.widgets.stream_cuts import continuation_cut, stable_prefix
+from minibatch.tui.widgets.transcript import Transcript
 
 
 def test_the_finished_part_ends_at_the_last_blank_line():
@@ -19,3 +25,65 @@ def test_a_blank_line_inside_a_code_fence_does_not_end_a_block():
     assert closed[: stable_prefix(closed)] == text + "```\n\n"
     tilde = "~~~\na\n\nb\n"
     assert stable_prefix(tilde) == 0
+
+
+def test_a_tight_list_is_cut_before_its_newest_item():
+    text = "Intro.\n\n- a\n- b\n  more of b\n- c"
+    start = stable_prefix(text)
+    cut = continuation_cut(text, start)
+    assert text[start : cut.at] == "- a\n- b\n  more of b\n" and cut.fence == ""
+    assert continuation_cut(text, cut.at) is None  # one item left: nothing before it to keep
+    assert continuation_cut("Para\nline two\nline three", 0) is None  # not a list: the paragraph is one block
+    numbered = "1. one\n2. two\n10. ten\n"
+    assert numbered[continuation_cut(numbered, 0).at :] == "10. ten\n"
+
+
+def test_an_open_code_fence_is_cut_before_its_newest_line_and_carries_its_opener():
+    text = "Here:\n```python\nx = 1\ny = 2\nz"
+    cut = continuation_cut(text, 0)
+    assert text[: cut.at] == "Here:\n```python\nx = 1\ny = 2\n" and cut.fence == "```python\n"
+    more = text + " = 3\nw = 4\n"
+    again = continuation_cut(more, cut.at, cut.fence)
+    assert more[cut.at : again.at] == "z = 3\n" and again.fence == "```python\n"
+    assert continuation_cut(more + "```\n", again.at, again.fence) is None  # closed: the rest is one block
+    assert continuation_cut("```python\nx = 1\n", 0) is None  # one line of code: nothing to keep yet
+
+
+LIST = "Steps:\n\n" + "".join(
+    f"{i}. **Step {i}**: do the thing number {i}, carefully and twice.\n" for i in range(1, 31)
+)
+CODE = "Code:\n\n```python\n" + "".join(f"value_{i} = compute({i}, scale=2)\n" for i in range(30)) + "```\n\nDone."
+
+
+@pytest.mark.parametrize("answer", [LIST, CODE], ids=["tight list", "code block"])
+def test_a_streaming_answer_is_drawn_as_its_whole_markdown_and_rendered_once_a_part(answer):
+    """Streamed a line at a time, the answer shows at each line what its whole Markdown shows, and the
+    text rendered over the stream grows with the answer, not with its square."""
+
+    async def go():
+        app = Host()
+        async with app.run_test(size=(70, 30)):
+            t, ref = app.query_one("#t", Transcript), app.query_one("#ref", Transcript)
+            rendered = []
+            lines = t._markdown_lines
+            t._markdown_lines = lambda text, *a: rendered.append(len(text)) or lines(text, *a)
+            i = t.add("assistant", "", streaming=True)
+            r = ref.add("assistant", "")
+            mismatches, text = [], ""
+            for line in answer.splitlines(keepends=True):
+                t.append(i, line)
+                text += line
+                ref.set_text(r, text)
+                if t.plain_lines() != ref.plain_lines():
+                    mismatches.append(text)
+            return mismatches, sum(rendered)
+
+    mismatches, rendered = asyncio.run(go())
+    assert mismatches == []
+    assert rendered < 4 * len(answer)  # re-rendering the whole tail each line: about 15x here
+
+
+class Host(App):
+    def compose(self):
+        yield Transcript(id="t")
+        yield Transcript(id="ref")

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from markdown_it import MarkdownIt
+from rich.markdown import ListElement
 from rich.markdown import Markdown as RichMarkdown
 from rich.segment import Segment
 from rich.style import Style
@@ -24,34 +25,55 @@ from textual.geometry import Region, Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
+from .stream_cuts import continuation_cut, last_number, stable_prefix
+
 JUMP = 3  # a view that follows the end scrolls ahead by 1/JUMP of its height at a time (see _changed)
+
+
+class _List(ListElement):
+    """rich's list, whose numbers are as wide as those of the list it is a part of (`_Markdown.numbers_to`)."""
+
+    @classmethod
+    def create(cls, markdown: _Markdown, token) -> _List:
+        element = cls(token.type, int(token.attrs.get("start", 1)))
+        element.numbers_to = markdown.numbers_to
+        return element
+
+    def __rich_console__(self, console, options):
+        if self.list_type == "bullet_list_open":
+            yield from super().__rich_console__(console, options)
+            return
+        first = 1 if self.list_start is None else self.list_start
+        last = max(first + len(self.items), self.numbers_to)  # rich pads every number to this one's width
+        for i, item in enumerate(self.items):
+            yield from item.render_number(console, options, first + i, last)
 
 
 class _Markdown(RichMarkdown):
     """rich's Markdown, parsed by one shared parser: rich builds a new parser for every text it is given,
-    which cost more than the parse itself at every frame of a streaming answer."""
+    which cost more than the parse itself at every frame of a streaming answer. `numbers_to`: an ordered
+    list's numbers are as wide as this one's (a part of a longer list is drawn as within it)."""
 
     _parser = MarkdownIt().enable("strikethrough").enable("table")
     _defaults = dict(vars(RichMarkdown("")))
+    elements = {**RichMarkdown.elements, "ordered_list_open": _List}
 
-    def __init__(self, markup: str) -> None:
+    def __init__(self, markup: str, numbers_to: int = 0) -> None:
         self.__dict__.update(self._defaults)
         self.markup = markup
+        self.numbers_to = numbers_to
         self.parsed = self._parser.parse(markup)
 
 
-def stable_prefix(text: str) -> int:
-    """Length of the part of a streaming Markdown text whose blocks are finished: up to its last blank
-    line that is outside a fenced code block (0 if none)."""
-    end, fenced, pos = 0, False, 0
-    for line in text.splitlines(keepends=True):
-        stripped = line.strip()
-        if stripped.startswith(("```", "~~~")):
-            fenced = not fenced
-        pos += len(line)
-        if not stripped and not fenced and pos < len(text):
-            end = pos
-    return end
+def _seamless(lines: list[Strip], continues: bool, goes_on: bool) -> list[Strip]:
+    """A part of a block cut in two (stream_cuts.py): without the blank row rich starts it with when it
+    `continues` one drawn above (a list's spacing, a code block's top padding), nor the padding it ends
+    with when it `goes_on` in the next part."""
+    if continues and lines and not lines[0].text.strip():
+        lines = lines[1:]
+    if goes_on and lines and not lines[-1].text.strip():
+        lines = lines[:-1]
+    return lines
 
 
 @dataclass(slots=True)
@@ -61,7 +83,19 @@ class Message:
     streaming: bool = False
     stable: int = 0  # streaming: text[:stable] is rendered in head
     head: list[Strip] = field(default_factory=list)  # the finished blocks' lines (streaming)
+    cut: int = 0  # streaming: text[stable:cut] is rendered in parts, a block that goes on (stream_cuts.py)
+    fence: str = ""  # the code fence open at `cut`: the tail is rendered after its opening line
+    parts: list[Strip] = field(default_factory=list)
+    numbers: int = 0  # the number rich pads the parts' ordered list to (stream_cuts.last_number)
     lines: list[Strip] = field(default_factory=list)  # all of its lines at the current width
+
+    def restart(self) -> None:
+        """Render it whole at the next render."""
+        self.stable, self.head = 0, []
+        self.restart_parts()
+
+    def restart_parts(self) -> None:
+        self.cut, self.fence, self.parts, self.numbers = self.stable, "", [], 0
 
 
 class Transcript(ScrollView, can_focus=False):
@@ -84,21 +118,23 @@ class Transcript(ScrollView, can_focus=False):
     def append(self, index: int, text: str) -> None:
         """More streamed text for message `index`: only the unfinished tail is rendered again."""
         m = self.messages[index]
-        kept = len(m.head)  # the lines drawn before that stay: the finished blocks' (a block finishing adds to them)
+        kept = len(m.head) + len(m.parts)  # the lines drawn before that stay (a block finishing adds to them)
         m.text += text
         self._render(m)
-        self._changed(index, min(kept, len(m.head)))
+        self._changed(index, min(kept, len(m.head) + len(m.parts)))
 
     def set_text(self, index: int, text: str) -> None:
         m = self.messages[index]
-        m.text, m.stable, m.head = text, 0, []
+        m.text = text
+        m.restart()
         self._render(m)
         self._changed(index)
 
     def finish(self, index: int) -> None:
         """The stream ended: render the whole message once as the Markdown it is."""
         m = self.messages[index]
-        m.streaming, m.stable, m.head = False, 0, []
+        m.streaming = False
+        m.restart()
         self._render(m)
         self._changed(index)
 
@@ -127,15 +163,36 @@ class Transcript(ScrollView, can_focus=False):
             stable = stable_prefix(m.text)
             if stable != m.stable:  # a block finished: render the finished part once more, then keep it
                 m.stable, m.head = stable, self._markdown_lines(m.text[:stable], width) if stable else []
-            m.lines = m.head + self._markdown_lines(m.text[m.stable :], width)
+                m.restart_parts()
+            numbers = last_number(m.text, m.stable)
+            if len(str(numbers)) != len(str(m.numbers)):  # the list's numbers got wider: its parts are drawn anew
+                m.restart_parts()
+            m.numbers = numbers
+            cut = continuation_cut(m.text, m.cut, m.fence)
+            if cut is not None:  # a block goes on: what came before the cut is rendered once, and kept
+                m.parts += self._part_lines(m, m.text[m.cut : cut.at], width, bool(cut.fence))
+                m.cut, m.fence = cut.at, cut.fence
+            m.lines = m.head + m.parts + self._part_lines(m, m.text[m.cut :], width, False)
         m.lines.append(Strip.blank(0))  # a blank line between messages
 
-    def _markdown_lines(self, text: str, width: int) -> list[Strip]:
+    def _part_lines(self, m: Message, text: str, width: int, goes_on: bool) -> list[Strip]:
+        """The lines of the streaming message `m`'s text[m.cut:] up to `text`'s end, as they stand in the
+        whole message's rendering: after the finished blocks, with the blank line rich puts between two
+        blocks (a one-line block rendered before it, then dropped, gives it its place); after a part of
+        the same block, without the seams (stream_cuts.py)."""
+        n = m.numbers
+        if m.cut > m.stable:
+            return _seamless(self._markdown_lines(m.fence + text, width, n), True, goes_on)
+        if m.stable:
+            return _seamless(self._markdown_lines("x\n\n" + text, width, n)[1:], False, goes_on)
+        return _seamless(self._markdown_lines(text, width, n), False, goes_on)
+
+    def _markdown_lines(self, text: str, width: int, numbers_to: int = 0) -> list[Strip]:
         if not text.strip():
             return []
         console = self.app.console
         options = console.options.update(width=width, height=None)
-        return [Strip(line) for line in console.render_lines(_Markdown(text), options, pad=False)]
+        return [Strip(line) for line in console.render_lines(_Markdown(text, numbers_to), options, pad=False)]
 
     def _user_lines(self, text: str, width: int) -> list[Strip]:
         console = self.app.console
@@ -194,7 +251,7 @@ class Transcript(ScrollView, can_focus=False):
         if width != self._width:
             self._width = width
             for m in self.messages:
-                m.stable, m.head = 0, []
+                m.restart()
                 self._render(m)
             self._changed()
 
