@@ -23,10 +23,11 @@ from minibatch.engine.core.admission import RequestRejected, check_capacity
 from minibatch.engine.core.config import MODES
 from minibatch.engine.core.engine import LLMEngine
 from minibatch.engine.core.info import EngineInfo
-from minibatch.engine.core.outputs import EngineState, RequestOutput, StepStats, merge_outputs
+from minibatch.engine.core.outputs import EngineState, RequestOutput, StepStats
 from minibatch.engine.core.request import Request
 from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.heap import release_free_memory
+from minibatch.engine.output_stream import OutputStream
 from minibatch.engine.step_loop import StepLoop
 
 log = logging.getLogger("minibatch.engine")
@@ -34,26 +35,6 @@ log = logging.getLogger("minibatch.engine")
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped; no request can run."""
-
-
-class _Stream:
-    """One request's outputs on their way to the event loop that submitted it."""
-
-    __slots__ = ("loop", "queue", "ended", "wake")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.ended = False  # the final output is in the queue
-        self.wake: asyncio.Future | None = None  # a paced reader waiting out its interval
-
-    def put(self, out: RequestOutput) -> None:
-        """On the event loop."""
-        self.queue.put_nowait(out)
-        if out.finished:
-            self.ended = True
-            if self.wake is not None and not self.wake.done():
-                self.wake.set_result(None)  # the end never waits for the interval
 
 
 class AsyncEngine:
@@ -65,7 +46,7 @@ class AsyncEngine:
         self._inbox: deque[Callable[[], None]] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._ids = itertools.count()
         self._queued = 0  # submitted but not yet in the scheduler's waiting queue
         self.stats: deque[StepStats] = deque(maxlen=stats_ring)
@@ -168,7 +149,7 @@ class AsyncEngine:
             # exact however fast the engine admits.
             check_capacity(sched.config, self._inflight)
             self._inflight += 1
-        self._streams[request_id] = _Stream(asyncio.get_running_loop())
+        self._streams[request_id] = OutputStream(asyncio.get_running_loop())
         self._queued += 1
 
         def add() -> None:
@@ -183,35 +164,13 @@ class AsyncEngine:
         return request_id
 
     async def stream(self, request_id: str, interval: float = 0.0) -> AsyncIterator[RequestOutput]:
-        """Outputs of a submitted request until its final one. Leaving early aborts it.
-
-        `interval` > 0 paces the stream: after an output the next one comes no sooner than `interval`
-        seconds later, and holds every output that came meanwhile (merge_outputs). The first output and
-        the final one never wait: a reader sees the first token and the end as they happen, and a client
-        that draws text a few times a second reads a few outputs a second instead of one per step."""
-        s = self._streams[request_id]
+        """Outputs of a submitted request until its final one (`interval` > 0: paced, see OutputStream).
+        Leaving early aborts it."""
         finished = False
-        next_at = 0.0
         try:
-            while True:
-                if interval > 0 and not s.ended:
-                    wait = next_at - time.monotonic()
-                    if wait > 0:
-                        s.wake = s.loop.create_future()
-                        await asyncio.wait([s.wake], timeout=wait)
-                        s.wake.cancel()
-                        s.wake = None
-                out: RequestOutput = await s.queue.get()
-                if interval > 0 and not out.finished and not s.queue.empty():
-                    held = [out]
-                    while not s.queue.empty() and not held[-1].finished:
-                        held.append(s.queue.get_nowait())
-                    out = merge_outputs(held)
+            async for out in self._streams[request_id].outputs(interval):
                 yield out
-                if out.finished:
-                    finished = True
-                    return
-                next_at = time.monotonic() + interval
+                finished = out.finished
         finally:
             if not finished:
                 self.abort(request_id)
