@@ -616,6 +616,8 @@ def test_the_panel_says_when_the_machine_is_busy(history):
     assert "cpu wait   2% cores free" in free and "busy" not in free
     assert "cpu wait  41% machine busy elsewhere" in busy
     assert "cpu wait" not in unknown  # a system that does not count it: no line rather than a guess
+    # its row stays, blank: the panel keeps its height, so a hint that comes and goes lays nothing out again
+    assert free.count("\n") == busy.count("\n") == unknown.count("\n")
     assert contention_line(0.0999).endswith("cores free[/]") and "busy" in contention_line(0.1)
 
 

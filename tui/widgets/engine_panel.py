@@ -232,11 +232,11 @@ class EnginePanel(Vertical):
             f"step {1000 * e['step_time']:5.0f} ms  preempted {e['total_preemptions']}",
             f"prefix-cache hits {self.hit_blocks} blocks",
         ]
-        if e["mode"] == "static" or e["wasted_row_steps"]:
-            lines.append(f"wasted row-steps {e['wasted_row_steps']}")
-        for extra in (speculation_line(e), contention_line(e.get("cpu_wait_share"))):
-            if extra:
-                lines.append(extra)
+        # rows that say something only at times are there (blank) all the time: a line that came and went
+        # laid out the whole screen each time (the contention hint does, under load) and moved the map
+        wasted = e["mode"] == "static" or e["wasted_row_steps"]
+        lines.append(f"wasted row-steps {e['wasted_row_steps']}" if wasted else "")
+        lines += [speculation_line(e) or "", contention_line(e.get("cpu_wait_share")) or ""]
         changed |= self._show("engine-numbers", "\n".join(lines))
         self.redraws += changed
 

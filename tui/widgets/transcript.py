@@ -99,7 +99,16 @@ class Message:
 
 
 class Transcript(ScrollView, can_focus=False):
-    """Messages added whole (`add`) or streamed (`add(..., streaming=True)`, `append`, `finish`)."""
+    """Messages added whole (`add`) or streamed (`add(..., streaming=True)`, `append`, `finish`).
+
+    Its scrollbar is always shown: one that appeared when an answer first overflowed the view narrowed
+    the text, so every message was rendered again at the new width, in a layout of the whole screen."""
+
+    DEFAULT_CSS = """
+    Transcript {
+        overflow-y: scroll;
+    }
+    """
 
     def __init__(self, messages: list[dict] | None = None, accent: str = "#61afef", **kw) -> None:
         super().__init__(**kw)
@@ -227,19 +236,18 @@ class Transcript(ScrollView, can_focus=False):
     def _grow(self, size: Size) -> bool:
         """A new virtual size. Setting it the usual way lays out the whole screen (the reactive is declared
         with layout=True): with six panes streaming that was some twenty layouts a second, each one every
-        widget's arrangement and the scrollbars' resize. Only a scrollbar that appears or goes away changes
-        this widget's content width and so needs a layout; otherwise the size is set without one and the
-        scrollbar is told its new proportions, which repaints only the scrollbar. True: a layout comes."""
+        widget's arrangement and the scrollbars' resize. The scrollbar is always there (DEFAULT_CSS), so
+        the content width holds while the text grows and only a new width needs a layout; otherwise the
+        size is set without one and the scrollbar is told its new proportions, which repaints only the
+        scrollbar. True: a layout comes."""
         width, height = self.container_size
-        scrollbar = self.show_vertical_scrollbar
-        if not height or (size.height > height) != scrollbar or size.width != self.virtual_size.width:
+        if not height or size.width != self.virtual_size.width:
             self.virtual_size = size
             return True
         self.set_reactive(ScrollView.virtual_size, size)
-        if scrollbar:
-            bar = self.vertical_scrollbar
-            bar.window_virtual_size, bar.window_size = size.height, height - self.scrollbar_size_horizontal
-            bar.refresh()
+        bar = self.vertical_scrollbar
+        bar.window_virtual_size, bar.window_size = size.height, height - self.scrollbar_size_horizontal
+        bar.refresh()
         return False
 
     def render_lines(self, crop: Region) -> list[Strip]:
