@@ -7,7 +7,9 @@ far more). So besides the finished blocks (`stable_prefix`: up to the last blank
 a tail is cut where its block goes on (`continuation_cut`): before the newest item of a tight list, or
 before the newest line of a code fence that is still open. The part before such a cut is rendered once and
 kept; the transcript joins the parts without the seams (the blank line rich puts before a list, a code
-block's padding rows). The whole answer is rendered once more when it ends.
+block's padding rows). A long paragraph is cut after its wrapped lines but the last (`wrapped_cut`): those
+are final while it grows at its end, as long as no later text can restyle them. The whole answer is
+rendered once more when it ends.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from dataclasses import dataclass
 LIST_ITEM = re.compile(r"(?:[-*+]|\d{1,9}[.)])(?: |\t)")  # a list item's marker at the start of a line
 ORDERED_ITEM = re.compile(r"(\d{1,9})[.)](?: |\t)")
 FENCES = ("```", "~~~")
+# What lets later text restyle a paragraph's earlier text: emphasis, code spans, strikethrough, links,
+# inline HTML, table cells, escapes. (A line break too, which wrapped_cut's caller refuses: a setext
+# underline on the next line makes the whole paragraph a heading.)
+INLINE_MARKS = frozenset("*_`~[]<|\\")
 
 
 def stable_prefix(text: str) -> int:
@@ -71,3 +77,25 @@ def last_number(text: str, start: int) -> int:
     if first is None:
         return 0
     return int(first.group(1)) + sum(1 for line in lines if ORDERED_ITEM.match(line))
+
+
+def wrapped_cut(text: str, start: int, lines: str) -> int | None:
+    """Where to cut a one-line paragraph that text[start:] renders, after its first wrapped lines (`lines`:
+    their text): the offset of the next line's first word. Wrapping is greedy, so those lines stay as they
+    are while the paragraph grows at its end, and the rest, rendered alone, wraps as it does within the
+    whole. None where that does not hold: the lines are not the text's words as written (an entity drawn
+    as its character), they end inside a word (a long word folded), their text has one of INLINE_MARKS,
+    or the rest does not begin with a letter (alone, '1. ' or '- ' would begin a list)."""
+    words = "".join(lines.split())
+    pos, seen = start, 0
+    while pos < len(text) and seen < len(words):
+        if not text[pos].isspace():
+            if text[pos] != words[seen]:
+                return None
+            seen += 1
+        pos += 1
+    if seen < len(words) or pos >= len(text) or not text[pos].isspace() or INLINE_MARKS.intersection(text[start:pos]):
+        return None
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos if pos < len(text) and text[pos].isalpha() else None

@@ -25,7 +25,7 @@ from textual.geometry import Region, Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from .stream_cuts import continuation_cut, last_number, stable_prefix
+from .stream_cuts import continuation_cut, last_number, stable_prefix, wrapped_cut
 
 JUMP = 3  # a view that follows the end scrolls ahead by 1/JUMP of its height at a time (see _changed)
 
@@ -87,6 +87,7 @@ class Message:
     fence: str = ""  # the code fence open at `cut`: the tail is rendered after its opening line
     parts: list[Strip] = field(default_factory=list)
     numbers: int = 0  # the number rich pads the parts' ordered list to (stream_cuts.last_number)
+    paragraph: bool = False  # the parts are a one-line paragraph's final wrapped lines (stream_cuts.wrapped_cut)
     lines: list[Strip] = field(default_factory=list)  # all of its lines at the current width
 
     def restart(self) -> None:
@@ -95,7 +96,7 @@ class Message:
         self.restart_parts()
 
     def restart_parts(self) -> None:
-        self.cut, self.fence, self.parts, self.numbers = self.stable, "", [], 0
+        self.cut, self.fence, self.parts, self.numbers, self.paragraph = self.stable, "", [], 0, False
 
 
 class Transcript(ScrollView, can_focus=False):
@@ -173,6 +174,8 @@ class Transcript(ScrollView, can_focus=False):
             if stable != m.stable:  # a block finished: render the finished part once more, then keep it
                 m.stable, m.head = stable, self._markdown_lines(m.text[:stable], width) if stable else []
                 m.restart_parts()
+            if m.paragraph and "\n" in m.text[m.stable :]:  # a line break: it may render otherwise, all again
+                m.restart_parts()
             numbers = last_number(m.text, m.stable)
             if len(str(numbers)) != len(str(m.numbers)):  # the list's numbers got wider: its parts are drawn anew
                 m.restart_parts()
@@ -181,8 +184,25 @@ class Transcript(ScrollView, can_focus=False):
             if cut is not None:  # a block goes on: what came before the cut is rendered once, and kept
                 m.parts += self._part_lines(m, m.text[m.cut : cut.at], width, bool(cut.fence))
                 m.cut, m.fence = cut.at, cut.fence
-            m.lines = m.head + m.parts + self._part_lines(m, m.text[m.cut :], width, False)
+            tail = self._part_lines(m, m.text[m.cut :], width, False)
+            if sum(bool(s.text.strip()) for s in tail) > 1 and self._paragraph_goes_on(m):
+                at = wrapped_cut(m.text, m.cut, "".join(s.text for s in tail[:-1]))
+                if at is not None:  # its wrapped lines but the last are final: kept, and the rest drawn alone
+                    m.parts += tail[:-1]
+                    m.cut, m.paragraph = at, True
+                    tail = self._part_lines(m, m.text[m.cut :], width, False)
+            m.lines = m.head + m.parts + tail
         m.lines.append(Strip.blank(0))  # a blank line between messages
+
+    def _paragraph_goes_on(self, m: Message) -> bool:
+        """Whether the streaming message's unfinished block is one line of paragraph so far, with no other
+        cut in it (a list's or a code fence's)."""
+        if m.fence or "\n" in m.text[m.stable :]:
+            return False
+        if m.paragraph or m.cut != m.stable:  # a paragraph's cut before (its kind holds), or a list's
+            return m.paragraph
+        tokens = _Markdown._parser.parse(m.text[m.stable :])
+        return [t.type for t in tokens] == ["paragraph_open", "inline", "paragraph_close"]
 
     def _part_lines(self, m: Message, text: str, width: int, goes_on: bool) -> list[Strip]:
         """The lines of the streaming message `m`'s text[m.cut:] up to `text`'s end, as they stand in the
