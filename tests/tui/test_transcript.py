@@ -97,8 +97,8 @@ def test_a_streaming_answer_is_drawn_as_its_whole_markdown_and_rendered_once_a_p
     """Streamed a line (or a few tokens) at a time, the answer shows at each step what its whole Markdown
     shows, and the text rendered over the stream grows with the answer, not with its square. The
     paragraphs: a long one cut after its wrapped lines (list-like words and a folded long word in it,
-    a number at a line's start), one with marks and an entity that may restyle it (not cut), one with a line break (drawn whole again),
-    one that a setext underline turns into a heading."""
+    a number at a line's start), one with marks and an entity (not cut), one with a line break (drawn
+    whole again), one that a setext underline turns into a heading."""
 
     async def go():
         app = Host()
@@ -120,7 +120,8 @@ def test_a_streaming_answer_is_drawn_as_its_whole_markdown_and_rendered_once_a_p
 
     mismatches, rendered = asyncio.run(go())
     assert mismatches == []
-    assert rendered < bound * len(answer)  # re-rendering the whole tail each step: 15-18x here, 32x the paragraphs (cut: 7x)
+    # re-rendering the whole tail each step: 15-18x here, 32x the paragraphs (cut: 7x)
+    assert rendered < bound * len(answer)
 
 
 class Host(App):
