@@ -174,7 +174,7 @@ class Transcript(ScrollView, can_focus=False):
             if stable != m.stable:  # a block finished: render the finished part once more, then keep it
                 m.stable, m.head = stable, self._markdown_lines(m.text[:stable], width) if stable else []
                 m.restart_parts()
-            if m.paragraph and "\n" in m.text[m.stable :]:  # a line break: it may render otherwise, all again
+            if m.paragraph and m.text.find("\n", m.stable) != -1:  # a line break: it may render otherwise, all again
                 m.restart_parts()
             numbers = last_number(m.text, m.stable)
             if len(str(numbers)) != len(str(m.numbers)):  # the list's numbers got wider: its parts are drawn anew
@@ -197,7 +197,7 @@ class Transcript(ScrollView, can_focus=False):
     def _paragraph_goes_on(self, m: Message) -> bool:
         """Whether the streaming message's unfinished block is one line of paragraph so far, with no other
         cut in it (a list's or a code fence's)."""
-        if m.fence or "\n" in m.text[m.stable :]:
+        if m.fence or m.text.find("\n", m.stable) != -1:  # (find: no copy of the tail at every frame)
             return False
         if m.paragraph or m.cut != m.stable:  # a paragraph's cut before (its kind holds), or a list's
             return m.paragraph
@@ -245,7 +245,7 @@ class Transcript(ScrollView, can_focus=False):
             height = self.scrollable_content_region.height
             ahead = height // JUMP if index is not None and at_end and total > height else 0
             laid_out = self._grow(Size(self._width, total + ahead))  # a new height: all of the view is drawn
-            if at_end:  # after the layout when there is one: a scrollbar that is not there yet cannot scroll
+            if at_end:  # after the layout when there is one: the view's new size is not known before it
                 self.scroll_end(animate=False, immediate=not laid_out, x_axis=False)
             self.refresh()
             return
@@ -260,7 +260,7 @@ class Transcript(ScrollView, can_focus=False):
         the content width holds while the text grows and only a new width needs a layout; otherwise the
         size is set without one and the scrollbar is told its new proportions, which repaints only the
         scrollbar. True: a layout comes."""
-        width, height = self.container_size
+        _, height = self.container_size
         if not height or size.width != self.virtual_size.width:
             self.virtual_size = size
             return True
