@@ -16,7 +16,14 @@ from pathlib import Path
 
 log = logging.getLogger("minibatch.kernels")
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("module.cpp", "paged_decode_attention.cpp", "quant_matmul.cpp", "quant_dot.cpp", "cpu_ops.cpp")
+SOURCES = (
+    "module.cpp",
+    "paged_decode_attention.cpp",
+    "quant_matmul.cpp",
+    "quant_dot.cpp",
+    "cpu_ops.cpp",
+    "sampling.cpp",
+)
 # No -ffast-math: the dequantisers must reproduce gguf.quants bit for bit.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _ext = None

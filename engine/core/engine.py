@@ -33,7 +33,7 @@ class Runner(Protocol):
         """Compute the scheduled rows; for every row that reached its last token, the tokens it takes."""
 
     def forget(self, request_id: str) -> None:
-        """The request is done: drop its per-request state (a seeded generator)."""
+        """The request is done: drop its per-request state (the token counts its penalties keep)."""
 
     def device_lost(self) -> bool:
         """After a failed step: whether the device is unusable from now on."""

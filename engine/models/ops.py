@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -50,17 +53,71 @@ class TorchOps:
         return x.argmax(dim=-1)
 
     @staticmethod
-    def sample_rows(logits: torch.Tensor, inv_temps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """One draw per row from softmax(logits * inv_temp), the distribution function inverted at u in [0, 1)
-        (a -inf logit is never drawn); a row whose largest logit is not finite, or whose inv_temp is infinite
-        (temperature 0), gives its argmax."""
-        top = logits.argmax(dim=-1)
-        m = logits.gather(1, top[:, None])
-        w = torch.exp((logits - m) * inv_temps[:, None]).masked_fill(logits == float("-inf"), 0.0)
-        c = w.double().cumsum(dim=-1)
-        at = torch.searchsorted(c, (u.double() * c[:, -1])[:, None], right=True).squeeze(1)
-        drawn = torch.isfinite(m.squeeze(1)) & ~torch.isinf(inv_temps)
-        return torch.where(drawn, at.clamp(max=logits.shape[1] - 1), top)
+    def sample_tokens(
+        logits: torch.Tensor,  # [rows, vocab]
+        settings: torch.Tensor,  # fp64 [rows, 4]: temperature (0: greedy), top_p, min_p, top_k (<= 0: off)
+        streams: torch.Tensor,  # int64 [rows, 2]: Philox key and counter
+        masks: torch.Tensor | None,  # int32 [rows, ceil(vocab / 32)]: allowed-token bits, or None
+    ) -> torch.Tensor:
+        """One token per row by the rule kernels/csrc/sampling.cpp states, computed by sorting, in float64: the
+        reference its kernel is tested against (and the sampler where the kernel is not built)."""
+        from minibatch.engine.runner.philox import uniforms
+
+        cut = _reference_cut(logits, settings, masks)
+        n, device = logits.shape[1], logits.device
+        c = (cut.weights * cut.keep).cumsum(dim=-1)
+        u = torch.from_numpy(uniforms(streams[:, 0].cpu().numpy(), streams[:, 1].cpu().numpy())).to(device)
+        at = torch.searchsorted(c, (u * c[:, -1])[:, None], right=True).squeeze(1)
+        last = (c == c[:, -1:]).int().argmax(dim=-1)  # where rounding leaves the target past every sum
+        return torch.where(cut.drawn, torch.where(at < n, at, last), cut.top)
+
+    @staticmethod
+    def sample_cuts(logits, settings, streams, masks) -> torch.Tensor:
+        """What the rule keeps per row: int64 [rows, 2], how many tokens and the last of them in the order."""
+        cut = _reference_cut(logits, settings, masks)
+        count = cut.keep.sum(dim=-1)  # the kept tokens are a prefix of the order
+        last = cut.order.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
+        ones = torch.ones_like(count)
+        return torch.stack([torch.where(cut.drawn, count, ones), torch.where(cut.drawn, last, cut.top)], dim=1)
+
+
+@dataclass
+class _Cut:
+    keep: torch.Tensor  # bool [rows, vocab]: the tokens the rule keeps
+    weights: torch.Tensor  # fp64 [rows, vocab]: exp((logit - max) / temperature)
+    order: torch.Tensor  # int64 [rows, vocab]: the tokens by logit, the lower id first among ties
+    top: torch.Tensor  # int64 [rows]: the argmax
+    drawn: torch.Tensor  # bool [rows]: sampled (else the argmax is taken)
+
+
+def _reference_cut(logits: torch.Tensor, settings: torch.Tensor, masks: torch.Tensor | None) -> _Cut:
+    """The sampling rule by sorting, in float64 (kernels/csrc/sampling.cpp states it)."""
+    rows, n = logits.shape
+    device = logits.device
+    x = logits.double()
+    if masks is not None:
+        bits = masks.to(device).unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=device)
+        x = x.masked_fill(~(bits & 1).bool().reshape(rows, -1)[:, :n], float("-inf"))
+    temp, top_p, min_p, top_k = settings.to(device).unbind(1)
+    top = x.argmax(dim=-1)
+    m = x.gather(1, top[:, None])
+    drawn = torch.isfinite(m.squeeze(1)) & (temp > 0)
+    z = (x - m) / torch.where(drawn, temp, 1.0)[:, None]
+    w = torch.exp(z)  # a -inf logit weighs 0
+    xs, order = x.sort(dim=-1, descending=True, stable=True)  # the order: higher logit, then lower id
+    k = torch.where((top_k > 0) & (top_k < n), top_k, float(n)).long()
+    keep = (x >= xs.gather(1, (k - 1)[:, None])) & (x > float("-inf"))  # ties with the k-th kept
+    wk = w * keep
+    ws = wk.gather(1, order)
+    before = ws.cumsum(dim=-1) - ws
+    dropped = before >= (top_p * wk.sum(dim=-1))[:, None]
+    keep &= ~torch.zeros_like(dropped).scatter(1, order, dropped) | (top_p >= 1)[:, None]
+    ln_min_p = torch.tensor([math.log(v) if v > 0 else -math.inf for v in min_p.tolist()], device=device)
+    keep &= z >= ln_min_p[:, None]
+    return _Cut(keep, w, order, top, drawn)
+
+
+_no_masks = torch.empty(0, dtype=torch.int32)
 
 
 class CpuOps(TorchOps):
@@ -91,10 +148,13 @@ class CpuOps(TorchOps):
         step; a decode step of two rows, or one row verifying one draft token, ran 1.5 times as long so."""
         return self.ext.argmax_rows(x.float())
 
-    def sample_rows(self, logits, inv_temps, u):
-        """One pass per row on the pool, where the twin's half a dozen ops over the vocabulary each ran a
-        parallel region (a temperature-sampled row cost a batch-1 step about 4 ms so)."""
-        return self.ext.sample_rows(logits.float(), inv_temps.float().contiguous(), u.float().contiguous())
+    def sample_tokens(self, logits, settings, streams, masks):
+        """One fused pass per row on the pool (sampling.cpp): no sort of the vocabulary, no tensor per step
+        beyond the output, where the twin's dozen ops over it each ran a parallel region."""
+        return self.ext.sample_tokens(logits.float(), settings, streams, _no_masks if masks is None else masks)
+
+    def sample_cuts(self, logits, settings, streams, masks):
+        return self.ext.sample_cuts(logits.float(), settings, streams, _no_masks if masks is None else masks)
 
 
 class TritonOps(TorchOps):

@@ -1,8 +1,9 @@
-"""Batched next-token sampling: logit bias, grammar masks, penalties, temperature, top-k, top-p, min-p, seeds."""
+"""Batched next-token sampling: logit bias, penalties, then one fused pass per row (a grammar's mask,
+temperature, top-k, top-p, min-p and the draw) in ops.sample_tokens."""
 
 from __future__ import annotations
 
-import math
+import secrets
 
 import numpy as np
 import torch
@@ -10,103 +11,147 @@ import torch
 from minibatch.engine.core.request import Request
 from minibatch.engine.models.ops import TorchOps
 
+_KEY_BITS = (1 << 63) - 1  # keys and counters travel as int64
+
+
+class SeenTokens:
+    """The tokens a request has seen, for its penalties: the prompt's distinct ids once, and the output's
+    counts kept as tokens are taken (and given back when a verify walk rolls its draft tokens off), so a
+    step costs what changed, not the whole history."""
+
+    __slots__ = ("prompt", "prompt_set", "counts", "counted", "extra")
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.prompt = np.unique(np.asarray(prompt, dtype=np.int64))
+        self.prompt_set = set(prompt)
+        self.counts: dict[int, int] = {}  # output token -> times taken
+        self.counted: list[int] = []  # the output tokens counted, in order
+        self.extra: dict[int, None] = {}  # output tokens the prompt lacks (an ordered set)
+
+    def sync(self, output: list[int]) -> None:
+        """Count `output` as the request holds it now (it only grows, or loses its last tokens)."""
+        keep = min(len(self.counted), len(output))
+        if keep and self.counted[keep - 1] != output[keep - 1]:
+            keep = 0  # not the same history: count it afresh
+        while len(self.counted) > keep:
+            token = self.counted.pop()
+            left = self.counts[token] - 1
+            if left:
+                self.counts[token] = left
+            else:
+                del self.counts[token]
+                self.extra.pop(token, None)
+        for token in output[len(self.counted) :]:
+            self.counted.append(token)
+            if token in self.counts:
+                self.counts[token] += 1
+            else:
+                self.counts[token] = 1
+                if token not in self.prompt_set:
+                    self.extra[token] = None
+
+    def seen_ids(self) -> np.ndarray:
+        """Every distinct token of the prompt and the output."""
+        if not self.extra:
+            return self.prompt
+        return np.concatenate([self.prompt, np.fromiter(self.extra, dtype=np.int64, count=len(self.extra))])
+
+    def output_counts(self) -> tuple[np.ndarray, np.ndarray]:
+        n = len(self.counts)
+        return np.fromiter(self.counts, dtype=np.int64, count=n), np.fromiter(self.counts.values(), np.float64, n)
+
 
 class Sampler:
-    """Picks one token per row of logits. Greedy rows take the argmax.
+    """Picks one token per row of logits.
 
-    A seeded request draws from its own generator, advanced once per token, so
-    it gets the same tokens whatever else shares the batch. A sampled row
-    inverts its distribution function at one uniform draw (`ops.sample_rows`):
-    top-k, top-p and min-p first mask the logits they cut to -inf, and the
-    draw applies the temperature.
+    Logit bias and penalties change the rows first (a few batched index operations over the tokens they
+    touch); then `ops.sample_tokens` takes each row's token in one pass: the grammar's mask, temperature,
+    top-k, top-p, min-p and the draw (kernels/csrc/sampling.cpp states the rule, TorchOps.sample_tokens is
+    its twin). Rows that are all greedy with no grammar take the argmax directly.
+
+    Draws are counter-based (engine/runner/philox.py): a row's uniform is Philox's at (key, position), the
+    key being the request's seed or, unseeded, this sampler's random key mixed with the request id, the
+    position that of the token drawn. A seeded request gets the same tokens alone, in any batch, with or
+    without speculation, and after a restart.
     """
 
-    def __init__(self, device: torch.device | str = "cpu", ops: TorchOps | None = None) -> None:
+    def __init__(self, device: torch.device | str = "cpu", ops: TorchOps | None = None, key: int | None = None) -> None:
         self.device = torch.device(device)
         self.ops = ops or TorchOps()  # the model's (CpuOps: kernels on the CPU's pool)
-        self.generators: dict[str, torch.Generator] = {}
-        self.default_generator = torch.Generator(device=self.device)
-        self.default_generator.seed()
+        self.key = secrets.randbits(63) if key is None else key & _KEY_BITS  # the unseeded requests' stream
+        self.seen: dict[str, SeenTokens] = {}
 
     def forget(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
+        self.seen.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[int]:  # logits: [n, vocab]
+    def __call__(self, logits: torch.Tensor, reqs: list[Request], positions: list[int] | None = None) -> list[int]:
+        """logits [rows, vocab], changed in place by bias and penalties; `positions`: each row's token index in
+        its output (default: the next one, len(output_token_ids))."""
         logits = logits.float()
         biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
         if biased:
             apply_logit_bias(logits, biased, [reqs[i] for i in biased])
         penalised = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
-        for i in penalised:
-            apply_penalties(logits[i], reqs[i])
-        if penalised:  # an extreme penalty overflows: keep every logit finite, so the softmax stays a distribution
+        if penalised:
+            self._penalise(logits, penalised, [reqs[i] for i in penalised])
+            # an extreme penalty overflows: keep every logit finite, so the softmax stays a distribution
             big = torch.finfo(logits.dtype).max
             logits.clamp_(-big, big)
-        # The grammar's masks go last: whatever came before, a token it forbids is never picked.
         guided = [i for i, r in enumerate(reqs) if r.params.grammar is not None]
-        if guided:
-            apply_grammar_masks(logits, guided, [reqs[i] for i in guided])
-        if all(r.params.greedy for r in reqs):
+        if not guided and all(r.params.greedy for r in reqs):
             return self.ops.argmax_rows(logits).tolist()
-        return self._sample(logits, reqs).tolist()
-
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Every row in one pass over the logits (a greedy row as temperature 0: its argmax, drawing nothing);
-        only rows that top-k, top-p or min-p cut are gathered first."""
-        cut = [
-            i
-            for i, r in enumerate(reqs)
-            if not r.params.greedy and (r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0)
-        ]
-        if cut:
-            idx = torch.tensor(cut, device=logits.device)
-            logits = logits.clone()
-            logits[idx] = self._cut(logits[idx], [reqs[i] for i in cut])
-        inv_temps = torch.tensor(
-            [math.inf if r.params.greedy else 1.0 / r.params.temperature for r in reqs],
-            dtype=torch.float32,
-            device=logits.device,
+        settings = torch.tensor(
+            [(0.0 if p.greedy else p.temperature, p.top_p, p.min_p, float(p.top_k)) for p in (r.params for r in reqs)],
+            dtype=torch.float64,
         )
-        zero = torch.zeros(1, device=self.device)
-        u = torch.cat(
-            [zero if r.params.greedy else torch.rand(1, generator=self._generator(r), device=self.device) for r in reqs]
-        )
-        return self.ops.sample_rows(logits, inv_temps, u)
+        if positions is None:
+            positions = [len(r.output_token_ids) for r in reqs]
+        streams = torch.tensor([(self._key(r), n) for r, n in zip(reqs, positions)], dtype=torch.int64)
+        masks = None
+        if guided:
+            # The grammar's mask goes last: whatever came before, a token it forbids is never picked.
+            words = np.full((len(reqs), (logits.shape[1] + 31) // 32), -1, dtype=np.int32)
+            for i in guided:
+                words[i] = 0
+                reqs[i].params.grammar.fill_mask(words[i])
+            masks = torch.from_numpy(words)
+        return self.ops.sample_tokens(logits, settings, streams, masks).tolist()
 
-    @staticmethod
-    def _cut(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """The rows' logits with what top-k, top-p and min-p cut set to -inf (probabilities at each row's
-        temperature; the top token always stays)."""
-        temps = torch.tensor([r.params.temperature for r in reqs], device=logits.device)
-        # Shifted so each row's top is 0 before dividing: a small temperature cannot overflow it to inf.
-        scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temps[:, None]
-        drop = torch.zeros_like(scaled, dtype=torch.bool)
-        top_k = [r.params.top_k for r in reqs]
-        if any(k > 0 for k in top_k):
-            ks = torch.tensor([k if k > 0 else scaled.shape[1] for k in top_k], device=logits.device)
-            at = (ks - 1).clamp(max=scaled.shape[1] - 1)[:, None]
-            kth = scaled.sort(dim=-1, descending=True).values.gather(1, at)
-            drop |= scaled < kth
-        probs = scaled.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        top_p = torch.tensor([r.params.top_p for r in reqs], device=logits.device)
-        if bool((top_p < 1).any()):
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            # drop a token when the mass before it already reaches top_p (the top token always stays)
-            drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p[:, None]
-            drop |= torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        min_p = torch.tensor([r.params.min_p for r in reqs], device=logits.device)
-        if bool((min_p > 0).any()):
-            drop |= probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        return logits.masked_fill(drop, float("-inf"))
+    def _key(self, r: Request) -> int:
+        seed = r.params.seed
+        return seed if seed is not None else (self.key ^ hash(r.request_id)) & _KEY_BITS
 
-    def _generator(self, r: Request) -> torch.Generator:
-        if r.params.seed is None:
-            return self.default_generator
-        g = self.generators.get(r.request_id)
-        if g is None:
-            g = self.generators[r.request_id] = torch.Generator(device=self.device)
-            g.manual_seed(r.params.seed)
-        return g
+    def _penalise(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
+        """Repetition penalty over every token seen, then presence and frequency over the output's counts:
+        one gather and scatter for all rows, from each request's SeenTokens."""
+        rep, sub = ([], [], []), ([], [], [])
+        for row, r in zip(rows, reqs):
+            seen = self.seen.get(r.request_id)
+            if seen is None:
+                seen = self.seen[r.request_id] = SeenTokens(r.prompt_token_ids)
+            seen.sync(r.output_token_ids)
+            p = r.params
+            if p.repetition_penalty != 1.0:
+                ids = seen.seen_ids()
+                rep[0].append(np.full(len(ids), row, dtype=np.int64))
+                rep[1].append(ids)
+                rep[2].append(np.full(len(ids), p.repetition_penalty))
+            if seen.counts and (p.presence_penalty or p.frequency_penalty):
+                ids, counts = seen.output_counts()
+                sub[0].append(np.full(len(ids), row, dtype=np.int64))
+                sub[1].append(ids)
+                sub[2].append(p.frequency_penalty * counts + p.presence_penalty)
+        device = logits.device
+        if rep[0]:
+            index = tuple(torch.from_numpy(np.concatenate(a)).to(device) for a in rep[:2])
+            penalty = torch.from_numpy(np.concatenate(rep[2])).to(device, logits.dtype)
+            vals = logits[index]
+            logits[index] = torch.where(vals > 0, vals / penalty, vals * penalty)
+        if sub[0]:
+            index = tuple(torch.from_numpy(np.concatenate(a)).to(device) for a in sub[:2])
+            logits.index_put_(
+                index, -torch.from_numpy(np.concatenate(sub[2])).to(device, logits.dtype), accumulate=True
+            )
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
@@ -123,30 +168,3 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[int], reqs: list[Request])
         torch.tensor(values, dtype=logits.dtype, device=device),
         accumulate=True,
     )
-
-
-def apply_grammar_masks(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
-    """Set to -inf, in place, every token the request's grammar does not allow next (only these rows)."""
-    vocab = logits.shape[1]
-    words = np.zeros((len(rows), (vocab + 31) // 32), dtype=np.int32)
-    for j, r in enumerate(reqs):
-        r.params.grammar.fill_mask(words[j])
-    bits = torch.from_numpy(words).to(logits.device).unsqueeze(-1) >> torch.arange(
-        32, dtype=torch.int32, device=logits.device
-    )
-    allowed = (bits & 1).bool().reshape(len(rows), -1)[:, :vocab]
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-
-
-def apply_penalties(row: torch.Tensor, r: Request) -> None:  # row: [vocab], changed in place
-    p = r.params
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(
-            sorted(set(r.prompt_token_ids) | set(r.output_token_ids)), dtype=torch.long, device=row.device
-        )
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if r.output_token_ids and (p.presence_penalty or p.frequency_penalty):
-        ids, counts = torch.tensor(r.output_token_ids, device=row.device).unique(return_counts=True)
-        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty

@@ -4,13 +4,16 @@ and then the model's own next token.
 A verify row has logits at 1 + k positions: after its last token and after each draft token. Position
 j is sampled exactly as a decode step would sample it, with the request's state as it would be then —
 the draft tokens before j appended to its output (penalties count them), its grammar advanced over them,
-its seeded generator advanced once per position — and the draft token there is accepted when the
+its draw Philox's at that position's counter — and the draft token there is accepted when the
 sample equals it. For a point-mass draft (an n-gram proposer's) that is the speculative-sampling rule
 (accept with probability min(1, p/q) = p(d); on rejection draw from the residual, which is p without
 d renormalised): a sample from p that equals d is accepted, one that differs is already a draw from
 that residual. So every token taken is distributed as without speculation, greedy rows take the same
-tokens, and a seeded request consumes its generator exactly as it would one token at a time. Positions
-after the first rejection are never sampled.
+tokens, and a seeded request draws exactly the uniforms it would one token at a time.
+
+Rows whose sampling does not depend on the tokens before (no penalties, no grammar) are sampled at every
+position in one call of the fused sampler, and the walk only compares; the others walk position by
+position, and positions after the first rejection are never sampled.
 
 After the walk the request's state is restored (output truncated, grammar rolled back): the engine
 appends the taken tokens itself, one at a time, with its stop checks.
@@ -43,6 +46,11 @@ def _plain(r: Request) -> bool:
     return p.greedy and not p.logit_bias and not p.needs_penalties and p.grammar is None
 
 
+def _stateful(r: Request) -> bool:
+    """Its sampling at a position depends on the tokens taken before it."""
+    return r.params.needs_penalties or r.params.grammar is not None
+
+
 def take_tokens(
     logits: torch.Tensor,  # [sum of (1 + len(draft)) over rows, vocab]: each row's positions in order
     reqs: list[Request],
@@ -56,6 +64,14 @@ def take_tokens(
         at += 1 + len(d)
     if all(_plain(r) for r in reqs):
         return _take_argmax(sampler.ops.argmax_rows(logits).tolist(), logits, reqs, drafts, offsets)
+    if at > len(reqs) and not any(_stateful(r) for r in reqs):
+        # every position of every row in one pass: each at its own counter, as it would be one at a time
+        rows = [r for r, d in zip(reqs, drafts) for _ in range(1 + len(d))]
+        positions = [len(r.output_token_ids) + j for r, d in zip(reqs, drafts) for j in range(1 + len(d))]
+        raw = logits if any(r.params.logprobs is not None for r in reqs) else None
+        if raw is not None:
+            raw = raw.clone()  # the sampler biases its rows in place; log-probabilities are of the model's
+        return _take_argmax(sampler(logits, rows, positions), raw, reqs, drafts, offsets)
     taken: list[list[int]] = [[] for _ in reqs]
     lps: list[list[TokenLogprob] | None] = [[] if r.params.logprobs is not None else None for r in reqs]
     base = [len(r.output_token_ids) for r in reqs]
@@ -96,6 +112,8 @@ def take_tokens(
 
 
 def _take_argmax(best, logits, reqs, drafts, offsets) -> tuple[list[list[int]], list[list[TokenLogprob] | None]]:
+    """Walk each row's positions with the token already chosen at each (`best`, flat over positions): a draft
+    token is accepted while it equals the choice; log-probabilities from `logits` (the model's) if asked."""
     taken = []
     for draft, at in zip(drafts, offsets):
         tokens = [best[at]]

@@ -1,8 +1,7 @@
 // The model's small per-token operations on the CPU, each one pass over its data: the C++ twins
 // of the Triton kernels in kernels/ (rmsnorm.py, rotary.py, activation.py). At decode, PyTorch
-// spends more time dispatching the dozen small ops these replace than computing them. And the sampler's
-// argmax over the vocabulary: torch's own runs a parallel region of OpenMP for two rows or more, whose
-// threads then spin beside the kernels' pool for the rest of the step (TorchOps.argmax_rows says more).
+// spends more time dispatching the dozen small ops these replace than computing them. (The sampler's
+// kernels are in sampling.cpp.)
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -28,136 +27,7 @@ inline void norm_row(const float* h, const float* w, float* out, int64_t d, floa
   for (int64_t i = 0; i < d; ++i) out[i] = w[i] * (h[i] * inv);
 }
 
-// The index of the row's largest value, the first of several that tie; a row holding a NaN gives its first
-// NaN, as torch.argmax does. Two passes over the row (it stays in cache): its maximum and whether it holds
-// a NaN, then the first place that matches.
-inline int64_t argmax_row(const float* v, int64_t n) {
-  float best = -INFINITY;
-  bool nan = false;
-  int64_t i = 0;
-#ifdef MB_VEC_AVX2
-  __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(v + i);
-    vmax = _mm256_max_ps(vmax, x);  // a NaN in x leaves vmax as it was: vnan keeps it
-    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vmax);
-  for (float l : lanes) best = std::max(best, l);
-  nan = _mm256_movemask_ps(vnan) != 0;
-#endif
-  for (; i < n; ++i) {
-    best = std::max(best, v[i]);
-    nan = nan || v[i] != v[i];
-  }
-  i = 0;
-#ifdef MB_VEC_AVX2
-  if (!nan) {
-    const __m256 b = _mm256_set1_ps(best);
-    for (; i + 8 <= n; i += 8) {
-      const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + i), b, _CMP_EQ_OQ));
-      if (hit) return i + __builtin_ctz(hit);
-    }
-  }
-#endif
-  for (; i < n; ++i)
-    if (nan ? v[i] != v[i] : v[i] == best) return i;
-  return 0;  // unreachable: some value equals the maximum
-}
-
-// One draw from softmax(l * inv_t) by inverting its distribution function at u in [0, 1): weights
-// w = exp((l - max) * inv_t) (a masked logit, -inf, weighs exactly 0), then the first index whose running sum
-// of w passes u * sum(w). The sums run in blocks of 256 (floats within one, doubles across), the running
-// sum in double inside the block found. A row whose largest logit is not finite (a NaN, or all -inf), or
-// whose inv_t is infinite (temperature 0), gives its argmax, as the twin does.
-inline int64_t sample_row(const float* l, int64_t n, float inv_t, float u, float* w, double* blocks) {
-  const int64_t top = argmax_row(l, n);
-  const float m = l[top];
-  if (!(m > -INFINITY && m < INFINITY) || std::isinf(inv_t)) return top;  // inv_t = inf: temperature 0, greedy
-  constexpr int64_t kBlock = 256;
-  const int64_t nb = (n + kBlock - 1) / kBlock;
-  double total = 0.0;
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t i0 = b * kBlock, i1 = std::min(n, i0 + kBlock);
-    float part = 0.0f;
-    int64_t i = i0;
-#ifdef MB_VEC_AVX2
-    const __m256 vm = _mm256_set1_ps(m), vt = _mm256_set1_ps(inv_t), ninf = _mm256_set1_ps(-INFINITY);
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= i1; i += 8) {
-      const __m256 x = _mm256_loadu_ps(l + i);
-      const __m256 e = _mm256_and_ps(exp256(_mm256_mul_ps(_mm256_sub_ps(x, vm), vt)), _mm256_cmp_ps(x, ninf, _CMP_GT_OQ));
-      _mm256_storeu_ps(w + i, e);
-      acc = _mm256_add_ps(acc, e);
-    }
-    part = hsum(acc);
-#endif
-    for (; i < i1; ++i) {
-      w[i] = l[i] > -INFINITY ? std::exp((l[i] - m) * inv_t) : 0.0f;
-      part += w[i];
-    }
-    blocks[b] = part;
-    total += part;
-  }
-  const double target = (double)u * total;
-  double run = 0.0;
-  int64_t last = top;  // the last index with weight: where rounding leaves the target past every sum
-  for (int64_t b = 0; b < nb; ++b) {
-    if (run + blocks[b] <= target) {
-      run += blocks[b];
-      continue;
-    }
-    for (int64_t i = b * kBlock, i1 = std::min(n, (b + 1) * kBlock); i < i1; ++i) {
-      if (w[i] <= 0.0f) continue;
-      run += w[i];
-      last = i;
-      if (run > target) return i;
-    }
-  }
-  return last;
-}
-
 }  // namespace
-
-// [rows, n] -> int64 [rows]: each row's argmax (rows split over the kernels' threads)
-at::Tensor argmax_rows(at::Tensor x) {
-  check_rows(x, "x");
-  const int64_t rows = x.size(0), n = x.size(1), ld = x.stride(0);
-  TORCH_CHECK(n > 0, "argmax_rows needs at least one value per row");
-  auto out = at::empty({rows}, x.options().dtype(at::kLong));
-  const float* xp = x.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
-  parallel_for_rows(rows, 0, rows, 1, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) op[r] = argmax_row(xp + r * ld, n);
-  });
-  return out;
-}
-
-// [rows, n] logits, inv_temps [rows], u [rows] uniforms in [0, 1) -> int64 [rows]: one draw per row from
-// softmax(logits * inv_temp) (sample_row), rows split over the kernels' threads
-at::Tensor sample_rows(at::Tensor x, at::Tensor inv_temps, at::Tensor u) {
-  check_rows(x, "x");
-  const int64_t rows = x.size(0), n = x.size(1), ld = x.stride(0);
-  TORCH_CHECK(n > 0, "sample_rows needs at least one value per row");
-  TORCH_CHECK(inv_temps.dtype() == at::kFloat && inv_temps.is_contiguous() && inv_temps.numel() == rows,
-              "inv_temps must be contiguous fp32 [rows]");
-  TORCH_CHECK(u.dtype() == at::kFloat && u.is_contiguous() && u.numel() == rows, "u must be contiguous fp32 [rows]");
-  auto out = at::empty({rows}, x.options().dtype(at::kLong));
-  auto w = at::empty({rows, n}, x.options());
-  auto blocks = at::empty({rows, (n + 255) / 256}, x.options().dtype(at::kDouble));
-  const float* xp = x.data_ptr<float>();
-  const float* tp = inv_temps.data_ptr<float>();
-  const float* up = u.data_ptr<float>();
-  float* wp = w.data_ptr<float>();
-  double* bp = blocks.data_ptr<double>();
-  int64_t* op = out.data_ptr<int64_t>();
-  const int64_t nb = blocks.size(1);
-  parallel_for_rows(rows, 0, rows, 1, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) op[r] = sample_row(xp + r * ld, n, tp[r], up[r], wp + r * n, bp + r * nb);
-  });
-  return out;
-}
 
 // out = rms_norm(x) * weight
 at::Tensor rms_norm(at::Tensor x,       // [tokens, dim] fp32

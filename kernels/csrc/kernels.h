@@ -25,5 +25,8 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 void rotary_inplace(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_mul(at::Tensor gate_up);
+// sampling.cpp
 at::Tensor argmax_rows(at::Tensor x);
-at::Tensor sample_rows(at::Tensor x, at::Tensor inv_temps, at::Tensor u);
+at::Tensor sample_tokens(at::Tensor logits, at::Tensor settings, at::Tensor streams, at::Tensor masks);
+at::Tensor sample_cuts(at::Tensor logits, at::Tensor settings, at::Tensor streams, at::Tensor masks);
+at::Tensor philox_uniforms(at::Tensor keys, at::Tensor counters);

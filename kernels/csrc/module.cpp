@@ -20,5 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding of q and k, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("argmax_rows", &argmax_rows, "each row's argmax, the first of ties (fp32 [rows, n] -> int64 [rows])");
-  m.def("sample_rows", &sample_rows, "one draw per row from softmax(logits * inv_temp), by the uniform u");
+  m.def("sample_tokens", &sample_tokens, "one token per row: grammar mask, temperature, top-k, top-p, min-p, Philox draw");
+  m.def("sample_cuts", &sample_cuts, "what sample_tokens' rule keeps per row: (count, last token in the order)");
+  m.def("philox_uniforms", &philox_uniforms, "Philox4x32-10's uniform in [0, 1) for each (key, counter)");
 }

@@ -175,9 +175,15 @@ def test_built_in_model_on_the_exact_weights_with_stops_logprobs_and_a_schema(bu
     assert got["t1"].num_accepted_tokens > 0  # the copy prompt is where drafts pay
 
 
-def test_seeded_sampling_is_the_same_with_speculation_alone_or_beside_others(tiny_chat_model_dir):
+@pytest.mark.parametrize(
+    "sampling",
+    [dict(temperature=0.8, top_k=40, top_p=0.9), dict(temperature=0.7, top_p=0.95), dict(temperature=1.0, min_p=0.05)],
+    ids=["ollama", "chat", "min-p"],
+)
+def test_seeded_sampling_is_the_same_with_speculation_alone_or_beside_others(tiny_chat_model_dir, sampling):
+    """Each engine is new (as after a restart): the seed and the token's position decide the draw."""
     prompt = [100, 101, 102, 103, 104] * 6
-    params = dict(temperature=0.8, top_k=40, max_tokens=40, ignore_eos=True, seed=77)
+    params = dict(**sampling, max_tokens=40, ignore_eos=True, seed=77)
 
     def alone(spec):
         e = engine_of(tiny_chat_model_dir, spec, num_kv_blocks=200)
@@ -186,7 +192,10 @@ def test_seeded_sampling_is_the_same_with_speculation_alone_or_beside_others(tin
     off, _ = alone("off")
     on, e = alone("ngram")
     assert on == off
-    others = [(f"o{i}", [200 + i] * 20, SamplingParams(temperature=1.0, max_tokens=30, seed=i), None) for i in range(6)]
+    others = [  # 15 more: greedy, seeded and unseeded sampled rows
+        (f"o{i}", [200 + i] * 20, SamplingParams(temperature=[0, 1.0, 0.7][i % 3], max_tokens=30, seed=i), None)
+        for i in range(15)
+    ]
     busy = run(e, [*others, ("s", prompt, SamplingParams(**params), None)])
     assert busy["s"].output_token_ids == off
 

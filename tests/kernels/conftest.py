@@ -32,3 +32,14 @@ def skip_if_gpu_unusable() -> None:
 @pytest.fixture
 def device() -> str:
     return DEVICE
+
+
+@pytest.fixture(scope="session", params=["this-cpu", "portable"])
+def any_build(request):
+    """The C++ extension as built for this CPU, and for x86-64's baseline (the scalar loops)."""
+    from minibatch.kernels.cpu_ext import load_cpu_extension, load_other_build
+
+    ext = load_cpu_extension()
+    if ext is None:
+        pytest.skip("the C++ extension cannot be built here")
+    return ext if request.param == "this-cpu" else load_other_build(request.param)

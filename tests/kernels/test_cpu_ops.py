@@ -1,4 +1,5 @@
-"""The C++ small-op kernels (norms, rotary, SiLU-and-mul) against their PyTorch twins in TorchOps."""
+"""The C++ small-op kernels (norms, rotary, SiLU-and-mul, the sampler's argmax) against their PyTorch twins in
+TorchOps. The fused sampling kernel has its own file, test_sampling.py."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from minibatch.engine.models.config import RopeConfig
 from minibatch.engine.models.llama import RotaryEmbedding
 from minibatch.engine.models.ops import CpuOps, TorchOps
-from minibatch.kernels.cpu_ext import load_cpu_extension, load_other_build
+from minibatch.kernels.cpu_ext import load_cpu_extension
 
 ext = load_cpu_extension()
 pytestmark = pytest.mark.skipif(ext is None, reason="the C++ extension cannot be built here")
@@ -64,12 +65,6 @@ def test_silu_mul(tokens):
     torch.testing.assert_close(CpuOps(ext).silu_mul(gate_up), TorchOps().silu_mul(gate_up), rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture(scope="module", params=["this-cpu", "portable"])
-def any_build(request):
-    """The extension as built for this CPU, and for x86-64's baseline (argmax_rows' scalar loops)."""
-    return ext if request.param == "this-cpu" else load_other_build(request.param)
-
-
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 40])  # one row serial, the pool's rows, OpenMP's beyond 16
 def test_argmax_rows_against_torch(any_build, rows):
     g = torch.Generator().manual_seed(rows)
@@ -93,38 +88,3 @@ def test_argmax_rows_of_a_strided_view_and_an_odd_width(any_build):
     assert CpuOps(any_build).argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
     with pytest.raises(RuntimeError, match="at least one value"):
         CpuOps(any_build).argmax_rows(torch.empty(2, 0))
-
-
-@pytest.mark.parametrize("rows", [1, 3, 20])
-def test_sample_rows_draws_what_the_twin_draws(any_build, rows):
-    """The same uniform gives the same token (a draw lands on another only within float rounding of a
-    boundary of the distribution function, which random uniforms do not hit); a masked logit never wins."""
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 49152, generator=g) * 3
-    x[0, ::2] = float("-inf")  # masked: never drawn
-    inv_t = torch.rand(rows, generator=g) * 2 + 0.2
-    for _ in range(25):
-        u = torch.rand(rows, generator=g)
-        got = CpuOps(any_build).sample_rows(x, inv_t, u)
-        assert got.tolist() == TorchOps().sample_rows(x, inv_t, u).tolist()
-        assert got[0] % 2 == 1
-    edge = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf")]])
-    one = torch.ones(1)
-    assert CpuOps(any_build).sample_rows(edge, one, torch.zeros(1)).item() == 0  # u = 0: the first with weight
-    assert CpuOps(any_build).sample_rows(edge, one, torch.full((1,), 0.9999999)).item() == 2  # near 1: the last
-    assert CpuOps(any_build).sample_rows(torch.full((1, 4), float("-inf")), one, torch.zeros(1)).item() == 0
-
-
-def test_sample_rows_follows_the_distribution():
-    """Over many uniforms a row's draws have the softmax's frequencies (chi-square, 7 bins, p < 1e-4 fails)."""
-    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -2.0, float("-inf"), 1.5]])
-    inv_t = torch.tensor([1 / 0.8])
-    u = torch.rand(20000, generator=torch.Generator().manual_seed(0))
-    ops = CpuOps(ext)
-    draws = ops.sample_rows(logits.expand(20000, -1).contiguous(), inv_t.expand(20000).contiguous(), u)
-    counts = torch.bincount(draws, minlength=8).double()
-    assert counts[6] == 0
-    p = torch.softmax(logits * inv_t, dim=-1).double()
-    keep = p > 0
-    chi2 = float((((counts - 20000 * p) ** 2) / (20000 * p))[keep].sum())
-    assert chi2 < 32.0, chi2  # chi-square with 6 degrees of freedom: P(> 32) < 2e-5

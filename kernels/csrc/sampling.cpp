@@ -1,0 +1,480 @@
+// The sampler's kernels: each row's argmax, and one fused pass per row that applies a grammar's mask,
+// temperature, top-k, top-p and min-p and draws the token, without sorting the vocabulary. The PyTorch twin
+// (TorchOps.sample in engine/models/ops.py) states the same rule by sorting, in float64; the tests hold the
+// two to the same candidate sets and the same draws.
+//
+// The rule (both sides). Order the row's tokens by logit, highest first, the lower id first among equal
+// logits. top-k keeps the tokens whose logit is at least the k-th's (ties with the k-th are kept); top-p
+// keeps, in that order, each token while the probability mass before it (at the row's temperature, over
+// the top-k set) is below top_p; min-p keeps the tokens with (logit - max) / temperature >= ln(min_p).
+// Each is a prefix of the order, so together they keep the shortest of the three. The draw inverts the
+// kept tokens' distribution function, in token-id order, at the uniform that Philox gives for (key,
+// position). Temperature 0, or a row whose largest logit is not finite, takes the argmax (the first of
+// ties; a NaN counts as the largest), as a masked logit is never drawn.
+//
+// How the kernel avoids the sort. One pass finds the maximum; a second computes every token's weight
+// exp((l - max) / T) in floats, and collects, in id order, the candidates above a threshold (8 nats below
+// the top, or min-p's own when that is tighter), whose weights are then taken again in doubles: the cuts
+// sum those, as the twin does, so a cut through a large group of tied tokens falls where the twin's does. Top-k selects its k-th among the candidates (nth_element),
+// top-p finds its cut by partitioning the candidates around pivots, summing each side's mass, and going
+// into the side that holds the cut (expected linear in the candidates; only the last few are sorted). When
+// the candidates cannot decide (fewer than k of them, or their mass short of top_p), the threshold drops
+// 8 nats and they are collected again, down to every finite token.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
+#include "philox.h"
+#include "vec_math.h"
+
+namespace {
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dtype() == at::kFloat && t.dim() == 2 && t.stride(1) == 1, name, " must be fp32 [tokens, dim] with contiguous rows");
+}
+
+// The index of the row's largest value, the first of several that tie; a row holding a NaN gives its first
+// NaN, as torch.argmax does. Two passes over the row (it stays in cache): its maximum and whether it holds
+// a NaN, then the first place that matches.
+inline int64_t argmax_row(const float* v, int64_t n) {
+  float best = -INFINITY;
+  bool nan = false;
+  int64_t i = 0;
+#ifdef MB_VEC_AVX2
+  __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(v + i);
+    vmax = _mm256_max_ps(vmax, x);  // a NaN in x leaves vmax as it was: vnan keeps it
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (float l : lanes) best = std::max(best, l);
+  nan = _mm256_movemask_ps(vnan) != 0;
+#endif
+  for (; i < n; ++i) {
+    best = std::max(best, v[i]);
+    nan = nan || v[i] != v[i];
+  }
+  i = 0;
+#ifdef MB_VEC_AVX2
+  if (!nan) {
+    const __m256 b = _mm256_set1_ps(best);
+    for (; i + 8 <= n; i += 8) {
+      const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(v + i), b, _CMP_EQ_OQ));
+      if (hit) return i + __builtin_ctz(hit);
+    }
+  }
+#endif
+  for (; i < n; ++i)
+    if (nan ? v[i] != v[i] : v[i] == best) return i;
+  return 0;  // unreachable: some value equals the maximum
+}
+
+// One row's settings, as the Python side packs them.
+struct RowSettings {
+  double temperature;  // 0: greedy
+  double top_p;        // 1: off
+  double min_p;        // 0: off
+  int64_t top_k;       // <= 0 or >= the vocabulary: off
+  uint64_t key;
+  uint64_t counter;
+};
+
+struct Cand {
+  float l;     // the logit: the order's key, with the id
+  int32_t id;  // the token
+  double w;    // exp((l - max) / T), in doubles (the twin's precision: top-p's cut sums these)
+};
+
+// a comes before b in the order: the higher logit, the lower id among equal ones
+inline bool ahead(const Cand& a, const Cand& b) { return a.l > b.l || (a.l == b.l && a.id < b.id); }
+
+// Per thread, grown to the largest vocabulary seen: a row's masked logits, weights, candidate ids and records.
+struct Scratch {
+  std::vector<float> x, w;
+  std::vector<int32_t> ids;
+  std::vector<double> wc;  // the candidates' weights in doubles, in id order
+  std::vector<Cand> cand;
+  void fit(int64_t n) {
+    if ((int64_t)w.size() < n) {
+      x.resize(n);
+      w.resize(n);
+      ids.resize(n);
+      wc.resize(n);
+      cand.resize(n);
+    }
+  }
+};
+
+// w[i] = exp((l[i] - m) * inv_t) in floats (0 for a -inf logit); returns their sum (floats within blocks
+// of 256, doubles across). The ids whose logit is >= lt are written to ids, in order (*count says how many),
+// and *below is the sum of the others' weights.
+double weigh_and_collect(const float* l, int64_t n, float m, float inv_t, float lt, float* w, int32_t* ids, int64_t* count,
+                         double* below) {
+  constexpr int64_t kBlock = 256;
+  double total = 0.0, tail = 0.0;
+  int64_t c = 0;
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    const int64_t i1 = std::min(n, i0 + kBlock);
+    float part = 0.0f, part_below = 0.0f;
+    int64_t i = i0;
+#ifdef MB_VEC_AVX2
+    const __m256 vm = _mm256_set1_ps(m), vt = _mm256_set1_ps(inv_t), ninf = _mm256_set1_ps(-INFINITY), vlt = _mm256_set1_ps(lt);
+    __m256 acc = _mm256_setzero_ps(), acc_below = _mm256_setzero_ps();
+    for (; i + 8 <= i1; i += 8) {
+      const __m256 x = _mm256_loadu_ps(l + i);
+      const __m256 e = _mm256_and_ps(exp256(_mm256_mul_ps(_mm256_sub_ps(x, vm), vt)), _mm256_cmp_ps(x, ninf, _CMP_GT_OQ));
+      _mm256_storeu_ps(w + i, e);
+      acc = _mm256_add_ps(acc, e);
+      const __m256 in = _mm256_cmp_ps(x, vlt, _CMP_GE_OQ);
+      acc_below = _mm256_add_ps(acc_below, _mm256_andnot_ps(in, e));
+      int hit = _mm256_movemask_ps(in);
+      while (hit) {
+        ids[c++] = (int32_t)(i + __builtin_ctz(hit));
+        hit &= hit - 1;
+      }
+    }
+    part = hsum(acc);
+    part_below = hsum(acc_below);
+#endif
+    for (; i < i1; ++i) {
+      w[i] = l[i] > -INFINITY ? std::exp((l[i] - m) * inv_t) : 0.0f;
+      part += w[i];
+      if (l[i] >= lt)
+        ids[c++] = (int32_t)i;
+      else
+        part_below += w[i];
+    }
+    total += part;
+    tail += part_below;
+  }
+  *count = c;
+  *below = tail;
+  return total;
+}
+
+// The ids whose logit is >= lt, in order; *below: the others' weights summed.
+int64_t collect(const float* l, const float* w, int64_t n, float lt, int32_t* ids, double* below) {
+  int64_t c = 0, i = 0;
+  double tail = 0.0;
+#ifdef MB_VEC_AVX2
+  const __m256 vlt = _mm256_set1_ps(lt);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 in = _mm256_cmp_ps(_mm256_loadu_ps(l + i), vlt, _CMP_GE_OQ);
+    tail += hsum(_mm256_andnot_ps(in, _mm256_loadu_ps(w + i)));
+    int hit = _mm256_movemask_ps(in);
+    while (hit) {
+      ids[c++] = (int32_t)(i + __builtin_ctz(hit));
+      hit &= hit - 1;
+    }
+  }
+#endif
+  for (; i < n; ++i)
+    if (l[i] >= lt)
+      ids[c++] = (int32_t)i;
+    else
+      tail += w[i];
+  *below = tail;
+  return c;
+}
+
+#ifdef MB_VEC_AVX2
+// exp(x) for 4 doubles, x <= 0: x = k ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts), e^r by its Taylor
+// series to r^13 (a few ulp), times 2^k; 0 below -708, where 2^k would leave the normal range.
+inline __m256d exp256d(__m256d x) {
+  const __m256d floor = _mm256_set1_pd(-708.0);
+  const __m256d under = _mm256_cmp_pd(x, floor, _CMP_LT_OQ);
+  x = _mm256_max_pd(x, floor);
+  const __m256d k = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(1.4426950408889634)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256d r = _mm256_fnmadd_pd(k, _mm256_set1_pd(6.93147180369123816490e-01), x);
+  r = _mm256_fnmadd_pd(k, _mm256_set1_pd(1.90821492927058770002e-10), r);
+  double inv_fact = 1.0;
+  for (int i = 2; i <= 13; ++i) inv_fact /= i;  // 1 / 13!
+  __m256d p = _mm256_set1_pd(inv_fact);
+  for (int i = 13; i >= 2; --i) {
+    inv_fact *= i;  // 1 / (i - 1)!
+    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(inv_fact));
+  }
+  p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
+  const __m256i bits = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(k)), _mm256_set1_epi64x(1023)), 52);
+  return _mm256_andnot_pd(under, _mm256_mul_pd(p, _mm256_castsi256_pd(bits)));
+}
+#endif
+
+// The candidates' weights in doubles, as the twin computes them: exp((l - m) / T).
+void weigh_candidates(const float* l, const int32_t* ids, int64_t count, double m, double t, double* wc) {
+  for (int64_t j = 0; j < count; ++j) wc[j] = ((double)l[ids[j]] - m) / t;
+  int64_t j = 0;
+#ifdef MB_VEC_AVX2
+  for (; j + 4 <= count; j += 4) _mm256_storeu_pd(wc + j, exp256d(_mm256_loadu_pd(wc + j)));
+#endif
+  for (; j < count; ++j) wc[j] = std::exp(wc[j]);
+}
+
+// One draw from all of the row's weights (no cut): the first index whose running sum passes u * total;
+// the last index with weight where rounding leaves the target past every sum.
+int64_t draw_all(const float* w, int64_t n, double total, double u, int64_t top) {
+  const double target = u * total;
+  double run = 0.0;
+  int64_t last = top;
+  constexpr int64_t kBlock = 256;
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    const int64_t i1 = std::min(n, i0 + kBlock);
+    float part = 0.0f;
+#pragma omp simd reduction(+ : part)
+    for (int64_t i = i0; i < i1; ++i) part += w[i];
+    if (run + part <= target) {  // the block's float sum may round: the walk below falls through when so
+      run += part;
+      continue;
+    }
+    for (int64_t i = i0; i < i1; ++i) {
+      if (w[i] <= 0.0f) continue;
+      run += w[i];
+      last = i;
+      if (run > target) return i;
+    }
+  }
+  return last;
+}
+
+// The number of e[0..n) that top-p keeps, with target = top_p * (the mass it is taken over): in the order,
+// a token is kept while the mass before it is below the target. e is rearranged: the kept ones first.
+int64_t top_p_prefix(Cand* e, int64_t n, double target) {
+  int64_t lo = 0, hi = n;  // e[0, lo) are kept and come first; the first token dropped is in [lo, hi]
+  double before = 0.0;     // the mass of e[0, lo)
+  while (hi - lo > 24) {
+    const Cand& a = e[lo];
+    const Cand& b = e[lo + (hi - lo) / 2];
+    const Cand& c = e[hi - 1];
+    const Cand pivot = ahead(a, b) ? (ahead(b, c) ? b : (ahead(a, c) ? c : a)) : (ahead(a, c) ? a : (ahead(b, c) ? c : b));
+    Cand* mid = std::partition(e + lo, e + hi, [&](const Cand& x) { return ahead(x, pivot); });
+    double mass = 0.0;
+    for (Cand* p = e + lo; p < mid; ++p) mass += p->w;
+    Cand* at = std::find_if(mid, e + hi, [&](const Cand& x) { return x.id == pivot.id; });
+    std::iter_swap(mid, at);  // the pivot right after the tokens ahead of it
+    const int64_t m = mid - e;
+    if (before + mass >= target) {
+      hi = m;  // the pivot is dropped: the cut is among the tokens ahead of it
+    } else {
+      before += mass + pivot.w;  // the pivot is kept, and everything ahead of it
+      lo = m + 1;
+    }
+  }
+  std::sort(e + lo, e + hi, ahead);
+  for (int64_t i = lo; i < hi; ++i) {
+    if (before >= target) return i;
+    before += e[i].w;
+  }
+  return hi;
+}
+
+// Every finite logit kept (no cut): how many, and the last in the order. Only for sample_cuts (the tests).
+void cut_of_all(const float* l, int64_t n, int64_t* cut) {
+  Cand last{INFINITY, -1, 0.0};
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!(l[i] > -INFINITY)) continue;
+    ++count;
+    const Cand c{l[i], (int32_t)i, 0.0};
+    if (last.id < 0 || ahead(last, c)) last = c;
+  }
+  cut[0] = count;
+  cut[1] = last.id;
+}
+
+// One row's token. With `cut` (the tests' sample_cuts), also what the rule keeps: how many tokens, and the
+// last of them in the order (a prefix of the order is known by its last token).
+int64_t sample_row(const float* logits, int64_t n, const int32_t* mask, const RowSettings& s, Scratch& sc, int64_t* cut) {
+  const float* l = logits;
+  if (mask != nullptr) {  // a grammar's allowed tokens, one bit each: the rest become -inf
+    float* x = sc.x.data();
+    for (int64_t i = 0; i < n; ++i) x[i] = (mask[i >> 5] >> (i & 31)) & 1 ? logits[i] : -INFINITY;
+    l = x;
+  }
+  const int64_t top = argmax_row(l, n);
+  const float m = l[top];
+  if (!(m > -INFINITY && m < INFINITY) || !(s.temperature > 0.0)) {
+    if (cut) cut[0] = 1, cut[1] = top;
+    return top;
+  }
+  const double u = mb::philox_uniform(s.key, s.counter);
+  const float inv_t = (float)(1.0 / s.temperature);
+  const bool cut_k = s.top_k > 0 && s.top_k < n, cut_p = s.top_p < 1.0, cut_m = s.min_p > 0.0;
+  float* w = sc.w.data();
+  int32_t* ids = sc.ids.data();
+  int64_t count = 0;
+  double below = 0.0;  // the weight of the tokens below the candidates
+  if (!cut_k && !cut_p && !cut_m) {
+    const double total = weigh_and_collect(l, n, m, inv_t, INFINITY, w, ids, &count, &below);
+    if (cut) cut_of_all(l, n, cut);
+    return draw_all(w, n, total, u, top);
+  }
+  const double ln_min_p = cut_m ? std::log(s.min_p) : -INFINITY;
+  // The first threshold: 8 nats below the top, or min-p's where that is tighter. A float just below it,
+  // so that the candidates hold every token min-p keeps (its exact test comes last, in doubles).
+  double z = std::max(-8.0, ln_min_p);
+  auto threshold = [&](double zz) {
+    const float t = (float)((double)m + zz * s.temperature);
+    return t - std::max(1.0f, std::fabs(t)) * 1e-5f;
+  };
+  weigh_and_collect(l, n, m, inv_t, threshold(z), w, ids, &count, &below);
+  Cand* e = sc.cand.data();
+  double* wc = sc.wc.data();
+  int64_t kept = 0;
+  double target = 0.0;
+  for (;;) {
+    const bool all = std::isinf(z);  // every token with a finite logit is a candidate
+    weigh_candidates(l, ids, count, (double)m, s.temperature, wc);
+    double total = below;  // the row's mass: the candidates' in doubles, the rest's in floats
+    for (int64_t j = 0; j < count; ++j) {
+      e[j] = {l[ids[j]], ids[j], wc[j]};
+      total += wc[j];
+    }
+    kept = count;
+    bool decided = true;
+    if (cut_k) {
+      if (count >= s.top_k) {
+        std::nth_element(e, e + s.top_k - 1, e + count, ahead);
+        const float kth = e[s.top_k - 1].l;  // and every token tied with it
+        kept = std::partition(e + s.top_k, e + count, [&](const Cand& c) { return c.l == kth; }) - e;
+      } else {
+        // Fewer candidates than k: top-k keeps them all; only min-p can still decide, and only without top-p
+        // (whose mass is taken over the top-k set, which reaches below the candidates).
+        decided = all || (!cut_p && z <= ln_min_p);
+      }
+    }
+    if (decided && cut_p) {
+      double mass = 0.0;
+      for (int64_t j = 0; j < kept; ++j) mass += e[j].w;
+      target = s.top_p * (cut_k ? mass : total);
+      // Without top-k the mass is the whole row's: the candidates decide when theirs reaches the target (the
+      // token after them is dropped) or when min-p cuts at them anyway.
+      decided = cut_k || all || mass >= target || z <= ln_min_p;
+      if (decided) kept = top_p_prefix(e, kept, target);
+    }
+    if (decided) break;
+    z = z - 8.0 < -40.0 ? -INFINITY : z - 8.0;
+    count = collect(l, w, n, std::isinf(z) ? -std::numeric_limits<float>::max() : threshold(z), ids, &below);
+  }
+  // min-p, exactly, and the last kept token in the order: the draw keeps what is at or ahead of it.
+  Cand last{INFINITY, -1, 0.0};
+  double mass = 0.0;
+  int64_t left = 0;
+  for (int64_t j = 0; j < kept; ++j) {
+    const Cand& c = e[j];
+    if (cut_m && ((double)c.l - (double)m) / s.temperature < ln_min_p) continue;
+    if (last.id < 0 || ahead(last, c)) last = c;
+    mass += c.w;
+    ++left;
+  }
+  if (cut) cut[0] = left, cut[1] = last.id;
+  // The draw, over the candidates in id order.
+  const double goal = u * mass;
+  double run = 0.0;
+  int64_t pick = top;
+  for (int64_t j = 0; j < count; ++j) {
+    const int32_t id = ids[j];
+    const Cand c{l[id], id, wc[j]};
+    if (ahead(last, c) || c.w <= 0.0 || (cut_m && ((double)c.l - (double)m) / s.temperature < ln_min_p)) continue;
+    run += c.w;
+    pick = id;
+    if (run > goal) break;
+  }
+  return pick;
+}
+
+}  // namespace
+
+// [rows, n] -> int64 [rows]: each row's argmax (rows split over the kernels' threads)
+at::Tensor argmax_rows(at::Tensor x) {
+  check_rows(x, "x");
+  const int64_t rows = x.size(0), n = x.size(1), ld = x.stride(0);
+  TORCH_CHECK(n > 0, "argmax_rows needs at least one value per row");
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  parallel_for_rows(rows, 0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) op[r] = argmax_row(xp + r * ld, n);
+  });
+  return out;
+}
+
+namespace {
+
+void check_settings(const at::Tensor& logits, const at::Tensor& settings, const at::Tensor& streams, const at::Tensor& masks) {
+  check_rows(logits, "logits");
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(n > 0 && n < (int64_t{1} << 31), "sampling needs 1 to 2^31 - 1 values per row");
+  TORCH_CHECK(settings.dtype() == at::kDouble && settings.is_contiguous() && settings.dim() == 2 && settings.size(0) == rows &&
+                  settings.size(1) == 4,
+              "settings must be contiguous fp64 [rows, 4]");
+  TORCH_CHECK(streams.dtype() == at::kLong && streams.is_contiguous() && streams.dim() == 2 && streams.size(0) == rows &&
+                  streams.size(1) == 2,
+              "streams must be contiguous int64 [rows, 2]");
+  if (masks.numel() > 0)
+    TORCH_CHECK(masks.dtype() == at::kInt && masks.is_contiguous() && masks.dim() == 2 && masks.size(0) == rows &&
+                    masks.size(1) == (n + 31) / 32,
+                "masks must be contiguous int32 [rows, ceil(n / 32)]");
+}
+
+// Every row through sample_row, rows split over the kernels' threads; cuts: [rows, 2] or null.
+void sample_all(const at::Tensor& logits, const at::Tensor& settings, const at::Tensor& streams, const at::Tensor& masks,
+                int64_t* out, int64_t* cuts) {
+  const int64_t rows = logits.size(0), n = logits.size(1), ld = logits.stride(0), words = (n + 31) / 32;
+  const float* lp = logits.data_ptr<float>();
+  const double* sp = settings.data_ptr<double>();
+  const int64_t* kp = streams.data_ptr<int64_t>();
+  const int32_t* mp = masks.numel() > 0 ? masks.data_ptr<int32_t>() : nullptr;
+  parallel_for_rows(rows, 0, rows, 1, [&](int64_t b, int64_t e) {
+    thread_local Scratch scratch;
+    scratch.fit(n);
+    for (int64_t r = b; r < e; ++r) {
+      const double* q = sp + r * 4;
+      const int64_t k = q[3] >= (double)n ? n : (int64_t)q[3];
+      const RowSettings s{q[0], q[1], q[2], k, (uint64_t)kp[r * 2], (uint64_t)kp[r * 2 + 1]};
+      out[r] = sample_row(lp + r * ld, n, mp ? mp + r * words : nullptr, s, scratch, cuts ? cuts + r * 2 : nullptr);
+    }
+  });
+}
+
+}  // namespace
+
+// logits fp32 [rows, n]; settings fp64 [rows, 4] (temperature, top_p, min_p, top_k); streams int64 [rows, 2]
+// (Philox key, counter); masks int32 [rows, ceil(n / 32)] of allowed-token bits, or an empty tensor for none
+// -> int64 [rows]: one token per row by the rule above.
+at::Tensor sample_tokens(at::Tensor logits, at::Tensor settings, at::Tensor streams, at::Tensor masks) {
+  check_settings(logits, settings, streams, masks);
+  auto out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  sample_all(logits, settings, streams, masks, out.data_ptr<int64_t>(), nullptr);
+  return out;
+}
+
+// The same, returning what the rule keeps instead: int64 [rows, 2], how many tokens and the last of them in
+// the order (the tests hold it to the twin's set).
+at::Tensor sample_cuts(at::Tensor logits, at::Tensor settings, at::Tensor streams, at::Tensor masks) {
+  check_settings(logits, settings, streams, masks);
+  const int64_t rows = logits.size(0);
+  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
+  auto cuts = at::empty({rows, 2}, logits.options().dtype(at::kLong));
+  sample_all(logits, settings, streams, masks, out.data_ptr<int64_t>(), cuts.data_ptr<int64_t>());
+  return cuts;
+}
+
+// keys, counters int64 [n] -> fp64 [n]: Philox's uniform for each pair (the sampler's draws; for the tests)
+at::Tensor philox_uniforms(at::Tensor keys, at::Tensor counters) {
+  TORCH_CHECK(keys.dtype() == at::kLong && counters.dtype() == at::kLong && keys.is_contiguous() && counters.is_contiguous() &&
+                  keys.numel() == counters.numel(),
+              "keys and counters must be contiguous int64 of one length");
+  auto out = at::empty({keys.numel()}, keys.options().dtype(at::kDouble));
+  const int64_t* k = keys.data_ptr<int64_t>();
+  const int64_t* c = counters.data_ptr<int64_t>();
+  double* o = out.data_ptr<double>();
+  for (int64_t i = 0; i < keys.numel(); ++i) o[i] = mb::philox_uniform((uint64_t)k[i], (uint64_t)c[i]);
+  return out;
+}
