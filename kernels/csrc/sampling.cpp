@@ -1,6 +1,6 @@
 // The sampler's kernels: each row's argmax, and one fused pass per row that applies a grammar's mask,
 // temperature, top-k, top-p and min-p and draws the token, without sorting the vocabulary. The PyTorch twin
-// (TorchOps.sample in engine/models/ops.py) states the same rule by sorting, in float64; the tests hold the
+// (TorchOps.sample_tokens in engine/models/ops.py) states the same rule by sorting, in float64; the tests hold the
 // two to the same candidate sets and the same draws.
 //
 // The rule (both sides). Order the row's tokens by logit, highest first, the lower id first among equal
@@ -14,10 +14,11 @@
 //
 // How the kernel avoids the sort. One pass finds the maximum; a second computes every token's weight
 // exp((l - max) / T) in floats, and collects, in id order, the candidates above a threshold (8 nats below
-// the top, or min-p's own when that is tighter), whose weights are then taken again in doubles: the cuts
-// sum those, as the twin does, so a cut through a large group of tied tokens falls where the twin's does. Top-k selects its k-th among the candidates (nth_element),
-// top-p finds its cut by partitioning the candidates around pivots, summing each side's mass, and going
-// into the side that holds the cut (expected linear in the candidates; only the last few are sorted). When
+// the top, or min-p's own when that is tighter), whose weights are then taken again in doubles: the cuts sum
+// those, as the twin does, so a cut through a large group of tied tokens falls where the twin's does. The
+// candidates go into 2,048 bins by logit (a bin's tokens all come before the next bin's in the order), each
+// bin's count and mass summed; top-k's k-th and top-p's boundary are then each in one bin, and only that
+// bin's tokens are selected among or sorted. When
 // the candidates cannot decide (fewer than k of them, or their mass short of top_p), the threshold drops
 // 8 nats and they are collected again, down to every finite token.
 #include <ATen/core/Tensor.h>
@@ -100,14 +101,21 @@ struct Scratch {
   std::vector<float> x, w;
   std::vector<int32_t> ids;
   std::vector<double> wc;  // the candidates' weights in doubles, in id order
+  std::vector<uint16_t> bins;  // each candidate's bin
   std::vector<Cand> cand;
+  std::vector<float> sample;  // every 64th logit (top-k's first threshold)
+  static constexpr int kBins = 2048;
+  int32_t bin_count[kBins];
+  double bin_mass[kBins];
   void fit(int64_t n) {
     if ((int64_t)w.size() < n) {
       x.resize(n);
       w.resize(n);
       ids.resize(n);
       wc.resize(n);
+      bins.resize(n);
       cand.resize(n);
+      sample.resize(n / 64 + 1);
     }
   }
 };
@@ -243,37 +251,6 @@ int64_t draw_all(const float* w, int64_t n, double total, double u, int64_t top)
   return last;
 }
 
-// The number of e[0..n) that top-p keeps, with target = top_p * (the mass it is taken over): in the order,
-// a token is kept while the mass before it is below the target. e is rearranged: the kept ones first.
-int64_t top_p_prefix(Cand* e, int64_t n, double target) {
-  int64_t lo = 0, hi = n;  // e[0, lo) are kept and come first; the first token dropped is in [lo, hi]
-  double before = 0.0;     // the mass of e[0, lo)
-  while (hi - lo > 24) {
-    const Cand& a = e[lo];
-    const Cand& b = e[lo + (hi - lo) / 2];
-    const Cand& c = e[hi - 1];
-    const Cand pivot = ahead(a, b) ? (ahead(b, c) ? b : (ahead(a, c) ? c : a)) : (ahead(a, c) ? a : (ahead(b, c) ? c : b));
-    Cand* mid = std::partition(e + lo, e + hi, [&](const Cand& x) { return ahead(x, pivot); });
-    double mass = 0.0;
-    for (Cand* p = e + lo; p < mid; ++p) mass += p->w;
-    Cand* at = std::find_if(mid, e + hi, [&](const Cand& x) { return x.id == pivot.id; });
-    std::iter_swap(mid, at);  // the pivot right after the tokens ahead of it
-    const int64_t m = mid - e;
-    if (before + mass >= target) {
-      hi = m;  // the pivot is dropped: the cut is among the tokens ahead of it
-    } else {
-      before += mass + pivot.w;  // the pivot is kept, and everything ahead of it
-      lo = m + 1;
-    }
-  }
-  std::sort(e + lo, e + hi, ahead);
-  for (int64_t i = lo; i < hi; ++i) {
-    if (before >= target) return i;
-    before += e[i].w;
-  }
-  return hi;
-}
-
 // Every finite logit kept (no cut): how many, and the last in the order. Only for sample_cuts (the tests).
 void cut_of_all(const float* l, int64_t n, int64_t* cut) {
   Cand last{INFINITY, -1, 0.0};
@@ -319,71 +296,140 @@ int64_t sample_row(const float* logits, int64_t n, const int32_t* mask, const Ro
   // The first threshold: 8 nats below the top, or min-p's where that is tighter. A float just below it,
   // so that the candidates hold every token min-p keeps (its exact test comes last, in doubles).
   double z = std::max(-8.0, ln_min_p);
+  if (cut_k && n >= 8192 && s.top_k <= n / 64) {
+    // A flat row (a random-weight model's) has most of its tokens within 8 nats of the top. Top-k needs only
+    // k: every 64th logit, the one at twice k's share of them (and a few more) gives a tighter threshold.
+    float* sample = sc.sample.data();
+    int64_t ns = 0;
+    for (int64_t i = 0; i < n; i += 64)
+      if (l[i] > -INFINITY) sample[ns++] = l[i];
+    const int64_t r = 2 * s.top_k * ns / n + 4;
+    if (r < ns) {
+      std::nth_element(sample, sample + r, sample + ns, [](float a, float b) { return a > b; });
+      z = std::max(z, ((double)sample[r] - (double)m) / s.temperature);
+    }
+  }
   auto threshold = [&](double zz) {
     const float t = (float)((double)m + zz * s.temperature);
     return t - std::max(1.0f, std::fabs(t)) * 1e-5f;
   };
   weigh_and_collect(l, n, m, inv_t, threshold(z), w, ids, &count, &below);
-  Cand* e = sc.cand.data();
   double* wc = sc.wc.data();
-  int64_t kept = 0;
-  double target = 0.0;
+  uint16_t* bins = sc.bins.data();
+  int32_t* bin_count = sc.bin_count;
+  double* bin_mass = sc.bin_mass;
+  Cand* e = sc.cand.data();
+  // What the cuts decide: top-k's k-th logit (every token at or above it is in the top-k set), and top-p's
+  // boundary in the order: the last token kept, or where none is before it in its bin, the first dropped.
+  float kth = -INFINITY;
+  bool bounded = false, inclusive = false;
+  Cand bound{0.0f, 0, 0.0};
   for (;;) {
     const bool all = std::isinf(z);  // every token with a finite logit is a candidate
     weigh_candidates(l, ids, count, (double)m, s.temperature, wc);
+    // The candidates in kBins bins by logit, the top's first: a bin's tokens all come before the next bin's
+    // in the order, ties in one bin. Each bin's count and mass.
+    float lo = m;
+    for (int64_t j = 0; j < count; ++j) lo = std::min(lo, l[ids[j]]);
+    const double scale = m > lo ? (Scratch::kBins - 1) / ((double)m - (double)lo) : 0.0;
+    std::fill(bin_count, bin_count + Scratch::kBins, 0);
+    std::fill(bin_mass, bin_mass + Scratch::kBins, 0.0);
     double total = below;  // the row's mass: the candidates' in doubles, the rest's in floats
     for (int64_t j = 0; j < count; ++j) {
-      e[j] = {l[ids[j]], ids[j], wc[j]};
+      const int b = (int)(((double)m - (double)l[ids[j]]) * scale);
+      bins[j] = (uint16_t)b;
+      bin_count[b] += 1;
+      bin_mass[b] += wc[j];
       total += wc[j];
     }
-    kept = count;
+    // the tokens of bin b (those at or above the k-th when top-k cut inside it), into e
+    auto gather = [&](int b) {
+      int64_t k = 0;
+      for (int64_t j = 0; j < count; ++j)
+        if (bins[j] == b && l[ids[j]] >= kth) e[k++] = {l[ids[j]], ids[j], wc[j]};
+      return k;
+    };
     bool decided = true;
+    int kbin = Scratch::kBins;  // top-k's bin: those after it are out, its own tokens below the k-th too
+    double kmass = 0.0;         // the top-k set's mass
+    kth = -INFINITY;
     if (cut_k) {
       if (count >= s.top_k) {
-        std::nth_element(e, e + s.top_k - 1, e + count, ahead);
-        const float kth = e[s.top_k - 1].l;  // and every token tied with it
-        kept = std::partition(e + s.top_k, e + count, [&](const Cand& c) { return c.l == kth; }) - e;
+        int64_t before = 0;
+        kbin = 0;
+        while (before + bin_count[kbin] < s.top_k) before += bin_count[kbin], kmass += bin_mass[kbin], ++kbin;
+        const int64_t nb = gather(kbin);
+        std::nth_element(e, e + (s.top_k - before) - 1, e + nb, ahead);
+        kth = e[s.top_k - before - 1].l;  // and every token tied with it
+        for (int64_t j = 0; j < nb; ++j)
+          if (e[j].l >= kth) kmass += e[j].w;
       } else {
         // Fewer candidates than k: top-k keeps them all; only min-p can still decide, and only without top-p
         // (whose mass is taken over the top-k set, which reaches below the candidates).
         decided = all || (!cut_p && z <= ln_min_p);
       }
     }
+    bounded = false;
     if (decided && cut_p) {
-      double mass = 0.0;
-      for (int64_t j = 0; j < kept; ++j) mass += e[j].w;
-      target = s.top_p * (cut_k ? mass : total);
-      // Without top-k the mass is the whole row's: the candidates decide when theirs reaches the target (the
-      // token after them is dropped) or when min-p cuts at them anyway.
-      decided = cut_k || all || mass >= target || z <= ln_min_p;
-      if (decided) kept = top_p_prefix(e, kept, target);
+      const double target = s.top_p * (kbin < Scratch::kBins ? kmass : total);
+      double before = 0.0;
+      int b = 0;
+      for (; b < Scratch::kBins && b <= kbin; ++b) {
+        double mb = bin_mass[b];
+        if (b == kbin) {  // only the tokens at or above the k-th
+          mb = 0.0;
+          for (int64_t j = 0; j < count; ++j)
+            if (bins[j] == b && l[ids[j]] >= kth) mb += wc[j];
+        }
+        if (before + mb >= target) break;
+        before += mb;
+      }
+      if (b < Scratch::kBins && b <= kbin) {  // the first token dropped is in bin b, or right after it
+        const int64_t nb = gather(b);
+        std::sort(e, e + nb, ahead);
+        int64_t i = 0;
+        while (i < nb && before < target) before += e[i++].w;
+        bounded = true;
+        inclusive = i > 0;  // the last kept, in this bin; else this bin's first is the first dropped
+        bound = inclusive ? e[i - 1] : e[0];
+      } else {
+        // The candidates' mass is short of the target: decided only when nothing below them is kept anyway.
+        decided = kbin < Scratch::kBins || all || z <= ln_min_p;
+      }
     }
     if (decided) break;
     z = z - 8.0 < -40.0 ? -INFINITY : z - 8.0;
     count = collect(l, w, n, std::isinf(z) ? -std::numeric_limits<float>::max() : threshold(z), ids, &below);
   }
-  // min-p, exactly, and the last kept token in the order: the draw keeps what is at or ahead of it.
-  Cand last{INFINITY, -1, 0.0};
+  // What is kept: in the top-k set, on the right side of top-p's boundary, and past min-p's test (exactly).
+  auto kept = [&](const Cand& c) {
+    if (c.l < kth) return false;
+    if (bounded && (inclusive ? ahead(bound, c) : !ahead(c, bound))) return false;
+    return !(cut_m && ((double)c.l - (double)m) / s.temperature < ln_min_p);
+  };
   double mass = 0.0;
-  int64_t left = 0;
-  for (int64_t j = 0; j < kept; ++j) {
-    const Cand& c = e[j];
-    if (cut_m && ((double)c.l - (double)m) / s.temperature < ln_min_p) continue;
-    if (last.id < 0 || ahead(last, c)) last = c;
-    mass += c.w;
-    ++left;
+  if (cut) {
+    Cand last{INFINITY, -1, 0.0};
+    int64_t left = 0;
+    for (int64_t j = 0; j < count; ++j) {
+      const Cand c{l[ids[j]], ids[j], wc[j]};
+      if (!kept(c)) continue;
+      if (last.id < 0 || ahead(last, c)) last = c;
+      ++left;
+    }
+    cut[0] = left, cut[1] = last.id;
   }
-  if (cut) cut[0] = left, cut[1] = last.id;
-  // The draw, over the candidates in id order.
+  for (int64_t j = 0; j < count; ++j)
+    if (kept({l[ids[j]], ids[j], wc[j]})) mass += wc[j];
+  // The draw, over the kept candidates in id order.
   const double goal = u * mass;
   double run = 0.0;
   int64_t pick = top;
   for (int64_t j = 0; j < count; ++j) {
-    const int32_t id = ids[j];
-    const Cand c{l[id], id, wc[j]};
-    if (ahead(last, c) || c.w <= 0.0 || (cut_m && ((double)c.l - (double)m) / s.temperature < ln_min_p)) continue;
+    const Cand c{l[ids[j]], ids[j], wc[j]};
+    if (c.w <= 0.0 || !kept(c)) continue;
     run += c.w;
-    pick = id;
+    pick = c.id;
     if (run > goal) break;
   }
   return pick;
