@@ -28,7 +28,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import CHAT_SET, TraceItem, chat_trace, median_summary, summarize, synthetic_trace  # noqa: E402
+from benchlib import (  # noqa: E402
+    CHAT_SET,
+    TraceItem,
+    chat_trace,
+    median_summary,
+    sampling_presets,
+    summarize,
+    synthetic_trace,
+)
 from loadgen import Result, env_socket, session, steps_since, stream_message, stream_request, wait_mode  # noqa: E402
 
 APIS = ("openai", "messages")  # --api: OpenAI's completions / chat completions, or Anthropic's Messages
@@ -44,11 +52,15 @@ def message_body(item: TraceItem, tokenizer) -> dict:
     body = {"model": "default", "messages": [m for m in messages if m["role"] != "system"]}
     if system:
         body["system"] = "\n".join(system)
-    return body | {"max_tokens": item.max_tokens, "temperature": 0.0, "ignore_eos": True}
+    return body | {"max_tokens": item.max_tokens, **SAMPLING, "ignore_eos": True}
+
+
+# What every request asks for besides its length: --sampling's preset (greedy unless told).
+SAMPLING: dict = {"temperature": 0.0}
 
 
 def body_of(item: TraceItem) -> tuple[dict, bool]:
-    common = {"max_tokens": item.max_tokens, "temperature": 0.0, "ignore_eos": True}
+    common = {"max_tokens": item.max_tokens, **SAMPLING, "ignore_eos": True}
     if item.messages is not None:
         return {"messages": item.messages, **common}, True
     if item.prompt_text is not None:
@@ -487,6 +499,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--sampling",
+        choices=list(sampling_presets()),
+        default="greedy",
+        help="what every request samples with: greedy, the chat's defaults or Ollama's (peers included)",
+    )
     ap.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO: TTFT at most this many seconds")
     ap.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO: TPOT at most this many seconds")
     ap.add_argument("--sweep", default=None, help="concurrency:1,4,16 | rate:0.5,1,2 | variance")
@@ -527,6 +545,8 @@ def main() -> int:
     peers.add_argument("--ctx-per-slot", type=int, default=512, help="llama.cpp context per slot (>= longest request)")
     args = ap.parse_args()
     args.socket = env_socket(args.socket)
+    SAMPLING.clear()
+    SAMPLING.update(sampling_presets()[args.sampling])
     if args.output_len is None:
         args.output_len = (8, 128) if args.peers else (16, 256)
     return asyncio.run(run(args))

@@ -90,12 +90,13 @@ def real_logits(engine, prompts: list[list[int]], rows: int) -> torch.Tensor:
 
 
 def spread(logits: torch.Tensor, vocab: int, seed: int = 0) -> torch.Tensor:
-    """Real rows over a larger vocabulary: the row, then copies shifted down 4 and 6 nats with noise."""
+    """Real rows over a larger vocabulary: the row, then copies shifted 4, 6, 8, ... nats down with noise."""
     g = torch.Generator().manual_seed(seed)
-    parts, width = [logits], logits.shape[1]
-    for shift in (4.0, 6.0):
+    parts, shift = [logits], 4.0
+    while sum(p.shape[1] for p in parts) < vocab:
         parts.append(logits - shift + torch.randn(logits.shape, generator=g))
-    return torch.cat(parts, dim=1)[:, :vocab].contiguous() if width * 3 >= vocab else logits
+        shift += 2.0
+    return torch.cat(parts, dim=1)[:, :vocab].contiguous()
 
 
 def time_sampler(sampler: Sampler, logits: torch.Tensor, params: dict, rows: int, calls: int) -> float:

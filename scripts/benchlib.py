@@ -13,6 +13,18 @@ from loadgen import Result, percentile
 CHAT_SET = Path(__file__).resolve().parent / "data" / "chat_prompts.jsonl"
 
 
+def sampling_presets() -> dict[str, dict]:
+    """The sampling a benchmark's requests ask for (--sampling): greedy, the chat's pane defaults (its own
+    PaneSettings), and Ollama's documented defaults (temperature 0.8, top_k 40, top_p 0.9)."""
+    from minibatch.tui.history import PaneSettings
+
+    return {
+        "greedy": {"temperature": 0.0},
+        "chat": PaneSettings().request_params(),
+        "ollama": {"temperature": 0.8, "top_k": 40, "top_p": 0.9},
+    }
+
+
 @dataclass(slots=True, frozen=True)
 class TraceItem:
     """One request of a trace: when it is sent (s after start), what, and how many tokens it must generate."""

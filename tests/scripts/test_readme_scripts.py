@@ -35,6 +35,7 @@ COVERED = {
     "bench_models.py": "test_bench_models",
     "bench.py": "test_bench_over_the_socket",
     "bench_engine.py": "test_bench_engine_quick",
+    "bench_sampling.py": "test_bench_sampling",
     "bench_overhead.py": "test_bench_overhead",
     "bench_cluster.py": "test_bench_cluster",
     "soak.py": "test_soak",
@@ -192,12 +193,15 @@ def test_bench_over_tcp(daemon, env, tmp_path):
         "1",
         "--warmup",
         "0",
+        "--sampling",
+        "ollama",
         "--out",
         out,
     )
     summary = json.loads((out / "summary.json").read_text())
     (row,) = summary["rows"]
     assert row["variant"] == "server" and row["summary"]["completed"] == 3 and row["summary"]["output_tokens"] >= 12
+    assert summary["args"]["sampling"] == "ollama"
     assert summary["ceilings"]["batch1_bandwidth_bound_tok_s"] > 0  # the daemon says what its weights are over TCP too
     assert "| main | server |" in proc.stdout
 
@@ -364,6 +368,22 @@ def test_bench_engine_quick(env, tmp_path):
     assert 90e6 < eff["matmul_bytes_per_step"] < 100e6  # 4-bit layers and the Q8_0 output projection, as stored
     assert number(r"batch-1 decode: minibatch ([\d.]+) tok/s", proc.stdout) > 0
     assert "engine efficiency at 16 running" in proc.stdout
+
+
+def test_bench_sampling(env, tmp_path):
+    out = tmp_path / "sampling.json"
+    proc = run(
+        env,
+        SCRIPTS / "bench_sampling.py",
+        *("--calls", "1", "--concurrency", "2", "--tokens", "4", "--repeats", "1", "--spec", "off", "--json", out),
+        timeout=600,
+    )
+    data = json.loads(out.read_text())
+    shapes = {r["logits"] for r in data["sampler"]}
+    assert len(shapes) == 3 and len(data["sampler"]) == 3 * 9 * 2 and all(r["ms_per_row"] > 0 for r in data["sampler"])
+    (row,) = data["engine"]
+    assert row["concurrency"] == 2 and all(row[w] > 0 for w in ("greedy", "chat", "ollama"))
+    assert number(r"spec off\s+c= 2: greedy ([\d.]+) tok/s", proc.stdout) == pytest.approx(row["greedy"], rel=0.01)
 
 
 def test_bench_overhead(env):
