@@ -163,9 +163,10 @@ def engine_part(args) -> list[dict]:
             row = {"speculative": spec, "concurrency": c, **{w: statistics.median(v) for w, v in got.items()}}
             row["runs"] = got
             out.append(row)
+            ratio = {w: row[w] / row["greedy"] for w in WORKLOADS}
             print(
                 f"  spec {spec:5s} c={c:2d}: greedy {row['greedy']:.1f} tok/s, chat {row['chat']:.1f} "
-                f"({row['chat'] / row['greedy']:.2f}x), ollama {row['ollama']:.1f} ({row['ollama'] / row['greedy']:.2f}x)",
+                f"({ratio['chat']:.2f}x), ollama {row['ollama']:.1f} ({ratio['ollama']:.2f}x)",
                 flush=True,
             )
         del engine
