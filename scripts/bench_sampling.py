@@ -9,7 +9,8 @@ prompts; 49,152 tokens), on those logits spread over 151,936 tokens (Qwen2.5's a
 real rows and two copies shifted down with noise, a longer tail), and on random-normal logits (a
 random-weight model's flat rows); 1 and 16 rows a call, each setting the median of --calls calls.
 
-engine: the built-in model in this process, speculation off and at its default; every concurrency runs
+engine: the built-in model (or --model: a GGUF of another vocabulary, e.g. make_model.py's Qwen2.5 shape
+with --true-vocab) in this process, speculation off and at its default; every concurrency runs
 that many chat prompts at once with outputs forced to --tokens (ignore_eos), greedy, the chat's defaults
 (temperature 0.7, top_p 0.95) and Ollama's (0.8, top_k 40, top_p 0.9) one after another in each round,
 so the ratios compare runs measured side by side; tokens/s is the median over --repeats rounds.
@@ -33,6 +34,7 @@ from minibatch.engine.core.request import Request  # noqa: E402
 from minibatch.engine.core.sampling_params import SamplingParams  # noqa: E402
 from minibatch.engine.factory import EngineConfig, build_engine  # noqa: E402
 from minibatch.engine.runner.sampler import Sampler  # noqa: E402
+from minibatch.engine.store.cache import DEFAULT_MODEL  # noqa: E402
 
 # name -> SamplingParams fields: the settings the sampler table reports
 SETTINGS = {
@@ -152,7 +154,7 @@ def run_once(engine, prompts: list[list[int]], params: dict, tokens: int, tag: s
 def engine_part(args) -> list[dict]:
     out = []
     for spec in args.spec.split(","):
-        engine = build_engine(EngineConfig(speculative=spec, max_num_seqs=max(args.concurrency)))
+        engine = build_engine(EngineConfig(model=args.model, speculative=spec, max_num_seqs=max(args.concurrency)))
         prompts = chat_prompts(engine.tokenizer, max(args.concurrency))
         run_once(engine, prompts[:2], WORKLOADS["chat"], 16, "warm")
         for c in args.concurrency:
@@ -181,9 +183,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128, help="engine: output tokens per request (forced)")
     ap.add_argument("--repeats", type=int, default=3, help="engine: rounds (median)")
     ap.add_argument("--spec", default="off,ngram", help="engine: speculation settings, comma-separated")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="engine: the model (a name, a directory or a GGUF file)")
     ap.add_argument("--json", default="results/bench_sampling.json")
     args = ap.parse_args()
-    report: dict = {"torch_threads": torch.get_num_threads()}
+    report: dict = {"torch_threads": torch.get_num_threads(), "model": args.model}
     if args.part in ("sampler", "both"):
         print("sampler, per row:", flush=True)
         report["sampler"] = sampler_part(build_engine(EngineConfig(speculative="off")), args)

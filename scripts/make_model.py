@@ -8,7 +8,8 @@
 Every matrix has the named model's shape (layers, heads, grouped KV heads, MLP width, biases, tied or
 separate output), drawn from a normal distribution of a trained model's scale (std 0.02, norms 1); the
 vocabulary is the built-in model's (49,152 tokens, its tokenizer and chat template copied from its GGUF),
-so the embedding and output matrices are that wide. The file is written F16 (or F32 with --dtype); with
+so the embedding and output matrices are that wide; --true-vocab pads it with special tokens to the named
+model's own size (151,936 for Qwen2.5), so the output projection and the sampler see the real width. The file is written F16 (or F32 with --dtype); with
 --quantize, llama.cpp's `llama-quantize` (--llama-quantize PATH) turns it into any of its presets, or,
 without it, gguf's own quantizers write one type for every matrix (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
 """
@@ -39,15 +40,17 @@ class Shape:
     rope_theta: float
     eps: float
     context: int
+    vocab: int  # the model's own vocabulary (--true-vocab pads the built-in one to it)
 
 
-SHAPES = {  # from each model's config.json (the vocabulary is the built-in one's)
-    "smollm2-135m": Shape("llama", 576, 1536, 30, 9, 3, 64, True, False, 1e5, 1e-5, 8192),
-    "qwen2.5-0.5b": Shape("qwen2", 896, 4864, 24, 14, 2, 64, True, True, 1e6, 1e-6, 32768),
-    "qwen2.5-1.5b": Shape("qwen2", 1536, 8960, 28, 12, 2, 128, True, True, 1e6, 1e-6, 32768),
-    "llama-3.2-1b": Shape("llama", 2048, 8192, 16, 32, 8, 64, True, False, 5e5, 1e-5, 131072),
-    "llama-3.1-8b": Shape("llama", 4096, 14336, 32, 32, 8, 128, False, False, 5e5, 1e-5, 131072),
+SHAPES = {  # from each model's config.json
+    "smollm2-135m": Shape("llama", 576, 1536, 30, 9, 3, 64, True, False, 1e5, 1e-5, 8192, 49152),
+    "qwen2.5-0.5b": Shape("qwen2", 896, 4864, 24, 14, 2, 64, True, True, 1e6, 1e-6, 32768, 151936),
+    "qwen2.5-1.5b": Shape("qwen2", 1536, 8960, 28, 12, 2, 128, True, True, 1e6, 1e-6, 32768, 151936),
+    "llama-3.2-1b": Shape("llama", 2048, 8192, 16, 32, 8, 64, True, False, 5e5, 1e-5, 131072, 128256),
+    "llama-3.1-8b": Shape("llama", 4096, 14336, 32, 32, 8, 128, False, False, 5e5, 1e-5, 131072, 128256),
 }
+CONTROL_TOKEN = 3  # GGUF's token type for a special token
 OWN_QUANTIZERS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 FILE_TYPES = {
     "F32": 0,
@@ -60,8 +63,9 @@ FILE_TYPES = {
 }  # llama.cpp's general.file_type
 
 
-def builtin_tokenizer_fields():
-    """(key, value, value type, array element type) of every tokenizer field of the built-in model's GGUF."""
+def builtin_tokenizer_fields(pad_to: int | None = None):
+    """(key, value, value type, array element type) of every tokenizer field of the built-in model's GGUF;
+    with pad_to, its vocabulary grown to that many tokens by special ones (`<|extra_N|>`) no text encodes to."""
     from gguf import GGUFReader
 
     from minibatch.engine.store.cache import BUILTIN_MODELS, builtin_gguf_path
@@ -71,6 +75,15 @@ def builtin_tokenizer_fields():
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             out.append((key, field.contents(), field.types[0], field.types[1] if len(field.types) > 1 else None))
+    if pad_to is not None:
+        have = next(len(v) for k, v, _, _ in out if k == "tokenizer.ggml.tokens")
+        extra = range(max(0, pad_to - have))
+        grown = {
+            "tokenizer.ggml.tokens": lambda v: [*v, *(f"<|extra_{i}|>" for i in extra)],
+            "tokenizer.ggml.token_type": lambda v: [*v, *(CONTROL_TOKEN for _ in extra)],
+            "tokenizer.ggml.scores": lambda v: [*v, *(0.0 for _ in extra)],
+        }
+        out = [(k, grown[k](v) if k in grown else v, t, sub) for k, v, t, sub in out]
     return out
 
 
@@ -104,10 +117,12 @@ def tensors(shape: Shape, vocab: int, rng: np.random.Generator, dtype):
         yield "output.weight", mat(vocab, h)
 
 
-def write_gguf(name: str, shape: Shape, out: Path, dtype: str, quant: str | None, seed: int) -> None:
+def write_gguf(
+    name: str, shape: Shape, out: Path, dtype: str, quant: str | None, seed: int, true_vocab: bool = False
+) -> None:
     import gguf
 
-    fields = builtin_tokenizer_fields()
+    fields = builtin_tokenizer_fields(shape.vocab if true_vocab else None)
     vocab = next(len(v) for k, v, _, _ in fields if k == "tokenizer.ggml.tokens")
     w = gguf.GGUFWriter(str(out), shape.arch)
     w.add_name(f"random {name}")
@@ -161,6 +176,11 @@ def main() -> int:
     ap.add_argument(
         "--layers", type=int, default=None, help="fewer layers than the model has (each still its true shape)"
     )
+    ap.add_argument(
+        "--true-vocab",
+        action="store_true",
+        help="the model's own vocabulary size (151,936 for Qwen2.5), the built-in one padded with special tokens",
+    )
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     if args.layers is not None:
@@ -173,10 +193,10 @@ def main() -> int:
                 f"make_model: --quantize {args.quantize} needs --llama-quantize; without it: "
                 + ", ".join(OWN_QUANTIZERS)
             )
-        write_gguf(args.shape, shape, args.out, args.dtype, args.quantize, args.seed)
+        write_gguf(args.shape, shape, args.out, args.dtype, args.quantize, args.seed, args.true_vocab)
     elif args.quantize:
         base = args.out.with_name(args.out.stem + f".{args.dtype.lower()}.gguf")
-        write_gguf(args.shape, shape, base, args.dtype, None, args.seed)
+        write_gguf(args.shape, shape, base, args.dtype, None, args.seed, args.true_vocab)
         subprocess.run(
             [args.llama_quantize, str(base), str(args.out), args.quantize, str(args.threads)],
             check=True,
@@ -184,7 +204,7 @@ def main() -> int:
         )
         base.unlink()
     else:
-        write_gguf(args.shape, shape, args.out, args.dtype, None, args.seed)
+        write_gguf(args.shape, shape, args.out, args.dtype, None, args.seed, args.true_vocab)
     print(f"make_model: {args.out} ({args.out.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - started:.0f} s")
     return 0
 

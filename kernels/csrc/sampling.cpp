@@ -313,7 +313,8 @@ int64_t sample_row(const float* logits, int64_t n, const int32_t* mask, const Ro
     const float t = (float)((double)m + zz * s.temperature);
     return t - std::max(1.0f, std::fabs(t)) * 1e-5f;
   };
-  weigh_and_collect(l, n, m, inv_t, threshold(z), w, ids, &count, &below);
+  float lt = threshold(z);  // the candidates' least logit is at least this
+  weigh_and_collect(l, n, m, inv_t, lt, w, ids, &count, &below);
   double* wc = sc.wc.data();
   uint16_t* bins = sc.bins.data();
   int32_t* bin_count = sc.bin_count;
@@ -324,13 +325,17 @@ int64_t sample_row(const float* logits, int64_t n, const int32_t* mask, const Ro
   float kth = -INFINITY;
   bool bounded = false, inclusive = false;
   Cand bound{0.0f, 0, 0.0};
+  double cut_mass = -1.0;  // the mass top-k and top-p keep, where they decided it (min-p may cut further)
   for (;;) {
     const bool all = std::isinf(z);  // every token with a finite logit is a candidate
     weigh_candidates(l, ids, count, (double)m, s.temperature, wc);
     // The candidates in kBins bins by logit, the top's first: a bin's tokens all come before the next bin's
     // in the order, ties in one bin. Each bin's count and mass.
-    float lo = m;
-    for (int64_t j = 0; j < count; ++j) lo = std::min(lo, l[ids[j]]);
+    float lo = std::min(m, lt);
+    if (all) {
+      lo = m;
+      for (int64_t j = 0; j < count; ++j) lo = std::min(lo, l[ids[j]]);
+    }
     const double scale = m > lo ? (Scratch::kBins - 1) / ((double)m - (double)lo) : 0.0;
     std::fill(bin_count, bin_count + Scratch::kBins, 0);
     std::fill(bin_mass, bin_mass + Scratch::kBins, 0.0);
@@ -353,6 +358,7 @@ int64_t sample_row(const float* logits, int64_t n, const int32_t* mask, const Ro
     int kbin = Scratch::kBins;  // top-k's bin: those after it are out, its own tokens below the k-th too
     double kmass = 0.0;         // the top-k set's mass
     kth = -INFINITY;
+    cut_mass = -1.0;
     if (cut_k) {
       if (count >= s.top_k) {
         int64_t before = 0;
@@ -363,6 +369,7 @@ int64_t sample_row(const float* logits, int64_t n, const int32_t* mask, const Ro
         kth = e[s.top_k - before - 1].l;  // and every token tied with it
         for (int64_t j = 0; j < nb; ++j)
           if (e[j].l >= kth) kmass += e[j].w;
+        cut_mass = kmass;
       } else {
         // Fewer candidates than k: top-k keeps them all; only min-p can still decide, and only without top-p
         // (whose mass is taken over the top-k set, which reaches below the candidates).
@@ -389,6 +396,7 @@ int64_t sample_row(const float* logits, int64_t n, const int32_t* mask, const Ro
         std::sort(e, e + nb, ahead);
         int64_t i = 0;
         while (i < nb && before < target) before += e[i++].w;
+        cut_mass = before;  // the kept tokens are exactly those summed
         bounded = true;
         inclusive = i > 0;  // the last kept, in this bin; else this bin's first is the first dropped
         bound = inclusive ? e[i - 1] : e[0];
@@ -399,7 +407,8 @@ int64_t sample_row(const float* logits, int64_t n, const int32_t* mask, const Ro
     }
     if (decided) break;
     z = z - 8.0 < -40.0 ? -INFINITY : z - 8.0;
-    count = collect(l, w, n, std::isinf(z) ? -std::numeric_limits<float>::max() : threshold(z), ids, &below);
+    lt = std::isinf(z) ? -std::numeric_limits<float>::max() : threshold(z);
+    count = collect(l, w, n, lt, ids, &below);
   }
   // What is kept: in the top-k set, on the right side of top-p's boundary, and past min-p's test (exactly).
   auto kept = [&](const Cand& c) {
@@ -419,8 +428,12 @@ int64_t sample_row(const float* logits, int64_t n, const int32_t* mask, const Ro
     }
     cut[0] = left, cut[1] = last.id;
   }
-  for (int64_t j = 0; j < count; ++j)
-    if (kept({l[ids[j]], ids[j], wc[j]})) mass += wc[j];
+  if (cut_m || cut_mass < 0.0) {
+    for (int64_t j = 0; j < count; ++j)
+      if (kept({l[ids[j]], ids[j], wc[j]})) mass += wc[j];
+  } else {
+    mass = cut_mass;
+  }
   // The draw, over the kept candidates in id order.
   const double goal = u * mass;
   double run = 0.0;

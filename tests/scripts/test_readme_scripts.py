@@ -488,11 +488,14 @@ def test_bench_quant_matmul(env):
 
 
 def test_make_model(env, tmp_path):
-    """The true Qwen2.5-0.5B layer shape (896 wide, 14 heads over 2 KV heads, qkv bias, tied output) with two layers,
-    quantized to Q5_0 by gguf's quantizer: it loads natively and generates."""
+    """The true Qwen2.5-0.5B layer shape (896 wide, 14 heads over 2 KV heads, qkv bias, tied output) with two layers
+    and its own 151,936-token vocabulary, quantized to Q5_0 by gguf's quantizer: it loads natively and generates,
+    greedy and sampled."""
     out = tmp_path / "qwen-q5_0.gguf"
     proc = run(
-        env, SCRIPTS / "make_model.py", "--shape", "qwen2.5-0.5b", "--layers", "2", "--quantize", "Q5_0", "--out", out
+        env,
+        SCRIPTS / "make_model.py",
+        *("--shape", "qwen2.5-0.5b", "--layers", "2", "--quantize", "Q5_0", "--true-vocab", "--out", out),
     )
     assert out.is_file() and f"make_model: {out}" in proc.stdout
     check = (
@@ -500,14 +503,17 @@ def test_make_model(env, tmp_path):
         "from minibatch.engine.core.sampling_params import SamplingParams\n"
         f"e = build_engine(EngineConfig(model={str(out)!r}, num_kv_blocks=16, max_num_seqs=1))\n"
         "r = e.add_request('a', [1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))\n"
+        "s = e.add_request('b', [1, 2, 3], SamplingParams(temperature=0.7, top_p=0.95, max_tokens=3, ignore_eos=True))\n"
         "while e.has_work(): e.step()\n"
         "c = e.runner.model.config\n"
         "print(json.dumps({'weights': e.info.weights, 'family': e.info.family, 'out': r.output_token_ids,\n"
+        "  'sampled': s.output_token_ids, 'vocab': c.vocab_size, 'tokenizer': len(e.tokenizer.vocab()),\n"
         "  'shape': [c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.num_layers]}))\n"
     )
     info = json.loads(run(env, "-c", check).stdout.strip().splitlines()[-1])
     assert info["family"] == "qwen2" and info["weights"].startswith("Q5_0") and info["weights"].endswith(" native")
-    assert info["shape"] == [896, 14, 2, 64, 4864, 2] and len(info["out"]) == 3
+    assert info["shape"] == [896, 14, 2, 64, 4864, 2] and len(info["out"]) == 3 and len(info["sampled"]) == 3
+    assert info["vocab"] == info["tokenizer"] == 151936
 
 
 def test_perplexity(env):
