@@ -9,7 +9,8 @@ Every matrix has the named model's shape (layers, heads, grouped KV heads, MLP w
 separate output), drawn from a normal distribution of a trained model's scale (std 0.02, norms 1); the
 vocabulary is the built-in model's (49,152 tokens, its tokenizer and chat template copied from its GGUF),
 so the embedding and output matrices are that wide; --true-vocab pads it with special tokens to the named
-model's own size (151,936 for Qwen2.5), so the output projection and the sampler see the real width. The file is written F16 (or F32 with --dtype); with
+model's own size (151,936 for Qwen2.5), so the output projection and the sampler see the real width. The
+file is written F16 (or F32 with --dtype); with
 --quantize, llama.cpp's `llama-quantize` (--llama-quantize PATH) turns it into any of its presets, or,
 without it, gguf's own quantizers write one type for every matrix (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
 """
