@@ -16,7 +16,8 @@ Pieces (--pieces), each run by the script that owns its method, on private daemo
             LLAMA_BENCH
   spec      speculation on and off (bench_spec.py: chat, copy-heavy and forced-length prompts, c = 1, 4, 16, 64)
   cluster   one daemon against two minibatch-serve replicas (bench_cluster.py)
-  peers     against llama-server on the same files (bench.py --peers), with LLAMA_SERVER; skipped otherwise
+  peers     against llama-server on the same files (bench.py --peers), greedy and at the chat's sampling
+            defaults, with LLAMA_SERVER; skipped otherwise
 
 Models (--models): the built-in model and `shape:llama-3.2-1b` (--quick: the built-in model alone), a
 random-weight GGUF in that model's exact shape that make_model.py writes under results/models when missing:
@@ -367,34 +368,32 @@ def cluster(run: Run) -> None:
 
 
 def peers(run: Run, models: list[Model]) -> None:
+    """Each model against llama-server, greedy and then at the chat's sampling defaults (both servers sample)."""
     server = run.args.llama["server"]
     if not server:
         run.note("peers: skipped (no LLAMA_SERVER given: the path of a llama-server built for this CPU)")
         return
     out = []
     for m in models:
-        folder = run.out / f"peers-{m.key}"
         which = (
             "minibatch:native,llama.cpp:Q4_1,llama.cpp:Q8_0" if m.spec == BUILTIN else "minibatch:native,llama.cpp:file"
         )
-        argv = ["--peers", which, "--llama-server", server, "--out", str(folder), "--per-client", "2"]
-        argv += ["--concurrencies", "1,4" if run.args.quick else "1,16,64"]
-        argv += ["--requests", "8" if run.args.quick else "48" if m.spec == BUILTIN else "32"]
-        argv += ["--repeats", "1" if run.args.quick else "3"]
-        if m.spec != BUILTIN:
-            argv += ["--model", m.spec]
-        run.script("bench.py", *argv, log=f"peers-{m.key}.log")
-        rows = json.loads((folder / "peers.json").read_text())["rows"]
-        out.append(
-            m.info()
-            | {
-                "rows": [
-                    {"c": r["concurrency"], "server": r["server"], **lite(r["summary"], {})}
-                    | {"rss_peak_mb": r.get("rss_peak_mb"), "rss_after_mb": r.get("rss_after_mb")}
-                    for r in rows
-                ]
-            }
-        )
+        rows = []
+        for sampling in ("greedy", "chat"):
+            folder = run.out / f"peers-{m.key}-{sampling}"
+            argv = ["--peers", which, "--llama-server", server, "--out", str(folder), "--per-client", "2"]
+            argv += ["--concurrencies", "1,4" if run.args.quick else "1,16,64"]
+            argv += ["--requests", "8" if run.args.quick else "48" if m.spec == BUILTIN else "32"]
+            argv += ["--repeats", "1" if run.args.quick else "3", "--sampling", sampling]
+            if m.spec != BUILTIN:
+                argv += ["--model", m.spec]
+            run.script("bench.py", *argv, log=f"peers-{m.key}-{sampling}.log")
+            rows += [
+                {"c": r["concurrency"], "server": r["server"], "sampling": sampling, **lite(r["summary"], {})}
+                | {"rss_peak_mb": r.get("rss_peak_mb"), "rss_after_mb": r.get("rss_after_mb")}
+                for r in json.loads((folder / "peers.json").read_text())["rows"]
+            ]
+        out.append(m.info() | {"rows": rows})
     run.section("peers", {"models": out})
 
 

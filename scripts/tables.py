@@ -194,21 +194,27 @@ def cluster(sec: dict) -> str:
 
 
 def peers(sec: dict) -> str:
+    """Per model: each server's tokens/s by concurrency and ours over the best llama.cpp's; where the record
+    has sampled runs beside greedy ones (rows carry `sampling`), a column group for each."""
     out = []
     for m in sec["models"]:
         servers = list(dict.fromkeys(r["server"] for r in m["rows"]))
-        out += [
-            "",
-            f"**{m['label']}**:",
-            "",
-            "| c | " + " | ".join(f"{s} tok/s" for s in servers) + " | minibatch / best llama.cpp |",
-        ]
-        out.append("|---:|" + "---:|" * (len(servers) + 1))
+        modes = list(dict.fromkeys(r.get("sampling", "greedy") for r in m["rows"]))
+        named = len(modes) > 1 or modes != ["greedy"]
+        head = ["| c |"]
+        for mode in modes:
+            tag = f" ({mode})" if named else ""
+            head.append(" " + " | ".join(f"{s} tok/s{tag}" for s in servers) + f" | minibatch / best llama.cpp{tag} |")
+        out += ["", f"**{m['label']}**:", "", "".join(head)]
+        out.append("|---:|" + "---:|" * ((len(servers) + 1) * len(modes)))
         for c in sorted({r["c"] for r in m["rows"]}):
-            at = {r["server"]: r["tok_s"] for r in m["rows"] if r["c"] == c}
-            best = max((v for k, v in at.items() if k.startswith("llama.cpp")), default=None)
-            ours = next((v for k, v in at.items() if k.startswith("minibatch")), None)
-            out.append(f"| {c} | " + " | ".join(_f(at.get(s)) for s in servers) + f" | {_ratio(ours, best)} |")
+            cells = [f"| {c} |"]
+            for mode in modes:
+                at = {r["server"]: r["tok_s"] for r in m["rows"] if r["c"] == c and r.get("sampling", "greedy") == mode}
+                best = max((v for k, v in at.items() if k.startswith("llama.cpp")), default=None)
+                ours = next((v for k, v in at.items() if k.startswith("minibatch")), None)
+                cells.append(" " + " | ".join(_f(at.get(s)) for s in servers) + f" | {_ratio(ours, best)} |")
+            out.append("".join(cells))
     return "\n".join(out[1:])
 
 

@@ -98,3 +98,28 @@ def test_a_block_built_from_two_runs_names_both():
     lines = tables.render(other)["serving"].split("\n\n")[0].splitlines()
     assert [line.split(":")[0] for line in lines] == ["serving", "prefill"]
     assert "eeeeeeeeee" in lines[1] and same["sections"]["serving"]["run"]["commit"][:10] in lines[0]
+
+
+def test_peers_with_sampled_runs_get_a_column_group_each():
+    row = dict(rss_peak_mb=1, rss_after_mb=1)
+    sec = {
+        "models": [
+            {
+                "label": "built-in",
+                "rows": [
+                    {"c": 1, "server": "minibatch native", "sampling": "greedy", "tok_s": 110.0, **row},
+                    {"c": 1, "server": "llama.cpp Q4_1", "sampling": "greedy", "tok_s": 80.0, **row},
+                    {"c": 1, "server": "minibatch native", "sampling": "chat", "tok_s": 105.0, **row},
+                    {"c": 1, "server": "llama.cpp Q4_1", "sampling": "chat", "tok_s": 70.0, **row},
+                ],
+            }
+        ]
+    }
+    text = tables.peers(sec)
+    header, rule, line = text.splitlines()[2:5]
+    assert header == (
+        "| c | minibatch native tok/s (greedy) | llama.cpp Q4_1 tok/s (greedy) | minibatch / best llama.cpp (greedy) |"
+        " minibatch native tok/s (chat) | llama.cpp Q4_1 tok/s (chat) | minibatch / best llama.cpp (chat) |"
+    )
+    assert rule.count("---:") == 7
+    assert line.startswith("| 1 | 110.0 | 80.0 | 1.38× | 105.0 | 70.0 | 1.50× |"), line
