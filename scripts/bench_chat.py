@@ -8,10 +8,11 @@
 For each pane count it starts `minibatch-chat` in a pseudo-terminal of --size (a real terminal for
 it: the script answers its capability query and reads every byte it draws), types one prompt of the
 bundled chat set into each pane and broadcasts them (ctrl+b), and waits until the daemon has finished
-them all. Then the same requests (the same messages and the panes' parameters, greedy, so the same
-tokens) go out from a plain client with the chat closed. Repeats alternate the two; the medians are
-reported, and each ratio is the median of the repeats' own ratios (a with/without pair runs within a
-minute, so the machine's drift cancels in it), printed beside it:
+them all. Then the same requests (the same messages and the panes' parameters: the chat's own sampling
+defaults with one seed, or greedy with --sampling greedy; either way the same tokens, since a seeded draw
+depends on the seed and the token's position only) go out from a plain client with the chat closed.
+Repeats alternate the two; the medians are reported, and each ratio is the median of the repeats' own
+ratios (a with/without pair runs within a minute, so the machine's drift cancels in it), printed beside it:
 
 - engine tok/s: the daemon's generated-token counter over the wall time from the broadcast to the
   last request's end, with the chat and without it, and their ratio;
@@ -311,6 +312,12 @@ def main() -> int:
     ap.add_argument(
         "--daemon-arg", action="append", default=[], help="extra option for the private daemon (repeatable)"
     )
+    ap.add_argument(
+        "--sampling",
+        choices=["chat", "greedy"],
+        default="chat",
+        help="the panes' sampling: the chat's defaults (temperature 0.7, top_p 0.95) seeded, or greedy",
+    )
     ap.add_argument("--timeout", type=float, default=600, help="seconds one broadcast may take")
     ap.add_argument("--json", type=Path, default=None, help="write the report here")
     args = ap.parse_args()
@@ -320,9 +327,13 @@ def main() -> int:
     hogs = [float(f) for f in args.hog.split(",") if f]
     if not all(0 < f < 1 for f in hogs):
         ap.error("--hog: each fraction must be in (0, 1)")
-    settings = PaneSettings(temperature=0.0, max_tokens=args.max_tokens)
+    if args.sampling == "chat":
+        settings = PaneSettings(max_tokens=args.max_tokens, seed=1)
+    else:
+        settings = PaneSettings(temperature=0.0, max_tokens=args.max_tokens)
     daemon = Daemon(args)
     report: dict = {"target": daemon.target, "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": []}
+    report["sampling"] = settings.request_params()
     try:
         report["model"] = daemon.get("/health").get("model")
         for n in panes:

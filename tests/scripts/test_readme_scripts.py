@@ -220,7 +220,13 @@ def test_bench_chat(daemon, env, tmp_path):
     proc = run(env, SCRIPTS / "bench_chat.py", *args, "--size", "120x36", "--json", report)
     (row,) = json.loads(report.read_text())["rows"]
     with_chat, without = row["with"], row["without"]
-    # greedy: the chat's requests and the plain client's make the same tokens
+    # the chat's sampling defaults, seeded: the chat's requests and the plain client's draw the same tokens
+    assert json.loads(report.read_text())["sampling"] == {
+        "temperature": 0.7,
+        "top_p": 0.95,
+        "max_tokens": 12,
+        "seed": 1,
+    }
     assert with_chat["tokens"] == without["tokens"] and 2 <= without["tokens"] <= 24
     assert with_chat["chat_cpu_s"] > 0 and with_chat["frames_per_s"] > 0 and with_chat["chat_rss_mb"] > 10
     # one repeat: its pair's ratio is the median, the hog's ratio is against that repeat's idle run
