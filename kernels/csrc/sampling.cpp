@@ -267,7 +267,11 @@ void cut_of_all(const float* l, int64_t n, int64_t* cut) {
 
 // One row's token. With `cut` (the tests' sample_cuts), also what the rule keeps: how many tokens, and the
 // last of them in the order (a prefix of the order is known by its last token).
-int64_t sample_row(const float* logits, int64_t n, const int32_t* mask, const RowSettings& s, Scratch& sc, int64_t* cut) {
+// Kept out of interprocedural optimization: specialised to its one caller, the compiler knew `sc` as that
+// caller's thread_local and looked its address up again in the candidate loops (a __tls_get_addr call per
+// token: a third of a flat row's time).
+__attribute__((noipa)) int64_t sample_row(const float* logits, int64_t n, const int32_t* mask, const RowSettings& s,
+                                             Scratch& sc, int64_t* cut) {
   const float* l = logits;
   if (mask != nullptr) {  // a grammar's allowed tokens, one bit each: the rest become -inf
     float* x = sc.x.data();
@@ -326,6 +330,8 @@ int64_t sample_row(const float* logits, int64_t n, const int32_t* mask, const Ro
   bool bounded = false, inclusive = false;
   Cand bound{0.0f, 0, 0.0};
   double cut_mass = -1.0;  // the mass top-k and top-p keep, where they decided it (min-p may cut further)
+  double scale = 0.0;      // bin = (max - logit) * scale
+  int kbin = Scratch::kBins, pbin = Scratch::kBins;  // the bins top-k's k-th and top-p's boundary are in
   for (;;) {
     const bool all = std::isinf(z);  // every token with a finite logit is a candidate
     weigh_candidates(l, ids, count, (double)m, s.temperature, wc);
@@ -336,16 +342,25 @@ int64_t sample_row(const float* logits, int64_t n, const int32_t* mask, const Ro
       lo = m;
       for (int64_t j = 0; j < count; ++j) lo = std::min(lo, l[ids[j]]);
     }
-    const double scale = m > lo ? (Scratch::kBins - 1) / ((double)m - (double)lo) : 0.0;
+    scale = m > lo ? (Scratch::kBins - 1) / ((double)m - (double)lo) : 0.0;
     std::fill(bin_count, bin_count + Scratch::kBins, 0);
     std::fill(bin_mass, bin_mass + Scratch::kBins, 0.0);
     double total = below;  // the row's mass: the candidates' in doubles, the rest's in floats
-    for (int64_t j = 0; j < count; ++j) {
-      const int b = (int)(((double)m - (double)l[ids[j]]) * scale);
-      bins[j] = (uint16_t)b;
-      bin_count[b] += 1;
-      bin_mass[b] += wc[j];
-      total += wc[j];
+    {
+      const float* __restrict lp = l;
+      const int32_t* __restrict ip = ids;
+      const double* __restrict wp = wc;
+      uint16_t* __restrict bp = bins;
+      int32_t* __restrict cp = bin_count;
+      double* __restrict mp = bin_mass;
+      const double top_d = (double)m;
+      for (int64_t j = 0; j < count; ++j) {
+        const int b = (int)((top_d - (double)lp[ip[j]]) * scale);
+        bp[j] = (uint16_t)b;
+        cp[b] += 1;
+        mp[b] += wp[j];
+        total += wp[j];
+      }
     }
     // the tokens of bin b (those at or above the k-th when top-k cut inside it), into e
     auto gather = [&](int b) {
@@ -355,8 +370,8 @@ int64_t sample_row(const float* logits, int64_t n, const int32_t* mask, const Ro
       return k;
     };
     bool decided = true;
-    int kbin = Scratch::kBins;  // top-k's bin: those after it are out, its own tokens below the k-th too
-    double kmass = 0.0;         // the top-k set's mass
+    kbin = pbin = Scratch::kBins;  // top-k's bin: those after it are out, its own tokens below the k-th too
+    double kmass = 0.0;            // the top-k set's mass
     kth = -INFINITY;
     cut_mass = -1.0;
     if (cut_k) {
@@ -398,6 +413,7 @@ int64_t sample_row(const float* logits, int64_t n, const int32_t* mask, const Ro
         while (i < nb && before < target) before += e[i++].w;
         cut_mass = before;  // the kept tokens are exactly those summed
         bounded = true;
+        pbin = b;
         inclusive = i > 0;  // the last kept, in this bin; else this bin's first is the first dropped
         bound = inclusive ? e[i - 1] : e[0];
       } else {
@@ -411,26 +427,41 @@ int64_t sample_row(const float* logits, int64_t n, const int32_t* mask, const Ro
     count = collect(l, w, n, lt, ids, &below);
   }
   // What is kept: in the top-k set, on the right side of top-p's boundary, and past min-p's test (exactly).
-  auto kept = [&](const Cand& c) {
+  // By bins first: those before every cut's bin are all kept, those after any cut's are not; only the tokens
+  // of the bins between are tested one by one (min-p's bin with one bin of margin each side, for rounding).
+  int full = std::min(kbin, pbin), last = std::min(std::min(kbin, pbin), Scratch::kBins - 1);
+  if (cut_m) {
+    const double at = ((double)m - ((double)m + ln_min_p * s.temperature)) * scale;
+    if (at < Scratch::kBins + 1) {
+      const int bm = (int)std::max(0.0, at);
+      full = std::min(full, std::max(0, bm - 1));
+      last = std::min(last, std::min(Scratch::kBins - 1, bm + 1));
+    }
+  }
+  auto tested = [&](const Cand& c) {
     if (c.l < kth) return false;
     if (bounded && (inclusive ? ahead(bound, c) : !ahead(c, bound))) return false;
     return !(cut_m && ((double)c.l - (double)m) / s.temperature < ln_min_p);
   };
+  auto kept = [&](int64_t j) {
+    const int b = bins[j];
+    return b < full || (b <= last && tested({l[ids[j]], ids[j], wc[j]}));
+  };
   double mass = 0.0;
   if (cut) {
-    Cand last{INFINITY, -1, 0.0};
+    Cand end{INFINITY, -1, 0.0};
     int64_t left = 0;
     for (int64_t j = 0; j < count; ++j) {
       const Cand c{l[ids[j]], ids[j], wc[j]};
-      if (!kept(c)) continue;
-      if (last.id < 0 || ahead(last, c)) last = c;
+      if (!kept(j)) continue;
+      if (end.id < 0 || ahead(end, c)) end = c;
       ++left;
     }
-    cut[0] = left, cut[1] = last.id;
+    cut[0] = left, cut[1] = end.id;
   }
   if (cut_m || cut_mass < 0.0) {
     for (int64_t j = 0; j < count; ++j)
-      if (kept({l[ids[j]], ids[j], wc[j]})) mass += wc[j];
+      if (kept(j)) mass += wc[j];
   } else {
     mass = cut_mass;
   }
@@ -439,10 +470,9 @@ int64_t sample_row(const float* logits, int64_t n, const int32_t* mask, const Ro
   double run = 0.0;
   int64_t pick = top;
   for (int64_t j = 0; j < count; ++j) {
-    const Cand c{l[ids[j]], ids[j], wc[j]};
-    if (c.w <= 0.0 || !kept(c)) continue;
-    run += c.w;
-    pick = c.id;
+    if (wc[j] <= 0.0 || !kept(j)) continue;
+    run += wc[j];
+    pick = ids[j];
     if (run > goal) break;
   }
   return pick;
