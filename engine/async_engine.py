@@ -27,7 +27,7 @@ from minibatch.engine.core.outputs import EngineState, RequestOutput, StepStats
 from minibatch.engine.core.request import Request
 from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.heap import release_free_memory
-from minibatch.engine.output_stream import OutputStream
+from minibatch.engine.output_stream import OutputStream, RequestStream
 from minibatch.engine.step_loop import StepLoop
 
 log = logging.getLogger("minibatch.engine")
@@ -163,25 +163,25 @@ class AsyncEngine:
         self._wake.set()
         return request_id
 
-    async def stream(self, request_id: str, interval: float = 0.0) -> AsyncIterator[RequestOutput]:
+    def stream(self, request_id: str, interval: float = 0.0) -> RequestStream:
         """Outputs of a submitted request until its final one (`interval` > 0: paced, see OutputStream).
-        Leaving early aborts it."""
-        finished = False
-        try:
-            async for out in self._streams[request_id].outputs(interval):
-                yield out
-                finished = out.finished
-        finally:
-            if not finished:
-                self.abort(request_id)
-            self._streams.pop(request_id, None)
+        Closing or dropping the stream before then aborts the request, read or not (RequestStream)."""
+        return RequestStream(
+            request_id,
+            self._streams[request_id].outputs(interval),
+            lambda: self.abort(request_id),
+            lambda: self._streams.pop(request_id, None),
+        )
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        request_id = self.submit(prompt_token_ids, params, request_id)
-        async for out in self.stream(request_id):
-            yield out
+        stream = self.stream(self.submit(prompt_token_ids, params, request_id))
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the request's blocks are freed at the next step."""

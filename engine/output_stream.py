@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from minibatch.engine.core.outputs import RequestOutput, merge_outputs
 
@@ -53,3 +53,54 @@ class OutputStream:
             if out.finished:
                 return
             next_at = time.monotonic() + interval
+
+
+class RequestStream:
+    """A submitted request's outputs until its final one (what AsyncEngine.stream returns). Closing it before
+    the final output (`aclose`, being cancelled while waiting for an output, or being dropped) aborts the
+    request, whether or not it was ever read: a handler cancelled between submitting and reading (a client
+    gone before the first token) leaves nothing decoding and no stream behind."""
+
+    __slots__ = ("request_id", "_outputs", "_abort", "_forget", "_open", "_finished")
+
+    def __init__(
+        self,
+        request_id: str,
+        outputs: AsyncIterator[RequestOutput],
+        abort: Callable[[], None],
+        forget: Callable[[], None],
+    ) -> None:
+        self.request_id = request_id
+        self._outputs = outputs
+        self._abort, self._forget = abort, forget  # abort: thread-safe; forget: drops the request's OutputStream
+        self._open, self._finished = True, False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._open:
+            raise StopAsyncIteration
+        try:
+            out = await self._outputs.__anext__()
+        except BaseException:  # the end, or cancelled while waiting (a client gone, a timeout)
+            self._end()
+            raise
+        if out.finished:
+            self._finished = True
+            self._end()
+        return out
+
+    def _end(self) -> None:
+        if self._open:
+            self._open = False
+            if not self._finished:
+                self._abort()
+            self._forget()
+
+    async def aclose(self) -> None:
+        self._end()
+        await self._outputs.aclose()
+
+    def __del__(self) -> None:
+        self._end()

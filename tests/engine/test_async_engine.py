@@ -90,6 +90,41 @@ def test_leaving_the_stream_aborts_and_frees_blocks():
         a.shutdown()
 
 
+@pytest.mark.parametrize("how", ["closed", "dropped", "cancelled"])
+def test_a_stream_left_before_its_first_output_aborts_the_request(how):
+    """A handler that submits, then goes away before reading (its client left during the response's first
+    event): closing the stream, dropping it unread, or being cancelled while waiting for the first output
+    aborts the request within a step, frees its blocks and forgets its stream."""
+    a = make_async(SlowRunner(4, delay=0.02))
+
+    async def main():
+        rid = a.submit([5, 6, 7], greedy(240))
+        stream = a.stream(rid)
+        if how == "closed":
+            await stream.aclose()
+        elif how == "dropped":
+            del stream
+        else:
+            task = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0)  # waiting for the first output, which takes a step of 20 ms
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if not a.engine.has_work():
+                break
+        return rid
+
+    try:
+        rid = asyncio.run(main())
+        assert not a.engine.has_work() and a.engine.scheduler.blocks.num_used_blocks == 0
+        assert rid not in a._streams and a._inflight == 0
+        assert len(a.engine.runner.steps) < 20  # aborted at once, not decoded toward its 240 tokens
+    finally:
+        a.shutdown()
+
+
 def test_rejection_and_queue_cap_are_immediate():
     a = make_async(SlowRunner(4, delay=0.05), queue=1)
 

@@ -1,0 +1,71 @@
+"""A client that goes away before the first byte of its answer, in every API face, streaming and not: the
+real daemon aborts the request at once, frees its blocks and keeps serving (the engine's counters say so,
+not only the status of the next request).
+
+Each request asks for 900 tokens of the tiny random model (it almost never says EOS: ~2 s of decoding), and
+the client closes its socket right after sending it, or a few milliseconds later, so the daemon's handler is
+cancelled wherever it is: parsing, rendering, between submitting and reading its stream, or streaming. A
+request left decoding would keep the engine busy for seconds; an aborted one is gone within a step."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from .helpers import running_daemon
+
+FACES = {
+    "openai": ("/v1/chat/completions", lambda m, s: {"model": m, "messages": ASK, "max_tokens": 900, "stream": s}),
+    "ollama": ("/api/chat", lambda m, s: {"model": m, "messages": ASK, "stream": s, "options": {"num_predict": 900}}),
+    "anthropic": ("/v1/messages", lambda m, s: {"model": m, "messages": ASK, "max_tokens": 900, "stream": s}),
+    "responses": ("/v1/responses", lambda m, s: {"model": m, "input": "Hello!", "max_output_tokens": 900, "stream": s}),
+}
+ASK = [{"role": "user", "content": "Hello!"}]
+DELAYS = (0.0, 0.003, 0.02)  # seconds between sending the request and closing the socket
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_chat_model_dir):
+    with running_daemon(tiny_chat_model_dir, "--kv-cache-gb", "0.05", prefix="mbx-") as d:
+        yield d
+
+
+def send_and_leave(path: str, url: str, body: dict, delay: float) -> None:
+    data = json.dumps(body).encode()
+    head = f"POST {url} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(data)}\r\n\r\n"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+        s.sendall(head.encode() + data)
+        if delay:
+            time.sleep(delay)
+
+
+def busy_for(daemon, seconds: float) -> bool:
+    """Whether the engine still runs, waits or holds KV blocks after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        s = daemon.stats()
+        if s["running"] == 0 and s["waiting"] == 0 and s["kv_blocks_used"] == 0:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "whole"])
+@pytest.mark.parametrize("face", sorted(FACES))
+def test_a_client_gone_before_the_answer_leaves_nothing_running(daemon, face, stream):
+    _, health = daemon.get("/health")
+    model = health["model"]
+    url, body = FACES[face]
+    finished_before = daemon.stats()["requests_finished"]
+    for delay in DELAYS:
+        send_and_leave(str(daemon.socket), url, body(model, stream), delay)
+        assert not busy_for(daemon, 1.0), f"{face} ({delay * 1e3:.0f} ms): still decoding: {daemon.stats()}"
+    # the daemon keeps serving, and what it was asked was ended, not lost
+    status, answer = daemon.get("/health")
+    assert status == 200 and answer["model"] == model
+    assert daemon.stats()["requests_finished"] >= finished_before
