@@ -174,7 +174,11 @@ async def run_request(
     if make_grammar is None:
         make_grammar = lambda: response_grammar(model, body.response_format, "response_format")  # noqa: E731
     total = len(prompts) * body.n
-    grammars = [gate(model, await make_grammar(), reasoning, reasoning_budget) for _ in range(total)]
+    grammar = await make_grammar()  # compiled once: each completion walks its own copy
+    grammars = [
+        gate(model, grammar if k == 0 or grammar is None else grammar.copy(), reasoning, reasoning_budget)
+        for k in range(total)
+    ]
     ids_n = [request_id] if total == 1 else [f"{request_id}-{i}" for i in range(total)]
     for k, rid in enumerate(ids_n):
         p, i = divmod(k, body.n)

@@ -33,6 +33,9 @@ from minibatch.engine.core.sampling_params import (
 from .messages import MAX_TOOLS, Body, Message, NamedToolChoice, Tool
 
 MAX_BODY_BYTES = 4 * 2**20
+# Levels of objects and arrays a body may nest: every walk over it after parsing (validation, schemas) is bounded
+# by this, where a body nested past Python's recursion limit reached a 500.
+MAX_BODY_DEPTH = 128
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -269,16 +272,41 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _nested_past(data, limit: int) -> str | None:
+    """The path of the first object or array nested deeper than `limit` levels, or None (no recursion)."""
+    stack = [(data, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, child in items:
+            if isinstance(child, (dict, list)):
+                where = f"{path}.{key}" if path else str(key)
+                if depth >= limit:
+                    return where
+                stack.append((child, where, depth + 1))
+    return None
+
+
 def parse_body(raw: bytes, model: type[BaseModel]):
     """Parse and validate a JSON body, raising ApiError(400) that names the field."""
     if len(raw) > MAX_BODY_BYTES:
         raise ApiError(413, f"body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}", None, "body_too_large")
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+    except RecursionError:
+        raise ApiError(
+            400, f"body nests deeper than {MAX_BODY_DEPTH} levels of objects and arrays", None, "too_deep"
+        ) from None
+    except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"body is not valid JSON: {exc}", None, "invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "body must be a JSON object", None, "invalid_type")
+    deep = _nested_past(data, MAX_BODY_DEPTH)
+    if deep is not None:  # named by its first few keys: the whole path is as long as the nesting
+        field = ".".join(deep.split(".")[:4])
+        raise ApiError(
+            400, f"{field}: nests deeper than {MAX_BODY_DEPTH} levels of objects and arrays", field, "too_deep"
+        )
     where = _lone_surrogate(data)
     if where is not None:
         raise ApiError(

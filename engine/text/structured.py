@@ -26,6 +26,31 @@ class GrammarError(ValueError):
     """The schema or grammar cannot be compiled; the message says why."""
 
 
+# A schema's limits, checked before anything walks it (every walk after this is bounded by them): how deep its
+# objects and arrays nest, and how many values it holds in all.
+MAX_SCHEMA_DEPTH = 64
+MAX_SCHEMA_VALUES = 20_000
+
+
+def check_schema_size(schema) -> None:
+    """Raise GrammarError when `schema` nests deeper than MAX_SCHEMA_DEPTH or holds more than MAX_SCHEMA_VALUES
+    values (counted without recursion: a hostile schema cannot exhaust the stack here)."""
+    stack, values = [(schema, 1)], 0
+    while stack:
+        value, depth = stack.pop()
+        values += 1
+        if values > MAX_SCHEMA_VALUES:
+            raise GrammarError(f"holds more than {MAX_SCHEMA_VALUES:,} values; at most {MAX_SCHEMA_VALUES:,}")
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth >= MAX_SCHEMA_DEPTH:
+                    raise GrammarError(f"nests deeper than {MAX_SCHEMA_DEPTH} levels of objects and arrays")
+                stack.append((child, depth + 1))
+            else:
+                values += 1
+
+
 # An integer the schema leaves unbounded gets at most 16 digits (as llama.cpp's JSON grammar allows): a
 # small model otherwise repeats digits until max_tokens (seen with the built-in model on {"id": integer}).
 INTEGER_LIMIT = 10**16 - 1
@@ -75,6 +100,10 @@ class Grammar:
         if n:
             self._matcher.rollback(n)
 
+    def copy(self) -> Grammar:
+        """Another state of the same compiled grammar, where this one is now (n completions compile once)."""
+        return Grammar(self._matcher.deep_copy())
+
     @property
     def error(self) -> str | None:
         return self._matcher.get_error() if self._matcher.is_error() else None
@@ -104,6 +133,7 @@ class GrammarCompiler:
 
         if not isinstance(schema, (dict, bool)):
             raise GrammarError(f"the schema must be a JSON object, got {type(schema).__name__}")
+        check_schema_size(schema)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 json.dumps(bound_integers(schema)), defaults=JSON_LAYOUT
@@ -122,6 +152,8 @@ class GrammarCompiler:
         arguments following that function's parameters schema."""
         import llguidance
 
+        for t in tools:
+            check_schema_size(t.get("parameters") or {})
         calls = [
             {
                 "type": "object",

@@ -94,6 +94,42 @@ def test_schemas_that_cannot_be_compiled_say_why(compiler):
         compiler.json_schema([1, 2])
 
 
+def test_schemas_past_the_limits_are_refused_without_recursion(compiler):
+    from minibatch.engine.text.structured import MAX_SCHEMA_DEPTH, MAX_SCHEMA_VALUES
+
+    def nested(levels: int) -> dict:  # two levels of objects per step: {"properties": {"a": ...}}
+        schema: dict = {"type": "integer"}
+        for _ in range(levels):
+            schema = {"type": "object", "properties": {"a": schema}}
+        return schema
+
+    compiler.json_schema(nested(MAX_SCHEMA_DEPTH // 2 - 1))  # within the limit: compiles
+    for levels in (MAX_SCHEMA_DEPTH, 5000):  # 5,000 would exhaust the stack of a recursive walk
+        with pytest.raises(GrammarError, match=f"nests deeper than {MAX_SCHEMA_DEPTH} levels"):
+            compiler.json_schema(nested(levels))
+        with pytest.raises(GrammarError, match=f"nests deeper than {MAX_SCHEMA_DEPTH} levels"):
+            compiler.tool_call([{"name": "f", "parameters": nested(levels)}])
+    wide = {"anyOf": [{"const": i} for i in range(MAX_SCHEMA_VALUES)]}
+    with pytest.raises(GrammarError, match="more than 20,000 values"):
+        compiler.json_schema(wide)
+
+
+def test_a_copied_grammar_walks_on_its_own(compiler):
+    """n completions compile their schema once and each walks a copy: advancing one leaves the other as it was."""
+    first = compiler.json_schema({"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]})
+    second = first.copy()
+    a, b = np.zeros(49152 // 32, dtype=np.int32), np.zeros(49152 // 32, dtype=np.int32)
+    first.fill_mask(a)
+    allowed = [t for t in range(49152) if (int(a[t // 32]) >> (t % 32)) & 1]
+    assert allowed and first.accept(allowed[0])
+    first.fill_mask(a)
+    second.fill_mask(b)
+    assert not np.array_equal(a, b)  # the copy is still at the start
+    assert second.accept(allowed[0])
+    second.fill_mask(b)
+    assert np.array_equal(a, b)
+
+
 @pytest.mark.parametrize(
     "mode,num_blocks",
     [("continuous", 400), ("continuous", 16), ("static", 400)],

@@ -1,0 +1,133 @@
+"""Bodies a hostile client sends, through every place a JSON schema enters (OpenAI's response_format and tool
+parameters, Ollama's format, Anthropic's output_config, the Responses API's text.format): a schema nested
+past the schema limit, a body nested past the body limit, and one nested past Python's own parser. Each is a
+400 naming the field, and nothing reaches the engine."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+
+import pytest
+
+from minibatch.daemon.protocol import MAX_BODY_DEPTH
+from minibatch.engine.text.structured import MAX_SCHEMA_DEPTH
+
+from .helpers import running_daemon
+
+ASK = [{"role": "user", "content": "hi"}]
+# face -> (url, body with the schema, the field the error names, how the face nests the error)
+PLACES = {
+    "openai response_format": (
+        "/v1/chat/completions",
+        lambda m, s: {
+            "model": m,
+            "messages": ASK,
+            "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}},
+        },  # noqa: E501
+        "response_format.json_schema.schema",
+    ),
+    "openai tool parameters": (
+        "/v1/chat/completions",
+        lambda m, s: {
+            "model": m,
+            "messages": ASK,
+            "max_tokens": 4,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": s}}],
+        },  # noqa: E501
+        "tools.0.function.parameters",
+    ),
+    "ollama format": (
+        "/api/chat",
+        lambda m, s: {"model": m, "messages": ASK, "stream": False, "format": s, "options": {"num_predict": 4}},
+        "format",
+    ),
+    "anthropic output_config": (
+        "/v1/messages",
+        lambda m, s: {
+            "model": m,
+            "max_tokens": 4,
+            "messages": ASK,
+            "output_config": {"format": {"type": "json_schema", "schema": s}},
+        },  # noqa: E501
+        "output_config.format.schema",
+    ),
+    "responses text.format": (
+        "/v1/responses",
+        lambda m, s: {
+            "model": m,
+            "input": "hi",
+            "max_output_tokens": 4,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": s}},
+        },  # noqa: E501
+        "text.format.schema",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def daemon(tools_model_dir):
+    with running_daemon(tools_model_dir, "--kv-cache-gb", "0.05", prefix="mbh-") as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def tools_model_dir(tiny_chat_model_dir, tmp_path_factory):
+    from .helpers import save_tools_model
+    from .test_tools import TOOLS_TEMPLATE
+
+    return save_tools_model(tiny_chat_model_dir, tmp_path_factory.mktemp("tiny-tools-hostile"), TOOLS_TEMPLATE)
+
+
+def nested(levels: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+def post(path: str, url: str, raw: bytes) -> tuple[int, str]:
+    """POST raw bytes over the socket (a body too deep for json.dumps to write is written by hand)."""
+    head = f"POST {url} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(raw)}\r\nConnection: close\r\n\r\n"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+        s.sendall(head.encode() + raw)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    status = int(reply.split(b" ", 2)[1])
+    return status, reply.split(b"\r\n\r\n", 1)[1].decode(errors="replace")
+
+
+def dumps(body: dict) -> bytes:
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20_000))
+    try:
+        return json.dumps(body).encode()
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+@pytest.mark.parametrize("place", sorted(PLACES))
+def test_schemas_and_bodies_nested_too_deep_are_refused_naming_the_field(daemon, place):
+    url, body, field = PLACES[place]
+    _, health = daemon.get("/health")
+    model = health["model"]
+    before = daemon.stats()["requests_finished"]
+    # Past the schema limit, within the body's: the schema's own field, from the grammar compiler.
+    status, text = post(str(daemon.socket), url, dumps(body(model, nested(MAX_SCHEMA_DEPTH // 2 + 2))))
+    assert status == 400 and f"nests deeper than {MAX_SCHEMA_DEPTH} levels" in text, text
+    assert json.loads(text) and text.count(f"{field}: ") == 1, text  # the message starts with the field
+    # Past the body limit: the field it nests in, named by its first keys, before anything walks it.
+    status, text = post(str(daemon.socket), url, dumps(body(model, nested(300))))
+    assert status == 400 and f"nests deeper than {MAX_BODY_DEPTH} levels" in text, text
+    assert json.loads(text) and field.split(".")[0] in text
+    # Past what the JSON parser itself takes: the body as a whole.
+    status, text = post(str(daemon.socket), url, dumps(body(model, nested(3000))))
+    assert status == 400 and f"body nests deeper than {MAX_BODY_DEPTH} levels" in text, text
+    stats = daemon.stats()
+    assert stats["requests_finished"] == before and stats["running"] == 0 and stats["kv_blocks_used"] == 0
+    assert daemon.get("/health")[0] == 200
