@@ -165,6 +165,15 @@ class MessagesRequest(CountTokensRequest):
 
     def sampling_params(self, default_max_tokens: int, model_defaults: dict | None = None) -> SamplingParams:
         d = model_defaults or {}
+        thinking = self.thinking
+        if thinking is not None and thinking.budget_tokens is not None and thinking.budget_tokens >= self.max_tokens:
+            raise ApiError(
+                400,
+                f"thinking.budget_tokens: must be less than max_tokens ({self.max_tokens}), got "
+                f"{thinking.budget_tokens}: the thinking counts against max_tokens",
+                "thinking.budget_tokens",
+                "invalid_value",
+            )
         if self.stop_sequences and any(not s for s in self.stop_sequences):
             raise ApiError(400, "stop_sequences: stop sequences must not be empty", "stop_sequences", "invalid_value")
         return SamplingParams(
@@ -187,6 +196,7 @@ def template_messages(body: CountTokensRequest) -> list[dict]:
     out: list[dict] = []
     if body.system:
         out.append({"role": "system", "content": _text(body.system)})
+    called: set[str] = set()  # the tool_use ids seen so far: a tool_result answers one of them
     for i, m in enumerate(body.messages):
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
@@ -208,9 +218,17 @@ def template_messages(body: CountTokensRequest) -> list[dict]:
                 if m.role != "assistant":
                     raise ApiError(400, f"{where}: tool_use blocks belong to assistant messages", where)
                 calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}})
+                called.add(b.id)
             else:  # a tool result: the tool's message, in order
                 if m.role != "user":
                     raise ApiError(400, f"{where}: tool_result blocks belong to user messages", where)
+                if b.tool_use_id not in called:
+                    raise ApiError(
+                        400,
+                        f"{where}.tool_use_id: no tool_use block with id {b.tool_use_id!r} comes before it",
+                        f"{where}.tool_use_id",
+                        "invalid_value",
+                    )
                 if text:
                     out.append({"role": "user", "content": "".join(text)})
                     text = []

@@ -237,12 +237,12 @@ async def answer(request: web.Request, state, model, body, chat: bool, started: 
         head = {"model": model.name, "created_at": now_iso()}
         if not chat:
             return {**head, "response": text, **({"thinking": thinking} if thinking else {}), "done": False}
+        made, unmade = ollama_calls(calls or [])
+        if unmade:
+            text = "\n".join([text, *unmade]) if text else "\n".join(unmade)
         message = {"role": "assistant", "content": text, **({"thinking": thinking} if thinking else {})}
-        if calls:  # Ollama's shape: arguments as an object, no ids
-            message["tool_calls"] = [
-                {"function": {"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
-                for c in calls
-            ]
+        if made:
+            message["tool_calls"] = made
         return {**head, "message": message, "done": False}
 
     try:
@@ -289,6 +289,24 @@ async def answer(request: web.Request, state, model, body, chat: bool, started: 
         ) from None
     finally:
         await outputs.aclose()
+
+
+def ollama_calls(calls: list[dict]) -> tuple[list[dict], list[str]]:
+    """The model's tool calls in Ollama's shape (arguments as an object, no ids), and the text of those whose
+    arguments are not a JSON object (a model can write a string there), which go to the content instead:
+    Ollama's clients read arguments as an object."""
+    made, unmade = [], []
+    for c in calls:
+        name, raw = c["function"]["name"], c["function"]["arguments"]
+        try:
+            args = json.loads(raw)
+        except ValueError:
+            args = None
+        if isinstance(args, dict):
+            made.append({"function": {"name": name, "arguments": args}})
+        else:
+            unmade.append(json.dumps({"name": name, "arguments": raw}, ensure_ascii=False))
+    return made, unmade
 
 
 async def chat(request: web.Request):

@@ -1,7 +1,8 @@
 """Bodies a hostile client sends, through every place a JSON schema enters (OpenAI's response_format and tool
 parameters, Ollama's format, Anthropic's output_config, the Responses API's text.format): a schema nested
-past the schema limit, a body nested past the body limit, and one nested past Python's own parser. Each is a
-400 naming the field, and nothing reaches the engine."""
+past the schema limit, a body nested past the body limit, and one nested past Python's own parser; and the
+Anthropic bodies Anthropic refuses (a thinking budget not below max_tokens, a tool_result that answers no
+tool_use). Each is a 400 naming the field, and nothing reaches the engine."""
 
 from __future__ import annotations
 
@@ -131,3 +132,30 @@ def test_schemas_and_bodies_nested_too_deep_are_refused_naming_the_field(daemon,
     stats = daemon.stats()
     assert stats["requests_finished"] == before and stats["running"] == 0 and stats["kv_blocks_used"] == 0
     assert daemon.get("/health")[0] == 200
+
+
+ORPHAN = [
+    {"role": "user", "content": "Weather?"},
+    {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "w", "input": {}}]},
+    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": "21"}]},
+]
+
+
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        (
+            {"max_tokens": 16, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 16}},
+            "thinking.budget_tokens",
+        ),
+        ({"max_tokens": 16, "messages": ORPHAN}, "messages.2.content.0.tool_use_id"),
+    ],
+    ids=["thinking budget past max_tokens", "tool_result answering no tool_use"],
+)
+def test_anthropic_bodies_anthropic_refuses_are_refused(daemon, body, field):
+    before = daemon.stats()["requests_finished"]
+    status, text = post(str(daemon.socket), "/v1/messages", dumps({"model": "default", **body}))
+    error = json.loads(text)
+    assert status == 400 and error["type"] == "error" and error["error"]["type"] == "invalid_request_error", text
+    assert error["error"]["message"].startswith(f"{field}: "), text
+    assert daemon.stats()["requests_finished"] == before

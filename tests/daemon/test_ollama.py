@@ -124,3 +124,21 @@ def test_openai_endpoints_take_the_name_ollama_lists(daemon, tiny_chat_model_dir
 
     status, body = asyncio.run(go())
     assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_a_tool_call_whose_arguments_are_no_json_object_goes_to_the_content():
+    """A model may write `"arguments": "not json"` (or a number): Ollama's clients read arguments as an object,
+    so such a call is given back as text rather than answered with a 500."""
+    from minibatch.daemon.ollama import ollama_calls
+
+    calls = [
+        {"function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"function": {"name": "get_weather", "arguments": "Paris, please"}},
+        {"function": {"name": "count", "arguments": "5"}},
+    ]
+    made, unmade = ollama_calls(calls)
+    assert made == [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+    assert [json.loads(u) for u in unmade] == [
+        {"name": "get_weather", "arguments": "Paris, please"},
+        {"name": "count", "arguments": "5"},
+    ]

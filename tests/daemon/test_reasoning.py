@@ -184,7 +184,7 @@ def test_anthropic_thinking_blocks(daemon):
         model="default",
         max_tokens=10,
         messages=ASK,
-        thinking={"type": "enabled", "budget_tokens": 1024},
+        thinking={"type": "enabled", "budget_tokens": 8},  # less than max_tokens, as Anthropic requires
         extra_body=sampled,
     )
     assert [b.type for b in r.content][:1] == ["thinking"] and r.content[0].thinking
@@ -198,7 +198,7 @@ def test_anthropic_thinking_blocks(daemon):
         model="default",
         max_tokens=10,
         messages=ASK,
-        thinking={"type": "enabled", "budget_tokens": 1024},
+        thinking={"type": "enabled", "budget_tokens": 8},  # less than max_tokens, as Anthropic requires
         extra_body=sampled,
     ) as s:
         events = list(s)
