@@ -318,8 +318,12 @@ def parse_body(raw: bytes, model: type[BaseModel]):
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
+        # A union reports each branch it tried; the one that reached deepest into the body says what is wrong,
+        # and the field is named by the body's own keys and indexes, not the branches' labels.
+        paths = [_body_path(data, e) for e in exc.errors()]
+        at = max(range(len(paths)), key=lambda i: len(paths[i]))
+        err = exc.errors()[at]
+        param = ".".join(paths[at]) or None
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
@@ -330,6 +334,22 @@ def parse_body(raw: bytes, model: type[BaseModel]):
             else f" (got {_short(value)})"
         )
         raise ApiError(400, f"{param}: {msg}{shown}", param, err["type"]) from None
+
+
+def _body_path(data, err: dict) -> list[str]:
+    """The error's location as the client wrote it: the keys and indexes that lead into the body, without the
+    labels pydantic gives a union's branches (`str`, `list[...]`, a tag); a missing field's name ends it."""
+    parts, node, loc = [], data, err["loc"]
+    for i, p in enumerate(loc):
+        if isinstance(node, dict) and isinstance(p, str) and p in node:
+            parts.append(p)
+            node = node[p]
+        elif isinstance(node, list) and isinstance(p, int) and not isinstance(p, bool) and 0 <= p < len(node):
+            parts.append(str(p))
+            node = node[p]
+        elif p == "[key]" or (i == len(loc) - 1 and err["type"] == "missing" and isinstance(p, str)):
+            parts.append(p)  # the key itself is what is wrong; or the field that is missing
+    return parts
 
 
 def _lone_surrogate(value, path: str = "") -> str | None:

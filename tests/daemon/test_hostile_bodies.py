@@ -159,3 +159,41 @@ def test_anthropic_bodies_anthropic_refuses_are_refused(daemon, body, field):
     assert status == 400 and error["type"] == "error" and error["error"]["type"] == "invalid_request_error", text
     assert error["error"]["message"].startswith(f"{field}: "), text
     assert daemon.stats()["requests_finished"] == before
+
+
+@pytest.mark.parametrize(
+    "kind,body,param,says",
+    [
+        (
+            "anthropic",
+            {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "foo", "text": "x"}]}]},
+            "messages.0.content.0",
+            "does not match any of the expected tags",
+        ),
+        (
+            "responses",
+            {"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input.0.content.0.type",
+            "got 'input_image'",
+        ),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": [{"type": "bogus"}]}]},
+            "messages.0.content.0.type",
+            "'text'",
+        ),
+        ("anthropic", {"model": "m", "max_tokens": 4}, "messages", "Field required"),
+    ],
+)
+def test_a_400_names_the_field_as_the_client_wrote_it(kind, body, param, says):
+    """Not the union branch pydantic tried first (`messages.0.content.str`, `input.items.0.message.content.str`):
+    the branch that reached deepest into the body, named by the body's own keys and indexes."""
+    from minibatch.daemon.anthropic import MessagesRequest
+    from minibatch.daemon.protocol import ApiError, ChatRequest, parse_body
+    from minibatch.daemon.responses_api import ResponsesRequest
+
+    model = {"anthropic": MessagesRequest, "responses": ResponsesRequest, "chat": ChatRequest}[kind]
+    with pytest.raises(ApiError) as err:
+        parse_body(json.dumps(body).encode(), model)
+    assert err.value.status == 400 and err.value.param == param, err.value.message
+    assert err.value.message.startswith(f"{param}: ") and says in err.value.message
