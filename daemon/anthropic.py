@@ -29,7 +29,7 @@ from .grammars import check_tool_schemas, response_grammar, tool_call_grammar
 from .messages import FUNCTION_NAME, MAX_TOOLS
 from .protocol import ApiError, Float, Int, parse_body
 from .reasoning import Thinking, gate
-from .state import STATE, read_raw, submit
+from .state import STATE, read_raw, submit, timed_out
 from .tools import check_template
 
 PATHS = ("/v1/messages", "/v1/messages/count_tokens")
@@ -401,7 +401,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
                 async with asyncio.timeout(state.request_timeout):
                     return await whole(model, body, rid, outputs, len(ids), specs is not None, reasoning)
             except TimeoutError:
-                raise ApiError(504, f"the request ran past its limit of {state.request_timeout:g} s", None) from None
+                raise timed_out(state) from None
         finally:
             await outputs.aclose()
 
@@ -520,7 +520,7 @@ async def stream(
                 )
                 await send("message_stop", {})
     except TimeoutError:
-        await send("error", {"error": {"type": "timeout_error", "message": "the request ran past its time limit"}})
+        await send("error", {"error": {"type": "timeout_error", "message": timed_out(state).message}})
     await resp.write_eof()
     return resp
 

@@ -18,9 +18,9 @@ from .models.catalog import catalog
 from .models.pool import LoadedModel
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse_body
 from .reasoning import Thinking, gate, reasoning_format
-from .responses import full_response, stream_response, timeout_message
+from .responses import full_response, stream_response
 from .schemas import ModeRequest
-from .state import GUARD, STATE, DaemonState, read_body, read_raw, submit
+from .state import GUARD, STATE, DaemonState, read_body, read_raw, submit, timed_out
 from .tools import check_template, tool_specs
 
 log = logging.getLogger("minibatch.daemon")
@@ -206,7 +206,7 @@ async def run_request(
             async with asyncio.timeout(state.request_timeout):
                 return await full_response(model, streams, base, chat, prompt_tokens, tools, reasoning)
         except TimeoutError:
-            raise ApiError(504, timeout_message(state), None, "timeout") from None
+            raise timed_out(state) from None
     finally:
         for stream in streams:
             await stream.aclose()

@@ -33,7 +33,7 @@ from .models.pool import iso, parse_keep_alive
 from .protocol import ApiError, Float, Int, parse_body
 from .reasoning import Thinking, gate
 from .schemas import OllamaShowRequest
-from .state import STATE, read_raw, submit
+from .state import STATE, read_raw, submit, timed_out
 from .tools import check_template
 
 VERSION = "0.6.0"  # the Ollama API version whose shapes these follow
@@ -284,9 +284,7 @@ async def answer(request: web.Request, state, model, body, chat: bool, started: 
             await resp.write_eof()
             return resp
     except TimeoutError:
-        raise ApiError(
-            504, f"the request ran past its limit of {state.request_timeout:g} s and was aborted", None, "timeout"
-        ) from None
+        raise timed_out(state) from None
     finally:
         await outputs.aclose()
 

@@ -12,6 +12,7 @@ from minibatch.engine.core.request import RequestMetrics
 
 from .answer import AnswerStream, split_answer
 from .protocol import ApiError
+from .state import timed_out
 
 
 def timings(m: RequestMetrics | None) -> dict:
@@ -73,10 +74,6 @@ def completion_logprobs(tokenizer, token_ids: list[int], entries: list, offset: 
         "top_logprobs": [{token_text(tokenizer, t): v for t, v in top} for _, top in entries],
         "text_offset": offsets,
     }
-
-
-def timeout_message(state) -> str:
-    return f"the request ran past its limit of {state.request_timeout:g} s and was aborted"
 
 
 async def merged(streams: list) -> AsyncIterator[tuple[int, object]]:
@@ -237,7 +234,7 @@ async def stream_response(
                 {**base, "object": obj, "choices": [], "usage": usage(metrics, prompt_tokens, count, thought_tokens)}
             )
     except TimeoutError:
-        await send(ApiError(504, timeout_message(state), None, "timeout").body())
+        await send(timed_out(state).body())
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp

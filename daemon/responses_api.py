@@ -32,7 +32,7 @@ from .messages import FUNCTION_NAME, MAX_TOOLS
 from .models.pool import LoadedModel
 from .protocol import ApiError, Float, Int, parse_body
 from .reasoning import Thinking, gate
-from .state import STATE, read_raw, submit
+from .state import STATE, read_raw, submit, timed_out
 from .tools import check_template
 
 STORE_MAX = 512  # responses kept for previous_response_id and GET, the oldest evicted first
@@ -402,7 +402,7 @@ async def create(request: web.Request) -> web.StreamResponse:
                 async with asyncio.timeout(state.request_timeout):
                     return await whole(answer, outputs)
             except TimeoutError:
-                raise ApiError(504, f"the request ran past its limit of {state.request_timeout:g} s", None) from None
+                raise timed_out(state) from None
         finally:
             await outputs.aclose()
 
@@ -556,7 +556,7 @@ async def stream(request, state, a: Answer, outputs):
         failed = {
             **started,
             "status": "failed",
-            "error": {"code": "timeout", "message": "the request ran past its time limit"},
+            "error": {"code": "timeout", "message": timed_out(state).message},
         }
         await send("response.failed", {"response": failed})
     await resp.write_eof()

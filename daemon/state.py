@@ -61,6 +61,14 @@ async def read_raw(request: web.Request, state: DaemonState) -> bytes:
         raise ApiError(408, f"request body not received within {state.body_timeout:g} s", None, "timeout") from None
 
 
+def timed_out(state: DaemonState) -> ApiError:
+    """The one error every API face answers when a request runs past --request-timeout (each face puts it in
+    its own shape; a stream already under way sends it as its last event)."""
+    return ApiError(
+        504, f"the request ran past its limit of {state.request_timeout:g} s and was aborted", None, "timeout"
+    )
+
+
 async def read_body(request: web.Request, state: DaemonState, kind):
     return parse_body(await read_raw(request, state), kind)
 

@@ -161,3 +161,62 @@ def test_check14_a_request_past_its_wall_clock_limit_is_aborted_and_its_kv_freed
         assert_clean(d)
     finally:
         d.stop()
+
+
+def test_every_face_times_out_with_one_message_and_frees_the_kv(tiny_chat_model_dir, short_tmp):
+    """Past --request-timeout, each API face answers the same message in its own shape (504 whole; a stream
+    under way ends with its error event), and the request's blocks are freed."""
+    d = Daemon(
+        short_tmp / "d.sock", tiny_chat_model_dir, "--kv-cache-gb", "0.05", "--request-timeout", "0.3"
+    ).wait_ready()
+    ask = [{"role": "user", "content": "Hello!"}]
+    message = "the request ran past its limit of 0.3 s and was aborted"
+
+    async def go():
+        out = {}
+        async with session(d.socket) as s:
+            for name, url, body in (
+                (
+                    "ollama",
+                    "/api/chat",
+                    {"model": "default", "messages": ask, "stream": False, "options": {"num_predict": 900}},
+                ),
+                (
+                    "anthropic",
+                    "/v1/messages",
+                    {"model": "default", "messages": ask, "max_tokens": 900, "ignore_eos": True},
+                ),
+                ("responses", "/v1/responses", {"model": "default", "input": "Hello!", "max_output_tokens": 900}),
+            ):
+                async with s.post(url, json=body) as r:
+                    out[name] = (r.status, await r.json())
+            for name, url, body in (
+                (
+                    "anthropic-stream",
+                    "/v1/messages",
+                    {"model": "default", "messages": ask, "max_tokens": 900, "ignore_eos": True, "stream": True},
+                ),
+                (
+                    "responses-stream",
+                    "/v1/responses",
+                    {"model": "default", "input": "Hello!", "max_output_tokens": 900, "stream": True},
+                ),
+            ):
+                async with s.post(url, json=body) as r:
+                    out[name] = (r.status, (await r.read()).decode())
+        return out
+
+    try:
+        out = asyncio.run(go())
+        assert out["ollama"] == (504, {"error": message}), out["ollama"]
+        status, body = out["anthropic"]
+        assert status == 504 and body["error"] == {"type": "timeout_error", "message": message}, body
+        status, body = out["responses"]
+        assert status == 504 and body["error"]["code"] == "timeout" and body["error"]["message"] == message, body
+        status, text = out["anthropic-stream"]
+        assert status == 200 and "event: error" in text and message in text, text[-500:]
+        status, text = out["responses-stream"]
+        assert status == 200 and "response.failed" in text and message in text, text[-500:]
+        assert_clean(d)
+    finally:
+        d.stop()
