@@ -27,9 +27,9 @@ from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
 from .answer import AnswerStream, split_answer
 from .grammars import check_tool_schemas, response_grammar, tool_call_grammar
 from .messages import FUNCTION_NAME, MAX_TOOLS
-from .protocol import ApiError, Float, Int, parse_body
+from .protocol import ApiError, Float, Int
 from .reasoning import Thinking, gate
-from .state import STATE, read_raw, submit, timed_out
+from .state import STATE, off_loop, read_body, submit, timed_out
 from .tools import check_template
 
 PATHS = ("/v1/messages", "/v1/messages/count_tokens")
@@ -371,11 +371,11 @@ def usage(prompt_tokens: int, output_tokens: int, metrics) -> dict:
 
 async def messages(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    body = parse_body(await read_raw(request, state), MessagesRequest)
+    body = await read_body(request, state, MessagesRequest)
     async with state.lease(body.model) as model:
         engine = model.ready_engine()
         specs = tool_specs(body)
-        ids = prompt_ids(model, body, specs)
+        ids = await off_loop(prompt_ids, model, body, specs)
         grammar, must = None, None
         if specs is not None:
             await check_tool_schemas(model, specs)
@@ -390,7 +390,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
                 )
             grammar = await response_grammar(model, fmt.schema_, "output_config.format.schema")
         rid = f"msg_{uuid.uuid4().hex[:24]}"
-        reasoning = thinking_of(model, body)[1]
+        reasoning = (await off_loop(thinking_of, model, body))[1]
         budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
         submit(model, engine, body, ids, rid, gate(model, grammar, reasoning, budget), prompt_param="messages")
         outputs = engine.stream(rid)
@@ -527,9 +527,9 @@ async def stream(
 
 async def count_tokens(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = parse_body(await read_raw(request, state), CountTokensRequest)
+    body = await read_body(request, state, CountTokensRequest)
     async with state.lease(body.model) as model:
-        return web.json_response({"input_tokens": len(prompt_ids(model, body, tool_specs(body)))})
+        return web.json_response({"input_tokens": len(await off_loop(prompt_ids, model, body, tool_specs(body)))})
 
 
 def add_routes(app: web.Application) -> None:

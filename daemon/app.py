@@ -20,7 +20,7 @@ from .protocol import ApiError, ChatRequest, CompletionRequest, parse_body
 from .reasoning import Thinking, gate, reasoning_format
 from .responses import full_response, stream_response
 from .schemas import ModeRequest
-from .state import GUARD, STATE, DaemonState, read_body, read_raw, submit, timed_out
+from .state import GUARD, STATE, DaemonState, off_loop, read_body, read_raw, submit, timed_out
 from .tools import check_template, tool_specs
 
 log = logging.getLogger("minibatch.daemon")
@@ -107,17 +107,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         specs = tool_specs(body)
         if specs is not None:
             check_template(model.tokenizer)
+        messages = [m.for_template() for m in body.messages]
         try:
-            ids = model.tokenizer.chat([m.for_template() for m in body.messages], tools=specs)
+            ids = await off_loop(model.tokenizer.chat, messages, tools=specs)
         except ValueError as exc:
             raise ApiError(400, str(exc), "messages", "no_chat_template") from None
         if body.max_completion_tokens and not body.max_tokens:
             body.max_tokens = body.max_completion_tokens
-        messages = [m.for_template() for m in body.messages]
         reasoning = None
         tags = model.tokenizer.reasoning_tags
         if tags is not None and reasoning_format(body.reasoning_format, state.reasoning_format) == "auto":
-            reasoning = Thinking(tags, model.tokenizer.thinks_from_prompt(messages, tools=specs))
+            reasoning = Thinking(tags, await off_loop(model.tokenizer.thinks_from_prompt, messages, tools=specs))
         make_grammar = None
         if specs is not None:
             await check_tool_schemas(model, specs)
@@ -145,7 +145,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     async with state.lease(body.model) as model:
         model.ready_engine()
         texts, batch = body.prompts()
-        prompts = [p if isinstance(p, list) else model.tokenizer.encode_prompt(p) for p in texts]
+        encode = model.tokenizer.encode_prompt
+        prompts = await off_loop(lambda: [p if isinstance(p, list) else encode(p) for p in texts])
         rid = f"cmpl-{uuid.uuid4().hex}"
         return await run_request(request, state, model, body, prompts, "text_completion", rid, batch=batch)
 

@@ -33,7 +33,7 @@ from .models.pool import iso, parse_keep_alive
 from .protocol import ApiError, Float, Int, parse_body
 from .reasoning import Thinking, gate
 from .schemas import OllamaShowRequest
-from .state import STATE, read_raw, submit, timed_out
+from .state import STATE, off_loop, read_raw, submit, timed_out
 from .tools import check_template
 
 VERSION = "0.6.0"  # the Ollama API version whose shapes these follow
@@ -158,7 +158,7 @@ async def respond(request: web.Request, chat: bool):
     state = request.app[STATE]
     started = time.perf_counter()
     raw = await read_raw(request, state)
-    body = parse_body(raw, ChatBody if chat else GenerateBody)
+    body = await off_loop(parse_body, raw, ChatBody if chat else GenerateBody)
     if (not body.messages) if chat else (not body.prompt):
         return await load_only(request, state, body, chat, started)
     async with state.lease(body.model, body.keep_alive) as model:
@@ -221,11 +221,14 @@ async def answer(request: web.Request, state, model, body, chat: bool, started: 
     apart = tok.reasoning_tags is not None and messages is not None and body.think is not False
     if body.think is None and state.reasoning_format == "none":
         apart = False
-    try:
+
+    def render() -> tuple[list[int], Thinking | None]:
         ids = tok.encode_prompt(body.prompt) if messages is None else tok.chat(messages, tools=tools, **args)
-        reasoning = (
-            Thinking(tok.reasoning_tags, tok.thinks_from_prompt(messages, tools=tools, **args)) if apart else None
-        )
+        inside = tok.thinks_from_prompt(messages, tools=tools, **args) if apart else None
+        return ids, (Thinking(tok.reasoning_tags, inside) if apart else None)
+
+    try:
+        ids, reasoning = await off_loop(render)
     except ValueError as exc:
         raise ApiError(400, str(exc), "messages", "no_chat_template") from None
     request_id = f"ollama-{uuid.uuid4().hex}"

@@ -30,9 +30,9 @@ from .answer import AnswerStream, split_answer
 from .grammars import check_tool_schemas, response_grammar, tool_call_grammar
 from .messages import FUNCTION_NAME, MAX_TOOLS
 from .models.pool import LoadedModel
-from .protocol import ApiError, Float, Int, parse_body
+from .protocol import ApiError, Float, Int
 from .reasoning import Thinking, gate
-from .state import STATE, read_raw, submit, timed_out
+from .state import STATE, off_loop, read_body, submit, timed_out
 from .tools import check_template
 
 STORE_MAX = 512  # responses kept for previous_response_id and GET, the oldest evicted first
@@ -373,7 +373,7 @@ def _parsed(arguments: str):
 
 async def create(request: web.Request) -> web.StreamResponse:
     state, store = request.app[STATE], request.app[STORE]
-    body = parse_body(await read_raw(request, state), ResponsesRequest)
+    body = await read_body(request, state, ResponsesRequest)
     earlier = store.get(body.previous_response_id, "previous_response_id")[1] if body.previous_response_id else []
     async with state.lease(body.model) as model:
         engine = model.ready_engine()
@@ -383,13 +383,13 @@ async def create(request: web.Request) -> web.StreamResponse:
             await check_tool_schemas(model, specs)
         messages = conversation(body, earlier)
         try:
-            ids = model.tokenizer.chat(messages, tools=specs)
+            ids = await off_loop(model.tokenizer.chat, messages, tools=specs)
         except ValueError as exc:
             raise ApiError(400, str(exc), "input", "no_chat_template") from None
         tags = model.tokenizer.reasoning_tags
         thinking = None
         if tags is not None and state.reasoning_format == "auto":
-            thinking = Thinking(tags, model.tokenizer.thinks_from_prompt(messages, tools=specs))
+            thinking = Thinking(tags, await off_loop(model.tokenizer.thinks_from_prompt, messages, tools=specs))
         grammar = gate(model, await grammar_for(model, body, specs), thinking, None)
         rid = _id("resp")
         submit(model, engine, body, ids, rid, grammar, prompt_param="input")

@@ -7,6 +7,7 @@ neither imports the other's handlers.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -69,8 +70,15 @@ def timed_out(state: DaemonState) -> ApiError:
     )
 
 
+async def off_loop(fn, *args, **kwargs):
+    """fn(*args, **kwargs) on the default executor's threads: parsing a large body, rendering a long chat and
+    tokenizing it take the event loop from every other client (/health, other streams) for as long."""
+    return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args, **kwargs))
+
+
 async def read_body(request: web.Request, state: DaemonState, kind):
-    return parse_body(await read_raw(request, state), kind)
+    """The request's body, parsed and validated (off the event loop)."""
+    return await off_loop(parse_body, await read_raw(request, state), kind)
 
 
 def submit(

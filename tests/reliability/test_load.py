@@ -213,10 +213,12 @@ def test_every_face_times_out_with_one_message_and_frees_the_kv(tiny_chat_model_
         assert status == 504 and body["error"] == {"type": "timeout_error", "message": message}, body
         status, body = out["responses"]
         assert status == 504 and body["error"]["code"] == "timeout" and body["error"]["message"] == message, body
+        # a stream under way ends with its error event; one that timed out before its first event (a loaded
+        # machine) is a plain 504: the same message either way
         status, text = out["anthropic-stream"]
-        assert status == 200 and "event: error" in text and message in text, text[-500:]
+        assert message in text and (status == 504 or (status == 200 and "event: error" in text)), text[-500:]
         status, text = out["responses-stream"]
-        assert status == 200 and "response.failed" in text and message in text, text[-500:]
+        assert message in text and (status == 504 or (status == 200 and "response.failed" in text)), text[-500:]
         assert_clean(d)
     finally:
         d.stop()
