@@ -179,3 +179,22 @@ def test_draws_follow_the_softmax_of_the_kept_logits(setting):
     stat = sum((o - e) ** 2 / e for o, e in zip(cells_o, cells_e))
     df = len(cells_e) - 1
     assert stat < chi2_critical(df, 4.75), (setting, stat, df)
+
+
+@pytest.mark.parametrize("vocab", [49152, 151936])
+@pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "masked"])
+def test_the_gpu_samplers_candidates_draw_what_the_sort_draws(vocab, kind):
+    """TritonOps.sample_tokens (the GPU's: each row's 1,024 highest logits, the sort only where they cannot
+    decide) takes the twin's token for the same uniform, on every setting; run here on the CPU's tensors."""
+    from minibatch.engine.models.ops import TritonOps, _candidate_keep
+
+    g = torch.Generator().manual_seed(vocab + 7 * len(kind))
+    rows = SETTINGS
+    x = logits_of(kind, len(rows), vocab, g)
+    if kind == "peaked":  # the rows the candidates decide keep exactly what the sort keeps
+        keep = _candidate_keep(x, settings_of(rows), None)[0]
+        assert torch.equal(keep, _reference_cut(x, settings_of(rows), None).keep)
+    for step in range(4):
+        streams = torch.stack([torch.arange(len(rows)) * 31, torch.full((len(rows),), step)], dim=1)
+        got = TritonOps.sample_tokens(x, settings_of(rows), streams, None)
+        assert got.tolist() == TorchOps().sample_tokens(x, settings_of(rows), streams, None).tolist()
