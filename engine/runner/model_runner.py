@@ -24,7 +24,7 @@ class ModelRunner:
     ) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.device = next(model.parameters()).device
-        self.sampler = Sampler(self.device, model.ops)
+        self.sampler = Sampler(model.ops)
         self.graphs = None  # DecodeGraphs on CUDA: pure-decode steps replay a captured forward
 
     @torch.inference_mode()

@@ -75,8 +75,7 @@ class Sampler:
     without speculation, and after a restart.
     """
 
-    def __init__(self, device: torch.device | str = "cpu", ops: TorchOps | None = None, key: int | None = None) -> None:
-        self.device = torch.device(device)
+    def __init__(self, ops: TorchOps | None = None, key: int | None = None) -> None:
         self.ops = ops or TorchOps()  # the model's (CpuOps: kernels on the CPU's pool)
         self.key = secrets.randbits(63) if key is None else key & _KEY_BITS  # the unseeded requests' stream
         self.seen: dict[str, SeenTokens] = {}
