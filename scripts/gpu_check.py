@@ -42,6 +42,7 @@ import math
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,7 +66,11 @@ PROMPTS = [
     "Explain recursion briefly.",
     "List three prime numbers and explain why they are prime.",
 ]
-GPU_TESTS = ["tests/kernels/test_triton_kernels.py", "tests/engine/test_cuda_graphs.py"]
+GPU_TESTS = [
+    "tests/kernels/test_triton_kernels.py",
+    "tests/engine/test_cuda_graphs.py",
+    "tests/kernels/test_sampling.py",
+]
 
 
 # -- running on a bare machine ------------------------------------------------
@@ -325,14 +330,15 @@ def compare_greedy(name: str, ref: list[list[int]], got: list[list[int]], prompt
     return rows
 
 
-def decode_rate(engine, batch: int, steps: int, sync) -> float:
+def decode_rate(engine, batch: int, steps: int, sync, sampling: dict | None = None) -> float:
+    """Decode tokens/s at `batch` rows: greedy, or sampled with `sampling` (the chat's defaults)."""
     from minibatch.engine.core.sampling_params import SamplingParams
 
     for i in range(batch):
         engine.add_request(
             f"b{batch}-{i}-{time.monotonic_ns()}",
             list(range(100, 164)),
-            SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True),
+            SamplingParams(**(sampling or {"temperature": 0}), seed=i, max_tokens=steps, ignore_eos=True),
         )
     tokens, seconds = 0, 0.0
     while engine.has_work():
@@ -344,6 +350,58 @@ def decode_rate(engine, batch: int, steps: int, sync) -> float:
             tokens += st.decode_tokens
             seconds += time.perf_counter() - t
     return tokens / seconds if seconds else 0.0
+
+
+def chat_sampling() -> dict:
+    """The chat's pane defaults (its own PaneSettings), as the benchmarks' `--sampling chat` takes them."""
+    from minibatch.tui.history import PaneSettings
+
+    return PaneSettings().request_params()
+
+
+def sampler_cost(device: str, sync, repeats: int = 30) -> list[dict]:
+    """The GPU sampler alone (TritonOps.sample_tokens, the tokens back on the host as the engine takes them)
+    beside argmax, ms per step: rows shaped as a trained model's (a few logits far above a long tail: the
+    1,024 candidates decide them) and flat rows (random weights' logits: the candidates cannot, the rows are
+    sorted), at the chat's defaults, 49,152 and 151,936 tokens."""
+    import torch
+
+    from minibatch.engine.models.ops import TritonOps
+
+    chat = chat_sampling()
+    setting = (chat["temperature"], chat.get("top_p", 1.0), chat.get("min_p", 0.0), float(chat.get("top_k", -1)))
+    g = torch.Generator().manual_seed(5)
+    out = []
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeats):
+            sync()
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return round(statistics.median(times) * 1e3, 3)
+
+    for vocab in (49152, 151936):
+        for rows in (1, 64, 256):
+            for kind in ("trained-shaped", "flat"):
+                x = torch.randn(rows, vocab, generator=g) * 3
+                if kind == "trained-shaped":
+                    x[:, :: vocab // 50] += 12
+                x = x.to(device)
+                settings = torch.tensor([setting] * rows, dtype=torch.float64)
+                streams = torch.stack([torch.arange(rows), torch.full((rows,), 7)], dim=1)
+                ms = timed(lambda x=x, s=settings, u=streams: TritonOps.sample_tokens(x, s, u, None).tolist())
+                greedy_ms = timed(lambda x=x: TritonOps.argmax_rows(x).tolist())
+                out.append({"vocab": vocab, "rows": rows, "logits": kind, "sampled_ms": ms, "argmax_ms": greedy_ms})
+                print(
+                    f"    {vocab:>6} tokens x {rows:>3} rows, {kind:>14}: {ms:7.3f} ms sampled, "
+                    f"{greedy_ms:7.3f} ms argmax",
+                    flush=True,
+                )
+    return out
 
 
 def trace(n: int, prompt_len: int, vocab: int, seed: int = 1) -> list[list[int]]:
@@ -574,18 +632,25 @@ def check(args) -> tuple[dict, bool]:
         steps = args.decode_steps
         no_graphs = build(model_dir, device, "bfloat16", max(sizes), graphs=False, kv_gb=8 if not smoke else 0.2)
         rates = {}
+        chat = chat_sampling()
         for b in sizes:
             rates[b] = {
                 "graphs": round(decode_rate(bf16, b, steps, sync), 1),
                 "eager": round(decode_rate(no_graphs, b, steps, sync), 1),
+                "graphs_chat_sampled": round(decode_rate(bf16, b, steps, sync, chat), 1),
             }
             print(
-                f"    batch {b:>3}: {rates[b]['graphs']:9.1f} tok/s with graphs, {rates[b]['eager']:9.1f} without",
+                f"    batch {b:>3}: {rates[b]['graphs']:9.1f} tok/s with graphs, {rates[b]['eager']:9.1f} without; "
+                f"{rates[b]['graphs_chat_sampled']:9.1f} sampled at the chat's defaults (graphs)",
                 flush=True,
             )
+        report["chat_sampling"] = chat
         report["decode_tok_s"] = rates
         no_graphs = None
         release()
+
+        step("the sampler alone, at the chat's defaults")
+        report["sampler_ms"] = sampler_cost(device, sync, repeats=30 if not smoke else 3)
 
         if not smoke:
             step("paged attention bandwidth")
@@ -644,7 +709,15 @@ def summary(report: dict) -> str:
         )
     lines.append(f"  bf16 vs fp32: {'; '.join(parts)}; prompt logits cosine >= {min(b['prompt_logit_cosine']):.5f}")
     for size, r in report["decode_tok_s"].items():
-        lines.append(f"  decode batch {size:>3}: {r['graphs']:9.1f} tok/s with graphs, {r['eager']:9.1f} without")
+        lines.append(
+            f"  decode batch {size:>3}: {r['graphs']:9.1f} tok/s with graphs, {r['eager']:9.1f} without; "
+            f"sampled {r['graphs_chat_sampled']:9.1f} ({r['graphs_chat_sampled'] / r['graphs']:.2f}x greedy)"
+        )
+    for r in report.get("sampler_ms", []):
+        lines.append(
+            f"  sampler {r['vocab']:>6} x {r['rows']:>3} rows, {r['logits']:>14}: {r['sampled_ms']:.3f} ms "
+            f"(argmax {r['argmax_ms']:.3f} ms)"
+        )
     if "attention_bandwidth" in report:
         a = report["attention_bandwidth"]
         lines.append(

@@ -104,6 +104,11 @@ def _masked(logits: torch.Tensor, masks: torch.Tensor | None) -> torch.Tensor:
     return x
 
 
+def _ln_min_p(min_p: torch.Tensor) -> torch.Tensor:
+    """ln min_p per row, -inf where min-p is off: on the settings' device, no copy to the host."""
+    return torch.where(min_p > 0, min_p.clamp(min=torch.finfo(min_p.dtype).tiny).log(), -math.inf)
+
+
 CANDIDATES = 1024  # the GPU sampler's candidates per row (torch.topk), before it falls back to the sort
 
 
@@ -138,7 +143,7 @@ def _candidate_keep(logits, settings, masks) -> tuple[torch.Tensor, torch.Tensor
     total = torch.where(cut_k, mass_k, weights.nan_to_num(0.0).sum(dim=-1))
     before = wk.cumsum(dim=-1) - wk
     target = top_p * total
-    ln_min_p = torch.tensor([math.log(v) if v > 0 else -math.inf for v in min_p.tolist()], device=x.device)
+    ln_min_p = _ln_min_p(min_p)
     cut_any = cut_k | (top_p < 1) | (min_p > 0)
     inside = (cut_k & (top_k <= c)) | ((top_p < 1) & ~cut_k & (mass_k >= target)) | (z[:, -1] < ln_min_p)
     decided = ~drawn | ~cut_any | (clean & inside)
@@ -173,7 +178,7 @@ def _reference_cut(logits: torch.Tensor, settings: torch.Tensor, masks: torch.Te
     before = ws.cumsum(dim=-1) - ws
     dropped = before >= (top_p * wk.sum(dim=-1))[:, None]
     keep &= ~torch.zeros_like(dropped).scatter(1, order, dropped) | (top_p >= 1)[:, None]
-    ln_min_p = torch.tensor([math.log(v) if v > 0 else -math.inf for v in min_p.tolist()], device=device)
+    ln_min_p = _ln_min_p(min_p)
     keep &= z >= ln_min_p[:, None]
     return _Cut(keep, w, order, top, drawn)
 

@@ -152,6 +152,7 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[size] = (graph, inp, logits)
 
+    @torch.inference_mode()  # the captured inputs are inference tensors, as capture() made them
     def run(self, batch: FlatBatch) -> torch.Tensor | None:
         """Logits for a pure-decode batch by replay, or None when no graph fits (run eagerly)."""
         n = batch.input_ids.numel()

@@ -198,3 +198,21 @@ def test_the_gpu_samplers_candidates_draw_what_the_sort_draws(vocab, kind):
         streams = torch.stack([torch.arange(len(rows)) * 31, torch.full((len(rows),), step)], dim=1)
         got = TritonOps.sample_tokens(x, settings_of(rows), streams, None)
         assert got.tolist() == TorchOps().sample_tokens(x, settings_of(rows), streams, None).tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("vocab", [49152, 151936])
+@pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "masked"])
+def test_the_gpu_sampler_on_the_device_draws_what_the_twin_draws_on_the_cpu(vocab, kind):
+    """The same as above with the logits on the GPU (torch.topk and the sort there): its tokens are the
+    float64 twin's on the CPU for the same uniform."""
+    from minibatch.engine.models.ops import TritonOps
+
+    g = torch.Generator().manual_seed(vocab + 7 * len(kind))
+    rows = SETTINGS
+    x = logits_of(kind, len(rows), vocab, g)
+    for step in range(4):
+        streams = torch.stack([torch.arange(len(rows)) * 31, torch.full((len(rows),), step)], dim=1)
+        got = TritonOps.sample_tokens(x.cuda(), settings_of(rows).cuda(), streams.cuda(), None)
+        assert got.device.type == "cuda"
+        assert got.cpu().tolist() == TorchOps().sample_tokens(x, settings_of(rows), streams, None).tolist()
