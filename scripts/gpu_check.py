@@ -12,7 +12,7 @@ model's cache), so nothing large travels.
 What it checks, in one run (under 8 minutes on an H200, Triton compiles included):
 
 1. The Triton kernel tests compiled (fp32, fp16, bf16 against the PyTorch
-   twins) and the CUDA-graph tests, on the device.
+   twins), the CUDA-graph tests and the sampler's tests, on the device.
 2. Greedy parity, fp32 on the GPU against transformers on the same weights:
    prompt logits and 32 greedy tokens per prompt.
 3. bf16 against fp32: agreement length per prompt and, at the first
@@ -22,10 +22,13 @@ What it checks, in one run (under 8 minutes on an H200, Triton compiles included
    measured on the prompt's own logits; and when the prompt logits' cosine
    similarity falls below 0.999.
 4. CUDA-graph decode against eager decode (fp32): equal tokens.
-5. Decode tokens/s at batch 1, 16, 64 and 256 (bf16), with and without graphs.
-6. Paged attention's achieved bandwidth as a fraction of a device copy
+5. Decode tokens/s at batch 1, 16, 64 and 256 (bf16), with and without graphs,
+   and with graphs sampled at the chat's defaults.
+6. The sampler alone (ms per step) on trained-shaped and flat rows of 49,152
+   and 151,936 tokens, beside argmax.
+7. Paged attention's achieved bandwidth as a fraction of a device copy
    measured in the same run.
-7. transformers' own continuous batching (`generate_batch`) on the same model
+8. transformers' own continuous batching (`generate_batch`) on the same model
    and trace, as the GPU peer.
 
 It prints one summary and writes a JSON report (--report). `--smoke-cpu` runs
