@@ -13,7 +13,6 @@ Unknown top-level fields are ignored (newer clients send beta fields); the known
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -22,15 +21,13 @@ from typing import Annotated, Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
-from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
+from minibatch.engine.core.sampling_params import MAX_TOP_K
 
-from .answer import AnswerStream, split_answer
-from .grammars import check_tool_schemas, response_grammar, tool_call_grammar
+from . import pipeline
 from .messages import FUNCTION_NAME, MAX_TOOLS
+from .pipeline import Constraint, Generation, Reasoning, Running
 from .protocol import ApiError, Float, Int
-from .reasoning import Thinking, gate
-from .state import STATE, off_loop, read_body, submit, timed_out
-from .tools import check_template
+from .state import STATE, off_loop, read_body
 
 PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)
@@ -162,28 +159,25 @@ class MessagesRequest(CountTokensRequest):
     output_config: OutputConfig | None = None
     stream: StrictBool = False
     ignore_eos: StrictBool = False  # an extension, as in the chat API: run to max_tokens (benchmarks)
+    seed: Int | None = Field(default=None, ge=0, le=2**63 - 1)  # an extension: the same seed, the same tokens
 
-    def sampling_params(self, default_max_tokens: int, model_defaults: dict | None = None) -> SamplingParams:
-        d = model_defaults or {}
-        thinking = self.thinking
-        if thinking is not None and thinking.budget_tokens is not None and thinking.budget_tokens >= self.max_tokens:
-            raise ApiError(
-                400,
-                f"thinking.budget_tokens: must be less than max_tokens ({self.max_tokens}), got "
-                f"{thinking.budget_tokens}: the thinking counts against max_tokens",
-                "thinking.budget_tokens",
-                "invalid_value",
-            )
-        if self.stop_sequences and any(not s for s in self.stop_sequences):
-            raise ApiError(400, "stop_sequences: stop sequences must not be empty", "stop_sequences", "invalid_value")
-        return SamplingParams(
-            temperature=self.temperature if self.temperature is not None else d.get("temperature", 1.0),
-            top_p=self.top_p if self.top_p is not None else d.get("top_p", 1.0),
-            top_k=self.top_k if self.top_k else d.get("top_k", 0),
-            max_tokens=self.max_tokens,
-            stop=list(self.stop_sequences or []),
-            ignore_eos=self.ignore_eos,
-        )
+    def sampling(self) -> dict:
+        """What the request set, in SamplingParams' names (top_k 0 is unset, as Anthropic means it)."""
+        given = {"max_tokens": self.max_tokens, "stop": list(self.stop_sequences or []), "ignore_eos": self.ignore_eos}
+        if self.seed is not None:
+            given["seed"] = self.seed
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(self, name):
+                given[name] = getattr(self, name)
+        if self.temperature == 0:
+            given["temperature"] = 0.0
+        return given
+
+
+# a SamplingParams field -> Anthropic's name for it, where they differ
+NAMES = {"stop": "stop_sequences"}
+# Anthropic's defaults for what neither the request nor the model sets
+API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 
 
 # -- requests into the core's terms ---------------------------------------------------------------------
@@ -287,27 +281,45 @@ def forced(body: MessagesRequest, specs: list[dict] | None) -> tuple[list[dict],
     return functions, choice.name
 
 
-def thinking_of(model, body: CountTokensRequest) -> tuple[dict, Thinking | None]:
-    """(the template's switches, how the output's thinking is split) for a thinking model: with `thinking`
-    enabled its thoughts come back as thinking blocks; without it, a template that has the switch renders a
-    prompt that does not think (Anthropic's default), else the thoughts still come back apart."""
-    tok = model.tokenizer
-    if tok.reasoning_tags is None:
-        return {}, None
+def generation(body: CountTokensRequest) -> Generation:
+    """A Messages (or count_tokens) body in the pipeline's terms. A thinking model: with `thinking` enabled its
+    thoughts come back as thinking blocks; without it, a template that has the switch renders a prompt that
+    does not think (Anthropic's default), else the thoughts still come back apart."""
+    specs = tool_specs(body)
     enabled = body.thinking is not None and body.thinking.type == "enabled"
-    args = {} if enabled or not tok.can_stop_thinking else {"enable_thinking": False}
-    messages = template_messages(body)
-    inside = tok.thinks_from_prompt(messages, tools=tool_specs(body), **args)
-    return args, (None if args else Thinking(tok.reasoning_tags, inside))
-
-
-def prompt_ids(model, body: CountTokensRequest, specs: list[dict] | None) -> list[int]:
-    if specs is not None:
-        check_template(model.tokenizer)
-    try:
-        return model.tokenizer.chat(template_messages(body), tools=specs, **thinking_of(model, body)[0])
-    except ValueError as exc:
-        raise ApiError(400, str(exc), "messages", "no_chat_template") from None
+    gen = Generation(
+        request_id=f"msg_{uuid.uuid4().hex[:24]}",
+        model=body.model,
+        prompt_field="messages",
+        messages=template_messages(body),
+        tools=specs,
+        reasoning=Reasoning(off=not enabled, apart=True, budget=body.thinking.budget_tokens if enabled else None),
+        api_defaults=API_DEFAULTS,
+        names=NAMES,
+    )
+    if not isinstance(body, MessagesRequest):
+        return gen
+    thinking = body.thinking
+    if thinking is not None and thinking.budget_tokens is not None and thinking.budget_tokens >= body.max_tokens:
+        raise ApiError(
+            400,
+            f"thinking.budget_tokens: must be less than max_tokens ({body.max_tokens}), got "
+            f"{thinking.budget_tokens}: the thinking counts against max_tokens",
+            "thinking.budget_tokens",
+            "invalid_value",
+        )
+    gen.sampling = body.sampling()
+    must = forced(body, specs)
+    fmt = body.output_config.format if body.output_config else None
+    if fmt is not None and must is not None:
+        raise ApiError(
+            400, "output_config.format: cannot be combined with a required tool call", "output_config.format"
+        )
+    if must is not None:
+        gen.constraint = Constraint("tools", call=must)
+    elif fmt is not None:
+        gen.constraint = Constraint("output_config.format.schema", fmt=fmt.schema_)
+    return gen
 
 
 # -- answers in Anthropic's shapes -----------------------------------------------------------------------
@@ -372,69 +384,33 @@ def usage(prompt_tokens: int, output_tokens: int, metrics) -> dict:
 async def messages(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_body(request, state, MessagesRequest)
-    async with state.lease(body.model) as model:
-        engine = model.ready_engine()
-        specs = tool_specs(body)
-        ids = await off_loop(prompt_ids, model, body, specs)
-        grammar, must = None, None
-        if specs is not None:
-            await check_tool_schemas(model, specs)
-            must = forced(body, specs)
-            if must is not None:
-                grammar = await tool_call_grammar(model, *must)
-        fmt = body.output_config.format if body.output_config else None
-        if fmt is not None:
-            if must is not None:
-                raise ApiError(
-                    400, "output_config.format: cannot be combined with a required tool call", "output_config.format"
-                )
-            grammar = await response_grammar(model, fmt.schema_, "output_config.format.schema")
-        rid = f"msg_{uuid.uuid4().hex[:24]}"
-        reasoning = (await off_loop(thinking_of, model, body))[1]
-        budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
-        submit(model, engine, body, ids, rid, gate(model, grammar, reasoning, budget), prompt_param="messages")
-        outputs = engine.stream(rid)
-        try:
-            if body.stream:
-                return await stream(request, state, model, body, rid, outputs, len(ids), specs is not None, reasoning)
-            try:
-                async with asyncio.timeout(state.request_timeout):
-                    return await whole(model, body, rid, outputs, len(ids), specs is not None, reasoning)
-            except TimeoutError:
-                raise timed_out(state) from None
-        finally:
-            await outputs.aclose()
+    async with pipeline.generate(state, await off_loop(generation, body)) as run:
+        if body.stream:
+            return await stream(request, run, body)
+        return await whole(run, body)
 
 
-async def whole(model, body: MessagesRequest, rid: str, outputs, prompt_tokens: int, tools: bool, reasoning=None):
-    text, token_ids, last = [], [], None
-    async for out in outputs:
-        text.append(out.text)
-        token_ids += out.token_ids
-        last = out
-    model.monitor.on_request_done(last.metrics, None if last.error else last.finish_reason)
-    if last.error:
-        raise ApiError(500, last.error, None, "engine_error", "server_error")
-    thought, content, calls = split_answer("".join(text), reasoning, tools)
-    matched = matched_stop(model, last, token_ids, "".join(text), body.stop_sequences or [])
-    reason, seq = stop_reason(last, matched, calls)
+async def whole(run: Running, body: MessagesRequest) -> web.Response:
+    (c,) = await run.whole()
+    thought, content, calls = c.parts
+    matched = matched_stop(run.model, c.last, c.token_ids, c.text, body.stop_sequences or [])
+    reason, seq = stop_reason(c.last, matched, calls)
     return web.json_response(
         {
-            "id": rid,
+            "id": run.gen.request_id,
             "type": "message",
             "role": "assistant",
-            "model": model.name,
+            "model": run.model.name,
             "content": content_blocks(content or "", calls, thought),
             "stop_reason": reason,
             "stop_sequence": seq,
-            "usage": usage(prompt_tokens, len(token_ids), last.metrics),
+            "usage": usage(run.prompt_tokens, len(c.token_ids), c.last.metrics),
         }
     )
 
 
-async def stream(
-    request, state, model, body: MessagesRequest, rid: str, outputs, prompt_tokens: int, tools: bool, reasoning=None
-):
+async def stream(request, run: Running, body: MessagesRequest):
+    model, rid, prompt_tokens = run.model, run.gen.request_id, run.prompt_tokens
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": rid}
     )
@@ -457,19 +433,16 @@ async def stream(
     await send("message_start", {"message": message})
     await send("ping", {})
     index, text_open, token_ids, output = 0, False, [], []
-    answer = AnswerStream(reasoning, tools)
     thinking_open = False
     last_ping = time.monotonic()
     try:
-        async with asyncio.timeout(state.request_timeout):
-            async for out in outputs:
+        async with run.limit():
+            async for _, out, (thought, piece, calls) in run.deltas():
                 token_ids += out.token_ids
                 if out.error:
-                    model.monitor.on_request_done(out.metrics, None)
                     await send("error", {"error": {"type": "api_error", "message": out.error}})
                     return resp
                 output.append(out.text)  # the whole output (thoughts and calls too): where a stop sequence cut it
-                thought, piece, calls = answer.push(out.text, out.finished)
                 if thought:
                     if not thinking_open:
                         block = {"type": "thinking", "thinking": "", "signature": ""}
@@ -508,7 +481,6 @@ async def stream(
                     )
                     await send("content_block_stop", {"index": index})
                     index += 1
-                model.monitor.on_request_done(out.metrics, out.finish_reason)
                 matched = matched_stop(model, out, token_ids, "".join(output), body.stop_sequences or [])
                 reason, seq = stop_reason(out, matched, calls)
                 await send(
@@ -519,8 +491,8 @@ async def stream(
                     },
                 )
                 await send("message_stop", {})
-    except TimeoutError:
-        await send("error", {"error": {"type": "timeout_error", "message": timed_out(state).message}})
+    except ApiError as exc:  # the time limit, mid-stream: its error is the last event
+        await send("error", error_body(exc)["error"])
     await resp.write_eof()
     return resp
 
@@ -528,8 +500,10 @@ async def stream(
 async def count_tokens(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_body(request, state, CountTokensRequest)
+    gen = await off_loop(generation, body)
     async with state.lease(body.model) as model:
-        return web.json_response({"input_tokens": len(await off_loop(prompt_ids, model, body, tool_specs(body)))})
+        prompts, _ = await pipeline.render(state, model, gen)
+    return web.json_response({"input_tokens": len(prompts[0])})
 
 
 def add_routes(app: web.Application) -> None:

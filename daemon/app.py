@@ -1,4 +1,6 @@
-"""The HTTP API on the socket: thin handlers (validate -> engine -> respond or stream)."""
+"""The HTTP API on the socket: the app, its error middleware, the daemon's own endpoints (health, models, the
+engine's stats, events, timeline, blocks and mode, metrics, the OpenAPI document) and the four API faces'
+routes (openai.py, ollama.py, anthropic.py, responses_api.py), each over the one pipeline (pipeline.py)."""
 
 from __future__ import annotations
 
@@ -7,21 +9,15 @@ import json
 import logging
 import os
 import time
-import uuid
 
 from aiohttp import web
 
-from . import anthropic, ollama, openapi, responses_api
-from .grammars import check_tool_schemas, forced_call, response_grammar, tool_call_grammar
+from . import anthropic, ollama, openai, openapi, responses_api
 from .guard import Guard, guard_middleware
 from .models.catalog import catalog
-from .models.pool import LoadedModel
-from .protocol import ApiError, ChatRequest, CompletionRequest, parse_body
-from .reasoning import Thinking, gate, reasoning_format
-from .responses import full_response, stream_response
+from .protocol import ApiError, parse_body
 from .schemas import ModeRequest
-from .state import GUARD, STATE, DaemonState, off_loop, read_body, read_raw, submit, timed_out
-from .tools import check_template, tool_specs
+from .state import GUARD, STATE, DaemonState, read_raw
 
 log = logging.getLogger("minibatch.daemon")
 OPENAPI = web.AppKey("openapi", bytes)  # the document, made on first request
@@ -97,120 +93,6 @@ async def models(request: web.Request) -> web.Response:
         for entry in await catalog(state)
     ]
     return web.json_response({"object": "list", "data": data})
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    body: ChatRequest = await read_body(request, state, ChatRequest)
-    async with state.lease(body.model) as model:
-        model.ready_engine()
-        specs = tool_specs(body)
-        if specs is not None:
-            check_template(model.tokenizer)
-        messages = [m.for_template() for m in body.messages]
-        try:
-            ids = await off_loop(model.tokenizer.chat, messages, tools=specs)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), "messages", "no_chat_template") from None
-        if body.max_completion_tokens and not body.max_tokens:
-            body.max_tokens = body.max_completion_tokens
-        reasoning = None
-        tags = model.tokenizer.reasoning_tags
-        if tags is not None and reasoning_format(body.reasoning_format, state.reasoning_format) == "auto":
-            reasoning = Thinking(tags, await off_loop(model.tokenizer.thinks_from_prompt, messages, tools=specs))
-        make_grammar = None
-        if specs is not None:
-            await check_tool_schemas(model, specs)
-            forced = forced_call(body, specs)
-            if forced is not None:  # each completion gets its own grammar state
-                make_grammar = lambda: tool_call_grammar(model, *forced)  # noqa: E731
-        return await run_request(
-            request,
-            state,
-            model,
-            body,
-            [ids],
-            "chat.completion",
-            f"chatcmpl-{uuid.uuid4().hex}",
-            make_grammar=make_grammar,
-            tools=specs is not None,
-            reasoning=reasoning,
-            reasoning_budget=body.max_reasoning_tokens,
-        )
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    body: CompletionRequest = await read_body(request, state, CompletionRequest)
-    async with state.lease(body.model) as model:
-        model.ready_engine()
-        texts, batch = body.prompts()
-        encode = model.tokenizer.encode_prompt
-        prompts = await off_loop(lambda: [p if isinstance(p, list) else encode(p) for p in texts])
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        return await run_request(request, state, model, body, prompts, "text_completion", rid, batch=batch)
-
-
-async def run_request(
-    request,
-    state: DaemonState,
-    model: LoadedModel,
-    body,
-    prompts: list[list[int]],
-    kind: str,
-    request_id: str,
-    make_grammar=None,
-    tools: bool = False,
-    batch: bool = False,
-    reasoning: Thinking | None = None,
-    reasoning_budget: int | None = None,
-):
-    """Submit the request's completions, all or none, and answer with their choices.
-
-    Each prompt (several when `batch`: a completions batch) gets n completions, choice `prompt_index * n + i`;
-    the first of each prompt computes it, the others borrow its KV blocks. `make_grammar` gives each
-    completion its own grammar state; with the reasoning apart it constrains the answer after the thinking,
-    which `reasoning_budget` bounds."""
-    engine = model.ready_engine()
-    if make_grammar is None:
-        make_grammar = lambda: response_grammar(model, body.response_format, "response_format")  # noqa: E731
-    total = len(prompts) * body.n
-    grammar = await make_grammar()  # compiled once: each completion walks its own copy
-    grammars = [
-        gate(model, grammar if k == 0 or grammar is None else grammar.copy(), reasoning, reasoning_budget)
-        for k in range(total)
-    ]
-    ids_n = [request_id] if total == 1 else [f"{request_id}-{i}" for i in range(total)]
-    for k, rid in enumerate(ids_n):
-        p, i = divmod(k, body.n)
-        try:
-            submit(
-                model, engine, body, prompts[p], rid, grammars[k], i, ids_n[k - i] if i else None, p if batch else None
-            )
-        except ApiError:
-            for done in ids_n[:k]:  # all or none
-                engine.abort(done)
-                async for _ in engine.stream(done):
-                    pass
-            raise
-    prompt_tokens = sum(len(p) for p in prompts)  # usage counts every prompt's tokens
-    base = {"id": request_id, "created": int(time.time()), "model": model.name}
-    chat = kind == "chat.completion"
-    # Leaving these iterators early (timeout, client gone) aborts the requests and frees their blocks.
-    streams = [engine.stream(rid, body.stream_interval) for rid in ids_n]
-    try:
-        if body.stream:
-            return await stream_response(
-                request, state, model, streams, base, chat, prompt_tokens, body.include_usage, tools, reasoning
-            )
-        try:
-            async with asyncio.timeout(state.request_timeout):
-                return await full_response(model, streams, base, chat, prompt_tokens, tools, reasoning)
-        except TimeoutError:
-            raise timed_out(state) from None
-    finally:
-        for stream in streams:
-            await stream.aclose()
 
 
 def model_param(request: web.Request) -> str | None:
@@ -378,8 +260,6 @@ def create_app(state: DaemonState, guard: Guard | None = None) -> web.Applicatio
     app.router.add_get("/health", health)
     app.router.add_get("/openapi.json", openapi_json)
     app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/engine/stats", engine_stats)
     app.router.add_get("/v1/engine/events", engine_events)
     app.router.add_get("/v1/engine/blocks", engine_blocks)
@@ -387,6 +267,7 @@ def create_app(state: DaemonState, guard: Guard | None = None) -> web.Applicatio
     app.router.add_get("/v1/engine/mode", get_mode)
     app.router.add_put("/v1/engine/mode", put_mode)
     app.router.add_get("/metrics", metrics)
+    openai.add_routes(app)
     ollama.add_routes(app)
     anthropic.add_routes(app)
     responses_api.add_routes(app)

@@ -13,7 +13,6 @@ left out: the daemon's own), and `keep_alive` says how long it stays loaded afte
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -23,18 +22,16 @@ from typing import Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
-from minibatch.engine.core.sampling_params import MAX_TOP_K, SamplingParams
+from minibatch.engine.core.sampling_params import MAX_TOP_K
 
-from .answer import AnswerStream, split_answer
-from .grammars import response_grammar
+from . import pipeline
 from .messages import MAX_TOOLS, Tool
 from .models.catalog import catalog
 from .models.pool import iso, parse_keep_alive
+from .pipeline import Constraint, Generation, Reasoning, Running
 from .protocol import ApiError, Float, Int, parse_body
-from .reasoning import Thinking, gate
 from .schemas import OllamaShowRequest
-from .state import STATE, off_loop, read_raw, submit, timed_out
-from .tools import check_template
+from .state import STATE, off_loop, read_raw
 
 VERSION = "0.6.0"  # the Ollama API version whose shapes these follow
 
@@ -95,30 +92,35 @@ class _Request(_Lenient):
     options: Options = Field(default_factory=Options)
     format: Literal["json", ""] | dict[str, Any] | None = None  # any JSON, or a JSON schema
 
-    def sampling_params(self, default_max_tokens: int, model_defaults: dict | None = None) -> SamplingParams:
+    def sampling(self) -> dict:
+        """The options the request set, in SamplingParams' names; -1 / -2 (until the context is full) and 0
+        for num_predict are left to the daemon's default (what fits the context)."""
         o = self.options
-        d = model_defaults or {}
+        given = {k: getattr(o, name) for k, name in OPTION_NAMES.items() if getattr(o, name) is not None}
+        if o.num_predict is not None and o.num_predict <= 0:
+            del given["max_tokens"]
+        if "stop" in given:
+            given["stop"] = list(given["stop"])
+        if o.speculative is not None:
+            given["speculative"] = o.speculative
+        return given
 
-        def pick(value, key, api_default):
-            return value if value is not None else d.get(key, api_default)
 
-        if o.stop and any(not s for s in o.stop):
-            raise ApiError(400, "options.stop: stop strings must not be empty", "options.stop", "invalid_value")
-        # -1 / -2 (until the context is full) and 0 take the daemon's default; a count beyond the context is refused
-        max_tokens = o.num_predict if o.num_predict is not None and o.num_predict > 0 else default_max_tokens
-        return SamplingParams(
-            temperature=pick(o.temperature, "temperature", 0.8),
-            top_p=pick(o.top_p, "top_p", 0.9),
-            top_k=pick(o.top_k, "top_k", 40),
-            min_p=pick(o.min_p, "min_p", 0.0),
-            repetition_penalty=pick(o.repeat_penalty, "repetition_penalty", 1.1),
-            presence_penalty=o.presence_penalty or 0.0,
-            frequency_penalty=o.frequency_penalty or 0.0,
-            seed=o.seed,
-            max_tokens=max_tokens,
-            stop=list(o.stop or []),
-            speculative=o.speculative is not False,
-        )
+# a SamplingParams field -> the option that sets it
+OPTION_NAMES = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repeat_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "seed": "seed",
+    "max_tokens": "num_predict",
+    "stop": "stop",
+}
+# Ollama's documented defaults for what neither the request nor the model sets
+API_DEFAULTS = {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "min_p": 0.0, "repetition_penalty": 1.1}
 
 
 class ChatBody(_Request):
@@ -161,8 +163,8 @@ async def respond(request: web.Request, chat: bool):
     body = await off_loop(parse_body, raw, ChatBody if chat else GenerateBody)
     if (not body.messages) if chat else (not body.prompt):
         return await load_only(request, state, body, chat, started)
-    async with state.lease(body.model, body.keep_alive) as model:
-        return await answer(request, state, model, body, chat, started)
+    async with pipeline.generate(state, generation(body, chat)) as run:
+        return await answer(request, run, body, chat, started)
 
 
 async def load_only(request: web.Request, state, body, chat: bool, started: float) -> web.StreamResponse:
@@ -203,38 +205,36 @@ async def load_only(request: web.Request, state, body, chat: bool, started: floa
     return resp
 
 
-async def answer(request: web.Request, state, model, body, chat: bool, started: float):
-    engine = model.ready_engine()
+def generation(body: ChatBody | GenerateBody, chat: bool) -> Generation:
+    """An Ollama body in the pipeline's terms."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if chat and body.tools else None
-    if tools:
-        check_template(model.tokenizer)
     if chat:
-        messages = [m.for_template() for m in body.messages]
+        messages, prompts = [m.for_template() for m in body.messages], None
     elif body.raw:
-        messages = None
+        messages, prompts = None, [body.prompt]
     else:
-        messages = ([{"role": "system", "content": body.system}] if body.system else []) + [
-            {"role": "user", "content": body.prompt}
-        ]
-    tok = model.tokenizer
-    args = {"enable_thinking": False} if body.think is False and tok.can_stop_thinking else {}
-    apart = tok.reasoning_tags is not None and messages is not None and body.think is not False
-    if body.think is None and state.reasoning_format == "none":
-        apart = False
+        system = [{"role": "system", "content": body.system}] if body.system else []
+        messages, prompts = [*system, {"role": "user", "content": body.prompt}], None
+    return Generation(
+        request_id=f"ollama-{uuid.uuid4().hex}",
+        model=body.model,
+        prompt_field="messages" if chat else "prompt",
+        messages=messages,
+        prompts=prompts,
+        tools=tools,
+        # think false: a prompt that does not think where the template has the switch, else the thoughts left
+        # in the answer; true: apart; unset: as --reasoning-format says
+        reasoning=Reasoning(off=body.think is False, apart=None if body.think is None else body.think),
+        sampling=body.sampling(),
+        api_defaults=API_DEFAULTS,
+        names={k: f"options.{v}" for k, v in OPTION_NAMES.items()} | {"speculative": "options.speculative"},
+        constraint=Constraint("format", fmt=body.format) if body.format else None,
+        keep_alive=body.keep_alive,
+    )
 
-    def render() -> tuple[list[int], Thinking | None]:
-        ids = tok.encode_prompt(body.prompt) if messages is None else tok.chat(messages, tools=tools, **args)
-        inside = tok.thinks_from_prompt(messages, tools=tools, **args) if apart else None
-        return ids, (Thinking(tok.reasoning_tags, inside) if apart else None)
 
-    try:
-        ids, reasoning = await off_loop(render)
-    except ValueError as exc:
-        raise ApiError(400, str(exc), "messages", "no_chat_template") from None
-    request_id = f"ollama-{uuid.uuid4().hex}"
-    grammar = gate(model, await response_grammar(model, body.format or None, "format"), reasoning, None)
-    submit(model, engine, body, ids, request_id, grammar)
-    outputs = engine.stream(request_id)
+async def answer(request: web.Request, run: Running, body, chat: bool, started: float):
+    model = run.model
 
     def line(text: str, calls: list | None = None, thinking: str = "") -> dict:
         head = {"model": model.name, "created_at": now_iso()}
@@ -248,48 +248,36 @@ async def answer(request: web.Request, state, model, body, chat: bool, started: 
             message["tool_calls"] = made
         return {**head, "message": message, "done": False}
 
+    if not body.stream:
+        (c,) = await run.whole()
+        thought, content, calls = c.parts
+        counters = final_counters(c.last, run.prompt_tokens, len(c.token_ids), started)
+        return web.json_response({**line(content or "", calls, thought), **counters})
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "X-Request-Id": run.gen.request_id})
+    await resp.prepare(request)
+
+    async def send(payload: dict) -> None:
+        await resp.write(json.dumps(payload).encode() + b"\n")
+
+    n = 0
     try:
-        async with asyncio.timeout(state.request_timeout):
-            if not body.stream:
-                text, n, last = [], 0, None
-                async for out in outputs:
-                    text.append(out.text)
-                    n += len(out.token_ids)
-                    last = out
-                model.monitor.on_request_done(last.metrics, None if last.error else last.finish_reason)
-                if last.error:
-                    raise ApiError(500, last.error, None, "engine_error", "server_error")
-                thought, content, calls = split_answer("".join(text), reasoning, bool(tools))
-                return web.json_response(
-                    {**line(content or "", calls, thought), **final_counters(last, len(ids), n, started)}
-                )
-            resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "X-Request-Id": request_id})
-            await resp.prepare(request)
-            n = 0
+        async with run.limit():
             # the reasoning streams apart; a tool call is held back and sent whole at the end
-            answer = AnswerStream(reasoning, bool(tools))
-            async for out in outputs:
+            async for _, out, (thought, text, calls) in run.deltas():
                 n += len(out.token_ids)
                 if out.error:
-                    model.monitor.on_request_done(out.metrics, None)
-                    await resp.write(json.dumps({"error": out.error}).encode() + b"\n")
+                    await send({"error": out.error})
                     break
-                thought, text, calls = answer.push(out.text, out.finished)
                 if thought:
-                    await resp.write(json.dumps(line("", None, thought)).encode() + b"\n")
+                    await send(line("", None, thought))
                 if text and not out.finished:
-                    await resp.write(json.dumps(line(text)).encode() + b"\n")
+                    await send(line(text))
                 if out.finished:
-                    model.monitor.on_request_done(out.metrics, out.finish_reason)
-                    await resp.write(
-                        json.dumps({**line(text, calls), **final_counters(out, len(ids), n, started)}).encode() + b"\n"
-                    )
-            await resp.write_eof()
-            return resp
-    except TimeoutError:
-        raise timed_out(state) from None
-    finally:
-        await outputs.aclose()
+                    await send({**line(text, calls), **final_counters(out, run.prompt_tokens, n, started)})
+    except ApiError as exc:  # the time limit, mid-stream: its error is the last line
+        await send(error_body(exc))
+    await resp.write_eof()
+    return resp
 
 
 def ollama_calls(calls: list[dict]) -> tuple[list[dict], list[str]]:

@@ -26,8 +26,6 @@ from minibatch.engine.core.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_TOP_K,
-    SAMPLING_DEFAULT_FIELDS,
-    SamplingParams,
 )
 
 from .messages import MAX_TOOLS, Body, Message, NamedToolChoice, Tool
@@ -85,6 +83,23 @@ class ApiError(Exception):
 
 
 MAX_N = 8
+# the body's fields that are SamplingParams' fields of the same name
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "max_tokens",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "speculative",
+    "logit_bias",
+)
 
 
 MAX_STREAM_INTERVAL_MS = 1000
@@ -137,33 +152,16 @@ class _Sampling(Body):
         default=None, max_length=MAX_LOGIT_BIAS
     )
 
-    def sampling_params(self, default_max_tokens: int, model_defaults: dict | None = None) -> SamplingParams:
-        """The request's sampling; a field the request leaves out takes the model's default
-        (its generation_config.json), else the API's."""
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        given = self.model_fields_set
-        pick = {k: v for k, v in (model_defaults or {}).items() if k in SAMPLING_DEFAULT_FIELDS and k not in given}
-        if any(not s for s in stop):
-            raise ApiError(400, "stop: stop strings must not be empty", "stop", "invalid_value")
-        if len(stop) > 16:
-            raise ApiError(400, f"stop: at most 16 stop strings, got {len(stop)}", "stop", "invalid_value")
-        return SamplingParams(
-            temperature=pick.get("temperature", self.temperature),
-            top_p=pick.get("top_p", self.top_p),
-            top_k=pick.get("top_k", self.top_k),
-            min_p=pick.get("min_p", self.min_p),
-            repetition_penalty=pick.get("repetition_penalty", self.repetition_penalty),
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            seed=self.seed,
-            max_tokens=self.max_tokens or default_max_tokens,
-            stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos,
-            speculative=self.speculative,
-            logprobs=self.logprobs_k(),
-            logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
-        )
+    def sampling(self) -> tuple[dict, dict]:
+        """(what the request set, the API's defaults for the rest), in SamplingParams' names: the pipeline puts
+        the model's defaults between them."""
+        values = {f: getattr(self, f) for f in _SAMPLING_FIELDS}
+        values["stop"] = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        values["stop_token_ids"] = list(self.stop_token_ids or [])
+        values["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None
+        values["logprobs"] = self.logprobs_k()
+        given = self.model_fields_set | {"logprobs"}
+        return {k: v for k, v in values.items() if k in given}, {k: v for k, v in values.items() if k not in given}
 
     def logprobs_k(self) -> int | None:
         return None

@@ -12,7 +12,6 @@ STORE_TTL_S seconds each; an unknown or expired id is a 404 that says so. Errors
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -24,16 +23,11 @@ from typing import Annotated, Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag
 
-from minibatch.engine.core.sampling_params import SamplingParams
-
-from .answer import AnswerStream, split_answer
-from .grammars import check_tool_schemas, response_grammar, tool_call_grammar
+from . import pipeline
 from .messages import FUNCTION_NAME, MAX_TOOLS
-from .models.pool import LoadedModel
+from .pipeline import Constraint, Generation, Running
 from .protocol import ApiError, Float, Int
-from .reasoning import Thinking, gate
-from .state import STATE, off_loop, read_body, submit, timed_out
-from .tools import check_template
+from .state import STATE, off_loop, read_body
 
 STORE_MAX = 512  # responses kept for previous_response_id and GET, the oldest evicted first
 STORE_TTL_S = 3600.0
@@ -140,6 +134,7 @@ class ResponsesRequest(_Body):
     max_output_tokens: Int | None = Field(default=None, ge=1)
     temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: Int | None = Field(default=None, ge=0, le=2**63 - 1)  # an extension: the same seed, the same tokens
     # accepted; the effort is the template's business (ignored here). A thinking model's thoughts come back as
     # a reasoning item before the answer (with --reasoning-format auto)
     reasoning: Reasoning | None = None
@@ -151,15 +146,17 @@ class ResponsesRequest(_Body):
     truncation: Literal["auto", "disabled"] | None = None
     user: StrictStr | None = None
 
-    def sampling_params(self, default_max_tokens: int, model_defaults: dict | None = None) -> SamplingParams:
-        d = model_defaults or {}
-        return SamplingParams(
-            temperature=self.temperature if self.temperature is not None else d.get("temperature", 1.0),
-            top_p=self.top_p if self.top_p is not None else d.get("top_p", 1.0),
-            top_k=d.get("top_k", 0),
-            min_p=d.get("min_p", 0.0),
-            max_tokens=self.max_output_tokens or default_max_tokens,
-        )
+    def sampling(self) -> dict:
+        """What the request set, in SamplingParams' names."""
+        given = {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_output_tokens}
+        given["seed"] = self.seed
+        return {k: v for k, v in given.items() if v is not None}
+
+
+# a SamplingParams field -> the Responses API's name for it, where they differ
+NAMES = {"max_tokens": "max_output_tokens"}
+# the API's defaults for what neither the request nor the model sets
+API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 
 
 # -- the store -------------------------------------------------------------------------------------------
@@ -256,20 +253,36 @@ def forced(body: ResponsesRequest, specs: list[dict] | None) -> tuple[list[dict]
     return functions, choice.name
 
 
-async def grammar_for(model, body: ResponsesRequest, specs):
+def constraint(body: ResponsesRequest, specs) -> Constraint | None:
     must = forced(body, specs)
     fmt = body.text.format if body.text else None
     if must is not None:
         if fmt is not None and fmt.type != "text":
             raise ApiError(400, "text.format: cannot be combined with a required tool call", "text.format")
-        return await tool_call_grammar(model, *must)
+        return Constraint("tools", call=must)
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return await response_grammar(model, "json", "text.format")
+        return Constraint("text.format", fmt="json")
     if fmt.schema_ is None:
         raise ApiError(400, "text.format.schema: required when type is json_schema", "text.format.schema", "missing")
-    return await response_grammar(model, fmt.schema_, "text.format.schema")
+    return Constraint("text.format.schema", fmt=fmt.schema_)
+
+
+def generation(body: ResponsesRequest, earlier: list[dict]) -> Generation:
+    """A Responses body (after the stored conversation it continues) in the pipeline's terms."""
+    specs = tool_specs(body)
+    return Generation(
+        request_id=_id("resp"),
+        model=body.model,
+        prompt_field="input",
+        messages=conversation(body, earlier),
+        tools=specs,
+        sampling=body.sampling(),
+        api_defaults=API_DEFAULTS,
+        names=NAMES,
+        constraint=constraint(body, specs),
+    )
 
 
 # -- answers in the Responses shapes ---------------------------------------------------------------------
@@ -375,36 +388,9 @@ async def create(request: web.Request) -> web.StreamResponse:
     state, store = request.app[STATE], request.app[STORE]
     body = await read_body(request, state, ResponsesRequest)
     earlier = store.get(body.previous_response_id, "previous_response_id")[1] if body.previous_response_id else []
-    async with state.lease(body.model) as model:
-        engine = model.ready_engine()
-        specs = tool_specs(body)
-        if specs is not None:
-            check_template(model.tokenizer)
-            await check_tool_schemas(model, specs)
-        messages = conversation(body, earlier)
-        try:
-            ids = await off_loop(model.tokenizer.chat, messages, tools=specs)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), "input", "no_chat_template") from None
-        tags = model.tokenizer.reasoning_tags
-        thinking = None
-        if tags is not None and state.reasoning_format == "auto":
-            thinking = Thinking(tags, await off_loop(model.tokenizer.thinks_from_prompt, messages, tools=specs))
-        grammar = gate(model, await grammar_for(model, body, specs), thinking, None)
-        rid = _id("resp")
-        submit(model, engine, body, ids, rid, grammar, prompt_param="input")
-        outputs = engine.stream(rid)
-        answer = Answer(store, model, body, rid, messages, len(ids), specs, thinking)
-        try:
-            if body.stream:
-                return await stream(request, state, answer, outputs)
-            try:
-                async with asyncio.timeout(state.request_timeout):
-                    return await whole(answer, outputs)
-            except TimeoutError:
-                raise timed_out(state) from None
-        finally:
-            await outputs.aclose()
+    async with pipeline.generate(state, await off_loop(generation, body, earlier)) as run:
+        answer = Answer(store, run, body)
+        return await (stream(request, answer) if body.stream else whole(answer))
 
 
 @dataclass(slots=True)
@@ -412,19 +398,19 @@ class Answer:
     """What a response is answered with, beside the engine's outputs."""
 
     store: ResponseStore
-    model: LoadedModel
+    run: Running
     body: ResponsesRequest
-    rid: str
-    messages: list[dict]
-    prompt_tokens: int
-    specs: list[dict] | None
-    thinking: Thinking | None
+
+    @property
+    def rid(self) -> str:
+        return self.run.gen.request_id
 
     def finish(self, status: str, items: list[dict], n: int, metrics, text: str, calls, thought: str) -> dict:
-        usage = usage_of(self.model, self.prompt_tokens, n, metrics, thought)
-        response = response_object(self.rid, self.model, self.body, status, items, usage)
+        run = self.run
+        usage = usage_of(run.model, run.prompt_tokens, n, metrics, thought)
+        response = response_object(self.rid, run.model, self.body, status, items, usage)
         if self.body.store:
-            remember(self.store, response, self.messages, text, calls, thought)
+            remember(self.store, response, run.gen.messages or [], text, calls, thought)
         return response
 
 
@@ -432,24 +418,16 @@ def _status(finish_reason: str | None, calls: list) -> str:
     return "incomplete" if finish_reason == "length" and not calls else "completed"
 
 
-async def whole(a: Answer, outputs) -> web.Response:
-    text, n, last = [], 0, None
-    async for out in outputs:
-        text.append(out.text)
-        n += len(out.token_ids)
-        last = out
-    a.model.monitor.on_request_done(last.metrics, None if last.error else last.finish_reason)
-    if last.error:
-        raise ApiError(500, last.error, None, "engine_error", "server_error")
-    thought, content, calls = split_answer("".join(text), a.thinking, a.specs is not None)
+async def whole(a: Answer) -> web.Response:
+    (c,) = await a.run.whole()
+    thought, content, calls = c.parts
     content = content or ""
     items = output_items(content, calls, thought)
-    return web.json_response(
-        a.finish(_status(last.finish_reason, calls), items, n, last.metrics, content, calls, thought)
-    )
+    status = _status(c.last.finish_reason, calls)
+    return web.json_response(a.finish(status, items, len(c.token_ids), c.last.metrics, content, calls, thought))
 
 
-async def stream(request, state, a: Answer, outputs):
+async def stream(request, a: Answer):
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": a.rid}
     )
@@ -462,13 +440,12 @@ async def stream(request, state, a: Answer, outputs):
         seq += 1
         await resp.write(f"event: {kind}\ndata: {data}\n\n".encode())
 
-    started = response_object(a.rid, a.model, a.body, "in_progress", [], None)
+    started = response_object(a.rid, a.run.model, a.body, "in_progress", [], None)
     await send("response.created", {"response": started})
     await send("response.in_progress", {"response": started})
     items: list[dict] = []  # the finished output items, in order
     msg_id, rs_id, sent, thoughts, n = _id("msg"), _id("rs"), [], [], 0
     opened = thinking_open = False
-    answer = AnswerStream(a.thinking, a.specs is not None)
 
     def where(item_id: str) -> dict:
         return {"item_id": item_id, "output_index": len(items), "content_index": 0}
@@ -490,15 +467,13 @@ async def stream(request, state, a: Answer, outputs):
         await open_item(item, {"type": "output_text", "text": "", "annotations": []})
 
     try:
-        async with asyncio.timeout(state.request_timeout):
-            async for out in outputs:
+        async with a.run.limit():
+            async for _, out, (thought, piece, calls) in a.run.deltas():
                 n += len(out.token_ids)
                 if out.error:
-                    a.model.monitor.on_request_done(out.metrics, None)
                     failed = {**started, "status": "failed", "error": {"code": "server_error", "message": out.error}}
                     await send("response.failed", {"response": failed})
                     return resp
-                thought, piece, calls = answer.push(out.text, out.finished)
                 if thought:
                     if not thinking_open:
                         await open_item(
@@ -518,7 +493,6 @@ async def stream(request, state, a: Answer, outputs):
                     await send("response.output_text.delta", {**where(msg_id), "delta": piece, "logprobs": []})
                 if not out.finished:
                     continue
-                a.model.monitor.on_request_done(out.metrics, out.finish_reason)
                 text = "".join(sent)
                 if opened or not calls:
                     if not opened:
@@ -552,12 +526,8 @@ async def stream(request, state, a: Answer, outputs):
                 status = _status(out.finish_reason, calls)
                 done = a.finish(status, items, n, out.metrics, text, calls, "".join(thoughts))
                 await send("response.completed" if status == "completed" else "response.incomplete", {"response": done})
-    except TimeoutError:
-        failed = {
-            **started,
-            "status": "failed",
-            "error": {"code": "timeout", "message": timed_out(state).message},
-        }
+    except ApiError as exc:  # the time limit, mid-stream: the response fails with its error
+        failed = {**started, "status": "failed", "error": {"code": exc.code, "message": exc.message}}
         await send("response.failed", {"response": failed})
     await resp.write_eof()
     return resp

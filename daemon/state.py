@@ -1,8 +1,5 @@
-"""What the daemon's API modules share: the daemon's state, the model check, body reading and submission.
-
-The OpenAI-compatible and native routes (app.py) and Ollama's (ollama.py) both build on this module;
-neither imports the other's handlers.
-"""
+"""What the daemon's handlers share: the daemon's state, the model lease, body reading off the event loop and
+the one timeout error. The generation itself is pipeline.py's."""
 
 from __future__ import annotations
 
@@ -13,12 +10,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from minibatch.engine.core.admission import QueueFull, RequestRejected
-from minibatch.engine.core.sampling_params import DEFAULT_MAX_TOKENS
-
 from .guard import Guard
 from .models.pool import LoadedModel, ModelPool, parse_keep_alive
-from .protocol import ApiError, ChatRequest, parse_body
+from .protocol import ApiError, parse_body
 
 
 @dataclass
@@ -79,42 +73,3 @@ async def off_loop(fn, *args, **kwargs):
 async def read_body(request: web.Request, state: DaemonState, kind):
     """The request's body, parsed and validated (off the event loop)."""
     return await off_loop(parse_body, await read_raw(request, state), kind)
-
-
-def submit(
-    model: LoadedModel,
-    engine,
-    body,
-    ids: list[int],
-    request_id: str,
-    grammar=None,
-    index: int = 0,
-    share_prompt_with: str | None = None,
-    prompt_index: int | None = None,
-    prompt_param: str | None = None,
-) -> None:
-    """Submit one completion; a refusal becomes the API's error, naming the field and, in a batch of
-    prompts (`prompt_index`), the prompt: `prompt.1`, `prompt.0.3` (its token 3). `prompt_param`: the
-    field a refused prompt is named by in the API that sent it (`messages`, `input`)."""
-    limit = model.info.max_model_len
-    # Unset max_tokens: what fits the context (at least 1, so a prompt that fills it is refused as too long).
-    default_max = max(1, min(DEFAULT_MAX_TOKENS, limit - len(ids))) if limit else DEFAULT_MAX_TOKENS
-    params = body.sampling_params(default_max, model.info.generation_defaults)
-    params.grammar = grammar
-    if index and params.seed is not None:  # the n completions of one request draw differently, reproducibly
-        params.seed = (params.seed + index) % 2**63
-    try:
-        engine.submit(ids, params, request_id, share_prompt_with)
-    except QueueFull as exc:
-        raise ApiError(exc.status, str(exc), exc.field, exc.code, "rate_limit_error", {"Retry-After": "1"}) from None
-    except RequestRejected as exc:
-        param, message = exc.field, str(exc)
-        if param == "prompt" and (prompt_param or isinstance(body, ChatRequest)):
-            param = prompt_param or "messages"  # what the API turns into the prompt
-        elif param is not None and param.split(".")[0] == "prompt":
-            if prompt_index is not None:
-                param = f"prompt.{prompt_index}{param[len('prompt') :]}"
-            message = f"{param}: {message}" if "." in param else message
-        elif prompt_index is not None:
-            message = f"prompt.{prompt_index}: {message}"
-        raise ApiError(exc.status, message, param, exc.code) from None

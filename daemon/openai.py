@@ -1,20 +1,102 @@
-"""OpenAI-shaped responses: a whole answer as JSON, or a stream of SSE chunks ending in [DONE]."""
+"""OpenAI's Chat Completions and Completions on the socket: `POST /v1/chat/completions`, `POST /v1/completions`.
+
+Only the shapes live here: a body (protocol.py) becomes a pipeline.Generation; what the pipeline gives back
+becomes a `chat.completion` / `text_completion` object or a stream of SSE chunks ending in [DONE]; errors
+keep the OpenAI shape (ApiError.body).
+"""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator
+import time
+import uuid
 
 from aiohttp import web
 
 from minibatch.engine.core.request import RequestMetrics
 
-from .answer import AnswerStream, split_answer
-from .protocol import ApiError
-from .state import timed_out
+from .grammars import forced_call
+from .pipeline import Constraint, Generation, Reasoning, Running, generate
+from .protocol import ApiError, ChatRequest, CompletionRequest
+from .state import STATE, read_body
+from .tools import tool_specs
+
+# a SamplingParams field -> what the OpenAI bodies call it, where the names differ
+NAMES = {"logprobs": "top_logprobs"}
 
 
+# -- bodies into the pipeline's terms ----------------------------------------------------------------------
+def chat_generation(body: ChatRequest) -> Generation:
+    specs = tool_specs(body)
+    forced = forced_call(body, specs) if specs is not None else None
+    given, defaults = body.sampling()
+    if body.max_completion_tokens and not body.max_tokens:
+        given["max_tokens"] = body.max_completion_tokens
+    return Generation(
+        request_id=f"chatcmpl-{uuid.uuid4().hex}",
+        model=body.model,
+        prompt_field="messages",
+        messages=[m.for_template() for m in body.messages],
+        tools=specs,
+        reasoning=Reasoning(
+            apart={"auto": True, "none": False}.get(body.reasoning_format or ""), budget=body.max_reasoning_tokens
+        ),
+        sampling=given,
+        api_defaults=defaults,
+        names={**NAMES, "max_tokens": "max_tokens" if body.max_tokens else "max_completion_tokens"},
+        n=body.n,
+        constraint=_constraint(body, forced),
+        stream_interval=body.stream_interval,
+    )
+
+
+def completion_generation(body: CompletionRequest) -> Generation:
+    prompts, batch = body.prompts()
+    given, defaults = body.sampling()
+    return Generation(
+        request_id=f"cmpl-{uuid.uuid4().hex}",
+        model=body.model,
+        prompt_field="prompt",
+        prompts=prompts,
+        batch=batch,
+        sampling=given,
+        api_defaults=defaults,
+        names={},
+        n=body.n,
+        constraint=_constraint(body, None),
+        stream_interval=body.stream_interval,
+    )
+
+
+def _constraint(body, forced) -> Constraint | None:
+    if forced is not None:
+        return Constraint("tools", call=forced)
+    fmt = body.response_format
+    return Constraint("response_format", fmt=fmt) if fmt is not None and fmt.type != "text" else None
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body: ChatRequest = await read_body(request, state, ChatRequest)
+    async with generate(state, chat_generation(body)) as run:
+        return await answer(request, run, body, chat=True)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    body: CompletionRequest = await read_body(request, state, CompletionRequest)
+    async with generate(state, completion_generation(body)) as run:
+        return await answer(request, run, body, chat=False)
+
+
+async def answer(request: web.Request, run: Running, body, chat: bool) -> web.StreamResponse:
+    base = {"id": run.gen.request_id, "created": int(time.time()), "model": run.model.name}
+    if body.stream:
+        return await stream_response(request, run, base, chat, body.include_usage)
+    return await full_response(run, base, chat)
+
+
+# -- answers in OpenAI's shapes ----------------------------------------------------------------------------
 def timings(m: RequestMetrics | None) -> dict:
     def ms(v):
         return None if v is None else round(v * 1000, 3)
@@ -76,59 +158,14 @@ def completion_logprobs(tokenizer, token_ids: list[int], entries: list, offset: 
     }
 
 
-async def merged(streams: list) -> AsyncIterator[tuple[int, object]]:
-    """(choice index, output) from n streams as they come; leaving early closes (and so aborts) them all."""
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream) -> None:
-        try:
-            async for out in stream:
-                await queue.put((i, out))
-        finally:
-            await stream.aclose()
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        done = 0
-        while done < len(streams):
-            i, out = await queue.get()
-            done += out.finished
-            yield i, out
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def full_response(
-    model, streams: list, base, chat: bool, prompt_tokens: int, tools: bool = False, reasoning=None
-) -> web.Response:
-    n = len(streams)
-    text, count, last = [[] for _ in range(n)], 0, [None] * n
-    token_ids, entries, want = [[] for _ in range(n)], [[] for _ in range(n)], False
-    async for i, out in merged(streams):
-        text[i].append(out.text)
-        count += len(out.token_ids)
-        last[i] = out
-        if out.logprobs is not None:
-            want = True
-            token_ids[i] += out.token_ids
-            entries[i] += out.logprobs
-    for out in last:
-        model.monitor.on_request_done(out.metrics, out.finish_reason if not out.error else None)
-    failed = next((out for out in last if out.error), None)
-    if failed is not None:
-        raise ApiError(500, failed.error, None, "engine_error", "server_error")
+async def full_response(run: Running, base: dict, chat: bool) -> web.Response:
+    tok = run.model.tokenizer
     choices, thought_tokens = [], 0
-    for i in range(n):
-        # the thinking apart; calls and JSON are read from the answer
-        thought, content, calls = split_answer("".join(text[i]), reasoning if chat else None, tools)
-        thought_tokens += len(model.tokenizer.encode(thought)) if thought else 0
-        choice = {"index": i, "finish_reason": last[i].finish_reason}
+    whole = await run.whole()
+    for i, c in enumerate(whole):
+        thought, content, calls = c.parts  # the thinking apart; calls and JSON are read from the answer
+        thought_tokens += len(tok.encode(thought)) if thought else 0
+        choice = {"index": i, "finish_reason": c.last.finish_reason}
         if chat:
             choice["message"] = {"role": "assistant", "content": content}
             if thought:
@@ -136,41 +173,31 @@ async def full_response(
             if calls:
                 choice["message"]["tool_calls"] = calls
                 choice["finish_reason"] = "tool_calls"
-            choice["logprobs"] = {"content": chat_logprobs(model.tokenizer, token_ids[i], entries[i])} if want else None
+            choice["logprobs"] = {"content": chat_logprobs(tok, c.token_ids, c.logprobs)} if c.logprobs else None
         else:
-            choice.update(
-                text=content, logprobs=completion_logprobs(model.tokenizer, token_ids[i], entries[i]) if want else None
-            )
+            lp = completion_logprobs(tok, c.token_ids, c.logprobs) if c.logprobs else None
+            choice.update(text=content, logprobs=lp)
         choices.append(choice)
+    metrics = whole[0].last.metrics
     return web.json_response(
         {
             **base,
             "object": "chat.completion" if chat else "text_completion",
             "choices": choices,
-            "usage": usage(last[0].metrics, prompt_tokens, count, thought_tokens),
-            "minibatch": timings(last[0].metrics),
+            "usage": usage(metrics, run.prompt_tokens, sum(len(c.token_ids) for c in whole), thought_tokens),
+            "minibatch": timings(metrics),
         }
     )
 
 
-async def stream_response(
-    request,
-    state,
-    model,
-    streams: list,
-    base,
-    chat: bool,
-    prompt_tokens: int,
-    include_usage: bool,
-    tools: bool = False,
-    reasoning=None,
-):
+async def stream_response(request, run: Running, base: dict, chat: bool, include_usage: bool):
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": base["id"]}
     )
     await resp.prepare(request)
+    tok = run.model.tokenizer
     obj = "chat.completion.chunk" if chat else "text_completion"
-    n = len(streams)
+    n = len(run.streams)
 
     async def send(payload: dict) -> None:
         await resp.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
@@ -181,9 +208,9 @@ async def stream_response(
         lp = None
         if out is not None and out.logprobs is not None and out.token_ids:
             if chat:
-                lp = {"content": chat_logprobs(model.tokenizer, out.token_ids, out.logprobs)}
+                lp = {"content": chat_logprobs(tok, out.token_ids, out.logprobs)}
             else:
-                lp = completion_logprobs(model.tokenizer, out.token_ids, out.logprobs, offsets[i])
+                lp = completion_logprobs(tok, out.token_ids, out.logprobs, offsets[i])
                 offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         if chat:
             if delta is None:
@@ -201,20 +228,17 @@ async def stream_response(
         for i in range(n):
             await send(chunk(i, None, None, role=True))
     count, metrics = 0, None
-    answers = [AnswerStream(reasoning if chat else None, tools) for _ in range(n)]
     try:
-        async with asyncio.timeout(state.request_timeout):
-            async for i, out in merged(streams):
+        async with run.limit():
+            async for i, out, (thought, text, found) in run.deltas():
                 count += len(out.token_ids)
                 if out.error:
-                    model.monitor.on_request_done(out.metrics, None)
                     await send(ApiError(500, out.error, None, "engine_error", "server_error").body())
                     break
                 carries = out.logprobs is not None and bool(out.token_ids)
                 finish = out.finish_reason
                 # the reasoning streams apart, before the answer; a tool call is held back and sent whole at the end
-                thought, text, found = answers[i].push(out.text, out.finished)
-                if thought:
+                if thought and chat:
                     await send(chunk(i, None, None, delta={"reasoning_content": thought}))
                 if text or (carries and not out.finished):
                     await send(chunk(i, text, None, out=out))
@@ -223,18 +247,21 @@ async def stream_response(
                     await send(chunk(i, None, None, delta={"tool_calls": calls}))
                     finish = "tool_calls"
                 if out.finished:
-                    model.monitor.on_request_done(out.metrics, out.finish_reason)
                     final = chunk(i, None, finish, out=None if text else out)
                     final["minibatch"] = timings(out.metrics)
                     await send(final)
                     metrics = metrics or out.metrics
         if include_usage and metrics is not None:
-            thought_tokens = sum(len(model.tokenizer.encode(a.thought)) for a in answers if a.thought)
-            await send(
-                {**base, "object": obj, "choices": [], "usage": usage(metrics, prompt_tokens, count, thought_tokens)}
-            )
-    except TimeoutError:
-        await send(timed_out(state).body())
+            thought_tokens = sum(len(tok.encode(a.thought)) for a in run.answers if a.thought)
+            total = usage(metrics, run.prompt_tokens, count, thought_tokens)
+            await send({**base, "object": obj, "choices": [], "usage": total})
+    except ApiError as exc:  # the time limit, mid-stream: its error is the last event
+        await send(exc.body())
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)

@@ -1,0 +1,313 @@
+"""The one generation pipeline under every API face.
+
+A face (OpenAI's chat and completions, Ollama's, Anthropic's Messages, OpenAI's Responses) parses its body
+into a `Generation`, a description in no API's terms, and encodes what `generate` gives back into its own
+wire shape. Everything between is here, once: lease the model, render the conversation with its template
+(or encode the prompts), decide how a thinking model's reasoning is split, merge the request's sampling
+over the model's defaults over the API's, check the tools' schemas and compile the answer's grammar once,
+submit one `Request` per completion (all or none), stream, close (which aborts whatever is unfinished, at
+any point, before the first output too) and time out with one error. Every refusal on the way is an
+ApiError naming the field as the face's client wrote it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from minibatch.engine.core.admission import QueueFull, RequestRejected
+from minibatch.engine.core.outputs import RequestOutput
+from minibatch.engine.core.sampling_params import (
+    DEFAULT_MAX_TOKENS,
+    SAMPLING_DEFAULT_FIELDS,
+    InvalidParameterError,
+    SamplingParams,
+)
+
+from .answer import AnswerStream, Parts, split_answer
+from .grammars import check_tool_schemas, response_grammar, tool_call_grammar
+from .models.pool import LoadedModel
+from .protocol import ApiError
+from .reasoning import Thinking, gate
+from .state import DaemonState, off_loop, timed_out
+from .tools import check_template
+
+
+@dataclass(slots=True)
+class Reasoning:
+    """How a thinking model's reasoning is asked for. `off`: the template's switch turns the thinking off
+    where it has one (enable_thinking); `apart`: the thoughts come back apart from the answer (True), left in
+    it (False), or as the daemon's --reasoning-format says (None); `budget`: thinking tokens at most."""
+
+    off: bool = False
+    apart: bool | None = None
+    budget: int | None = None
+
+
+@dataclass(slots=True)
+class Constraint:
+    """What the answer must follow: a format (`fmt`: "json", a JSON schema, or OpenAI's response_format)
+    or a required tool call (`call`: the functions and the one named, or None for any). `param`: the field
+    the client wrote it in."""
+
+    param: str
+    fmt: Any = None
+    call: tuple[list[dict], str | None] | None = None
+
+
+@dataclass(slots=True)
+class Generation:
+    """One request for generated text, in no API's terms: each face's parser makes one."""
+
+    request_id: str
+    model: str | None  # the model's name; None: the daemon's own
+    prompt_field: str  # the field a refused prompt is named by in the client's terms (messages, input, prompt)
+    messages: list[dict] | None = None  # the conversation, rendered by the model's chat template
+    prompts: list[str | list[int]] | None = None  # or prompts as they are: texts (encoded) or token ids
+    batch: bool = False  # several prompts in one request: a refusal names prompt.N
+    tools: list[dict] | None = None  # OpenAI-shaped tool specs the template sees
+    reasoning: Reasoning = field(default_factory=Reasoning)
+    sampling: dict[str, Any] = field(default_factory=dict)  # what the client set, in SamplingParams' names
+    api_defaults: dict[str, Any] = field(default_factory=dict)  # the API's own defaults for what it left out
+    names: dict[str, str] = field(default_factory=dict)  # a SamplingParams field -> the client's name for it
+    n: int = 1  # completions per prompt; the prompt is computed once
+    constraint: Constraint | None = None
+    keep_alive: Any = None  # the request's, as parse_keep_alive reads it; None: the model's own
+    stream_interval: float = 0.0  # seconds between a stream's outputs (0: one per engine step)
+
+    def sampling_params(self, max_model_len: int, prompt_len: int, model_defaults: dict) -> SamplingParams:
+        """The request's sampling: what it set, else the model's default (generation_config), else the
+        API's; without max_tokens, what fits the context (at least 1, so a full prompt is refused as long)."""
+        values = dict(self.api_defaults)
+        values |= {k: v for k, v in model_defaults.items() if k in SAMPLING_DEFAULT_FIELDS}
+        values |= self.sampling
+        if values.get("max_tokens") is None:
+            fits = max_model_len - prompt_len if max_model_len else DEFAULT_MAX_TOKENS
+            values["max_tokens"] = max(1, min(DEFAULT_MAX_TOKENS, fits))
+        try:
+            return SamplingParams(**values)
+        except InvalidParameterError as exc:
+            name = self.names.get(exc.field, exc.field)
+            message = str(exc).removeprefix(f"{exc.field}: ")
+            raise ApiError(400, f"{name}: {message}", name, "invalid_value") from None
+
+
+@dataclass(slots=True)
+class Choice:
+    """One completion, whole: its outputs' text and tokens, the last output, and its parts."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list | None  # per token (log-probability, top alternatives), when asked for
+    last: RequestOutput
+    parts: Parts
+
+
+class Running:
+    """A generation under way: its completions' streams, read whole (`whole`) or delta by delta (`deltas`)
+    inside `limit()`, which ends it with the one timeout error at the request's deadline."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        gen: Generation,
+        prompts: list[list[int]],
+        thinking: Thinking | None,
+        deadline: float,
+        expired: ApiError,
+    ) -> None:
+        self.model, self.gen, self.prompts, self.thinking = model, gen, prompts, thinking
+        self.deadline, self.expired = deadline, expired  # when, and the one error it ends with then
+        self.tools = gen.tools is not None
+        self.streams: list = []  # one RequestStream per completion
+        self.ids: list[str] = []  # their engine request ids
+        self.answers: list[AnswerStream] = []  # deltas(): each completion's split so far
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @contextlib.asynccontextmanager
+    async def limit(self) -> AsyncIterator[None]:
+        """The request's time limit (--request-timeout, from its arrival): past it, the one timeout error."""
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                yield
+        except TimeoutError:
+            raise self.expired from None
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) from every completion as they come; each final output is counted by the
+        model's monitor. Leaving early closes (and so aborts) them all."""
+        done = self.model.monitor.on_request_done
+        async for i, out in _merged(self.streams):
+            if out.finished or out.error:
+                done(out.metrics, None if out.error else out.finish_reason)
+            yield i, out
+
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput, Parts]]:
+        """(choice, output, what of it can be sent now): the thoughts apart, a tool call held back and given
+        whole at the end (answer.AnswerStream)."""
+        self.answers = answers = [AnswerStream(self.thinking, self.tools) for _ in self.streams]
+        async for i, out in self.outputs():
+            yield i, out, answers[i].push(out.text, out.finished) if not out.error else Parts("", "", [])
+
+    async def whole(self) -> list[Choice]:
+        """Every completion to its end (within the time limit); an engine error is a 500."""
+        n = len(self.streams)
+        text, tokens, lps, last = [[] for _ in range(n)], [[] for _ in range(n)], [None] * n, [None] * n
+        async with self.limit():
+            async for i, out in self.outputs():
+                text[i].append(out.text)
+                tokens[i] += out.token_ids
+                if out.logprobs is not None:
+                    lps[i] = (lps[i] or []) + out.logprobs
+                last[i] = out
+        failed = next((out for out in last if out.error), None)
+        if failed is not None:
+            raise ApiError(500, failed.error, None, "engine_error", "server_error")
+        return [
+            Choice("".join(t), ids, lp, out, split_answer("".join(t), self.thinking, self.tools))
+            for t, ids, lp, out in zip(text, tokens, lps, last)
+        ]
+
+    async def close(self) -> None:
+        for stream in self.streams:
+            await stream.aclose()
+
+
+@contextlib.asynccontextmanager
+async def generate(state: DaemonState, gen: Generation) -> AsyncIterator[Running]:
+    """Lease the model, render, admit and submit `gen`; the Running it yields is closed on the way out
+    (aborting what is unfinished, whatever the reason: done, an error, the client gone)."""
+    deadline = asyncio.get_running_loop().time() + state.request_timeout
+    async with state.lease(gen.model, gen.keep_alive) as model:
+        try:
+            async with asyncio.timeout_at(deadline):
+                running = await _start(state, model, gen, deadline)
+        except TimeoutError:
+            raise timed_out(state) from None
+        try:
+            yield running
+        finally:
+            await running.close()
+
+
+async def render(state: DaemonState, model: LoadedModel, gen: Generation) -> tuple[list[list[int]], Thinking | None]:
+    """The prompts' token ids (the conversation by the template, or the prompts encoded) and how the output's
+    reasoning is split, off the event loop."""
+    tok = model.tokenizer
+    if gen.tools is not None:
+        check_template(tok)
+    if gen.messages is None:
+        encode = tok.encode_prompt
+        prompts = gen.prompts or []
+        return await off_loop(lambda: [p if isinstance(p, list) else encode(p) for p in prompts]), None
+    ask = gen.reasoning
+    args = {"enable_thinking": False} if tok.reasoning_tags is not None and ask.off and tok.can_stop_thinking else {}
+    apart = ask.apart if ask.apart is not None else state.reasoning_format == "auto"
+    split = tok.reasoning_tags is not None and apart and not args
+
+    def run() -> tuple[list[int], Thinking | None]:
+        ids = tok.chat(gen.messages, tools=gen.tools, **args)
+        inside = tok.thinks_from_prompt(gen.messages, tools=gen.tools, **args) if split else False
+        return ids, (Thinking(tok.reasoning_tags, inside) if split else None)
+
+    try:
+        ids, thinking = await off_loop(run)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), gen.prompt_field, "no_chat_template") from None
+    return [ids], thinking
+
+
+async def _grammar(model: LoadedModel, gen: Generation):
+    """The answer's grammar, compiled once (each completion walks its own copy); tools' schemas checked."""
+    if gen.tools is not None:
+        await check_tool_schemas(model, gen.tools)
+    c = gen.constraint
+    if c is None:
+        return None
+    if c.call is not None:
+        return await tool_call_grammar(model, *c.call)
+    return await response_grammar(model, c.fmt, c.param)
+
+
+async def _start(state: DaemonState, model: LoadedModel, gen: Generation, deadline: float) -> Running:
+    engine = model.ready_engine()
+    prompts, thinking = await render(state, model, gen)
+    grammar = await _grammar(model, gen)
+    running = Running(model, gen, prompts, thinking, deadline, timed_out(state))
+    total = len(prompts) * gen.n
+    ids = [gen.request_id] if total == 1 else [f"{gen.request_id}-{k}" for k in range(total)]
+    limit = model.info.max_model_len
+    for k, rid in enumerate(ids):
+        p, i = divmod(k, gen.n)
+        try:
+            params = gen.sampling_params(limit, len(prompts[p]), model.info.generation_defaults)
+            params.grammar = gate(
+                model, grammar if k == 0 or grammar is None else grammar.copy(), thinking, gen.reasoning.budget
+            )
+            if i and params.seed is not None:  # the n completions of one prompt draw differently, reproducibly
+                params.seed = (params.seed + i) % 2**63
+            _submit(engine, gen, prompts[p], params, rid, ids[k - i] if i else None, p if gen.batch else None)
+        except BaseException:
+            await running.close()  # all or none
+            raise
+        running.ids.append(rid)
+        running.streams.append(engine.stream(rid, gen.stream_interval))
+    return running
+
+
+def _submit(engine, gen: Generation, ids: list[int], params, rid: str, share: str | None, prompt: int | None) -> None:
+    """Submit one completion; a refusal becomes the API's error, naming the field and, in a batch of prompts,
+    the prompt: `prompt.1`, `prompt.0.3` (its token 3)."""
+    try:
+        engine.submit(ids, params, rid, share)
+    except QueueFull as exc:
+        raise ApiError(exc.status, str(exc), exc.field, exc.code, "rate_limit_error", {"Retry-After": "1"}) from None
+    except RequestRejected as exc:
+        param, message = exc.field, str(exc)
+        if param is not None and param.split(".")[0] == "prompt":
+            if gen.prompt_field != "prompt":
+                param = gen.prompt_field  # what the API turns into the prompt
+            elif prompt is not None:
+                param = f"prompt.{prompt}{param[len('prompt') :]}"
+                message = f"{param}: {message}" if "." in param else message
+            elif "." in param:
+                message = f"{param}: {message}"
+        elif prompt is not None:
+            message = f"prompt.{prompt}: {message}"
+        elif param is not None:
+            param = gen.names.get(param, param)
+        raise ApiError(exc.status, message, param, exc.code) from None
+
+
+async def _merged(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from n streams as they come; leaving early closes (and so aborts) them all."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        done = 0
+        while done < len(streams):
+            i, out = await queue.get()
+            done += out.finished
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
