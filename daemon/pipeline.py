@@ -200,19 +200,24 @@ async def render(state: DaemonState, model: LoadedModel, gen: Generation) -> tup
     """The prompts' token ids (the conversation by the template, or the prompts encoded) and how the output's
     reasoning is split, off the event loop."""
     tok = model.tokenizer
+    limit = model.info.max_model_len
     if gen.tools is not None:
         check_template(tok)
     if gen.messages is None:
-        encode = tok.encode_prompt
-        prompts = gen.prompts or []
-        return await off_loop(lambda: [p if isinstance(p, list) else encode(p) for p in prompts]), None
+        texts = gen.prompts or []
+        for i, p in enumerate(texts):
+            if isinstance(p, str):
+                _check_fits(tok, p, limit, f"prompt.{i}" if gen.batch else gen.prompt_field)
+        return await off_loop(lambda: [p if isinstance(p, list) else tok.encode_prompt(p) for p in texts]), None
     ask = gen.reasoning
     args = {"enable_thinking": False} if tok.reasoning_tags is not None and ask.off and tok.can_stop_thinking else {}
     apart = ask.apart if ask.apart is not None else state.reasoning_format == "auto"
     split = tok.reasoning_tags is not None and apart and not args
 
     def run() -> tuple[list[int], Thinking | None]:
-        ids = tok.chat(gen.messages, tools=gen.tools, **args)
+        text = tok.render_chat(gen.messages, tools=gen.tools, **args)
+        _check_fits(tok, text, limit, gen.prompt_field)
+        ids = tok.encode(text)
         inside = tok.thinks_from_prompt(gen.messages, tools=gen.tools, **args) if split else False
         return ids, (Thinking(tok.reasoning_tags, inside) if split else None)
 
@@ -221,6 +226,21 @@ async def render(state: DaemonState, model: LoadedModel, gen: Generation) -> tup
     except ValueError as exc:
         raise ApiError(400, str(exc), gen.prompt_field, "no_chat_template") from None
     return [ids], thinking
+
+
+def _check_fits(tok, text: str, limit: int | None, field: str) -> None:
+    """Refuse a text that cannot fit the context whatever it encodes to, before encoding it: the tokenizer
+    holds the interpreter for as long as it encodes, which every other client (/health, other streams) waits
+    out. A text within the bound is encoded and admission checks its exact length."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if limit and size > limit * tok.max_token_bytes:
+        least = -(-size // tok.max_token_bytes)
+        raise ApiError(
+            400,
+            f"{field}: the prompt is {size} bytes, at least {least} tokens; the context limit is {limit}",
+            field,
+            "context_length_exceeded",
+        )
 
 
 async def _grammar(model: LoadedModel, gen: Generation):

@@ -64,6 +64,14 @@ class TextTokenizer:
             return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token can stand for, bounded from above by the longest token's own text
+        in UTF-8 (a byte-level token writes each byte as one or two characters, SentencePiece's a space as the
+        3-byte U+2581, a byte-fallback token as `<0xNN>`): a text of B bytes is at least B / this many
+        tokens, which refuses a prompt far past the context without encoding it."""
+        return max((len(t.encode("utf-8")) for t in self.vocab()), default=1) or 1
+
     def vocab(self) -> dict[str, int]:
         """Every token's text -> id, added tokens included (a draft model must have the same)."""
         if self._tok is not None:

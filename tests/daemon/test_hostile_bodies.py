@@ -197,3 +197,31 @@ def test_a_400_names_the_field_as_the_client_wrote_it(kind, body, param, says):
         parse_body(json.dumps(body).encode(), model)
     assert err.value.status == 400 and err.value.param == param, err.value.message
     assert err.value.message.startswith(f"{param}: ") and says in err.value.message
+
+
+def _long_chat(n: int = 900, size: int = 3800) -> list[dict]:
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": "word " * (size // 5)} for i in range(n)]
+
+
+LONG = {
+    "openai chat": ("/v1/chat/completions", lambda m: {"model": m, "messages": _long_chat()}, "messages"),
+    "openai completions": ("/v1/completions", lambda m: {"model": m, "prompt": "word " * 700_000}, "prompt"),
+    "ollama": ("/api/chat", lambda m: {"model": m, "messages": _long_chat(), "stream": False}, "messages"),
+    "anthropic": ("/v1/messages", lambda m: {"model": m, "messages": _long_chat(), "max_tokens": 8}, "messages"),
+    "responses": ("/v1/responses", lambda m: {"model": m, "input": _long_chat()}, "input"),
+}
+
+
+@pytest.mark.parametrize("face", sorted(LONG))
+def test_a_prompt_far_past_the_context_is_refused_before_it_is_encoded(daemon, face):
+    """3.4 MB of conversation: more bytes than the context's tokens could hold at the longest token's length,
+    so it is refused from its size (the message says "at least", where admission would count the tokens),
+    naming the field, and nothing is submitted."""
+    url, body, field = LONG[face]
+    model = daemon.get("/health")[1]["model"]
+    before = daemon.stats()["requests_finished"]
+    status, text = post(str(daemon.socket), url, json.dumps(body(model)).encode())
+    assert status == 400, text[:300]
+    assert f"{field}: the prompt is " in text and "bytes, at least" in text and "context limit" in text, text[:300]
+    stats = daemon.stats()
+    assert stats["requests_finished"] == before and stats["running"] == 0 and stats["kv_blocks_used"] == 0

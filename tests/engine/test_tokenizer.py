@@ -75,6 +75,18 @@ def test_builtin_runs_on_tokenizers_and_equals_autotokenizer(builtin):
 
 
 @pytest.mark.model
+def test_no_token_stands_for_more_bytes_than_max_token_bytes(builtin):
+    """The bound the daemon refuses a too-long prompt by before encoding it: every token's decoded text is at
+    most max_token_bytes bytes, so a text is at least its bytes / max_token_bytes tokens."""
+    ours, _ = builtin
+    bound = ours.max_token_bytes
+    longest = max(len(ours.decode([i], skip_special_tokens=False).encode()) for i in range(len(ours.vocab())))
+    assert 1 < longest <= bound
+    for text in [*TEXTS, "word " * 2000, "\u00e9\u4e2d" * 500]:
+        assert len(ours.encode(text)) >= len(text.encode()) / bound, text[:20]
+
+
+@pytest.mark.model
 def test_every_token_decodes_as_transformers_decodes_it(builtin):
     """Token by token (what logprobs and the detokenizer do), special tokens kept and skipped."""
     ours, ref = builtin
