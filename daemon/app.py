@@ -1,6 +1,6 @@
 """The HTTP API on the socket: the app, its error middleware, the daemon's own endpoints (health, models, the
 engine's stats, events, timeline, blocks and mode, metrics, the OpenAPI document) and the four API faces'
-routes (openai.py, ollama.py, anthropic.py, responses_api.py), each over the one pipeline (pipeline.py)."""
+routes (openai.py, ollama.py, anthropic.py, responses.py), each over the one pipeline (pipeline.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import time
 
 from aiohttp import web
 
-from . import anthropic, ollama, openai, openapi, responses_api
+from .api import anthropic, ollama, openai, openapi, responses
+from .api.schemas import ModeRequest
 from .guard import Guard, guard_middleware
 from .models.catalog import catalog
 from .protocol import ApiError, parse_body
-from .schemas import ModeRequest
 from .state import GUARD, STATE, DaemonState, read_raw
 
 log = logging.getLogger("minibatch.daemon")
@@ -270,5 +270,5 @@ def create_app(state: DaemonState, guard: Guard | None = None) -> web.Applicatio
     openai.add_routes(app)
     ollama.add_routes(app)
     anthropic.add_routes(app)
-    responses_api.add_routes(app)
+    responses.add_routes(app)
     return app

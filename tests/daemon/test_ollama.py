@@ -129,7 +129,7 @@ def test_openai_endpoints_take_the_name_ollama_lists(daemon, tiny_chat_model_dir
 def test_a_tool_call_whose_arguments_are_no_json_object_goes_to_the_content():
     """A model may write `"arguments": "not json"` (or a number): Ollama's clients read arguments as an object,
     so such a call is given back as text rather than answered with a 500."""
-    from minibatch.daemon.ollama import ollama_calls
+    from minibatch.daemon.api.ollama import ollama_calls
 
     calls = [
         {"function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},

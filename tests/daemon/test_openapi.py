@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from minibatch.daemon.api.openapi import document
 from minibatch.daemon.app import create_app
-from minibatch.daemon.openapi import document
 from minibatch.daemon.state import DaemonState
 
 
@@ -25,8 +25,8 @@ def test_every_registered_route_is_documented_and_nothing_else():
 
 
 def test_request_bodies_are_the_models_the_daemon_validates_with():
-    from minibatch.daemon import ollama
-    from minibatch.daemon.protocol import ChatRequest
+    from minibatch.daemon.api import ollama
+    from minibatch.daemon.api.openai_bodies import ChatRequest
 
     doc = document()
     schemas = doc["components"]["schemas"]
@@ -55,7 +55,7 @@ def test_the_document_is_the_same_in_every_process():
     import subprocess
     import sys
 
-    make = "import json; from minibatch.daemon.openapi import document; print(json.dumps(document('m', 99)))"
+    make = "import json; from minibatch.daemon.api.openapi import document; print(json.dumps(document('m', 99)))"
     docs = {
         subprocess.run(
             [sys.executable, "-c", before + make],

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from minibatch.daemon import anthropic, ollama, openai, responses_api
-from minibatch.daemon.protocol import ChatRequest
+from minibatch.daemon.api import anthropic, ollama, openai
+from minibatch.daemon.api import responses as responses_api
+from minibatch.daemon.api.openai_bodies import ChatRequest
 
 DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05}
 
@@ -85,7 +86,8 @@ def test_a_bad_value_is_named_as_each_face_names_it():
 
 
 def test_lone_surrogates_are_refused_naming_the_field_and_pairs_are_text():
-    from minibatch.daemon.protocol import ApiError, CompletionRequest, parse_body
+    from minibatch.daemon.api.openai_bodies import CompletionRequest
+    from minibatch.daemon.protocol import ApiError, parse_body
 
     with pytest.raises(ApiError) as err:
         parse_body(b'{"prompt": "x\\ud800y"}', CompletionRequest)

@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from minibatch.daemon.answer import AnswerStream, split_answer
-from minibatch.daemon.reasoning import ReasoningSplitter, Thinking, split_reasoning
+from minibatch.daemon.generation.answer import AnswerStream, split_answer
+from minibatch.daemon.generation.reasoning import ReasoningSplitter, Thinking, split_reasoning
 from minibatch.engine.text.tokenizer import TextTokenizer
 from tests.conftest import TINY_COMMON, TOKENIZER_FILES
 

@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 import transformers
 
-from minibatch.daemon.tools import CallSplitter, parse_calls
+from minibatch.daemon.generation.tools import CallSplitter, parse_calls
 from minibatch.engine.text.tokenizer import TextTokenizer
 
 from .helpers import Daemon, save_tools_model
@@ -132,7 +132,7 @@ def sdk(daemon) -> openai.OpenAI:
 def test_tools_and_tool_history_render_as_transformers_renders_them(tools_model_dir):
     ours, ref = TextTokenizer(tools_model_dir), transformers.AutoTokenizer.from_pretrained(tools_model_dir)
     assert ours.supports_tools and ours.tool_call_format == "hermes"
-    from minibatch.daemon.messages import Message
+    from minibatch.daemon.api.messages import Message
 
     messages = [Message.model_validate(m).for_template() for m in HISTORY]
     want = ref.apply_chat_template(messages, tools=[WEATHER, TIME], add_generation_prompt=True, tokenize=False)

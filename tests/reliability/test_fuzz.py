@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from minibatch.daemon.openapi import document
+from minibatch.daemon.api.openapi import document
 from tests.daemon.helpers import Daemon
 
 from .conftest import assert_clean

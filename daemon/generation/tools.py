@@ -12,20 +12,9 @@ from __future__ import annotations
 import json
 import uuid
 
-from .protocol import ApiError
+from ..protocol import ApiError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
-
-def tool_specs(body) -> list[dict] | None:
-    """The request's tools as the template and the grammar take them, or None when none apply."""
-    if not body.tools or body.tool_choice == "none":
-        if body.tool_choice not in (None, "none", "auto"):
-            raise ApiError(
-                400, "tool_choice: a call is required but the request offers no tools", "tool_choice", "invalid_value"
-            )
-        return None
-    return [t.model_dump(exclude_none=True) for t in body.tools]
 
 
 def check_template(tokenizer) -> None:

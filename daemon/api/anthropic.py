@@ -23,11 +23,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from minibatch.engine.core.sampling_params import MAX_TOP_K
 
-from . import pipeline
+from ..generation import pipeline
+from ..generation.pipeline import Constraint, Generation, Reasoning, Running
+from ..protocol import ApiError, Float, Int
+from ..state import STATE, off_loop, read_body
 from .messages import FUNCTION_NAME, MAX_TOOLS
-from .pipeline import Constraint, Generation, Reasoning, Running
-from .protocol import ApiError, Float, Int
-from .state import STATE, off_loop, read_body
 
 PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)

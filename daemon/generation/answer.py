@@ -1,6 +1,6 @@
 """One output's text in the parts every API answers with: the thoughts (a thinking model's, apart when its
 reasoning is split), the answer's text, and the tool calls read from the answer. The four API faces
-(app.py's OpenAI, ollama.py, anthropic.py, responses_api.py) shape these parts; none splits text itself.
+(the api/ modules: openai.py, ollama.py, anthropic.py, responses.py) shape these parts; none splits text itself.
 
 `split_answer` takes a whole output; `AnswerStream` the same output delta by delta: thoughts as they come,
 the answer's text as soon as it cannot be the start of a tool call, the calls whole at the end.

@@ -24,14 +24,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from minibatch.engine.core.sampling_params import MAX_TOP_K
 
-from . import pipeline
+from ..generation import pipeline
+from ..generation.pipeline import Constraint, Generation, Reasoning, Running
+from ..models.catalog import catalog
+from ..models.pool import iso, parse_keep_alive
+from ..protocol import ApiError, Float, Int, parse_body
+from ..state import STATE, off_loop, read_raw
 from .messages import MAX_TOOLS, Tool
-from .models.catalog import catalog
-from .models.pool import iso, parse_keep_alive
-from .pipeline import Constraint, Generation, Reasoning, Running
-from .protocol import ApiError, Float, Int, parse_body
 from .schemas import OllamaShowRequest
-from .state import STATE, off_loop, read_raw
 
 VERSION = "0.6.0"  # the Ollama API version whose shapes these follow
 

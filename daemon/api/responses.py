@@ -23,11 +23,11 @@ from typing import Annotated, Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag
 
-from . import pipeline
+from ..generation import pipeline
+from ..generation.pipeline import Constraint, Generation, Running
+from ..protocol import ApiError, Float, Int
+from ..state import STATE, off_loop, read_body
 from .messages import FUNCTION_NAME, MAX_TOOLS
-from .pipeline import Constraint, Generation, Running
-from .protocol import ApiError, Float, Int
-from .state import STATE, off_loop, read_body
 
 STORE_MAX = 512  # responses kept for previous_response_id and GET, the oldest evicted first
 STORE_TTL_S = 3600.0

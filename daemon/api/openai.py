@@ -15,11 +15,10 @@ from aiohttp import web
 
 from minibatch.engine.core.request import RequestMetrics
 
-from .grammars import forced_call
-from .pipeline import Constraint, Generation, Reasoning, Running, generate
-from .protocol import ApiError, ChatRequest, CompletionRequest
-from .state import STATE, read_body
-from .tools import tool_specs
+from ..generation.pipeline import Constraint, Generation, Reasoning, Running, generate
+from ..protocol import ApiError
+from ..state import STATE, read_body
+from .openai_bodies import ChatRequest, CompletionRequest
 
 # a SamplingParams field -> what the OpenAI bodies call it, where the names differ
 NAMES = {"logprobs": "top_logprobs"}
@@ -68,11 +67,59 @@ def completion_generation(body: CompletionRequest) -> Generation:
     )
 
 
-def _constraint(body, forced) -> Constraint | None:
+def _constraint(body: ChatRequest | CompletionRequest, forced) -> Constraint | None:
     if forced is not None:
         return Constraint("tools", call=forced)
     fmt = body.response_format
-    return Constraint("response_format", fmt=fmt) if fmt is not None and fmt.type != "text" else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return Constraint("response_format", fmt="json")
+    if fmt.json_schema is None:
+        raise ApiError(
+            400,
+            "response_format.json_schema: required when type is json_schema",
+            "response_format.json_schema",
+            "missing",
+        )
+    if fmt.json_schema.schema_ is None:
+        where = "response_format.json_schema.schema"
+        raise ApiError(400, f"{where}: required when type is json_schema", where, "missing")
+    return Constraint("response_format.json_schema.schema", fmt=fmt.json_schema.schema_)
+
+
+def tool_specs(body: ChatRequest) -> list[dict] | None:
+    """The request's tools as the template and the grammar take them, or None when none apply."""
+    if not body.tools or body.tool_choice == "none":
+        if body.tool_choice not in (None, "none", "auto"):
+            raise ApiError(
+                400, "tool_choice: a call is required but the request offers no tools", "tool_choice", "invalid_value"
+            )
+        return None
+    return [t.model_dump(exclude_none=True) for t in body.tools]
+
+
+def forced_call(body: ChatRequest, specs: list[dict]) -> tuple[list[dict], str | None] | None:
+    """(the functions, the one named or None for any) when tool_choice requires a call, else None."""
+    choice = body.tool_choice
+    if choice in (None, "auto", "none"):
+        return None
+    functions = [s["function"] for s in specs]
+    name = None
+    if choice != "required":
+        name = choice.function.name
+        if name not in {f["name"] for f in functions}:
+            raise ApiError(
+                400,
+                f"tool_choice.function.name: no tool named {name!r} in tools",
+                "tool_choice.function.name",
+                "invalid_value",
+            )
+    if body.response_format is not None and body.response_format.type != "text":
+        raise ApiError(
+            400, "response_format: cannot be combined with a required tool call", "response_format", "invalid_value"
+        )
+    return functions, name
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

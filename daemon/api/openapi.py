@@ -16,8 +16,9 @@ from pydantic.json_schema import models_json_schema
 
 from minibatch.engine.core.info import EngineInfo
 
-from . import anthropic, ollama, responses_api, schemas
-from .protocol import MAX_BODY_BYTES, ChatRequest, CompletionRequest
+from ..protocol import MAX_BODY_BYTES
+from . import anthropic, ollama, responses, schemas
+from .openai_bodies import ChatRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
 JSON, SSE, NDJSON, TEXT = "application/json", "text/event-stream", "application/x-ndjson", "text/plain"
@@ -181,7 +182,7 @@ def _operations() -> list[tuple]:
             "post",
             "/v1/responses",
             "OpenAI Responses: a response (streamed as response.* events with stream: true)",
-            responses_api.ResponsesRequest,
+            responses.ResponsesRequest,
             {200: {JSON: s.ResponseOut, SSE: _events("one response.* event")}},
             {**gen, 404: "a model name this machine lacks, or a previous_response_id not stored (or expired)"},
             [],
@@ -193,7 +194,7 @@ def _operations() -> list[tuple]:
             None,
             {200: {JSON: s.ResponseOut}},
             {**GUARDED, 404: "no such stored response (or expired)"},
-            [_path("response_id", responses_api.ID_PATTERN)],
+            [_path("response_id", responses.ID_PATTERN)],
         ),
         (
             "delete",
@@ -202,7 +203,7 @@ def _operations() -> list[tuple]:
             None,
             {200: {JSON: s.ResponseDeleted}},
             {**GUARDED, 404: "no such stored response (or expired)"},
-            [_path("response_id", responses_api.ID_PATTERN)],
+            [_path("response_id", responses.ID_PATTERN)],
         ),
         (
             "post",

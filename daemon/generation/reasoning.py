@@ -10,7 +10,7 @@ from typing import NamedTuple
 from minibatch.engine.core.sampling_params import GrammarState
 from minibatch.engine.text.thinking import ThinkingGate
 
-from .protocol import ApiError
+from ..protocol import ApiError
 
 REASONING_FORMATS = ("auto", "none")
 

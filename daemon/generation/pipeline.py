@@ -27,12 +27,12 @@ from minibatch.engine.core.sampling_params import (
     SamplingParams,
 )
 
+from ..models.pool import LoadedModel
+from ..protocol import ApiError
+from ..state import DaemonState, off_loop, timed_out
 from .answer import AnswerStream, Parts, split_answer
 from .grammars import check_tool_schemas, response_grammar, tool_call_grammar
-from .models.pool import LoadedModel
-from .protocol import ApiError
 from .reasoning import Thinking, gate
-from .state import DaemonState, off_loop, timed_out
 from .tools import check_template
 
 
