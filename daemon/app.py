@@ -16,6 +16,7 @@ from .api import anthropic, ollama, openai, openapi, responses
 from .api.schemas import ModeRequest
 from .guard import Guard, guard_middleware
 from .models.catalog import catalog
+from .monitor import COMPACT, STATS_SUMMED
 from .protocol import ApiError, parse_body
 from .state import GUARD, STATE, DaemonState, read_raw
 
@@ -113,33 +114,9 @@ async def engine_stats(request: web.Request) -> web.Response:
     if name is None:
         loaded = list(state.pool.models.values())
         each = {x.name: x.monitor.snapshot(x.engine, 0) for x in loaded}
-        body["models"] = {k: {f: v[f] for f in MODEL_STATS} for k, v in each.items()}
-        body["totals"] = {f: sum(v[f] for v in each.values()) for f in TOTAL_STATS}
+        body["models"] = {k: {f: v[f] for f in COMPACT} for k, v in each.items()}
+        body["totals"] = {f: sum(v[f] for v in each.values()) for f in STATS_SUMMED}
     return web.json_response(body)
-
-
-# What /v1/engine/stats and the event stream give of every loaded model beside the one shown; the sums.
-MODEL_STATS = (
-    "mode",
-    "running",
-    "max_num_seqs",
-    "waiting",
-    "kv_blocks_used",
-    "kv_blocks_total",
-    "kv_usage_percent",
-    "decode_tokens_per_s",
-    "prefill_tokens_per_s",
-    "steps_per_s",
-)
-TOTAL_STATS = (
-    "running",
-    "waiting",
-    "kv_blocks_used",
-    "kv_blocks_total",
-    "decode_tokens_per_s",
-    "prefill_tokens_per_s",
-    "requests_finished",
-)
 
 
 async def engine_events(request: web.Request) -> web.StreamResponse:
@@ -159,20 +136,11 @@ async def engine_events(request: web.Request) -> web.StreamResponse:
 
 
 def models_summary(pool) -> dict:
-    """Every loaded or loading model's occupancy, for the chat's compact bars."""
+    """Every loaded or loading model's compact line (monitor.COMPACT), for the chat's bars."""
     out = {}
     for x in pool.models.values():
-        st = x.engine.state
-        r = x.monitor.rates()
-        out[x.name] = {
-            "state": "ready" if x.engine.alive else "failed",
-            "mode": st.mode,
-            "running": st.running,
-            "max_num_seqs": st.max_num_seqs,
-            "waiting": st.waiting,
-            "kv_usage_percent": round(100 * st.kv_usage, 2),
-            "decode_tokens_per_s": r["decode_tokens_per_s"],
-        }
+        snap = x.monitor.snapshot(x.engine, 0)
+        out[x.name] = {"state": "ready" if x.engine.alive else "failed", **{f: snap[f] for f in COMPACT}}
     for name in pool.loading:
         out.setdefault(name, {"state": "loading"})
     return out

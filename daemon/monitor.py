@@ -11,12 +11,32 @@ from dataclasses import asdict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from minibatch.engine.core.outputs import EngineState, StepStats
+from minibatch.engine.core.outputs import EngineState, StepStats, counts
 from minibatch.engine.core.request import RequestMetrics
 
 EVENT_INTERVAL = 0.05  # at most ~20 events a second per subscriber
 RATE_WINDOW = 2.0  # seconds of steps behind the tokens/s figures
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+# What the API shows beside the engine's own dataclasses (EngineState in the stats, StepStats in the events),
+# and how several engines' figures combine (the daemon's totals over its models, the cluster's over replicas):
+RATES = ("prefill_tokens_per_s", "decode_tokens_per_s", "steps_per_s")  # over RATE_WINDOW; they add up
+MEANS = ("acceptance_rate", "tokens_per_verify_row")  # speculation's, over the same window: averaged
+FINISHED = ("requests_finished", "prompt_tokens", "cached_prompt_tokens")  # the monitor's own counts; they add up
+STATS_SUMMED = counts(EngineState) + FINISHED + RATES  # /v1/engine/stats
+EVENT_SUMMED = counts(StepStats) + RATES  # /v1/engine/events
+# One engine's line where several are shown (each model in the daemon's stats, each replica in the cluster's).
+COMPACT = (
+    "mode",
+    "pending_mode",
+    "running",
+    "max_num_seqs",
+    "waiting",
+    "kv_blocks_used",
+    "kv_blocks_total",
+    "kv_usage_percent",
+    *RATES,
+)
 
 
 class Metrics:
@@ -181,31 +201,17 @@ class EngineMonitor:
         }
 
     def snapshot(self, engine, recent: int = 20) -> dict:
-        """The /v1/engine/stats body: the engine now (its own EngineState), rates, and the last `recent` steps."""
+        """The /v1/engine/stats body: the engine now (its own EngineState), what finished, rates, and the last
+        `recent` steps."""
         st: EngineState = engine.state
+        now = {k: v for k, v in asdict(st).items() if k not in ("step", "timestamp")}
         return {
-            "mode": st.mode,
-            "pending_mode": st.pending_mode,
-            "running": st.running,
-            "max_num_seqs": st.max_num_seqs,
-            "waiting": st.waiting,
-            "kv_blocks_used": st.kv_blocks_used,
-            "kv_blocks_total": st.kv_blocks_total,
+            **now,
             "kv_usage_percent": round(100 * st.kv_usage, 2),
-            "block_size": st.block_size,
             "prefix_cache_hit_rate": self.cached_prompt_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            "requests_finished": self.requests_finished,
             "prompt_tokens": self.prompt_tokens,  # of finished requests, the rate's denominator
             "cached_prompt_tokens": self.cached_prompt_tokens,
-            "prefix_cache_hit_blocks": st.prefix_cache_hit_blocks,
-            "kv_window": st.kv_window,
-            "kv_blocks_released_out_of_window": st.kv_blocks_released_out_of_window,
-            "preemptions": st.preemptions,
-            "wasted_row_steps": st.wasted_row_steps,
-            "speculative": st.speculative,
-            "draft_tokens": st.draft_tokens,  # over the engine's life
-            "accepted_tokens": st.accepted_tokens,
-            "verify_rows": st.verify_rows,
-            "requests_finished": self.requests_finished,
             **self.rates(),
             "last_error": engine.last_error,
             # the newest `recent` steps, none for 0 (a slice from -0 would be all of them)
@@ -213,43 +219,35 @@ class EngineMonitor:
         }
 
     def event(self) -> dict:
-        s = self.steps[-1]
+        return self._event(self.steps[-1])
+
+    def _event(self, s: StepStats) -> dict:
         return {**asdict(s), "kv_usage_percent": round(100 * s.kv_usage, 2), **self.rates(s.timestamp)}
 
-    @staticmethod
-    def idle_event(engine) -> dict:
-        """The engine's state as an event, for a subscriber that connects before any step ran."""
+    def idle_event(self, engine) -> dict:
+        """The engine's state as an event, for a subscriber that connects before any step ran: a step of
+        nothing, at the engine's state."""
         st: EngineState = engine.state
-        return {
-            "step": st.step,
-            "timestamp": time.time(),
-            "mode": st.mode,
-            "pending_mode": st.pending_mode,
-            "running": st.running,
-            "max_num_seqs": st.max_num_seqs,
-            "waiting": st.waiting,
-            "prefill_tokens": 0,
-            "decode_tokens": 0,
-            "padding_rows": 0,
-            "kv_blocks_used": st.kv_blocks_used,
-            "kv_blocks_total": st.kv_blocks_total,
-            "prefix_hit_blocks": 0,
-            "preemptions": 0,
-            "wasted_row_steps": st.wasted_row_steps,
-            "total_preemptions": st.preemptions,
-            "step_time": 0.0,
-            "cpu_wait": None,
-            "cpu_wait_share": None,
-            "draft_tokens": 0,
-            "accepted_tokens": 0,
-            "verify_rows": 0,
-            "acceptance_rate": None,
-            "tokens_per_verify_row": None,
-            "kv_usage_percent": round(100 * st.kv_usage, 2),
-            "prefill_tokens_per_s": 0.0,
-            "decode_tokens_per_s": 0.0,
-            "steps_per_s": 0.0,
-        }
+        idle = StepStats(
+            step=st.step,
+            timestamp=time.time(),
+            mode=st.mode,
+            pending_mode=st.pending_mode,
+            running=st.running,
+            max_num_seqs=st.max_num_seqs,
+            waiting=st.waiting,
+            prefill_tokens=0,
+            decode_tokens=0,
+            padding_rows=0,
+            kv_blocks_used=st.kv_blocks_used,
+            kv_blocks_total=st.kv_blocks_total,
+            prefix_hit_blocks=0,
+            preemptions=0,
+            wasted_row_steps=st.wasted_row_steps,
+            total_preemptions=st.preemptions,
+            step_time=0.0,
+        )
+        return self._event(idle)
 
     async def events(self, engine, others=None) -> AsyncIterator[dict]:
         """The current state at once, then the latest step whenever it changes, at most every

@@ -173,12 +173,17 @@ class ModelStats(_Out):
     """Each loaded model's occupancy in /v1/engine/stats' `models` and the events' `models`."""
 
     mode: Literal["continuous", "static"] | None = None
+    pending_mode: Literal["continuous", "static"] | None = None
     running: int | None = None
     max_num_seqs: int | None = None
     waiting: int | None = None
+    kv_blocks_used: int | None = None
+    kv_blocks_total: int | None = None
     kv_usage_percent: float | None = None
+    prefill_tokens_per_s: float | None = None
     decode_tokens_per_s: float | None = None
-    state: Literal["ready", "failed", "loading"] | None = None
+    steps_per_s: float | None = None
+    state: Literal["ready", "failed", "loading"] | None = None  # the events' `models` only
 
 
 class Stats(_Out):
@@ -194,7 +199,11 @@ class Stats(_Out):
     prefix_cache_hit_rate: float
     prompt_tokens: int
     cached_prompt_tokens: int
+    prefix_cache_hit_blocks: int
+    kv_window: int
+    kv_blocks_released_out_of_window: int
     preemptions: int
+    wasted_row_steps: int
     requests_finished: int
     prefill_tokens_per_s: float
     decode_tokens_per_s: float

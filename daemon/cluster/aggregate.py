@@ -9,48 +9,11 @@ from __future__ import annotations
 import re
 from collections import Counter
 
-SUMMED = (
-    "running",
-    "max_num_seqs",
-    "waiting",
-    "kv_blocks_used",
-    "kv_blocks_total",
-    "prefix_cache_hit_blocks",
-    "kv_blocks_released_out_of_window",
-    "preemptions",
-    "wasted_row_steps",
-    "requests_finished",
-    "prompt_tokens",
-    "cached_prompt_tokens",
-    "prefill_tokens_per_s",
-    "decode_tokens_per_s",
-    "steps_per_s",
-    "draft_tokens",
-    "accepted_tokens",
-    "verify_rows",
-)
-EVENT_SUMMED = (
-    "running",
-    "max_num_seqs",
-    "waiting",
-    "kv_blocks_used",
-    "kv_blocks_total",
-    "prefill_tokens",
-    "decode_tokens",
-    "padding_rows",
-    "prefix_hit_blocks",
-    "preemptions",
-    "wasted_row_steps",
-    "total_preemptions",
-    "prefill_tokens_per_s",
-    "decode_tokens_per_s",
-    "steps_per_s",
-    "draft_tokens",
-    "accepted_tokens",
-    "verify_rows",
-)
-# What each replica shows of itself in an event: enough for a compact bar per replica.
-COMPACT = ("mode", "pending_mode", "running", "max_num_seqs", "waiting", "kv_blocks_used", "kv_blocks_total")
+from minibatch.daemon.monitor import COMPACT, EVENT_SUMMED, MEANS, STATS_SUMMED
+
+# what adds up over replicas, and each replica's compact line: the monitor's definitions, derived from the
+# engine's stats dataclasses
+SUMMED = STATS_SUMMED
 
 
 def common_mode(modes: list[str | None]) -> str | None:
@@ -89,8 +52,7 @@ def stats(per_replica: dict[str, dict]) -> dict:
     out["last_error"] = next((s["last_error"] for s in reps if s.get("last_error")), None)
     out["cpu_wait_share"] = worst_wait(reps)
     out["speculative"] = common_mode([s.get("speculative") for s in reps]) or "off"
-    out["acceptance_rate"] = mean_of(reps, "acceptance_rate")
-    out["tokens_per_verify_row"] = mean_of(reps, "tokens_per_verify_row")
+    out |= {k: mean_of(reps, k) for k in MEANS}
     out["recent_steps"] = []
     out["replicas"] = [{"replica": r, **per_replica[r]} for r in sorted(per_replica)]
     return out
@@ -107,8 +69,7 @@ def event(latest: dict[str, dict], timestamp: float) -> dict:
     out["pending_mode"] = common_mode([e.get("pending_mode") for e in reps])
     out["step_time"] = max((e.get("step_time") or 0.0 for e in reps), default=0.0)
     out["cpu_wait_share"] = worst_wait(reps)
-    out["acceptance_rate"] = mean_of(reps, "acceptance_rate")
-    out["tokens_per_verify_row"] = mean_of(reps, "tokens_per_verify_row")
+    out |= {k: mean_of(reps, k) for k in MEANS}
     out["kv_usage_percent"] = _percent(out["kv_blocks_used"], out["kv_blocks_total"])
     out["replicas"] = [{"replica": r, **{k: latest[r].get(k) for k in COMPACT}} for r in sorted(latest)]
     return out

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from minibatch.engine.core.request import RequestMetrics
+
+# A field that counts (requests, tokens, blocks): several engines' figures add up, so the cluster's view and the
+# daemon's totals over its models sum exactly the fields marked so (`counts`); the others are states (a mode),
+# times or ratios, which each aggregate says how to combine.
+COUNT = {"across": "sum"}
+
+
+def counts(cls) -> tuple[str, ...]:
+    """The fields of a stats dataclass (StepStats, EngineState) marked COUNT, in their order."""
+    return tuple(f.name for f in fields(cls) if f.metadata.get("across") == "sum")
+
 
 # A token's log-probability and the k most likely alternatives there, as (token, log-probability).
 TokenLogprob = tuple[float, list[tuple[int, float]]]
@@ -62,25 +73,25 @@ class StepStats:
     timestamp: float  # wall clock (time.time()) at the end of the step
     mode: str  # "continuous" | "static"
     pending_mode: str | None  # a requested switch waiting for the batch boundary
-    running: int  # requests in the batch (static: including finished members still padding)
-    max_num_seqs: int
-    waiting: int
-    prefill_tokens: int
-    decode_tokens: int
-    padding_rows: int  # static: finished members' rows computed anyway this step
-    kv_blocks_used: int
-    kv_blocks_total: int
-    prefix_hit_blocks: int  # blocks taken from the prefix cache this step
-    preemptions: int  # this step
-    wasted_row_steps: int  # static: padding rows so far, over the engine's life
-    total_preemptions: int
+    running: int = field(metadata=COUNT)  # requests in the batch (static: including finished members still padding)
+    max_num_seqs: int = field(metadata=COUNT)
+    waiting: int = field(metadata=COUNT)
+    prefill_tokens: int = field(metadata=COUNT)
+    decode_tokens: int = field(metadata=COUNT)
+    padding_rows: int = field(metadata=COUNT)  # static: finished members' rows computed anyway this step
+    kv_blocks_used: int = field(metadata=COUNT)
+    kv_blocks_total: int = field(metadata=COUNT)
+    prefix_hit_blocks: int = field(metadata=COUNT)  # blocks taken from the prefix cache this step
+    preemptions: int = field(metadata=COUNT)  # this step
+    wasted_row_steps: int = field(metadata=COUNT)  # static: padding rows so far, over the engine's life
+    total_preemptions: int = field(metadata=COUNT)
     step_time: float  # seconds, schedule + forward + sampling + bookkeeping
     # seconds the engine's threads, together, were ready to run but waited for a core since the previous
     # step ended (cpu_wait.py): the machine busy elsewhere; None where the system does not count it
     cpu_wait: float | None = None
-    draft_tokens: int = 0  # speculative tokens verified this step
-    accepted_tokens: int = 0  # of them accepted
-    verify_rows: int = 0  # rows that verified a draft
+    draft_tokens: int = field(default=0, metadata=COUNT)  # speculative tokens verified this step
+    accepted_tokens: int = field(default=0, metadata=COUNT)  # of them accepted
+    verify_rows: int = field(default=0, metadata=COUNT)  # rows that verified a draft
 
     @property
     def kv_usage(self) -> float:
@@ -96,21 +107,21 @@ class EngineState:
     timestamp: float  # wall clock when it was taken
     mode: str
     pending_mode: str | None
-    running: int
-    max_num_seqs: int
-    waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
+    running: int = field(metadata=COUNT)
+    max_num_seqs: int = field(metadata=COUNT)
+    waiting: int = field(metadata=COUNT)
+    kv_blocks_used: int = field(metadata=COUNT)
+    kv_blocks_total: int = field(metadata=COUNT)
     block_size: int
     kv_window: int  # > 0: blocks out of every layer's sliding window are handed back early
-    kv_blocks_released_out_of_window: int  # over the engine's life
-    prefix_cache_hit_blocks: int  # over the engine's life
-    preemptions: int  # over the engine's life
-    wasted_row_steps: int  # static mode's padding rows, over the engine's life
+    kv_blocks_released_out_of_window: int = field(metadata=COUNT)  # over the engine's life
+    prefix_cache_hit_blocks: int = field(metadata=COUNT)  # over the engine's life
+    preemptions: int = field(metadata=COUNT)  # over the engine's life
+    wasted_row_steps: int = field(metadata=COUNT)  # static mode's padding rows, over the engine's life
     speculative: str = "off"  # the proposer (spec_decode/config.py SPEC_METHODS)
-    draft_tokens: int = 0  # speculative tokens verified, over the engine's life
-    accepted_tokens: int = 0  # of them accepted
-    verify_rows: int = 0  # row-steps that verified a draft, over the engine's life
+    draft_tokens: int = field(default=0, metadata=COUNT)  # speculative tokens verified, over the engine's life
+    accepted_tokens: int = field(default=0, metadata=COUNT)  # of them accepted
+    verify_rows: int = field(default=0, metadata=COUNT)  # row-steps that verified a draft, over the engine's life
 
     @property
     def kv_usage(self) -> float:

@@ -121,6 +121,10 @@ def test_stats_sum_the_replicas_and_weight_the_hit_rate_by_prompt_tokens():
         "waiting": 1,
         "kv_blocks_used": 30,
         "kv_blocks_total": 100,
+        "kv_usage_percent": None,  # the replica's own, which this one did not send
+        "prefill_tokens_per_s": None,
+        "decode_tokens_per_s": 7.0,
+        "steps_per_s": None,
     }
 
 

@@ -68,3 +68,20 @@ def test_the_document_is_the_same_in_every_process():
         for before, seed in (("", "1"), ("", "2"), ("import typing; typing.Literal['', 'json']; ", "3"))
     }
     assert len(docs) == 1
+
+
+def test_the_documented_stats_are_the_monitors():
+    """The stats body and each model's compact line are documented with exactly the fields the monitor derives
+    from the engine's dataclasses (a field added to EngineState shows up here or this fails)."""
+    from dataclasses import fields
+
+    from minibatch.daemon.api import schemas
+    from minibatch.daemon.monitor import COMPACT, FINISHED, MEANS, RATES, STATS_SUMMED
+    from minibatch.engine.core.outputs import EngineState
+
+    assert set(schemas.ModelStats.model_fields) == set(COMPACT) | {"state"}
+    state = {f.name for f in fields(EngineState)} - {"step", "timestamp"}
+    derived = state | set(FINISHED) | set(RATES) | set(MEANS) | set(STATS_SUMMED)
+    own = {"kv_usage_percent", "prefix_cache_hit_rate", "cpu_wait_share", "last_error", "recent_steps"}
+    listing = {"model", "models", "totals"}
+    assert set(schemas.Stats.model_fields) == derived | own | listing
