@@ -71,7 +71,7 @@ async def health(request: web.Request) -> web.Response:
         "pid": os.getpid(),
     }
     if m is not None:  # the model's facts, and the mode as it is now (it changes at run time)
-        body |= m.info.as_dict() | {"mode": m.engine.mode}
+        body |= m.info.as_dict(public=True) | {"mode": m.engine.mode}
     if pool is not None:
         body["models"] = [x.facts() for x in pool.models.values()]
         body["loading"] = sorted(pool.loading)

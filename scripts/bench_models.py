@@ -17,6 +17,9 @@ one thread; per-model: a thread each, stepping at once), with a fresh model cach
     python scripts/bench_models.py
     python scripts/bench_models.py --models smollm2-135m-instruct,/models/qwen05b.gguf --loops shared,per-model
     python scripts/bench_models.py --socket /tmp/d.sock --models smollm2-135m-instruct,qwen2.5:0.5b
+
+With --socket, --models are names that daemon serves (GET /v1/models); a daemon this script starts serves a
+model given by path from a models folder of its own, under the file's name.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -57,18 +61,28 @@ def prompts(n: int) -> list[str]:
 class Target:
     """The daemon: given (--socket), or one this script starts with `loop` and a fresh model cache."""
 
-    def __init__(self, args, loop: str | None) -> None:
+    def __init__(self, args, loop: str | None, models: list[str]) -> None:
+        """`models`: what requests name; for a daemon this script starts, a model given by path is served
+        from a models folder of its own under its file's (or folder's) name, since a request names models,
+        never files."""
         self.folder = None
+        self.names = list(models)
         if args.socket:
             self.socket = args.socket
             return
         self.folder = Path(tempfile.mkdtemp(prefix="mb-models-", dir="/tmp"))
         self.socket = str(self.folder / "d.sock")
-        cache = self.folder / "cache"
+        cache, folder = self.folder / "cache", self.folder / "models"
+        folder.mkdir()
+        for i, spec in enumerate(models):
+            path = Path(spec).expanduser()
+            if path.exists():
+                (folder / path.name).symlink_to(path.resolve())
+                self.names[i] = path.stem if path.suffix == ".gguf" else path.name
         cmd = [sys.executable, "-m", "minibatch.daemon.cli", "start", "--socket", self.socket]
-        cmd += ["--model", args.models.split(",")[0], "--engine-loop", loop, "--log-file", str(self.folder / "d.log")]
+        cmd += ["--model", self.names[0], "--engine-loop", loop, "--log-file", str(self.folder / "d.log")]
         cmd += ["--kv-cache-gb", str(args.kv_cache_gb), *args.daemon_arg]
-        env = {**__import__("os").environ, "MINIBATCH_CACHE_DIR": str(cache)}
+        env = {**os.environ, "MINIBATCH_CACHE_DIR": str(cache), "MINIBATCH_MODELS_DIR": str(folder)}
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
 
     def get(self, path: str) -> dict:
@@ -245,14 +259,14 @@ def main() -> int:
         ap.error("--models takes two models")
     report: dict = {"models": models, "loops": {}}
     for loop in [None] if args.socket else args.loops.split(","):
-        t = Target(args, loop)
+        t = Target(args, loop, models)
         try:
             name = loop or "the daemon's"
             entry: dict = {}
             if not args.skip_loads:
-                entry["loads"] = measure_loads(t, models)
+                entry["loads"] = measure_loads(t, t.names)
             if not args.skip_busy:
-                entry["busy"] = asyncio.run(busy(t, args, models))
+                entry["busy"] = asyncio.run(busy(t, args, t.names))
                 print(table(entry["busy"], name), flush=True)
             report["loops"][name] = entry
         finally:

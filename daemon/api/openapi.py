@@ -296,6 +296,8 @@ def document(model: str | None = None, vocab_size: int | None = None, version: s
     }
     refs, components = _schemas(sorted(models, key=lambda m: (m[0].__name__, m[1])))
     engine_info = _json_schema_bounds(TypeAdapter(EngineInfo).json_schema(ref_template=REF, mode="serialization"))
+    engine_info["properties"].pop("model_dir")  # the API shows no server path (EngineInfo.as_dict(public=True))
+    engine_info["required"].remove("model_dir")
     components.update(engine_info.pop("$defs", {}))
     components["EngineInfo"] = engine_info
     # Once the model is loaded /health carries the engine's facts beside its own fields.
@@ -303,7 +305,7 @@ def document(model: str | None = None, vocab_size: int | None = None, version: s
     components[health] = {
         "allOf": [
             components[health],
-            {"anyOf": [{"$ref": REF.format(model="EngineInfo")}, {"not": {"required": ["model_dir"]}}]},
+            {"anyOf": [{"$ref": REF.format(model="EngineInfo")}, {"not": {"required": ["max_model_len"]}}]},
         ]
     }
 

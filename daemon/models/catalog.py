@@ -40,6 +40,8 @@ async def catalog(state) -> list[dict]:
     for entry in await asyncio.to_thread(list_models):
         if not entry.ready and entry.kind != "builtin":
             continue  # a family the engine does not run, or a file it cannot read
+        if entry.kind == "converted":
+            continue  # a file the operator once named by its path: not a name a request may give
         name = client_name(entry)
         if normal_name(name) in seen or (entry.path is not None and normal_name(str(entry.path)) in seen):
             continue

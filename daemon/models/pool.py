@@ -29,7 +29,15 @@ from typing import TYPE_CHECKING
 
 from minibatch.engine.factory import EngineConfig
 from minibatch.engine.store import sources
-from minibatch.engine.store.cache import BUILTIN_MODELS, ModelNotFoundError, list_models, resolve_model
+from minibatch.engine.store.cache import (
+    BUILTIN_MODELS,
+    ModelNotFoundError,
+    canonical_name,
+    list_models,
+    listed_spec,
+    resolve_model,
+    servable_names,
+)
 
 from ..monitor import EngineMonitor, Metrics, StepSignal
 from ..protocol import ApiError
@@ -53,24 +61,28 @@ def parse_keep_alive(value, field_name: str = "keep_alive") -> float | None:
         raise ApiError(400, str(exc), field_name, "invalid_value") from None
 
 
-def normal_name(name: str) -> str:
-    """The form two names of one model share: without Ollama's `ollama:` prefix and `:latest` tag."""
-    return name.removeprefix("ollama:").removesuffix(":latest")
+normal_name = canonical_name  # the one normalisation of a model's name (engine/store/cache.py)
 
 
 def spec_of(name: str) -> str:
-    """What resolve_model takes for a requested name: a built-in alias or a models-folder name may carry
-    the `:latest` that Ollama clients add."""
+    """What resolve_model takes for a name the operator gave (--model, --preload): any path, or a built-in
+    alias or a models-folder name with the `:latest` Ollama clients add."""
     base = name.removesuffix(":latest")
     if base != name and (base in BUILTIN_MODELS or sources.resolve_local(base) or Path(base).expanduser().exists()):
         return base
     return name
 
 
+def cut(name: str, limit: int = 64) -> str:
+    """A client's name as the answers and the log show it: at most `limit` characters."""
+    return name if len(name) <= limit else name[: limit - 3] + "..."
+
+
 def iso(ts: float | None) -> str:
     """Ollama's way of writing a time; a model that never expires shows Go's zero time, as Ollama's do."""
     if ts is None:
         return "0001-01-01T00:00:00Z"
+    ts = min(ts, 253402300799.0)  # 9999-12-31T23:59:59Z, the last time the format holds
     return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
@@ -150,7 +162,7 @@ class LoadedModel:
     def facts(self) -> dict:
         """/health's entry for it: the engine's facts and its lifetime."""
         st = self.engine.state
-        return self.info.as_dict() | {
+        return self.info.as_dict(public=True) | {
             "name": self.name,
             "mode": st.mode,
             "running": st.running,
@@ -176,7 +188,9 @@ class ModelPool:
         self.default_name = base.model
         self.models: dict[str, LoadedModel] = {}
         self.loading: dict[str, asyncio.Future] = {}
-        self.failed: dict[str, str] = {}  # the last load error by name
+        self.failed: dict[str, str] = {}  # the last load error by name (listed or the operator's names only)
+        # the names the operator gave (--model, --preload): a request may name these too, whatever they are
+        self.operator_names = {normal_name(self.default_name)}
         self.metrics = Metrics()
         self.signal = StepSignal()  # any model stepped, loaded or unloaded: the event streams look again
         self.lost = asyncio.Event()  # an engine lost its device: the daemon exits
@@ -217,8 +231,11 @@ class ModelPool:
         raise ApiError(503, "no model is loaded; a request loads one by name", None, "no_model_loaded", "unavailable")
 
     # -- loading ---------------------------------------------------------------
-    async def get(self, name: str | None) -> LoadedModel:
-        """The model a request names, loaded now if it is not (the request waits for the load)."""
+    async def get(self, name: str | None, operator: bool = False) -> LoadedModel:
+        """The model a name means, loaded now if it is not (the caller waits for the load). A request's name
+        (`operator` False) must be one the catalog lists: a request names models, never files; the
+        operator's (--model, --preload, and a request without a name, which means --model) may be a path."""
+        operator = operator or name in (None, "", "default") or normal_name(name) in self.operator_names
         while True:
             m = self.find(name)
             if m is not None:
@@ -227,19 +244,39 @@ class ModelPool:
             if not self.settings.on_demand and normal_name(requested) != normal_name(self.default_name):
                 raise ApiError(
                     404,
-                    f"model {requested!r} does not exist; this daemon serves {self.default_name!r}",
+                    f"model {cut(requested)!r} does not exist; this daemon serves {self.default_name!r}",
                     "model",
                     "model_not_found",
                 )
+            spec = None if operator else await asyncio.to_thread(self._listed, requested)
             key = normal_name(requested)
             fut = self.loading.get(key)
             if fut is None:
-                fut = self.loading[key] = asyncio.ensure_future(self._load(requested))
+                fut = self.loading[key] = asyncio.ensure_future(self._load(requested, spec))
                 fut.add_done_callback(lambda _f, k=key: (self.loading.pop(k, None), self.signal.bump()))
                 self.signal.bump()  # the chat's panel shows it loading
             m = await asyncio.shield(fut)
             if m.loaded:  # (an eviction may have taken it between the load and this task's turn)
                 return m
+
+    @staticmethod
+    def _listed(name: str) -> str:
+        """The spec of a name a request gave, or a 404 whose text depends on the catalog alone (never on what
+        the filesystem holds at a path the name might spell)."""
+        try:
+            spec = listed_spec(name)
+        except ModelNotFoundError as exc:
+            raise ApiError(404, f"model {cut(name)!r}: {exc}", "model", "model_not_found") from None
+        if spec is None:
+            names = ", ".join(n for n in servable_names()) or "none"
+            raise ApiError(
+                404,
+                f"model {cut(name)!r} does not exist here; this daemon serves: {names} "
+                "(GET /v1/models lists them; a request names a model, not a file)",
+                "model",
+                "model_not_found",
+            )
+        return spec
 
     @asynccontextmanager
     async def lease(self, name: str | None, keep_alive=_UNSET) -> AsyncIterator[LoadedModel]:
@@ -295,21 +332,27 @@ class ModelPool:
             )
         return self._budget
 
-    async def _load(self, requested: str) -> LoadedModel:
+    async def _load(self, requested: str, spec: str | None = None) -> LoadedModel:
+        """Resolve and load `requested` (`spec`: what a request's listed name resolved to; None: the
+        operator's name, any path)."""
         async with self._load_lock:
             m = self.find(requested)  # loaded meanwhile, under another of its names
             if m is not None:
                 return m
-            spec = spec_of(requested)
+            operator = spec is None
+            spec = spec_of(requested) if operator else spec
             try:
                 model_dir = await asyncio.to_thread(resolve_model, spec, None, False)
             except ModelNotFoundError as exc:
                 message = str(exc)
-                if "On this machine" not in message:
+                if operator and "On this machine" not in message:
                     names = ", ".join(e.name for e in list_models() if e.ready) or "none"
                     message += f"; models here: {names}"
+                if not operator:  # listed, yet it cannot be prepared: what is wrong goes to the log
+                    log.error("model %s (%s) cannot be prepared: %s", cut(requested), spec, message)
+                    message = "it is listed but cannot be prepared; see the daemon's log"
                 raise ApiError(
-                    404, f"model {requested!r} does not exist here: {message}", "model", "model_not_found"
+                    404, f"model {cut(requested)!r} does not exist here: {message}", "model", "model_not_found"
                 ) from None
             except Exception as exc:  # a file that is there but cannot be read as a model
                 raise self._failed(requested, exc) from None
@@ -387,16 +430,21 @@ class ModelPool:
         return m
 
     def _failed(self, name: str, exc: Exception) -> ApiError:
-        """A model that cannot be loaded: logged, kept for /health, answered naming it and why."""
-        self.failed[normal_name(name)] = why = f"{type(exc).__name__}: {exc}"
-        log.error("could not load model %s: %s", name, why)
-        return ApiError(500, f"model {name!r} could not be loaded: {why}", "model", "model_load_failed", "server_error")
+        """A model that cannot be loaded: logged with why, kept for /health by its name (only names the
+        catalog lists or the operator gave get this far: the dict is bounded by the catalog), answered naming
+        it and the kind of failure (the log has the rest, which may name the server's files)."""
+        log.error("could not load model %s: %s: %s", cut(name), type(exc).__name__, exc)
+        self.failed[normal_name(name)] = why = f"{type(exc).__name__} (see the daemon's log)"
+        return ApiError(
+            500, f"model {cut(name)!r} could not be loaded: {why}", "model", "model_load_failed", "server_error"
+        )
 
     async def preload(self, names: list[str]) -> None:
         """Load the start's models (the first is the daemon's own); they stay loaded until evicted or
         unloaded by a request's keep_alive."""
+        self.operator_names |= {normal_name(n) for n in names}
         for name in names:
-            m = await self.get(name)
+            m = await self.get(name, operator=True)
             m.keep_alive = None
             m.touch(None)
 

@@ -11,6 +11,7 @@ DEFAULT_KEEP_ALIVE = 300.0  # seconds a model loaded on demand stays after its l
 DEFAULT_MAX_LOADED = 3  # Ollama's default on a CPU
 DEFAULT_MEMORY_SHARE = 0.8  # of the machine's memory (a GPU's, on a GPU), when no --models-memory-gb is given
 DEFAULT_LOAD_WAIT = 60.0  # seconds a load waits for a busy model to free the room
+MAX_KEEP_ALIVE = 365 * 86400.0  # the longest finite keep_alive (a negative one keeps the model loaded)
 ENGINE_LOOPS = ("shared", "per-model")
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
 _UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -32,12 +33,22 @@ def parse_duration(value, field_name: str = "keep_alive") -> float | None:
             parts = _DURATION.findall(body)
             if not parts or "".join(n + u for n, u in parts) != body:
                 raise ValueError(
-                    f'{field_name}: {value!r} is not a duration (say "5m", "30s", "1h", 0 or -1)'
+                    f'{field_name}: {_short(value)} is not a duration (say "5m", "30s", "1h", 0 or -1)'
                 ) from None
             seconds = sign * sum(float(n) * _UNIT[u] for n, u in parts)
     if not math.isfinite(seconds):
         raise ValueError(f"{field_name}: must be finite, got {value!r}")
+    if seconds > MAX_KEEP_ALIVE:
+        raise ValueError(
+            f"{field_name}: at most {MAX_KEEP_ALIVE / 3600:g}h (365 days), got {_short(value)}; "
+            "a negative value keeps the model loaded"
+        )
     return None if seconds < 0 else seconds
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True, slots=True)

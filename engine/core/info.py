@@ -70,8 +70,11 @@ class EngineInfo:
     memory: WeightFacts | None = None
     kv_cache_bytes: int = 0  # the KV pool: what it takes once every block is written
 
-    def as_dict(self) -> dict:
-        """JSON-ready: the fields, with `memory` nested (None fields left out)."""
+    def as_dict(self, public: bool = False) -> dict:
+        """JSON-ready: the fields, with `memory` nested (None fields left out); `public`: without the server's
+        own paths (what the API shows its clients)."""
         out = asdict(self)
+        if public:
+            del out["model_dir"]
         out["eos_token_ids"] = list(self.eos_token_ids)
         return {k: v for k, v in out.items() if v is not None}

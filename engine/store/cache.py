@@ -85,6 +85,11 @@ def resolve_model(spec: str = DEFAULT_MODEL, cache_dir: Path | None = None, down
             return prepare_gguf(sources.resolve_ollama(spec[len("ollama:") :]), cache_dir)
         if spec.startswith("hf:"):
             return check_model_dir(sources.resolve_hf(spec[len("hf:") :]))
+        if spec.startswith("local:"):  # a models-folder entry by its name (what a request's name resolves to)
+            local = sources.resolve_local(spec[len("local:") :])
+            if local is None:
+                raise ModelNotFoundError(f"{spec[len('local:') :]!r} is not in the models folder")
+            return check_model_dir(local) if local.is_dir() else prepare_gguf(local, cache_dir)
     except sources.SourceError as exc:
         raise ModelNotFoundError(str(exc)) from None
     if spec in BUILTIN_MODELS:
@@ -122,6 +127,69 @@ def resolve_model(spec: str = DEFAULT_MODEL, cache_dir: Path | None = None, down
         f"unknown model {spec!r}: give a built-in alias ({', '.join(BUILTIN_MODELS)}), ollama:NAME[:TAG], hf:ORG/NAME, "
         f"a model directory, a .gguf file, or a hub id like org/name. On this machine: {found}"
     )
+
+
+_REPO_PART = r"[A-Za-z0-9][\w.-]*"
+MAX_NAME_BYTES = 256  # the longest model name a request may give
+
+
+def canonical_name(name: str) -> str:
+    """The form two spellings of one model share: without Ollama's `ollama:` prefix and `:latest` tag."""
+    return name.removeprefix("ollama:").removesuffix(":latest")
+
+
+def listed_spec(name: str) -> str | None:
+    """What resolve_model takes for a name a request gave, when the name is one the catalog lists (a built-in
+    alias, an Ollama model, a hub id in the local cache, a models-folder entry; `:latest` allowed where Ollama's
+    clients add it); None for anything else. Never a path: a request names models, the operator names files."""
+    if not name or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        return None
+    base = name.removesuffix(":latest")
+    if base in BUILTIN_MODELS:
+        return base
+    if name.startswith("hf:"):
+        return name if _in_hub_cache(name[len("hf:") :]) else None
+    ollama = canonical_name(name)
+    ollama_name = ollama if ":" in ollama.rsplit("/", 1)[-1] else f"{ollama}:latest"
+    in_ollama = ollama_name in sources._ollama_manifests()
+    if name.startswith("ollama:"):
+        return f"ollama:{ollama_name}" if in_ollama else None
+    local = sources.resolve_local(base)
+    if local is not None and not in_ollama:
+        return f"local:{base}"
+    if in_ollama and local is None:
+        return f"ollama:{ollama_name}"
+    if local is not None:
+        raise ModelNotFoundError(
+            f"{base!r} is both a models-folder model and ollama:{ollama_name}: name ollama:{ollama_name} for "
+            "Ollama's (or rename the folder's)"
+        )
+    return f"hf:{name}" if _in_hub_cache(name) else None
+
+
+def servable_names() -> list[str]:
+    """The names a request may give, cheaply (no file is opened): the built-in aliases, Ollama's models, the
+    hub cache's repositories and the models folder's entries. `minibatchd models` describes them."""
+    names = list(BUILTIN_MODELS)
+    names += [f"ollama:{n}" for n in sources._ollama_manifests()]
+    names += [f"hf:{repo}" for repo, _ in sources._hf_repos()]
+    root = sources.models_dir()
+    if root.is_dir():
+        for p in sorted(root.iterdir()):
+            name = p.stem if p.suffix == ".gguf" else p.name
+            if sources.resolve_local(name) is not None:
+                names.append(name)
+    return names
+
+
+def _in_hub_cache(repo: str) -> bool:
+    if not re.fullmatch(f"{_REPO_PART}/{_REPO_PART}", repo) or ".." in repo:
+        return False
+    try:
+        sources.resolve_hf(repo)
+    except sources.SourceError:
+        return False
+    return True
 
 
 def _ollama_entries():

@@ -196,10 +196,29 @@ def found_models() -> list[FoundModel]:
     return out
 
 
+def plain_name(name: str) -> bool:
+    """A name that can only mean an entry of a folder: one path component, no leading dot or tilde, no NUL,
+    at most 255 bytes (what a directory entry holds)."""
+    return (
+        bool(name)
+        and "/" not in name
+        and "\\" not in name
+        and "\x00" not in name
+        and not name.startswith((".", "~"))
+        and len(name.encode("utf-8", "surrogatepass")) <= 255
+    )
+
+
 def resolve_local(name: str) -> Path | None:
-    """A model in the models folder by name (directory, or file without .gguf), else None."""
+    """A model in the models folder by its listed name (`minibatchd models`): a directory with config.json, or
+    a regular .gguf file named without its suffix; else None. A name is one entry of the folder, never a
+    path (nothing outside the folder, no FIFO or device however linked)."""
+    if not plain_name(name) or not plain_name(f"{name}.gguf"):
+        return None
     root = models_dir()
-    for candidate in (root / name, root / f"{name}.gguf"):
-        if candidate.exists():
-            return candidate
+    folder, gguf = root / name, root / f"{name}.gguf"
+    if folder.is_dir() and (folder / "config.json").is_file():
+        return folder
+    if gguf.is_file():  # a regular file (is_file follows a link and refuses FIFOs and devices)
+        return gguf
     return None

@@ -43,9 +43,21 @@ def corrupt_gguf(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_chat_model_dir):
+def models_env(tmp_path_factory, qwen_chat_dir, corrupt_gguf) -> dict:
+    """A models folder holding the Qwen model as `qwen` and the corrupt file as `broken`: a request names
+    models by what the catalog lists, never by a path."""
+    folder = tmp_path_factory.mktemp("models-folder")
+    shutil.copytree(qwen_chat_dir, folder / "qwen")
+    shutil.copy(corrupt_gguf, folder / "broken.gguf")
+    return {"MINIBATCH_MODELS_DIR": str(folder)}
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_chat_model_dir, models_env):
     d = tempfile.mkdtemp(prefix="mb-models-", dir="/tmp")
-    daemon = Daemon(Path(d) / "d.sock", tiny_chat_model_dir, "--max-num-seqs", "8", "--kv-cache-gb", "0.05")
+    daemon = Daemon(
+        Path(d) / "d.sock", tiny_chat_model_dir, "--max-num-seqs", "8", "--kv-cache-gb", "0.05", env=models_env
+    )
     daemon.wait_ready()
     yield daemon
     assert daemon.stop() == 0, daemon.log_text()
@@ -80,12 +92,12 @@ def greedy(client: openai.OpenAI, model: str, text: str = "Tell me about cats.")
     return out.choices[0].message.content
 
 
-def test_models_answer_by_name_in_turn_and_at_once(daemon, tiny_chat_model_dir, qwen_chat_dir):
-    own, builtin, qwen = str(tiny_chat_model_dir), "smollm2-135m-instruct", str(qwen_chat_dir)
+def test_models_answer_by_name_in_turn_and_at_once(daemon, tiny_chat_model_dir):
+    own, builtin, qwen = str(tiny_chat_model_dir), "smollm2-135m-instruct", "qwen"
     client = sdk(daemon)
     first = greedy(client, own)
     second = greedy(client, builtin)  # loads the built-in model by its alias: the request waits for it
-    third = greedy(client, qwen)  # and a model of another family, by its path
+    third = greedy(client, qwen)  # and a model of another family, by its name in the models folder
     assert second != first and len(second.split()) >= 3  # the real model speaks; the tiny random one cannot
     assert [greedy(client, m) for m in (own, builtin, qwen)] == [first, second, third]  # reused, not reloaded
     _, health = daemon.get("/health")
@@ -118,8 +130,8 @@ def test_models_answer_by_name_in_turn_and_at_once(daemon, tiny_chat_model_dir, 
     assert listed == {f"{own}:latest", f"{builtin}:latest", f"{qwen}:latest"}
 
 
-def test_ps_tags_and_keep_alive(daemon, tiny_chat_model_dir, qwen_chat_dir):
-    own, other = str(tiny_chat_model_dir), str(qwen_chat_dir)
+def test_ps_tags_and_keep_alive(daemon, tiny_chat_model_dir):
+    own, other = str(tiny_chat_model_dir), "qwen"
     oc = ollama_client(daemon)
     oc.generate(model=other, prompt="Hi", options={"num_predict": 2}, keep_alive="10m")
     ps = {m.model: m for m in oc.ps().models}
@@ -148,18 +160,18 @@ def test_ps_tags_and_keep_alive(daemon, tiny_chat_model_dir, qwen_chat_dir):
     assert status == 404 and err["error"]["param"] == "model" and "not loaded" in err["error"]["message"]
 
 
-def test_streaming_load_shows_its_status_and_bad_names_say_what_there_is(daemon, corrupt_gguf, qwen_chat_dir):
+def test_streaming_load_shows_its_status_and_bad_names_say_what_there_is(daemon):
     async def go():
         async with session(daemon.socket) as s:
-            async with s.post("/api/generate", json={"model": str(qwen_chat_dir), "keep_alive": 0}) as r:
+            async with s.post("/api/generate", json={"model": "qwen", "keep_alive": 0}) as r:
                 assert (await r.json())["done_reason"] == "unload"
-            async with s.post("/api/generate", json={"model": str(qwen_chat_dir)}) as r:  # streams by default
+            async with s.post("/api/generate", json={"model": "qwen"}) as r:  # streams by default
                 lines = [line for line in (await r.text()).splitlines() if line]
             async with s.post("/v1/chat/completions", json=chat_body(model="no-such-model")) as r:
                 missing = r.status, await r.json()
-            async with s.post("/v1/chat/completions", json=chat_body(model=str(corrupt_gguf))) as r:
+            async with s.post("/v1/chat/completions", json=chat_body(model="broken")) as r:
                 broken = r.status, await r.json()
-            async with s.post("/api/chat", json={**chat_body(model=str(corrupt_gguf)), "stream": False}) as r:
+            async with s.post("/api/chat", json={**chat_body(model="broken"), "stream": False}) as r:
                 broken_ollama = r.status, await r.json()
             async with s.post("/v1/chat/completions", json=chat_body(max_tokens=3)) as r:
                 still = r.status
@@ -172,15 +184,16 @@ def test_streaming_load_shows_its_status_and_bad_names_say_what_there_is(daemon,
     status, err = missing
     assert status == 404 and err["error"]["param"] == "model" and "smollm2-135m-instruct" in err["error"]["message"]
     status, err = broken
-    assert status == 500 and err["error"]["code"] == "model_load_failed" and "broken.gguf" in err["error"]["message"]
+    assert status == 500 and err["error"]["code"] == "model_load_failed" and "'broken'" in err["error"]["message"]
+    assert "/" not in err["error"]["message"]  # what is wrong with the file, and where it is, is in the log
     assert broken_ollama[0] == 500 and "could not be loaded" in broken_ollama[1]["error"]
     assert still == 200  # every other model keeps serving
     _, health = daemon.get("/health")
     assert health["status"] == "ok" and any("broken" in k for k in health["load_errors"])
 
 
-def test_sixteen_requests_over_two_models_leak_no_block(daemon, tiny_chat_model_dir, qwen_chat_dir):
-    names = [str(tiny_chat_model_dir), str(qwen_chat_dir)]
+def test_sixteen_requests_over_two_models_leak_no_block(daemon, tiny_chat_model_dir):
+    names = [str(tiny_chat_model_dir), "qwen"]
 
     async def one(s, i):
         body = chat_body(f"Count to {i}.", model=names[i % 2], max_tokens=8 + i, ignore_eos=True, stream=i % 3 == 0)
@@ -204,11 +217,19 @@ def test_sixteen_requests_over_two_models_leak_no_block(daemon, tiny_chat_model_
         assert st["requests_finished"] >= 8
 
 
-def test_the_least_recently_used_idle_model_is_evicted_never_a_busy_one(tiny_chat_model_dir, qwen_chat_dir):
-    own, other = str(tiny_chat_model_dir), str(qwen_chat_dir)
+def test_the_least_recently_used_idle_model_is_evicted_never_a_busy_one(tiny_chat_model_dir, models_env):
+    own, other = str(tiny_chat_model_dir), "qwen"
     d = tempfile.mkdtemp(prefix="mb-evict-", dir="/tmp")
     daemon = Daemon(
-        Path(d) / "d.sock", own, "--max-loaded-models", "1", "--load-wait", "0.25", "--kv-cache-gb", "0.05"
+        Path(d) / "d.sock",
+        own,
+        "--max-loaded-models",
+        "1",
+        "--load-wait",
+        "0.25",
+        "--kv-cache-gb",
+        "0.05",
+        env=models_env,
     ).wait_ready()  # the wait is well inside the busy request's 400 tokens (about 0.5 s on this tiny model)
     try:
         client = sdk(daemon)

@@ -65,6 +65,14 @@ def env(fresh_cache) -> dict:
     return {**os.environ, "MINIBATCH_CACHE_DIR": str(fresh_cache)}
 
 
+@pytest.fixture(scope="module")
+def models_folder(fresh_cache) -> Path:
+    """The shared daemon's models folder: a model a test makes is served from here by its name."""
+    folder = fresh_cache / "models-folder"
+    folder.mkdir()
+    return folder
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,7 +80,7 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def daemon(env, fresh_cache):
+def daemon(env, fresh_cache, models_folder):
     """minibatchd with the built-in model and its default weights, converted into the empty cache."""
     d = Path(tempfile.mkdtemp(prefix="mb-", dir="/tmp"))
     port = free_port()
@@ -85,7 +93,7 @@ def daemon(env, fresh_cache):
         "8",
         "--kv-cache-gb",
         "0.25",
-        env={"MINIBATCH_CACHE_DIR": str(fresh_cache)},
+        env={"MINIBATCH_CACHE_DIR": str(fresh_cache), "MINIBATCH_MODELS_DIR": str(models_folder)},
     ).wait_ready()
     daemon.url = f"http://127.0.0.1:{port}"
     try:
@@ -120,7 +128,10 @@ def test_every_script_in_the_readme_table_has_a_test_here():
 def test_the_daemon_publishes_its_weights(daemon):
     _, health = daemon.get("/health")
     memory = health["memory"]
-    cached = Path(health["model_dir"])  # config and tokenizer only: the weights are read from the GGUF itself
+    assert "model_dir" not in health  # no server path in an answer
+    from minibatch.engine.store.cache import resolve_model
+
+    cached = resolve_model(health["model"])  # config and tokenizer only: the weights are read from the GGUF itself
     assert (cached / "config.json").is_file() and not list(cached.glob("*.safetensors"))
     # SmolLM2-135M: 134.5M distinct parameters (tied output projection counted once), read from 4-bit blocks
     assert 134e6 < memory["num_params"] < 136e6
@@ -243,15 +254,16 @@ def test_bench_chat(daemon, env, tmp_path):
     assert "the broadcast reached the engine" in proc.stdout
 
 
-def test_bench_models(daemon, env, tmp_path):
+def test_bench_models(daemon, env, tmp_path, models_folder):
     """Two models through one daemon: their loads, the memory an unload returns, each alone and both at once."""
-    # two made models: the daemon's own model stays as the other tests find it (warm caches included)
-    made = [tmp_path / f"m{seed}.gguf" for seed in (1, 2)]
+    # two made models in its models folder, named by requests as m1 and m2: the daemon's own model stays as
+    # the other tests find it (warm caches included)
+    made = [models_folder / f"m{seed}.gguf" for seed in (1, 2)]
     for seed, path in zip((1, 2), made):
         shape = ["--shape", "smollm2-135m", "--layers", "2", "--quantize", "Q4_1", "--seed", str(seed)]
         run(env, SCRIPTS / "make_model.py", *shape, "--out", path)
     report = tmp_path / "models.json"
-    args = ["--socket", daemon.socket, "--models", f"{made[0]},{made[1]}", "--concurrency", "1"]
+    args = ["--socket", daemon.socket, "--models", "m1,m2", "--concurrency", "1"]
     proc = run(
         env,
         SCRIPTS / "bench_models.py",
@@ -271,13 +283,13 @@ def test_bench_models(daemon, env, tmp_path):
             r = load[kind]
             assert r["load_s"] > 0 and r["rss_loaded_mb"] > r["rss_after_unload_mb"] > 0
     rows = {(r["scenario"], r["model"]): r for r in entry["busy"]}
-    a, b = map(str, made)
+    a, b = "m1", "m2"
     assert set(rows) == {("alone", a), ("alone", b), ("together", a), ("together", b), ("together", f"{a}+{b}")}
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
     assert all(r["failed"] == 0 for r in rows.values() if "failed" in r)
     assert f"| together | {a} |" in proc.stdout
-    for path in made:  # unloaded again: the shared daemon keeps only what it had
-        status, out = request_json(str(daemon.socket), "POST", "/api/generate", {"model": str(path), "keep_alive": 0})
+    for name in (a, b):  # unloaded again: the shared daemon keeps only what it had
+        status, out = request_json(str(daemon.socket), "POST", "/api/generate", {"model": name, "keep_alive": 0})
         assert status == 200 and out["done_reason"] == "unload", out
     _, health = daemon.get("/health")
     assert health["model"] == "smollm2-135m-instruct" and "memory" in health  # left as it was found
