@@ -21,9 +21,11 @@ and every request does with `--socket-requires-key`.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import logging
+import re
 import socket
 import stat
 import time
@@ -56,24 +58,50 @@ def is_loopback(host: str | None) -> bool:
         return False
 
 
-def keys_match(given: str, keys: tuple[str, ...]) -> bool:
-    """True when `given` equals one of `keys`; the time taken does not depend on where they differ.
+def match_key(given: str, keys: tuple[str, ...]) -> int | None:
+    """The index of the key `given` equals, or None; the time taken does not depend on where they differ.
 
     Every key is compared (no early exit on the first match), each with
     hmac.compare_digest over bytes.
     """
-    ok = False
+    found = None
     try:
         g = given.encode()
     except UnicodeEncodeError:  # a header that is not text (undecodable bytes): no key it could be
-        return False
-    for key in keys:
-        ok |= hmac.compare_digest(g, key.encode())
-    return ok
+        return None
+    for i, key in enumerate(keys):
+        if hmac.compare_digest(g, key.encode()) and found is None:
+            found = i
+    return found
+
+
+def keys_match(given: str, keys: tuple[str, ...]) -> bool:
+    return match_key(given, keys) is not None
+
+
+IDENTITY = "minibatch.identity"  # request[IDENTITY]: who sent it (a key's name, or LOCAL)
+LOCAL = "local"  # a request that showed no key: the socket's own user (or a loopback listener's, without keys)
+_KEY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def key_name(secret: str) -> str:
+    """The name of a key given without one: stable, and telling nothing of the key."""
+    return "key-" + hashlib.sha256(secret.encode()).hexdigest()[:10]
+
+
+def parse_key(entry: str, source: str) -> tuple[str, str]:
+    """(name, secret) from `name=secret`, or (its derived name, the entry) for a key without a name."""
+    name, sep, secret = entry.partition("=")
+    if sep and _KEY_NAME.fullmatch(name) and len(secret) >= 8:
+        if name == LOCAL:
+            raise GuardError(f"{source}: {LOCAL!r} names the socket's own user; give the key another name")
+        return name, check_key(secret, source)
+    return key_name(check_key(entry, source)), entry
 
 
 def read_key_file(path: Path) -> tuple[str, ...]:
-    """One key per line; blank lines and lines starting with # are skipped."""
+    """One key per line (`name=secret`, or a secret alone); blank lines and lines starting with # are
+    skipped."""
     try:
         text = path.read_text()
     except OSError as exc:
@@ -88,6 +116,14 @@ def check_key(key: str, source: str) -> str:
     if len(key) < 8 or any(c.isspace() for c in key) or not key.isprintable():
         raise GuardError(f"{source}: a key must be at least 8 printable characters without spaces")
     return key
+
+
+def _check_names(named: list[tuple[str, str]], source: str) -> None:
+    """One name per key: a name given to two different keys could not say whose a stored response is."""
+    seen: dict[str, str] = {}
+    for name, secret in named:
+        if seen.setdefault(name, secret) != secret:
+            raise GuardError(f"{source}: the name {name!r} is given to two different keys")
 
 
 def split_host(value: str) -> str:
@@ -108,7 +144,7 @@ def origin_of(value: str) -> str:
 class Guard:
     """The security settings of one daemon and the counters of what they refused."""
 
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()  # the secrets
     api_key_file: Path | None = None
     socket_requires_key: bool = False
     listen_host: str | None = None  # the TCP --host (None: no TCP listener)
@@ -116,6 +152,7 @@ class Guard:
     allowed_origins: frozenset[str] = frozenset()
     insecure_no_auth: bool = False
     flag_keys: tuple[str, ...] = ()  # from --api-key / MINIBATCH_API_KEY: kept when the file is reread
+    key_names: dict[str, str] = field(default_factory=dict)  # secret -> its name (who a request is)
     refused: dict[str, int] = field(
         default_factory=lambda: {
             "unauthorized": 0,
@@ -140,12 +177,15 @@ class Guard:
         insecure_no_auth: bool = False,
     ) -> Guard:
         """Validate the options together; raises GuardError with the flag to change."""
-        keys: list[str] = []
-        if api_key:
-            keys.append(check_key(api_key.strip(), "--api-key"))
+        named: list[tuple[str, str]] = []
+        if api_key:  # one key, or several separated by commas
+            named += [parse_key(k.strip(), "--api-key") for k in api_key.split(",") if k.strip()]
+        flag_count = len(named)
         path = Path(api_key_file).expanduser() if api_key_file else None
         if path is not None:
-            keys += [check_key(k, f"--api-key-file {path}") for k in read_key_file(path)]
+            named += [parse_key(k, f"--api-key-file {path}") for k in read_key_file(path)]
+        _check_names(named, "--api-key / --api-key-file")
+        keys = [secret for _, secret in named]
         if socket_requires_key and not keys:
             raise GuardError("--socket-requires-key needs a key (--api-key, MINIBATCH_API_KEY or --api-key-file)")
         tcp_host = (host or "127.0.0.1") if port is not None else None
@@ -165,7 +205,8 @@ class Guard:
             hosts,
             origins,
             insecure_no_auth,
-            flag_keys=tuple(keys[:1]) if api_key else (),
+            key_names={secret: name for name, secret in named},
+            flag_keys=tuple(keys[:flag_count]),
         )
         if path is not None:
             guard._file_stamp = guard._stamp()
@@ -209,11 +250,14 @@ class Guard:
             return
         self._file_stamp = stamp
         try:
-            keys = [check_key(k, "--api-key-file") for k in read_key_file(self.api_key_file)]
+            named = [parse_key(k, "--api-key-file") for k in read_key_file(self.api_key_file)]
+            flags = [(self.key_names[k], k) for k in self.flag_keys]
+            _check_names(flags + named, "--api-key-file")
         except GuardError as exc:
             log.error("API keys not reloaded, the previous ones stay in force: %s", exc)
             return
-        self.api_keys = tuple(dict.fromkeys(self.flag_keys + tuple(keys)))
+        self.key_names = {secret: name for name, secret in flags + named}
+        self.api_keys = tuple(dict.fromkeys(self.flag_keys + tuple(secret for _, secret in named)))
         log.info("API keys reloaded from %s: %d key(s)", self.api_key_file, len(self.api_keys))
 
     def describe(self) -> str:
@@ -283,13 +327,19 @@ class Guard:
         needs_key = bool(self.api_keys) and (
             tcp or self.socket_requires_key or (request.method, request.path) in CONTROL
         )
+        request[IDENTITY] = LOCAL
+        auth = request.headers.get("Authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if not auth and "x-api-key" in request.headers:  # Anthropic's clients send the key this way
+            scheme, token, auth = "bearer", request.headers["x-api-key"], "x-api-key"
+        if self.api_keys and auth:
+            self.reload_keys()
+            at = match_key(token.strip(), self.api_keys) if scheme.lower() == "bearer" else None
+            if at is not None:  # who it is, whether or not this listener needs a key
+                request[IDENTITY] = self.key_names.get(self.api_keys[at], LOCAL)
         if needs_key:
             self.reload_keys()
-            auth = request.headers.get("Authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if not auth and "x-api-key" in request.headers:  # Anthropic's clients send the key this way
-                scheme, token, auth = "bearer", request.headers["x-api-key"], "x-api-key"
-            if scheme.lower() != "bearer" or not keys_match(token.strip(), self.api_keys):
+            if request[IDENTITY] == LOCAL:
                 self.refused["unauthorized"] += 1
                 msg = (
                     "Authorization: a valid API key is required (header 'Authorization: Bearer KEY')"

@@ -12,6 +12,8 @@ STORE_TTL_S seconds each; an unknown or expired id is a 404 that says so. Errors
 
 from __future__ import annotations
 
+import copy
+import hmac
 import json
 import re
 import time
@@ -25,12 +27,16 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, St
 
 from ..generation import pipeline
 from ..generation.pipeline import Constraint, Generation, Running
+from ..guard import IDENTITY, LOCAL
 from ..protocol import ApiError, Float, Int
 from ..state import STATE, off_loop, read_body
 from .messages import FUNCTION_NAME, MAX_TOOLS
 
 STORE_MAX = 512  # responses kept for previous_response_id and GET, the oldest evicted first
+STORE_MAX_BYTES = 64 * 2**20  # and their JSON together at most this, the oldest evicted first
 STORE_TTL_S = 3600.0
+# OpenAI's limits on metadata: 16 pairs, keys up to 64 characters, values up to 512
+METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
 ID_PATTERN = "^resp_[0-9a-f]{24}$"  # what _id("resp") makes
 
 
@@ -141,7 +147,13 @@ class ResponsesRequest(_Body):
     stream: StrictBool = False
     store: StrictBool = True
     previous_response_id: StrictStr | None = None
-    metadata: dict[str, StrictStr] | None = Field(default=None, max_length=16)
+    metadata: (
+        dict[
+            Annotated[StrictStr, Field(max_length=METADATA_KEY)],
+            Annotated[StrictStr, Field(max_length=METADATA_VALUE)],
+        ]
+        | None
+    ) = Field(default=None, max_length=METADATA_PAIRS)
     parallel_tool_calls: StrictBool | None = None
     truncation: Literal["auto", "disabled"] | None = None
     user: StrictStr | None = None
@@ -161,38 +173,55 @@ API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 
 # -- the store -------------------------------------------------------------------------------------------
 class ResponseStore:
-    """Recent responses by id, with what each one's conversation was (for previous_response_id)."""
+    """Recent responses by id, each with its owner (who made it: a key's name, or the socket's user) and what
+    its conversation was (for previous_response_id). Bounded by count, by bytes and by age; another owner's
+    response is answered exactly as an unknown id is."""
 
-    def __init__(self, max_items: int = STORE_MAX, ttl: float = STORE_TTL_S) -> None:
-        self.max_items, self.ttl = max_items, ttl
-        self._items: OrderedDict[str, tuple[float, dict, list[dict]]] = OrderedDict()
+    def __init__(self, max_items: int = STORE_MAX, ttl: float = STORE_TTL_S, max_bytes: int = STORE_MAX_BYTES):
+        self.max_items, self.ttl, self.max_bytes = max_items, ttl, max_bytes
+        self._items: OrderedDict[str, tuple[float, str, dict, list[dict], int]] = OrderedDict()
+        self.bytes = 0  # the stored responses' and conversations' JSON
+        self.evicted = 0
 
-    def put(self, response: dict, conversation: list[dict]) -> None:
-        self._items[response["id"]] = (time.monotonic(), response, conversation)
-        self._items.move_to_end(response["id"])
-        while len(self._items) > self.max_items:
-            self._items.popitem(last=False)
+    def put(self, response: dict, conversation: list[dict], owner: str) -> None:
+        size = len(json.dumps(response)) + len(json.dumps(conversation))
+        if size > self.max_bytes:
+            self.evicted += 1
+            return  # more than the whole store holds: answered, not kept
+        self._drop(response["id"])
+        self._items[response["id"]] = (time.monotonic(), owner, response, conversation, size)
+        self.bytes += size
+        while len(self._items) > self.max_items or self.bytes > self.max_bytes:
+            self._drop(next(iter(self._items)))
+            self.evicted += 1
 
-    def get(self, rid: str, param: str = "response_id") -> tuple[dict, list[dict]]:
+    def _drop(self, rid: str) -> None:
+        entry = self._items.pop(rid, None)
+        if entry is not None:
+            self.bytes -= entry[4]
+
+    def get(self, rid: str, owner: str, param: str = "response_id") -> tuple[dict, list[dict]]:
+        """The response and its conversation (a copy: a continuation never changes what is stored)."""
         if not re.fullmatch(ID_PATTERN, rid):
             raise ApiError(404, f"{param}: {rid[:80]!r} is not a response id (resp_ and 24 hex digits)", param)
         entry = self._items.get(rid)
         if entry is not None and time.monotonic() - entry[0] > self.ttl:
-            del self._items[rid]
+            self._drop(rid)
             entry = None
-        if entry is None:
+        if entry is None or not hmac.compare_digest(entry[1], owner):
             raise ApiError(
                 404,
                 f"{param}: no stored response {rid!r} (responses are kept {self.ttl / 60:g} minutes, "
-                f"{self.max_items} at most, and only with store: true)",
+                f"{self.max_items} and {self.max_bytes // 2**20} MiB at most, only with store: true, and "
+                "only for the key that made them)",
                 param,
                 "response_not_found",
             )
-        return entry[1], entry[2]
+        return entry[2], copy.deepcopy(entry[3])
 
-    def delete(self, rid: str) -> None:
-        self.get(rid)
-        del self._items[rid]
+    def delete(self, rid: str, owner: str) -> None:
+        self.get(rid, owner)
+        self._drop(rid)
 
 
 STORE = web.AppKey("responses", ResponseStore)
@@ -218,7 +247,7 @@ def conversation(body: ResponsesRequest, earlier: list[dict]) -> list[dict]:
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": _args(item)}}
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
-                out[-1]["tool_calls"].append(call)
+                out[-1] = {**out[-1], "tool_calls": [*out[-1]["tool_calls"], call]}  # not the stored one's list
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
@@ -273,7 +302,7 @@ def generation(body: ResponsesRequest, earlier: list[dict]) -> Generation:
     """A Responses body (after the stored conversation it continues) in the pipeline's terms."""
     specs = tool_specs(body)
     return Generation(
-        request_id=_id("resp"),
+        request_id=f"respreq-{uuid.uuid4().hex}",  # the engine's id: not the response's, which addresses it
         model=body.model,
         prompt_field="input",
         messages=conversation(body, earlier),
@@ -363,7 +392,7 @@ def usage_of(model, prompt_tokens: int, output_tokens: int, metrics, thought: st
 
 
 def remember(
-    store: ResponseStore, response: dict, messages: list[dict], text: str, calls: list[dict], thought: str = ""
+    store: ResponseStore, response: dict, messages: list[dict], text: str, calls: list[dict], thought: str, owner: str
 ) -> None:
     """The conversation a later previous_response_id continues: this one's messages and its answer."""
     answer: dict = {"role": "assistant", "content": text}
@@ -374,7 +403,7 @@ def remember(
             {**c, "function": {"name": c["function"]["name"], "arguments": _parsed(c["function"]["arguments"])}}
             for c in calls
         ]
-    store.put(response, [*messages, answer])
+    store.put(response, [*messages, answer], owner)
 
 
 def _parsed(arguments: str):
@@ -387,9 +416,12 @@ def _parsed(arguments: str):
 async def create(request: web.Request) -> web.StreamResponse:
     state, store = request.app[STATE], request.app[STORE]
     body = await read_body(request, state, ResponsesRequest)
-    earlier = store.get(body.previous_response_id, "previous_response_id")[1] if body.previous_response_id else []
+    owner = request.get(IDENTITY, LOCAL)
+    earlier = (
+        store.get(body.previous_response_id, owner, "previous_response_id")[1] if body.previous_response_id else []
+    )
     async with pipeline.generate(state, await off_loop(generation, body, earlier)) as run:
-        answer = Answer(store, run, body)
+        answer = Answer(store, run, body, owner, _id("resp"))
         return await (stream(request, answer) if body.stream else whole(answer))
 
 
@@ -400,17 +432,15 @@ class Answer:
     store: ResponseStore
     run: Running
     body: ResponsesRequest
-
-    @property
-    def rid(self) -> str:
-        return self.run.gen.request_id
+    owner: str  # who asked (guard.IDENTITY): the stored response is theirs
+    rid: str  # the response's id, apart from the engine's request id (which the engine endpoints show)
 
     def finish(self, status: str, items: list[dict], n: int, metrics, text: str, calls, thought: str) -> dict:
         run = self.run
         usage = usage_of(run.model, run.prompt_tokens, n, metrics, thought)
         response = response_object(self.rid, run.model, self.body, status, items, usage)
         if self.body.store:
-            remember(self.store, response, run.gen.messages or [], text, calls, thought)
+            remember(self.store, response, run.gen.messages or [], text, calls, thought, self.owner)
         return response
 
 
@@ -534,12 +564,12 @@ async def stream(request, a: Answer):
 
 
 async def get_response(request: web.Request) -> web.Response:
-    return web.json_response(request.app[STORE].get(request.match_info["response_id"])[0])
+    return web.json_response(request.app[STORE].get(request.match_info["response_id"], request.get(IDENTITY, LOCAL))[0])
 
 
 async def delete_response(request: web.Request) -> web.Response:
     rid = request.match_info["response_id"]
-    request.app[STORE].delete(rid)
+    request.app[STORE].delete(rid, request.get(IDENTITY, LOCAL))
     return web.json_response({"id": rid, "object": "response.deleted", "deleted": True})
 
 
