@@ -268,12 +268,13 @@ def start_background(
 ) -> int:
     """Run `module` with --foreground in a new session, show its log until it answers /health, then return."""
     log_file = Path(args.log_file) if args.log_file else log_file or default_log_file()
-    log_file.parent.mkdir(parents=True, exist_ok=True)
+    log_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     rest, key = without_key(args.argv)
     argv = [sys.executable, "-m", module, *rest, "--foreground", "--socket", str(sock)]
     env = {**os.environ, **({"MINIBATCH_API_KEY": key} if key is not None else {})}
     offset = log_file.stat().st_size if log_file.exists() else 0
-    with open(log_file, "ab") as log:
+    # private to the user: the log holds what clients asked for and the models' paths
+    with os.fdopen(os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from dataclasses import asdict, dataclass, field
@@ -57,8 +58,10 @@ class StoredPane:
 
 class History:
     def __init__(self, path: Path | str) -> None:
-        if str(path) != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        if str(path) != ":memory:":  # private to the user (0700 folder, 0600 file): it holds every conversation
+            Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+            os.chmod(path, 0o600)
         self.db = sqlite3.connect(str(path))
         self.db.execute("PRAGMA foreign_keys = ON")
         self.db.executescript(SCHEMA)

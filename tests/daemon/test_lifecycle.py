@@ -23,6 +23,14 @@ def cli(*args, env=None, timeout=180):
 
 
 def test_cli_start_status_stop_in_the_background(tiny_chat_model_dir, short_tmp):
+    old = os.umask(0o022)  # the usual umask: group and others could read what is made with it
+    try:
+        _start_status_stop(tiny_chat_model_dir, short_tmp)
+    finally:
+        os.umask(old)
+
+
+def _start_status_stop(tiny_chat_model_dir, short_tmp):
     sock = short_tmp / "d.sock"
     env = {"MINIBATCH_LOG_FILE": str(short_tmp / "daemon.log"), "MINIBATCH_KV_CACHE_GB": "0.05"}
     started = cli("start", "--socket", str(sock), "--model", str(tiny_chat_model_dir), "--mode", "static", env=env)
@@ -36,6 +44,9 @@ def test_cli_start_status_stop_in_the_background(tiny_chat_model_dir, short_tmp)
         assert again.returncode == 1 and "already running (pid" in again.stderr
         logs = cli("logs", "--log-file", str(short_tmp / "daemon.log"))
         assert "ready in" in logs.stdout
+        # what it creates is its user's alone, whatever the umask: the socket, its lock file, the log
+        for path in (sock, lock_path(sock), short_tmp / "daemon.log"):
+            assert path.stat().st_mode & 0o077 == 0, (path, oct(path.stat().st_mode))
     finally:
         stopped = cli("stop", "--socket", str(sock))
     assert stopped.returncode == 0 and "stopped" in stopped.stdout
@@ -58,3 +69,15 @@ def test_start_refuses_speculative_options_out_of_range_naming_them(tiny_chat_mo
     assert out.returncode == 2 and "num_speculative_tokens must be an integer in [1, 16], got 0" in out.stderr
     out = cli("start", "--socket", sock, "--model", str(tiny_chat_model_dir), "--speculative", "eagle", env=env)
     assert out.returncode == 2 and "speculative must be one of off, ngram, draft, got 'eagle'" in out.stderr
+
+
+def test_the_chats_history_is_its_users_alone(tmp_path):
+    from minibatch.tui.history import History
+
+    old = os.umask(0o022)
+    try:
+        History(tmp_path / "state" / "chat.sqlite3").close()
+    finally:
+        os.umask(old)
+    assert (tmp_path / "state").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "state" / "chat.sqlite3").stat().st_mode & 0o777 == 0o600
