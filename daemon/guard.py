@@ -80,6 +80,7 @@ def keys_match(given: str, keys: tuple[str, ...]) -> bool:
 
 
 IDENTITY = "minibatch.identity"  # request[IDENTITY]: who sent it (a key's name, or LOCAL)
+IDENTITY_HEADER = "X-Minibatch-Identity"  # how a cluster's ingress tells its replicas who sent a request
 LOCAL = "local"  # a request that showed no key: the socket's own user (or a loopback listener's, without keys)
 _KEY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 

@@ -37,6 +37,10 @@ class DaemonConfig:
     models: PoolSettings = field(default_factory=PoolSettings)
     preload: tuple[str, ...] = ()  # more models to load at start, after the daemon's own
     reasoning_format: str = "auto"  # a thinking model's reasoning apart (auto) or in the content (none)
+    # a cluster replica behind the ingress: its tag starts the ids of the responses it stores (so the ingress
+    # routes a response's later requests to it), and it takes who sent a request from the ingress's
+    # X-Minibatch-Identity header (its socket is private to the cluster's user)
+    replica_tag: str | None = None
 
 
 def app_runner(app: web.Application, read_timeout: float) -> web.AppRunner:
@@ -80,6 +84,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         request_timeout=config.request_timeout,
         body_timeout=config.read_timeout,
         reasoning_format=config.reasoning_format,
+        replica_tag=config.replica_tag,
     )
     guard = config.guard or Guard()
     runner = app_runner(create_app(state, guard), config.read_timeout)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from .guard import Guard
+from .guard import IDENTITY, IDENTITY_HEADER, LOCAL, Guard
 from .models.pool import LoadedModel, ModelPool, parse_keep_alive
 from .protocol import ApiError, parse_body
 
@@ -25,6 +25,14 @@ class DaemonState:
     started_at: float = field(default_factory=time.time)
     status: str = "loading"  # loading | ready | draining | failed
     load_error: str | None = None
+    replica_tag: str | None = None  # behind a cluster's ingress (server.DaemonConfig.replica_tag)
+
+    def identity(self, request: web.Request) -> str:
+        """Who sent `request`: the name of the key it showed (guard.IDENTITY), or, behind a cluster's ingress,
+        the name the ingress's own guard gave it (the X-Minibatch-Identity header it forwards)."""
+        if self.replica_tag is not None:
+            return request.headers.get(IDENTITY_HEADER, LOCAL)
+        return request.get(IDENTITY, LOCAL)
 
     def check_serving(self) -> ModelPool:
         if self.status == "draining":

@@ -13,6 +13,7 @@ STORE_TTL_S seconds each; an unknown or expired id is a 404 that says so. Errors
 from __future__ import annotations
 
 import copy
+import hashlib
 import hmac
 import json
 import re
@@ -27,7 +28,6 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, St
 
 from ..generation import pipeline
 from ..generation.pipeline import Constraint, Generation, Running
-from ..guard import IDENTITY, LOCAL
 from ..protocol import ApiError, Float, Int
 from ..state import STATE, off_loop, read_body
 from .messages import FUNCTION_NAME, MAX_TOOLS
@@ -37,7 +37,7 @@ STORE_MAX_BYTES = 64 * 2**20  # and their JSON together at most this, the oldest
 STORE_TTL_S = 3600.0
 # OpenAI's limits on metadata: 16 pairs, keys up to 64 characters, values up to 512
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
-ID_PATTERN = "^resp_[0-9a-f]{24}$"  # what _id("resp") makes
+ID_PATTERN = "^resp_[0-9a-f]{24}$"  # what response_id makes
 
 
 class _Body(BaseModel):
@@ -315,6 +315,21 @@ def generation(body: ResponsesRequest, earlier: list[dict]) -> Generation:
 
 
 # -- answers in the Responses shapes ---------------------------------------------------------------------
+def response_id(tag: str | None) -> str:
+    """A response's id: resp_ and 24 hex digits, the first 8 the replica's tag behind a cluster's ingress
+    (which routes the response's later requests by it)."""
+    return "resp_" + (tag or "") + uuid.uuid4().hex[: 24 - len(tag or "")]
+
+
+def replica_tag(replica_id: str) -> str:
+    """A replica's 8 hex digits in the ids of the responses it stores."""
+    return hashlib.sha256(replica_id.encode()).hexdigest()[:8]
+
+
+def tag_of(response_id: str) -> str | None:
+    return response_id[5:13] if re.fullmatch(ID_PATTERN, response_id) else None
+
+
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
@@ -416,12 +431,12 @@ def _parsed(arguments: str):
 async def create(request: web.Request) -> web.StreamResponse:
     state, store = request.app[STATE], request.app[STORE]
     body = await read_body(request, state, ResponsesRequest)
-    owner = request.get(IDENTITY, LOCAL)
+    owner = state.identity(request)
     earlier = (
         store.get(body.previous_response_id, owner, "previous_response_id")[1] if body.previous_response_id else []
     )
     async with pipeline.generate(state, await off_loop(generation, body, earlier)) as run:
-        answer = Answer(store, run, body, owner, _id("resp"))
+        answer = Answer(store, run, body, owner, response_id(state.replica_tag))
         return await (stream(request, answer) if body.stream else whole(answer))
 
 
@@ -564,12 +579,13 @@ async def stream(request, a: Answer):
 
 
 async def get_response(request: web.Request) -> web.Response:
-    return web.json_response(request.app[STORE].get(request.match_info["response_id"], request.get(IDENTITY, LOCAL))[0])
+    owner = request.app[STATE].identity(request)
+    return web.json_response(request.app[STORE].get(request.match_info["response_id"], owner)[0])
 
 
 async def delete_response(request: web.Request) -> web.Response:
     rid = request.match_info["response_id"]
-    request.app[STORE].delete(rid, request.get(IDENTITY, LOCAL))
+    request.app[STORE].delete(rid, request.app[STATE].identity(request))
     return web.json_response({"id": rid, "object": "response.deleted", "deleted": True})
 
 

@@ -24,8 +24,9 @@ import time
 
 from aiohttp import web
 
+from minibatch.daemon.api.responses import replica_tag, tag_of
 from minibatch.daemon.app import guarded_app
-from minibatch.daemon.guard import Guard
+from minibatch.daemon.guard import IDENTITY, IDENTITY_HEADER, LOCAL, Guard
 from minibatch.daemon.monitor import EVENT_INTERVAL
 from minibatch.daemon.protocol import ApiError
 from minibatch.daemon.state import GUARD
@@ -76,11 +77,13 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             segments = None  # the replica refuses it with the daemon's own error
         prefix = block_hashes(segments) if segments else None
     headers = {k: request.headers[k] for k in FORWARDED if k in request.headers}
+    headers[IDENTITY_HEADER] = request.get(IDENTITY, LOCAL)  # who the guard here found it was (never the client's)
     counted = not request.path.startswith("/v1/engine/")  # what a drain waits for (not endless event streams)
     cluster.in_flight += counted
     try:
+        pin = _pin(request) or _holder(request, body, cluster.live())
         rid, _, status, kept, chunks = await cluster.open(
-            request.method, _path_without_replica(request), headers, body, prefix, _pin(request)
+            request.method, _path_without_replica(request), headers, body, prefix, pin
         )
         resp = web.StreamResponse(status=status)
         for k, v in kept:
@@ -96,6 +99,22 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         return resp
     finally:
         cluster.in_flight -= counted
+
+
+def _holder(request: web.Request, body: bytes, live: list[str]) -> str | None:
+    """The replica that stores the response a request reads, deletes or continues (GET / DELETE
+    /v1/responses/{id}, or previous_response_id), by the tag its id starts with; None for any other request,
+    or when that replica is gone (another answers the 404 an unknown id gets)."""
+    rid = None
+    if request.path.startswith("/v1/responses/") and request.method in ("GET", "DELETE"):
+        rid = request.path[len("/v1/responses/") :]
+    elif request.path == "/v1/responses" and request.method == "POST":
+        try:
+            rid = json.loads(body).get("previous_response_id")
+        except (ValueError, AttributeError):
+            rid = None
+    tag = tag_of(rid) if isinstance(rid, str) else None
+    return next((r for r in live if replica_tag(r) == tag), None) if tag else None
 
 
 def _stream_error(content_type: str, message: str) -> bytes:

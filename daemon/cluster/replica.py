@@ -27,6 +27,7 @@ from pathlib import Path
 import aiohttp
 from ray import serve
 
+from minibatch.daemon.api.responses import replica_tag
 from minibatch.daemon.client import request_json
 from minibatch.daemon.models.settings import PoolSettings
 from minibatch.daemon.server import DaemonConfig
@@ -96,6 +97,7 @@ class EngineReplica:
             request_timeout=request_timeout,
             read_timeout=read_timeout,
             models=PoolSettings(on_demand=False),  # an application serves one model (README: two models)
+            replica_tag=replica_tag(self.replica_id),  # its stored responses' ids say it holds them
         )
         started = threading.Event()
 

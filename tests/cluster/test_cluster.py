@@ -266,6 +266,31 @@ def test_the_guard_works_at_the_ingress(cluster):
     assert status == 200
 
 
+def test_a_stored_response_is_found_whichever_replica_a_later_request_reaches(cluster):
+    """The ingress routes a response's later requests to the replica that stores it (its id's tag), and tells
+    the replicas who sent a request: a response made with the key is not the socket user's."""
+    made_on = {}
+    for replica in sorted(r["replica"] for r in cluster.replicas()):  # one response stored on each replica
+        status, made = cluster.send("POST", f"/v1/responses?replica={replica}", {"input": "Hi", "max_output_tokens": 3})
+        assert status == 200, made
+        made_on[replica] = made
+    assert len(made_on) == 2
+    for replica, made in made_on.items():  # whichever replica the router would pick, each is found
+        for _ in range(3):
+            status, got = cluster.get(f"/v1/responses/{made['id']}")
+            assert status == 200 and got["id"] == made["id"], (replica, got)
+    rid = made["id"]
+    body = {"input": "And?", "max_output_tokens": 3, "previous_response_id": rid}
+    for _ in range(3):
+        status, more = cluster.send("POST", "/v1/responses", body)
+        assert status == 200 and more["usage"]["input_tokens"] > made["usage"]["input_tokens"], more
+    status, other = request_json(str(cluster.socket), "GET", f"/v1/responses/{rid}", timeout=20)  # no key: not its
+    assert status == 404 and other["error"]["code"] == "response_not_found"
+    status, gone = cluster.send("DELETE", f"/v1/responses/{rid}", None)
+    assert status == 200 and gone["deleted"]
+    assert cluster.get(f"/v1/responses/{rid}")[0] == 404
+
+
 def test_the_chat_shows_both_replicas_in_a_real_terminal(cluster):
     if shutil.which("tmux") is None:
         pytest.skip("tmux is not installed")
