@@ -205,6 +205,7 @@ async def openapi_json(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = (state.pool.metrics.prometheus() if state.pool else b"") + request.app[GUARD].prometheus()
+    body += request.app[responses.STORE].prometheus()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from .guard import IDENTITY, IDENTITY_HEADER, LOCAL, Guard
+from .guard import IDENTITY, IDENTITY_HEADER, LOCAL, Guard, is_tcp
 from .models.pool import LoadedModel, ModelPool, parse_keep_alive
 from .protocol import ApiError, parse_body
 
@@ -41,11 +41,19 @@ class DaemonState:
             raise ApiError(503, f"the daemon cannot serve: {self.load_error}", None, "not_ready", "unavailable")
         return self.pool
 
-    def lease(self, name: str | None, keep_alive=None):
+    def lease(self, name: str | None, keep_alive=None, operator: bool = False):
         """The model a request names, loaded if need be and held until the request ends (`async with`);
-        `keep_alive`: the request's, as parse_keep_alive reads it, or None for the model's own."""
+        `keep_alive`: the request's, as parse_keep_alive reads it, or None for the model's own; `operator`:
+        the request is the operator's own (is_operator), which may change a preloaded model's lifetime."""
         pool = self.check_serving()
-        return pool.lease(name) if keep_alive is None else pool.lease(name, parse_keep_alive(keep_alive))
+        if keep_alive is None:
+            return pool.lease(name)
+        return pool.lease(name, parse_keep_alive(keep_alive), operator)
+
+    def is_operator(self, request: web.Request) -> bool:
+        """The daemon's own user: a request over the Unix socket (private to that user) that showed no key.
+        Only such a request changes the lifetime of the models the operator loaded."""
+        return self.replica_tag is None and not is_tcp(request) and request.get(IDENTITY, LOCAL) == LOCAL
 
     def served(self, name: str | None) -> LoadedModel:
         """A loaded model for the engine endpoints (?model=; without it, the daemon's own)."""

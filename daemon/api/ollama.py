@@ -163,7 +163,9 @@ async def respond(request: web.Request, chat: bool):
     body = await off_loop(parse_body, raw, ChatBody if chat else GenerateBody)
     if (not body.messages) if chat else (not body.prompt):
         return await load_only(request, state, body, chat, started)
-    async with pipeline.generate(state, generation(body, chat)) as run:
+    gen = generation(body, chat)
+    gen.operator = state.is_operator(request)
+    async with pipeline.generate(state, gen) as run:
         return await answer(request, run, body, chat, started)
 
 
@@ -177,6 +179,15 @@ async def load_only(request: web.Request, state, body, chat: bool, started: floa
     empty = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
     if unload:
         m = pool.find(body.model)
+        if m is not None and pool.operators_model(m) and not state.is_operator(request):
+            raise ApiError(
+                403,
+                f"keep_alive: {m.name!r} was loaded by the daemon's operator (--model, --preload); only the "
+                "operator's own requests (over the socket, without a key) unload it",
+                "keep_alive",
+                "operator_model",
+                "permission_error",
+            )
         if m is not None:
             m.keep_alive = 0.0
             m.touch(0.0)
@@ -189,7 +200,7 @@ async def load_only(request: web.Request, state, body, chat: bool, started: floa
         await resp.prepare(request)
         await resp.write(json.dumps({**head, **empty, "done": False, "status": "loading"}).encode() + b"\n")
     try:
-        async with state.lease(body.model, body.keep_alive) as m:
+        async with state.lease(body.model, body.keep_alive, state.is_operator(request)) as m:
             final = {**head, "model": m.name, **empty, "done": True, "done_reason": "load"}
             final["load_duration"] = ns(time.perf_counter() - started)
     except ApiError as exc:

@@ -223,6 +223,21 @@ class ResponseStore:
         self.get(rid, owner)
         self._drop(rid)
 
+    def prometheus(self) -> bytes:
+        """What the store holds, and what it let go, in Prometheus' text format."""
+        lines = [
+            "# HELP minibatch_responses_stored Responses kept for GET and previous_response_id",
+            "# TYPE minibatch_responses_stored gauge",
+            f"minibatch_responses_stored {len(self._items)}",
+            "# HELP minibatch_responses_stored_bytes Their JSON, and their conversations', together",
+            "# TYPE minibatch_responses_stored_bytes gauge",
+            f"minibatch_responses_stored_bytes {self.bytes}",
+            "# HELP minibatch_responses_evicted_total Responses let go for room (count or bytes), or too large to keep",
+            "# TYPE minibatch_responses_evicted_total counter",
+            f"minibatch_responses_evicted_total {self.evicted}",
+        ]
+        return ("\n".join(lines) + "\n").encode()
+
 
 STORE = web.AppKey("responses", ResponseStore)
 

@@ -76,6 +76,7 @@ class Generation:
     n: int = 1  # completions per prompt; the prompt is computed once
     constraint: Constraint | None = None
     keep_alive: Any = None  # the request's, as parse_keep_alive reads it; None: the model's own
+    operator: bool = False  # the daemon's own user asks (state.is_operator): keep_alive may change a preloaded model's
     stream_interval: float = 0.0  # seconds between a stream's outputs (0: one per engine step)
 
     def sampling_params(self, max_model_len: int, prompt_len: int, model_defaults: dict) -> SamplingParams:
@@ -184,7 +185,7 @@ async def generate(state: DaemonState, gen: Generation) -> AsyncIterator[Running
     """Lease the model, render, admit and submit `gen`; the Running it yields is closed on the way out
     (aborting what is unfinished, whatever the reason: done, an error, the client gone)."""
     deadline = asyncio.get_running_loop().time() + state.request_timeout
-    async with state.lease(gen.model, gen.keep_alive) as model:
+    async with state.lease(gen.model, gen.keep_alive, gen.operator) as model:
         try:
             async with asyncio.timeout_at(deadline):
                 running = await _start(state, model, gen, deadline)

@@ -279,7 +279,7 @@ class ModelPool:
         return spec
 
     @asynccontextmanager
-    async def lease(self, name: str | None, keep_alive=_UNSET) -> AsyncIterator[LoadedModel]:
+    async def lease(self, name: str | None, keep_alive=_UNSET, operator: bool = False) -> AsyncIterator[LoadedModel]:
         """The model, held for one request: never evicted meanwhile; its keep-alive restarts at the end
         (`keep_alive`: the request's own, else the model's)."""
         m = await self.get(name)  # (loaded: nothing runs between its return and the lease)
@@ -288,10 +288,17 @@ class ModelPool:
             yield m
         finally:
             m.leases -= 1
-            m.touch(m.keep_alive if keep_alive is _UNSET else keep_alive)
+            # a model the operator loaded keeps its lifetime unless the operator's own request changes it
+            own = keep_alive is _UNSET or (self.operators_model(m) and not operator)
+            m.touch(m.keep_alive if own else keep_alive)
             self._room.set()
             if m.expires_at is not None and m.expires_at <= time.time() and m.leases == 0:
                 asyncio.ensure_future(self._unload_when_idle(m, "keep_alive 0"))
+
+    def operators_model(self, m: LoadedModel) -> bool:
+        """Loaded under a name the operator gave (--model, --preload): it stays loaded whoever loads it again,
+        and only the operator's own requests (the socket's user) change its lifetime."""
+        return bool(m.names & self.operator_names)
 
     def loaded_or_loading(self, name: str | None) -> bool:
         return self.find(name) is not None or normal_name(name or self.default_name) in self.loading
@@ -403,6 +410,8 @@ class ModelPool:
         )
         engine.on_detach.append(lambda: self.loop.call_soon_threadsafe(self._detached, m))
         loop.attach(engine)
+        if self.operators_model(m):  # the operator's (also when a request loads it again): stays loaded
+            m.keep_alive = None
         m.touch(m.keep_alive)
         self.models[name] = m
         self.signal.bump()

@@ -93,6 +93,11 @@ def test_a_stored_response_is_its_keys_alone(daemon):
         same_as_unknown(*got, *want)
     status, again = call(daemon, "GET", f"/v1/responses/{rid}", ALICE)
     assert status == 200 and again["id"] == rid  # still there for its own key
+    req = urllib.request.Request(daemon.url + "/metrics", headers={"Authorization": f"Bearer {ALICE}"})
+    with urllib.request.urlopen(req, timeout=20) as r:
+        metrics = r.read().decode()
+    stored = next(line for line in metrics.splitlines() if line.startswith("minibatch_responses_stored_bytes "))
+    assert int(stored.split()[1]) > 0 and "minibatch_responses_evicted_total 0" in metrics
     # the engine shows its own request ids, never the response's
     _, steps = call(daemon, "GET", "/v1/engine/steps?since=0", ALICE)
     assert rid not in json.dumps(steps) and "respreq-" in json.dumps(steps)
@@ -129,3 +134,24 @@ def test_metadata_past_openais_limits_is_a_400_naming_it(daemon, metadata):
         daemon, "POST", "/v1/responses", ALICE, {"input": "hi", "max_output_tokens": 2, "metadata": metadata}
     )
     assert status == 400 and body["error"]["param"].startswith("metadata"), body
+
+
+def test_only_the_operator_changes_the_lifetime_of_the_model_it_loaded(daemon):
+    """A key's request neither unloads the daemon's own model (keep_alive 0 is a 403 naming keep_alive) nor
+    shortens its life (a keep_alive of a second leaves it loaded for good); the socket's user may."""
+    from minibatch.daemon.client import request_json
+
+    own = call(daemon, "GET", "/health", ALICE)[1]["model"]
+    status, refused = call(daemon, "POST", "/api/generate", ALICE, {"model": own, "keep_alive": 0})
+    assert status == 403 and refused["error"].startswith("keep_alive: "), refused
+    ask = {"model": own, "prompt": "hi", "stream": False, "keep_alive": "1s", "options": {"num_predict": 2}}
+    assert call(daemon, "POST", "/api/generate", ALICE, ask)[0] == 200
+    (ps,) = call(daemon, "GET", "/api/ps", ALICE)[1]["models"]
+    assert ps["expires_at"].startswith("0001-01-01")  # still kept for good
+    status, out = request_json(str(daemon.socket), "POST", "/api/generate", {"model": own, "keep_alive": 0}, timeout=30)
+    assert status == 200 and out["done_reason"] == "unload", out  # the operator's own request, over the socket
+    body = {"model": own, "stream": False}
+    status, out = request_json(str(daemon.socket), "POST", "/api/generate", body, timeout=60)
+    assert status == 200 and out["done_reason"] == "load"
+    (ps,) = call(daemon, "GET", "/api/ps", ALICE)[1]["models"]
+    assert ps["expires_at"].startswith("0001-01-01")  # loaded again, it is the operator's again: kept
