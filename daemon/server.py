@@ -17,7 +17,7 @@ from minibatch.engine.factory import EngineConfig
 from .app import create_app
 from .guard import Guard, is_loopback
 from .lifecycle import InstanceLock, LifecycleError, private_umask
-from .models.pool import ModelPool, PoolSettings
+from .models.pool import ModelPool, PoolSettings, display_name
 from .protocol import ApiError
 from .state import DaemonState
 
@@ -80,7 +80,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         log.error("%s", exc)
         return 1
     state = DaemonState(
-        model_name=config.engine.model,
+        model_name=display_name(config.engine.model),
         request_timeout=config.request_timeout,
         body_timeout=config.read_timeout,
         reasoning_format=config.reasoning_format,

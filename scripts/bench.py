@@ -324,7 +324,7 @@ async def run(args) -> int:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from minibatch.engine.store.cache import resolve_model
+    from minibatch.engine.store.cache import ModelNotFoundError, resolve_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -339,7 +339,13 @@ async def run(args) -> int:
                 raise SystemExit(f"bench: server not ready: {health}")
     if not native and args.model is None:
         raise SystemExit("bench: --url needs --model (whose tokenizer makes the prompts)")
-    model_dir = resolve_model(health["model"]) if args.model is None else resolve_model(args.model)
+    try:
+        model_dir = resolve_model(health["model"] if args.model is None else args.model)
+    except ModelNotFoundError:  # a daemon shows a model it was given by path by the file's name alone
+        raise SystemExit(
+            f"bench: the daemon serves {health['model']!r}, which this machine does not resolve by that name; "
+            "pass --model with its path (whose tokenizer makes the prompts)"
+        ) from None
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     corpus = tokenizer.encode(" ".join(json.loads(line)["prompt"] for line in CHAT_SET.read_text().splitlines()))
     modes = args.modes.split(",") if native else ["server"]

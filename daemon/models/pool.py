@@ -73,6 +73,15 @@ def spec_of(name: str) -> str:
     return name
 
 
+def display_name(name: str) -> str:
+    """How a model the operator named by its path is shown: its file's name without .gguf, or its folder's
+    (answers show no server path); any other name as it is."""
+    if "/" not in name and not name.startswith("~"):
+        return name
+    path = Path(name).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name or name
+
+
 def cut(name: str, limit: int = 64) -> str:
     """A client's name as the answers and the log show it: at most `limit` characters."""
     return name if len(name) <= limit else name[: limit - 3] + "..."
@@ -163,6 +172,7 @@ class LoadedModel:
         """/health's entry for it: the engine's facts and its lifetime."""
         st = self.engine.state
         return self.info.as_dict(public=True) | {
+            "model": self.name,
             "name": self.name,
             "mode": st.mode,
             "running": st.running,
@@ -190,7 +200,10 @@ class ModelPool:
         self.loading: dict[str, asyncio.Future] = {}
         self.failed: dict[str, str] = {}  # the last load error by name (listed or the operator's names only)
         # the names the operator gave (--model, --preload): a request may name these too, whatever they are
-        self.operator_names = {normal_name(self.default_name)}
+        # the names the operator gave (--model, --preload) and the names they are shown by, each to what it
+        # loads: a request may name these too, whatever they are
+        self.operator_specs = {}
+        self._add_operator_names([self.default_name])
         self.metrics = Metrics()
         self.signal = StepSignal()  # any model stepped, loaded or unloaded: the event streams look again
         self.lost = asyncio.Event()  # an engine lost its device: the daemon exits
@@ -235,7 +248,7 @@ class ModelPool:
         """The model a name means, loaded now if it is not (the caller waits for the load). A request's name
         (`operator` False) must be one the catalog lists: a request names models, never files; the
         operator's (--model, --preload, and a request without a name, which means --model) may be a path."""
-        operator = operator or name in (None, "", "default") or normal_name(name) in self.operator_names
+        operator = operator or name in (None, "", "default") or normal_name(name) in self.operator_specs
         while True:
             m = self.find(name)
             if m is not None:
@@ -248,11 +261,14 @@ class ModelPool:
                     "model",
                     "model_not_found",
                 )
-            spec = None if operator else await asyncio.to_thread(self._listed, requested)
+            if operator:
+                spec = self.operator_specs.get(normal_name(requested)) or spec_of(requested)
+            else:
+                spec = await asyncio.to_thread(self._listed, requested)
             key = normal_name(requested)
             fut = self.loading.get(key)
             if fut is None:
-                fut = self.loading[key] = asyncio.ensure_future(self._load(requested, spec))
+                fut = self.loading[key] = asyncio.ensure_future(self._load(requested, spec, operator))
                 fut.add_done_callback(lambda _f, k=key: (self.loading.pop(k, None), self.signal.bump()))
                 self.signal.bump()  # the chat's panel shows it loading
             m = await asyncio.shield(fut)
@@ -298,7 +314,13 @@ class ModelPool:
     def operators_model(self, m: LoadedModel) -> bool:
         """Loaded under a name the operator gave (--model, --preload): it stays loaded whoever loads it again,
         and only the operator's own requests (the socket's user) change its lifetime."""
-        return bool(m.names & self.operator_names)
+        return bool(m.names & self.operator_specs.keys())
+
+    def _add_operator_names(self, names) -> None:
+        for name in names:
+            spec = spec_of(name)
+            self.operator_specs[normal_name(name)] = spec
+            self.operator_specs.setdefault(normal_name(display_name(name)), spec)
 
     def loaded_or_loading(self, name: str | None) -> bool:
         return self.find(name) is not None or normal_name(name or self.default_name) in self.loading
@@ -339,15 +361,13 @@ class ModelPool:
             )
         return self._budget
 
-    async def _load(self, requested: str, spec: str | None = None) -> LoadedModel:
-        """Resolve and load `requested` (`spec`: what a request's listed name resolved to; None: the
-        operator's name, any path)."""
+    async def _load(self, requested: str, spec: str, operator: bool) -> LoadedModel:
+        """Resolve and load `requested`: `spec` is what it resolved to (a listed name's spec, or the operator's
+        own, which may be any path)."""
         async with self._load_lock:
             m = self.find(requested)  # loaded meanwhile, under another of its names
             if m is not None:
                 return m
-            operator = spec is None
-            spec = spec_of(requested) if operator else spec
             try:
                 model_dir = await asyncio.to_thread(resolve_model, spec, None, False)
             except ModelNotFoundError as exc:
@@ -372,8 +392,12 @@ class ModelPool:
             await self._fit(m)
             return m
 
-    async def _build(self, name: str, spec: str) -> LoadedModel:
+    async def _build(self, requested: str, spec: str) -> LoadedModel:
         from minibatch.engine.step_loop import StepLoop
+
+        name = display_name(requested)  # how it is shown: never a server path
+        if name != requested and name in self.models:
+            name = requested  # two of the operator's files of one name: the second keeps its path
 
         if self.settings.engine_loop == "shared":
             if self._shared is None or not self._shared.alive:
@@ -406,7 +430,7 @@ class ModelPool:
             loop=loop,
             load_seconds=time.perf_counter() - started,
             keep_alive=self.settings.keep_alive,
-            names={normal_name(name), normal_name(info.model_dir)},
+            names={normal_name(name), normal_name(requested), normal_name(info.model_dir)},
         )
         engine.on_detach.append(lambda: self.loop.call_soon_threadsafe(self._detached, m))
         loop.attach(engine)
@@ -451,7 +475,7 @@ class ModelPool:
     async def preload(self, names: list[str]) -> None:
         """Load the start's models (the first is the daemon's own); they stay loaded until evicted or
         unloaded by a request's keep_alive."""
-        self.operator_names |= {normal_name(n) for n in names}
+        self._add_operator_names(names)
         for name in names:
             m = await self.get(name, operator=True)
             m.keep_alive = None

@@ -74,7 +74,7 @@ class EngineInfo:
         """JSON-ready: the fields, with `memory` nested (None fields left out); `public`: without the server's
         own paths (what the API shows its clients)."""
         out = asdict(self)
-        if public:
-            del out["model_dir"]
+        if public:  # the spec may be the operator's path: the API shows the model's name beside these
+            del out["model_dir"], out["model"]
         out["eos_token_ids"] = list(self.eos_token_ids)
         return {k: v for k, v in out.items() if v is not None}

@@ -93,7 +93,7 @@ def greedy(client: openai.OpenAI, model: str, text: str = "Tell me about cats.")
 
 
 def test_models_answer_by_name_in_turn_and_at_once(daemon, tiny_chat_model_dir):
-    own, builtin, qwen = str(tiny_chat_model_dir), "smollm2-135m-instruct", "qwen"
+    own, builtin, qwen = tiny_chat_model_dir.name, "smollm2-135m-instruct", "qwen"  # the daemon's by its name
     client = sdk(daemon)
     first = greedy(client, own)
     second = greedy(client, builtin)  # loads the built-in model by its alias: the request waits for it
@@ -131,7 +131,7 @@ def test_models_answer_by_name_in_turn_and_at_once(daemon, tiny_chat_model_dir):
 
 
 def test_ps_tags_and_keep_alive(daemon, tiny_chat_model_dir):
-    own, other = str(tiny_chat_model_dir), "qwen"
+    own, other = tiny_chat_model_dir.name, "qwen"
     oc = ollama_client(daemon)
     oc.generate(model=other, prompt="Hi", options={"num_predict": 2}, keep_alive="10m")
     ps = {m.model: m for m in oc.ps().models}
@@ -193,7 +193,7 @@ def test_streaming_load_shows_its_status_and_bad_names_say_what_there_is(daemon)
 
 
 def test_sixteen_requests_over_two_models_leak_no_block(daemon, tiny_chat_model_dir):
-    names = [str(tiny_chat_model_dir), "qwen"]
+    names = [tiny_chat_model_dir.name, "qwen"]
 
     async def one(s, i):
         body = chat_body(f"Count to {i}.", model=names[i % 2], max_tokens=8 + i, ignore_eos=True, stream=i % 3 == 0)
@@ -218,11 +218,11 @@ def test_sixteen_requests_over_two_models_leak_no_block(daemon, tiny_chat_model_
 
 
 def test_the_least_recently_used_idle_model_is_evicted_never_a_busy_one(tiny_chat_model_dir, models_env):
-    own, other = str(tiny_chat_model_dir), "qwen"
+    own, other = tiny_chat_model_dir.name, "qwen"
     d = tempfile.mkdtemp(prefix="mb-evict-", dir="/tmp")
     daemon = Daemon(
         Path(d) / "d.sock",
-        own,
+        tiny_chat_model_dir,  # the operator's path; requests name it by its folder's name
         "--max-loaded-models",
         "1",
         "--load-wait",

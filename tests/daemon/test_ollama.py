@@ -24,7 +24,7 @@ def client(daemon) -> ollama.Client:
 
 def test_the_ollama_client_lists_chats_and_generates(daemon, tiny_chat_model_dir):
     c = client(daemon)
-    name = str(tiny_chat_model_dir)
+    name = tiny_chat_model_dir.name
     listed = c.list()
     # the served model first, then what else the machine holds (loaded on first use)
     assert [m.model for m in listed.models][0] == f"{name}:latest"
@@ -58,7 +58,7 @@ def test_the_ollama_client_lists_chats_and_generates(daemon, tiny_chat_model_dir
 def test_ollama_errors_use_its_shape_and_name_the_field(daemon, tiny_chat_model_dir):
     import asyncio
 
-    name = str(tiny_chat_model_dir)
+    name = tiny_chat_model_dir.name
 
     async def go():
         out = {}

@@ -118,7 +118,7 @@ def test_two_panes_on_two_models_broadcast_at_once(tiny_chat_model_dir, short_tm
         assert saw_both, final  # the panel listed both engines
         assert "Traceback" not in final
         _, health = daemon.get("/health")
-        assert {m["name"] for m in health["models"]} == {str(tiny_chat_model_dir), "smollm2-135m-instruct"}
+        assert {m["name"] for m in health["models"]} == {tiny_chat_model_dir.name, "smollm2-135m-instruct"}
     finally:
         tmux("kill-server", check=False)
         daemon.stop()
