@@ -83,6 +83,8 @@ def test_bench_end_to_end_against_the_tiny_daemon(tiny_chat_model_dir, short_tmp
                 str(SCRIPTS / "bench.py"),
                 "--socket",
                 str(daemon.socket),
+                "--model",  # the daemon shows a model given by path by its folder's name: its tokenizer's path
+                str(tiny_chat_model_dir),
                 "--requests",
                 "6",
                 "--prompt-len",
@@ -184,6 +186,7 @@ def test_bench_end_to_end_against_the_tiny_daemon(tiny_chat_model_dir, short_tmp
         for api in ("openai", "messages"):
             run = subprocess.run(
                 [sys.executable, str(SCRIPTS / "bench.py"), "--socket", str(daemon.socket), "--api", api]
+                + ["--model", str(tiny_chat_model_dir)]
                 + ["--requests", "3", "--prompt-len", "8,24", "--output-len", "4,12", "--repeats", "1"]
                 + ["--warmup", "0", "--modes", "continuous", "--out", str(tmp_path / api)],
                 capture_output=True,
