@@ -12,7 +12,7 @@ import time
 
 from aiohttp import web
 
-from .api import anthropic, ollama, openai, openapi, responses
+from .api import anthropic, ollama, openai, openapi, responses, tokens
 from .api.schemas import ModeRequest
 from .guard import Guard, guard_middleware
 from .models.catalog import catalog
@@ -240,4 +240,5 @@ def create_app(state: DaemonState, guard: Guard | None = None) -> web.Applicatio
     ollama.add_routes(app)
     anthropic.add_routes(app)
     responses.add_routes(app)
+    tokens.add_routes(app)
     return app

@@ -17,7 +17,7 @@ from pydantic.json_schema import models_json_schema
 from minibatch.engine.core.info import EngineInfo
 
 from ..protocol import MAX_BODY_BYTES
-from . import anthropic, ollama, responses, schemas
+from . import anthropic, ollama, responses, schemas, tokens
 from .openai_bodies import ChatRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
@@ -207,6 +207,24 @@ def _operations() -> list[tuple]:
         ),
         (
             "post",
+            "/tokenize",
+            "a text's or a conversation's token ids (a conversation as its chat request's prompt), their count",
+            tokens.TokenizeRequest,
+            {200: {JSON: s.Tokenized}},
+            {**GUARDED, **BODY, **ENGINE, **MODEL},
+            [],
+        ),
+        (
+            "post",
+            "/detokenize",
+            "the text of token ids",
+            tokens.DetokenizeRequest,
+            {200: {JSON: s.Detokenized}},
+            {**GUARDED, **BODY, **ENGINE, **MODEL},
+            [],
+        ),
+        (
+            "post",
             "/api/chat",
             "Ollama: a chat answer (streamed as NDJSON unless stream is false)",
             ollama.ChatBody,
@@ -324,6 +342,8 @@ def document(model: str | None = None, vocab_size: int | None = None, version: s
             for ids in (items, items.get("items", {})):
                 if ids.get("type") == "integer":
                     ids["maximum"] = vocab_size - 1
+        detokenize = components[refs[(tokens.DetokenizeRequest, "validation")]["$ref"].rsplit("/", 1)[1]]
+        detokenize["properties"]["tokens"]["items"]["maximum"] = vocab_size - 1
 
     def content(media: dict) -> dict:
         return {kind: {"schema": refs[(m, "serialization")] if isinstance(m, type) else m} for kind, m in media.items()}

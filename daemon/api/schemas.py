@@ -358,6 +358,20 @@ class TokenCount(_Out):
     input_tokens: int
 
 
+class Tokenized(_Out):
+    """POST /tokenize's answer: the ids (or, with_pieces, {"id", "piece"} each), their count, the context."""
+
+    model: str
+    tokens: list[int] | list[dict[str, Any]]
+    count: int
+    max_model_len: int
+
+
+class Detokenized(_Out):
+    model: str
+    content: str
+
+
 # -- Responses ------------------------------------------------------------------
 class ResponseOut(_Out):
     id: str
