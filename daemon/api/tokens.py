@@ -27,7 +27,10 @@ class TokenizeRequest(Body):
     # content or messages, one of them; tools only beside messages
     model_config = ConfigDict(
         json_schema_extra={
-            "oneOf": [{"required": ["content"]}, {"required": ["messages"]}],
+            "oneOf": [
+                {"required": ["content"], "properties": {"content": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ],
             "dependentRequired": {"tools": ["messages"]},
         }
     )
