@@ -68,9 +68,14 @@ def completion_generation(body: CompletionRequest) -> Generation:
 
 
 def _constraint(body: ChatRequest | CompletionRequest, forced) -> Constraint | None:
+    fmt = body.response_format
+    if body.grammar is not None:
+        if forced is not None or (fmt is not None and fmt.type != "text"):
+            other = "a required tool call" if forced is not None else "response_format"
+            raise ApiError(400, f"grammar: cannot be combined with {other}", "grammar", "invalid_value")
+        return Constraint("grammar", grammar=body.grammar)
     if forced is not None:
         return Constraint("tools", call=forced)
-    fmt = body.response_format
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":

@@ -16,6 +16,7 @@ from minibatch.engine.core.sampling_params import (
     MAX_LOGPROBS,
     MAX_TOP_K,
 )
+from minibatch.engine.text.structured import MAX_GRAMMAR_BYTES
 
 from ..protocol import ApiError, Float, Int
 from .messages import MAX_TOOLS, Body, Message, NamedToolChoice, Tool
@@ -102,6 +103,8 @@ class _Sampling(Body):
     n: Int = Field(default=1, ge=1, le=MAX_N)  # completions per request; the prompt is computed once
     user: StrictStr | None = None
     response_format: ResponseFormat | None = None
+    # llama-server's: the answer follows this grammar, llama.cpp's GBNF (rules with ::=, from root) or Lark (from start)
+    grammar: StrictStr | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_BYTES)
     # OpenAI's logit_bias: token id (as a string key) -> bias added to its logit before sampling
     logit_bias: Annotated[dict[TokenIdKey, Bias] | None, WithJsonSchema(LOGIT_BIAS_SCHEMA)] = Field(
         default=None, max_length=MAX_LOGIT_BIAS

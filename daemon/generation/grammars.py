@@ -1,6 +1,6 @@
-"""Which grammar constrains a request -- its response format's, or a required tool call's -- compiled off the
-event loop's thread (engine/text/structured.py does the compiling). Every schema that cannot be used is a 400
-naming its field."""
+"""Which grammar constrains a request -- its response format's, the one it wrote, or a required tool call's --
+compiled off the event loop's thread (engine/text/structured.py does the compiling). Every schema or grammar
+that cannot be used is a 400 naming its field."""
 
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ def _compiler(model, param: str):
     return model.grammars
 
 
-async def _compile(param: str, what: str, fn, *args):
+async def _compile(param: str, what: str, fn, *args, code: str = "invalid_schema"):
     from minibatch.engine.text.structured import GrammarError
 
     try:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
     except GrammarError as exc:
-        raise ApiError(400, f"{param}: {what}: {exc}", param, "invalid_schema") from None
+        raise ApiError(400, f"{param}: {what}: {exc}", param, code) from None
 
 
 async def response_grammar(model, fmt: str | dict, param: str):
@@ -34,6 +34,14 @@ async def response_grammar(model, fmt: str | dict, param: str):
     in errors."""
     schema = {"type": "object"} if fmt == "json" else fmt
     return await _compile(param, "the schema cannot be used", _compiler(model, param).json_schema, schema)
+
+
+async def text_grammar(model, text: str, param: str):
+    """The grammar the client wrote (llama.cpp's GBNF, or Lark); a broken one is a 400 naming its line and
+    column."""
+    return await _compile(
+        param, "the grammar cannot be used", _compiler(model, param).text_grammar, text, code="invalid_grammar"
+    )
 
 
 async def check_tool_schemas(model, specs: list[dict]) -> None:

@@ -31,7 +31,7 @@ from ..models.pool import LoadedModel
 from ..protocol import ApiError
 from ..state import DaemonState, off_loop, timed_out
 from .answer import AnswerStream, Parts, split_answer
-from .grammars import check_tool_schemas, response_grammar, tool_call_grammar
+from .grammars import check_tool_schemas, response_grammar, text_grammar, tool_call_grammar
 from .reasoning import Thinking, gate
 from .tools import check_template
 
@@ -49,12 +49,13 @@ class Reasoning:
 
 @dataclass(slots=True)
 class Constraint:
-    """What the answer must follow: a format (`fmt`: "json", a JSON schema, or OpenAI's response_format)
-    or a required tool call (`call`: the functions and the one named, or None for any). `param`: the field
-    the client wrote it in."""
+    """What the answer must follow: a format (`fmt`: "json" or a JSON schema), a grammar the client wrote
+    (`grammar`: GBNF or Lark), or a required tool call (`call`: the functions and the one named, or None for
+    any). `param`: the field the client wrote it in."""
 
     param: str
     fmt: Any = None
+    grammar: str | None = None
     call: tuple[list[dict], str | None] | None = None
 
 
@@ -253,6 +254,8 @@ async def _grammar(model: LoadedModel, gen: Generation):
         return None
     if c.call is not None:
         return await tool_call_grammar(model, *c.call)
+    if c.grammar is not None:
+        return await text_grammar(model, c.grammar, c.param)
     return await response_grammar(model, c.fmt, c.param)
 
 

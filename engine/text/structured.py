@@ -12,6 +12,7 @@ free of both torch and llguidance.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Callable
 
@@ -69,6 +70,83 @@ def bound_integers(schema):
         if "maximum" not in out and "exclusiveMaximum" not in out:
             out["maximum"] = INTEGER_LIMIT
     return out
+
+
+# A grammar's text: bytes at most, and how deep its parentheses nest (checked before any parser recurses).
+MAX_GRAMMAR_BYTES = 65_536
+MAX_GRAMMAR_DEPTH = MAX_SCHEMA_DEPTH
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z0-9_-]+\s*::=", re.MULTILINE)
+_UNICODE_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\(?:u([0-9A-Fa-f]{4})|U([0-9A-Fa-f]{8}))")
+_LARK_AT = re.compile(r"(?:at )?(\d+)\((\d+)\):\s*")
+
+
+def is_gbnf(text: str) -> bool:
+    """Whether `text` is written in llama.cpp's GBNF (rules defined with `::=`) rather than Lark (`:`)."""
+    return _GBNF_RULE.search(text) is not None
+
+
+def _where(text: str, pos: int) -> str:
+    line = text.count("\n", 0, pos) + 1
+    return f"line {line}, column {pos - (text.rfind(chr(10), 0, pos) + 1) + 1}"
+
+
+def check_grammar_size(text: str) -> None:
+    """Raise GrammarError when `text` is longer than MAX_GRAMMAR_BYTES or its parentheses nest deeper than
+    MAX_GRAMMAR_DEPTH (counted outside quotes, character classes and comments, without recursion)."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"the grammar is {size:,} bytes; at most {MAX_GRAMMAR_BYTES:,}")
+    depth, i, n = 0, 0, len(text)
+    while i < n:
+        c = text[i]
+        if c in "\"'[/" and not (c == "/" and text[i - 1 : i] not in ("", " ", "\t", "\n", "|", "(", ":")):
+            close = "]" if c == "[" else c
+            i += 1
+            while i < n and text[i] != close and text[i] != "\n":
+                i += 2 if text[i] == "\\" else 1
+        elif c in "#" or text.startswith("//", i):
+            while i < n and text[i] != "\n":
+                i += 1
+        elif c == "(":
+            depth += 1
+            if depth > MAX_GRAMMAR_DEPTH:
+                raise GrammarError(f"{_where(text, i)}: parentheses nest deeper than {MAX_GRAMMAR_DEPTH} levels")
+        elif c == ")":
+            depth = max(0, depth - 1)
+        i += 1
+
+
+def gbnf_to_lark(text: str) -> str:
+    """llama.cpp's GBNF rewritten in Lark (llguidance's converter); its errors name line and column."""
+    from llguidance.gbnf_to_lark import GbnfToLarkError
+    from llguidance.gbnf_to_lark import gbnf_to_lark as convert
+
+    try:
+        return convert(_UNICODE_ESCAPE.sub(_unescape, text))
+    except GbnfToLarkError as exc:
+        message = str(exc).rsplit(" at line ", 1)[0]
+        raise GrammarError(f"{_where(text, exc.pos.pos)}: {message}") from None
+    except RecursionError:
+        raise GrammarError("the grammar nests too deeply") from None
+    except Exception as exc:  # the converter's own checks (an undefined rule, no root) raise plain Exceptions
+        missing = re.fullmatch(r"Rule '(.+)' not found", str(exc))
+        if missing:
+            use = re.search(rf"(?<![\w-]){re.escape(missing.group(1))}(?![\w-])(?!\s*::=)", text)
+            if use:
+                raise GrammarError(f"{_where(text, use.start())}: no rule named {missing.group(1)!r}") from None
+        if str(exc) == "No 'root' rule found":
+            raise GrammarError("no rule named 'root' (a GBNF grammar starts at root)") from None
+        raise GrammarError(str(exc)) from None
+
+
+def _unescape(m: re.Match) -> str:
+    """GBNF's \\uXXXX and \\UXXXXXXXX as the character itself (the converter drops their leading zeros, which
+    Lark then misreads, and Lark has no \\U), or as \\xHH where the character means something in a grammar."""
+    code = int(m.group(2) or m.group(3), 16)
+    if 0xD800 <= code <= 0xDFFF or code > 0x10FFFF:
+        raise GrammarError(f"\\u{code:04x} is not a character")
+    c = chr(code)
+    return m.group(1) + (f"\\x{code:02x}" if code < 0x20 or c in '"\\[]^-/' else c)
 
 
 class Grammar:
@@ -176,6 +254,21 @@ class GrammarCompiler:
         except ValueError as exc:
             raise GrammarError(str(exc)) from exc
 
+    def text_grammar(self, text: str) -> Grammar:
+        """A grammar written by the client: llama.cpp's GBNF (its start rule `root`) or Lark as llguidance
+        reads it (its start rule `start`), told apart by how rules are defined (`::=` is GBNF)."""
+        import llguidance
+
+        if not isinstance(text, str) or not text.strip():
+            raise GrammarError("the grammar is empty")
+        check_grammar_size(text)
+        gbnf = is_gbnf(text)
+        lark = gbnf_to_lark(text) if gbnf else text
+        try:
+            return self._matcher(llguidance.LLMatcher.grammar_from_lark(lark))
+        except GrammarError as exc:
+            raise GrammarError(_lark_error(str(exc), gbnf)) from None
+
     def json_object(self) -> Grammar:
         """Any JSON object (OpenAI's `json_object` response format)."""
         return self.json_schema({"type": "object"})
@@ -187,3 +280,14 @@ class GrammarCompiler:
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         return Grammar(matcher)
+
+
+def _lark_error(message: str, converted: bool) -> str:
+    """llguidance's message on a Lark grammar, its position first as "line L, column C" (on a converted GBNF
+    grammar the position is the Lark text's, so only the reason is kept) and its source excerpt dropped."""
+    reason = message.split("\n", 1)[0].strip()
+    at = _LARK_AT.match(reason)
+    if at is None:
+        return reason
+    rest = reason[at.end() :]
+    return rest if converted else f"line {at.group(1)}, column {at.group(2)}: {rest}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -177,3 +178,47 @@ def test_the_ollama_client_gets_json_for_format(daemon):
     with pytest.raises(ollama.ResponseError) as err:
         c.chat(model="smollm2-135m-instruct", messages=[{"role": "user", "content": "hi"}], format={"type": "objectx"})
     assert err.value.status_code == 400 and "format" in err.value.error
+
+
+@pytest.mark.model
+def test_a_gbnf_grammar_constrains_the_answer_and_a_broken_one_names_its_line(daemon):
+    """llama-server's `grammar` field, through the OpenAI SDK's extra_body: chat and completions, whole and
+    streamed, GBNF and Lark; a broken grammar is a 400 naming the field, its line and its column."""
+    client = sdk(daemon)
+    gbnf = 'root ::= "The answer is " ("yes" | "no") "." ( " " [A-Z] [a-z]{1,10} "." ){0,2}\n'
+    answer = re.compile(r"The answer is (yes|no)\.( [A-Z][a-z]{1,10}\.){0,2}")
+    for temperature in (0, 0.9):
+        r = client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": "Is the sky blue?"}],
+            temperature=temperature,
+            seed=3,
+            max_tokens=60,
+            extra_body={"grammar": gbnf},
+        )
+        assert r.choices[0].finish_reason == "stop" and answer.fullmatch(r.choices[0].message.content), r
+    chunks = client.completions.create(
+        model="smollm2-135m-instruct",
+        prompt="Is water wet?",
+        max_tokens=60,
+        stream=True,
+        extra_body={"grammar": 'start: "Water is " ("wet" | "dry") "."\n'},
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) in ("Water is wet.", "Water is dry.")
+    for body, message in [
+        ({"grammar": 'root ::= "a" (\n'}, "grammar: the grammar cannot be used: line 2, column 1:"),
+        ({"grammar": 'root ::= "a" b'}, "line 1, column 14: no rule named 'b'"),
+        (
+            {"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}},
+            "grammar: cannot be combined with response_format",
+        ),
+    ]:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(
+                model="smollm2-135m-instruct",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=5,
+                extra_body=body,
+            )
+        assert err.value.body["param"] == "grammar" and message in err.value.body["message"], err.value.body
+    assert daemon.wait_idle()["kv_blocks_used"] == 0
