@@ -96,7 +96,10 @@ def test_every_output_parses_with_its_grammar(tiny_chat_model_dir, compiler, mod
     for name, (grammar, _) in GRAMMARS.items():
         for seed in (None, 1, 2, 3):
             params = SamplingParams(
-                temperature=0 if seed is None else 1.0, seed=seed, max_tokens=120, grammar=compiler.text_grammar(grammar)
+                temperature=0 if seed is None else 1.0,
+                seed=seed,
+                max_tokens=120,
+                grammar=compiler.text_grammar(grammar),
             )
             rid = f"{name}-{seed}"
             reqs[rid] = (name, e.add_request(rid, [*prompt, len(reqs)], params))
