@@ -182,7 +182,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     # pool (admission refuses one that would), so the rotary tables hold at most that many positions.
     model.use_context(max_model_len, positions=(num_blocks - 1) * config.block_size)
     caches = allocate_kv_cache(cfg, num_blocks, config.block_size, dtype, device)
-    runner = ModelRunner(model, caches, config.block_size)
+    runner = ModelRunner(model, caches, config.block_size, token_texts=tokenizer.token_texts)
     if (
         device == "cuda"
         and backend.name == "triton"

@@ -31,6 +31,7 @@ from ..models.pool import iso, parse_keep_alive
 from ..protocol import ApiError, Float, Int, parse_body
 from ..state import STATE, off_loop, read_raw
 from .messages import MAX_TOOLS, Tool
+from .samplers import SAMPLER_FIELDS, given_samplers, sampler_fields
 from .schemas import OllamaShowRequest
 
 VERSION = "0.6.0"  # the Ollama API version whose shapes these follow
@@ -40,7 +41,7 @@ class _Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
-class Options(_Lenient):
+class Options(sampler_fields(_Lenient, "_OllamaSamplers")):
     temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: Int | None = Field(default=None, ge=-1, le=MAX_TOP_K)
@@ -103,7 +104,7 @@ class _Request(_Lenient):
             given["stop"] = list(given["stop"])
         if o.speculative is not None:
             given["speculative"] = o.speculative
-        return given
+        return given | given_samplers(o)
 
 
 # a SamplingParams field -> the option that sets it
@@ -238,7 +239,8 @@ def generation(body: ChatBody | GenerateBody, chat: bool) -> Generation:
         reasoning=Reasoning(off=body.think is False, apart=None if body.think is None else body.think),
         sampling=body.sampling(),
         api_defaults=API_DEFAULTS,
-        names={k: f"options.{v}" for k, v in OPTION_NAMES.items()} | {"speculative": "options.speculative"},
+        names={k: f"options.{v}" for k, v in OPTION_NAMES.items()}
+        | {k: f"options.{k}" for k in ("speculative", *SAMPLER_FIELDS)},
         constraint=Constraint("format", fmt=body.format) if body.format else None,
         keep_alive=body.keep_alive,
     )

@@ -20,6 +20,7 @@ from minibatch.engine.text.structured import MAX_GRAMMAR_BYTES
 
 from ..protocol import ApiError, Float, Int
 from .messages import MAX_TOOLS, Body, Message, NamedToolChoice, Tool
+from .samplers import given_samplers, sampler_fields
 
 TokenIdKey = Annotated[StrictStr, Field(pattern=r"^(0|[1-9][0-9]{0,8})$")]  # a token id as a JSON object key
 Bias = Annotated[float, Field(ge=-LOGIT_BIAS_RANGE, le=LOGIT_BIAS_RANGE, allow_inf_nan=False)]
@@ -83,7 +84,7 @@ class ResponseFormat(Body):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _Sampling(Body):
+class _Sampling(sampler_fields(Body, "_Samplers")):
     model: StrictStr | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -119,7 +120,9 @@ class _Sampling(Body):
         values["logit_bias"] = {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None
         values["logprobs"] = self.logprobs_k()
         given = self.model_fields_set | {"logprobs"}
-        return {k: v for k, v in values.items() if k in given}, {k: v for k, v in values.items() if k not in given}
+        return {k: v for k, v in values.items() if k in given} | given_samplers(self), {
+            k: v for k, v in values.items() if k not in given
+        }
 
     def logprobs_k(self) -> int | None:
         return None

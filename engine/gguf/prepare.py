@@ -45,6 +45,11 @@ _SAMPLING = {
     "top_p": "top_p",
     "min_p": "min_p",
     "penalty_repeat": "repetition_penalty",
+    "xtc_probability": "xtc_probability",
+    "xtc_threshold": "xtc_threshold",
+    "mirostat": "mirostat",
+    "mirostat_tau": "mirostat_tau",
+    "mirostat_eta": "mirostat_eta",
 }
 
 

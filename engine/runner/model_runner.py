@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from minibatch.engine.attention.metadata import build_flat_batch
@@ -21,10 +23,11 @@ class ModelRunner:
         model: LlamaForCausalLM,
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
         block_size: int,
+        token_texts: Callable[[int], list[str]] | None = None,  # the tokenizer's, for DRY's breakers
     ) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.device = next(model.parameters()).device
-        self.sampler = Sampler(model.ops)
+        self.sampler = Sampler(model.ops, token_texts=token_texts)
         self.graphs = None  # DecodeGraphs on CUDA: pure-decode steps replay a captured forward
 
     @torch.inference_mode()

@@ -38,11 +38,18 @@ def philox4x32_10(counter: np.ndarray, key: np.ndarray) -> np.ndarray:
 
 def uniforms(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
     """int64 keys and counters [n] -> float64 [n] in [0, 1): 53 bits of the block at counter (pos, 0, 0, 0)."""
+    return uniform_pairs(keys, counters)[0]
+
+
+def uniform_pairs(keys: np.ndarray, counters: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The draw's uniform (`uniforms`, from the block's first two words) and a second, independent one from
+    its last two (XTC's coin), for each (key, counter)."""
     k = np.asarray(keys, dtype=np.int64).view(np.uint64)
     n = np.asarray(counters, dtype=np.int64).view(np.uint64)
     ctr = np.zeros((len(k), 4), dtype=np.uint32)
     ctr[:, 0], ctr[:, 1] = n & _LOW, n >> _32
     key = np.stack([k & _LOW, k >> _32], axis=1).astype(np.uint32)
     out = philox4x32_10(ctr, key).astype(np.uint64)
-    bits = ((out[:, 0] << _32) | out[:, 1]) >> np.uint64(11)
-    return bits.astype(np.float64) * 2.0**-53
+    first = ((out[:, 0] << _32) | out[:, 1]) >> np.uint64(11)
+    second = ((out[:, 2] << _32) | out[:, 3]) >> np.uint64(11)
+    return first.astype(np.float64) * 2.0**-53, second.astype(np.float64) * 2.0**-53

@@ -1,15 +1,19 @@
-"""Batched next-token sampling: logit bias, penalties, then one fused pass per row (a grammar's mask,
-temperature, top-k, top-p, min-p and the draw) in ops.sample_tokens."""
+"""Batched next-token sampling: logit bias, penalties and DRY, then one fused pass per row (a grammar's mask,
+temperature, top-k, top-p, min-p and the draw) in ops.sample_tokens, or, for a row that asks for top-nσ,
+typical-p, XTC or Mirostat, the chain of engine/runner/chain.py."""
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from minibatch.engine.core.request import Request
 from minibatch.engine.models.ops import TorchOps
+from minibatch.engine.runner.chain import sample_chain
+from minibatch.engine.runner.dry import breaker_mask, dry_penalties
 
 _KEY_BITS = (1 << 63) - 1  # keys and counters travel as int64
 
@@ -75,13 +79,24 @@ class Sampler:
     without speculation, and after a restart.
     """
 
-    def __init__(self, ops: TorchOps | None = None, key: int | None = None) -> None:
+    def __init__(
+        self,
+        ops: TorchOps | None = None,
+        key: int | None = None,
+        token_texts: Callable[[int], list[str]] | None = None,
+    ) -> None:
         self.ops = ops or TorchOps()  # the model's (CpuOps: kernels on the CPU's pool)
         self.key = secrets.randbits(63) if key is None else key & _KEY_BITS  # the unseeded requests' stream
         self.seen: dict[str, SeenTokens] = {}
+        self.mu: dict[str, float] = {}  # each Mirostat request's state
+        # each token's text (the tokenizer's), for DRY's sequence breakers; None: no token is a breaker
+        self.token_texts = token_texts
+        self._texts: list[str] | None = None
+        self._breakers: dict[tuple[str, ...], np.ndarray] = {}  # breaker strings -> bool [vocab]
 
     def forget(self, request_id: str) -> None:
         self.seen.pop(request_id, None)
+        self.mu.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request], positions: list[int] | None = None) -> list[int]:
         """logits [rows, vocab], changed in place by bias and penalties; `positions`: each row's token index in
@@ -96,29 +111,93 @@ class Sampler:
             # an extreme penalty overflows: keep every logit finite, so the softmax stays a distribution
             big = torch.finfo(logits.dtype).max
             logits.clamp_(-big, big)
+        dry = [i for i, r in enumerate(reqs) if r.params.needs_dry]
+        if dry:
+            self._dry(logits, dry, [reqs[i] for i in dry])
         guided = [i for i, r in enumerate(reqs) if r.params.grammar is not None]
         if not guided and all(r.params.greedy for r in reqs):
             return self.ops.argmax_rows(logits).tolist()
+        if positions is None:
+            positions = [len(r.output_token_ids) for r in reqs]
+        chained = [i for i, r in enumerate(reqs) if r.params.needs_chain]
+        if not chained:
+            return self._fused(logits, reqs, positions)
+        tokens = [0] * len(reqs)
+        fused = [i for i in range(len(reqs)) if not reqs[i].params.needs_chain]
+        if fused:
+            rows = torch.tensor(fused, device=logits.device)
+            picked = self._fused(logits[rows], [reqs[i] for i in fused], [positions[i] for i in fused])
+            for i, t in zip(fused, picked):
+                tokens[i] = t
+        sub = [reqs[i] for i in chained]
+        streams = np.array([(self._key(r), positions[i]) for i, r in zip(chained, sub)], dtype=np.int64)
+        rows = torch.tensor(chained, device=logits.device)
+        picked, mus = sample_chain(
+            logits[rows],
+            [r.params for r in sub],
+            streams,
+            self._masks(logits, sub),
+            [self.mu.get(r.request_id) for r in sub],
+        )
+        for i, r, t, mu in zip(chained, sub, picked, mus):
+            tokens[i] = t
+            if mu is not None:
+                self.mu[r.request_id] = mu
+        return tokens
+
+    def _masks(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor | None:
+        """The grammars' allowed tokens, one bit each (every bit set for a row without a grammar), or None."""
+        if all(r.params.grammar is None for r in reqs):
+            return None
+        # The grammar's mask goes last: whatever came before, a token it forbids is never picked.
+        words = np.full((len(reqs), (logits.shape[1] + 31) // 32), -1, dtype=np.int32)
+        for i, r in enumerate(reqs):
+            if r.params.grammar is not None:
+                words[i] = 0
+                r.params.grammar.fill_mask(words[i])
+        return torch.from_numpy(words)
+
+    def _fused(self, logits: torch.Tensor, reqs: list[Request], positions: list[int]) -> list[int]:
         settings = torch.tensor(
             [(0.0 if p.greedy else p.temperature, p.top_p, p.min_p, float(p.top_k)) for p in (r.params for r in reqs)],
             dtype=torch.float64,
         )
-        if positions is None:
-            positions = [len(r.output_token_ids) for r in reqs]
         streams = torch.tensor([(self._key(r), n) for r, n in zip(reqs, positions)], dtype=torch.int64)
-        masks = None
-        if guided:
-            # The grammar's mask goes last: whatever came before, a token it forbids is never picked.
-            words = np.full((len(reqs), (logits.shape[1] + 31) // 32), -1, dtype=np.int32)
-            for i in guided:
-                words[i] = 0
-                reqs[i].params.grammar.fill_mask(words[i])
-            masks = torch.from_numpy(words)
-        return self.ops.sample_tokens(logits, settings, streams, masks).tolist()
+        return self.ops.sample_tokens(logits, settings, streams, self._masks(logits, reqs)).tolist()
 
     def _key(self, r: Request) -> int:
         seed = r.params.seed
         return seed if seed is not None else (self.key ^ hash(r.request_id)) & _KEY_BITS
+
+    def _dry(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
+        """Subtract each row's DRY penalties (engine/runner/dry.py) from its logits: one scatter for all rows."""
+        index, amounts = ([], []), []
+        for row, r in zip(rows, reqs):
+            context = np.asarray(r.prompt_token_ids + r.output_token_ids, dtype=np.int64)
+            tokens, penalty = dry_penalties(
+                context, self._breaker_mask(r.params.dry_sequence_breakers, logits), r.params
+            )
+            index[0].append(np.full(len(tokens), row, dtype=np.int64))
+            index[1].append(tokens)
+            amounts.append(penalty)
+        device = logits.device
+        where = tuple(torch.from_numpy(np.concatenate(a)).to(device) for a in index)
+        logits.index_put_(where, -torch.from_numpy(np.concatenate(amounts)).to(device, logits.dtype), accumulate=True)
+        big = torch.finfo(logits.dtype).max
+        logits.clamp_(-big, big)
+
+    def _breaker_mask(self, breakers: list[str], logits: torch.Tensor) -> np.ndarray | None:
+        if self.token_texts is None or not breakers:
+            return None
+        key = tuple(breakers)
+        mask = self._breakers.get(key)
+        if mask is None:
+            if self._texts is None:
+                self._texts = self.token_texts(logits.shape[1])
+            if len(self._breakers) >= 64:  # distinct breaker lists kept at most
+                self._breakers.clear()
+            mask = self._breakers[key] = breaker_mask(self._texts, breakers)
+        return mask
 
     def _penalise(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
         """Repetition penalty over every token seen, then presence and frequency over the output's counts:

@@ -43,12 +43,13 @@ def token_logprobs(logprobs: torch.Tensor, tokens: list[int], reqs: list[Request
 def _plain(r: Request) -> bool:
     """Greedy with nothing that depends on earlier tokens: every position's token is its argmax."""
     p = r.params
-    return p.greedy and not p.logit_bias and not p.needs_penalties and p.grammar is None
+    return p.greedy and not p.logit_bias and not p.needs_penalties and not p.needs_dry and p.grammar is None
 
 
 def _stateful(r: Request) -> bool:
     """Its sampling at a position depends on the tokens taken before it."""
-    return r.params.needs_penalties or r.params.grammar is not None
+    p = r.params
+    return p.needs_penalties or p.needs_dry or p.mirostat != 0 or p.grammar is not None
 
 
 def take_tokens(

@@ -64,6 +64,17 @@ class TextTokenizer:
             return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_texts(self, size: int) -> list[str]:
+        """Each of the first `size` ids' text alone (a partial UTF-8 character as U+FFFD; ids past the
+        tokenizer's vocabulary as ""): what DRY's sequence breakers are matched against."""
+        known = len(self.vocab())
+        ids = [[i] for i in range(min(size, known))]
+        if self._tok is not None:
+            texts = self._tok.decode_batch(ids, skip_special_tokens=False)
+        else:
+            texts = self.hf.batch_decode(ids, skip_special_tokens=False)
+        return list(texts) + [""] * (size - len(texts))
+
     @functools.cached_property
     def max_token_bytes(self) -> int:
         """The most bytes of text one token can stand for, bounded from above by the longest token's own text

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from minibatch.daemon.client import request_json
+
 from .helpers import Daemon, save_tools_model, session
 from .test_tools import TOOLS_TEMPLATE, WEATHER
 
@@ -51,10 +53,10 @@ def body_for(face: str, ask: dict, model: str) -> tuple[str, dict]:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": ask["schema"]}}
         if "tool" in ask:
             body |= {"tools": [ask["tool"]], "tool_choice": "required"}
-        return "/v1/chat/completions", body
+        return "/v1/chat/completions", body | ask.get("samplers", {})
     if face == "ollama":
         options = {"num_predict": n} | {k: ask[k] for k in ("temperature", "top_p", "seed", "stop") if k in ask}
-        body = {"messages": msgs, "options": options}
+        body = {"messages": msgs, "options": options | ask.get("samplers", {})}
         if "schema" in ask:
             body["format"] = ask["schema"]
         return "/api/chat", body
@@ -212,3 +214,38 @@ def test_a_required_tool_call_is_the_same_call_through_every_face_that_can_force
     (name, args), *rest = next(iter(got.values()))[3]
     assert name == "get_weather" and set(args) == {"city", "unit"} and not rest
     daemon.wait_idle()
+
+
+@pytest.mark.parametrize(
+    "samplers",
+    [
+        {"typical_p": 0.8, "top_n_sigma": 2.0, "xtc_probability": 0.5, "dry_multiplier": 0.8},
+        {"mirostat": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.2},
+    ],
+    ids=["typical-sigma-xtc-dry", "mirostat"],
+)
+def test_llama_servers_samplers_are_the_same_through_every_face_with_a_place_for_them(daemon, samplers):
+    """OpenAI's chat takes them as extra fields, Ollama's as options: the same seed draws the same tokens
+    through both, and not those it draws without them (so they applied)."""
+    ask = {"seed": 5, "top_p": 0.95, "max_tokens": 16}
+    faces = ("openai", "ollama")
+    got = asyncio.run(ask_every_face(daemon, {**ask, "samplers": samplers}, faces))
+    assert len({v[0] for v in got.values()}) == 1, {k: v[0][:24] for k, v in got.items()}
+    plain = asyncio.run(ask_every_face(daemon, ask, ("openai",)))
+    assert plain[("openai", False)][0] != got[("openai", False)][0]
+    daemon.wait_idle()
+
+
+def test_a_sampler_setting_out_of_range_is_a_400_naming_it_in_each_faces_terms(daemon):
+    for face, samplers, param in [
+        ("openai", {"typical_p": 0}, "typical_p"),
+        ("openai", {"mirostat": 1}, "mirostat"),
+        ("ollama", {"mirostat": 1}, "options.mirostat"),
+        ("ollama", {"dry_sequence_breakers": [""]}, "options.dry_sequence_breakers.0"),
+    ]:
+        path, body = body_for(face, {"max_tokens": 4, "samplers": samplers}, daemon.model)
+        status, answer = request_json(str(daemon.socket), "POST", path, {**body, "stream": False}, timeout=30)
+        assert status == 400, (face, samplers, answer)
+        error = answer["error"]  # OpenAI's an object naming the param, Ollama's a message
+        assert error["param"] == param if face == "openai" else error.startswith(f"{param}: "), answer
+    assert daemon.wait_idle()["kv_blocks_used"] == 0

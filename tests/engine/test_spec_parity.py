@@ -177,8 +177,15 @@ def test_built_in_model_on_the_exact_weights_with_stops_logprobs_and_a_schema(bu
 
 @pytest.mark.parametrize(
     "sampling",
-    [dict(temperature=0.8, top_k=40, top_p=0.9), dict(temperature=0.7, top_p=0.95), dict(temperature=1.0, min_p=0.05)],
-    ids=["ollama", "chat", "min-p"],
+    [
+        dict(temperature=0.8, top_k=40, top_p=0.9),
+        dict(temperature=0.7, top_p=0.95),
+        dict(temperature=1.0, min_p=0.05),
+        dict(temperature=1.0, typical_p=0.7, top_n_sigma=2.0, xtc_probability=0.5),
+        dict(temperature=1.0, mirostat=2, mirostat_tau=3.0),
+        dict(temperature=0.8, dry_multiplier=0.8, dry_allowed_length=1),
+    ],
+    ids=["ollama", "chat", "min-p", "typical-sigma-xtc", "mirostat", "dry"],
 )
 def test_seeded_sampling_is_the_same_with_speculation_alone_or_beside_others(tiny_chat_model_dir, sampling):
     """Each engine is new (as after a restart): the seed and the token's position decide the draw."""

@@ -1,0 +1,125 @@
+"""The samplers the fused pass does not hold -- top-nσ, typical-p, XTC and Mirostat 2.0 -- as one chain over
+each row's likely tokens, in float64, for the rows that ask for one of them (a row without stays in the fused
+pass: they cost nothing when off).
+
+The chain draws among the row's tokens within TAIL nats of the most likely one at the row's temperature (a
+token less likely than e^-20 = 2e-9 times the top one is never drawn; the fused pass has no such floor), in
+the order of their logits (higher first, the lower id first among ties). Each step works on the distribution
+at the row's temperature (as the fused pass's top-p and min-p do), renormalised over what the steps before
+it kept:
+
+1. the grammar's mask (a token it forbids is never kept);
+2. top-nσ: the tokens whose logit is at least the top's minus n standard deviations of the row's finite logits
+   (a cut in logit space: the temperature does not move it);
+3. top-k, ties with the k-th kept (the fused pass's rule);
+4. typical-p: the tokens ordered by how far their surprise (-ln p) is from the distribution's entropy, the
+   nearest first (the order of the logits among equals), kept while the mass before them is below typical_p;
+5. top-p, then min-p (the fused pass's rules);
+6. XTC: with probability xtc_probability (a second Philox uniform at the row's position), when two tokens or
+   more have a probability of at least xtc_threshold, every one of them but the least likely is dropped;
+7. the draw: the kept weights' distribution function, in the order above, inverted at the row's uniform.
+
+With mirostat = 2, steps 2-6 are Mirostat 2.0's truncation instead: the tokens whose surprise (-log2 p) is at
+most the request's mu (2 tau at first) are kept, the most likely always; after the draw mu moves by eta x
+(tau - the drawn token's surprise in the kept distribution). llama.cpp orders its chain penalties, DRY,
+top-nσ, top-k, typical, top-p, min-p, XTC, temperature: the same order, except that its temperature comes
+last, where ours (and vLLM's) comes first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from minibatch.engine.core.sampling_params import SamplingParams
+from minibatch.engine.runner.philox import uniform_pairs
+
+TAIL = 20.0  # nats below the top at the row's temperature: the chain's candidates
+
+
+def sample_chain(
+    logits: torch.Tensor,  # [rows, vocab]
+    params: list[SamplingParams],  # each row's (all sampled: temperature > 0)
+    streams: np.ndarray,  # int64 [rows, 2]: Philox key and counter
+    masks: torch.Tensor | None,  # int32 [rows, ceil(vocab / 32)]: the grammar's allowed tokens, or None
+    mu: list[float | None],  # each row's Mirostat state (None: its first draw, or no Mirostat)
+) -> tuple[list[int], list[float | None]]:
+    """(each row's token, each Mirostat row's new mu; None for the others)."""
+    from minibatch.engine.models.ops import _masked
+
+    x = _masked(logits, masks)
+    u, coin = uniform_pairs(streams[:, 0], streams[:, 1])
+    tokens, mus = [], []
+    for i, p in enumerate(params):
+        token, new_mu = _row(x[i], p, float(u[i]), float(coin[i]), mu[i])
+        tokens.append(token)
+        mus.append(new_mu)
+    return tokens, mus
+
+
+def _row(x: torch.Tensor, p: SamplingParams, u: float, coin: float, mu: float | None) -> tuple[int, float | None]:
+    top = int(x.argmax())
+    m = float(x[top])
+    if not math.isfinite(m):
+        return top, mu
+    z = (x - m) / p.temperature
+    cand = (z >= -TAIL).nonzero().squeeze(1)  # ascending ids: the stable sort keeps them so among ties
+    zc, order = z[cand].sort(descending=True, stable=True)
+    ids = cand[order]
+    w = zc.exp()
+    if p.mirostat == 2:
+        return _mirostat(ids, w, p, u, mu)
+    keep = torch.ones_like(w, dtype=torch.bool)
+    if p.top_n_sigma > 0:
+        finite = x[x > float("-inf")]
+        keep &= x[ids] >= m - p.top_n_sigma * float(finite.std(correction=0))
+    if 0 < p.top_k < len(ids):
+        keep &= zc >= zc[p.top_k - 1]
+    if p.typical_p < 1:
+        prob = _normalised(w, keep)
+        surprise = torch.where(keep, -prob.clamp(min=1e-300).log(), math.inf)
+        entropy = float((prob * torch.where(keep, -surprise, 0.0)).sum().neg())
+        by_distance = (surprise - entropy).abs().argsort(stable=True)
+        ps = prob[by_distance]
+        before = ps.cumsum(0) - ps
+        keep &= torch.zeros_like(keep).scatter(0, by_distance, before < p.typical_p)
+    if p.top_p < 1:
+        wk = w * keep
+        keep &= (wk.cumsum(0) - wk) < p.top_p * float(wk.sum())
+    if p.min_p > 0:
+        keep &= zc >= math.log(p.min_p)
+    if p.xtc_probability > 0 and p.xtc_threshold <= 0.5 and coin < p.xtc_probability:
+        over = keep & (_normalised(w, keep) >= p.xtc_threshold)
+        if int(over.sum()) >= 2:
+            least = int(over.nonzero().max())  # the last over the threshold in the order: the least likely
+            keep &= ~over
+            keep[least] = True
+    return int(ids[_draw(w * keep, u)]), None
+
+
+def _mirostat(ids: torch.Tensor, w: torch.Tensor, p: SamplingParams, u: float, mu: float | None) -> tuple[int, float]:
+    mu = 2.0 * p.mirostat_tau if mu is None else mu
+    surprise = -(w / w.sum()).log2()
+    keep = surprise <= mu
+    keep[0] = True
+    kept = w * keep
+    at = _draw(kept, u)
+    observed = -math.log2(float(kept[at] / kept.sum()))
+    return int(ids[at]), mu - p.mirostat_eta * (observed - p.mirostat_tau)
+
+
+def _normalised(w: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    wk = w * keep
+    return wk / float(wk.sum())
+
+
+def _draw(weights: torch.Tensor, u: float) -> int:
+    """The index where the weights' running sum first passes u x their total (the last weighted one where
+    rounding leaves the target past every sum)."""
+    c = weights.cumsum(0)
+    at = int(torch.searchsorted(c, torch.tensor([u * float(c[-1])], dtype=c.dtype, device=c.device), right=True))
+    if at >= len(c):
+        at = int((weights > 0).nonzero().max())
+    return at
