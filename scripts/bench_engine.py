@@ -181,11 +181,16 @@ def main() -> None:
     ap.add_argument("--hf-repeats", type=int, default=None, help="repeats for the HF variants (default: --repeats)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default="continuous,static,hf-static,hf-cb")
-    ap.add_argument("--quick", action="store_true", help="16 requests, short lengths, 1 repeat, efficiency at 16 rows")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="16 requests, short lengths, 1 repeat, efficiency at 16 rows (flags given override these)",
+    )
     ap.add_argument("--json", type=Path, default=None)
+    quick = {"requests": 16, "prompt": "16,64", "output": "8,48", "repeats": 1, "max_running": 8}
+    if "--quick" in sys.argv[1:]:  # its sizes, under what the command line sets itself
+        ap.set_defaults(**quick)
     args = ap.parse_args()
-    if args.quick:
-        args.requests, args.prompt, args.output, args.repeats, args.max_running = 16, "16,64", "8,48", 1, 8
     pmin, pmax = map(int, args.prompt.split(","))
     omin, omax = map(int, args.output.split(","))
     trace = make_trace(args.requests, pmin, pmax, omin, omax, args.seed)
