@@ -12,7 +12,9 @@ import time
 
 from aiohttp import web
 
-from .api import anthropic, ollama, openai, openapi, responses, tokens
+from minibatch.engine.core.timeline import STATES
+
+from .api import anthropic, embeddings, ollama, openai, openapi, responses, tokens
 from .api.schemas import ModeRequest
 from .guard import Guard, guard_middleware
 from .models.catalog import catalog
@@ -160,7 +162,7 @@ async def engine_steps(request: web.Request) -> web.Response:
             "last_step": last_step,
             "capacity": capacity,
             "max_rows": engine.state.max_num_seqs,
-            "states": {"p": "prefill", "d": "decode", "x": "padding", "h": "held"},
+            "states": STATES,
             "steps": [r.as_dict() for r in records],
         }
     )
@@ -241,4 +243,5 @@ def create_app(state: DaemonState, guard: Guard | None = None) -> web.Applicatio
     anthropic.add_routes(app)
     responses.add_routes(app)
     tokens.add_routes(app)
+    embeddings.add_routes(app)
     return app

@@ -136,13 +136,15 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         share_prompt_with: str | None = None,
+        pooling: str | None = None,
     ) -> str:
-        """Check and queue a request (from the event loop); raises RequestRejected or QueueFull at once."""
+        """Check and queue a request (from the event loop); raises RequestRejected or QueueFull at once.
+        `pooling`: an embedding request (LLMEngine.add_request)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         request_id = request_id or f"req-{next(self._ids)}"
         sched = self.engine.scheduler
-        probe = Request(request_id, list(prompt_token_ids), params)
+        probe = Request(request_id, list(prompt_token_ids), params, pooling=pooling)
         sched.check(probe)
         with self._count_lock:
             # Counted over every request in flight, those still in the inbox too, so the cap is
@@ -155,7 +157,9 @@ class AsyncEngine:
         def add() -> None:
             self._queued -= 1
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params, share_prompt_with, checked=True)
+                self.engine.add_request(
+                    request_id, prompt_token_ids, params, share_prompt_with, checked=True, pooling=pooling
+                )
             except RequestRejected as exc:
                 self._emit(RequestOutput(request_id, "", [], True, "abort", error=str(exc)))
 

@@ -242,6 +242,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         rope_factors=("long" if model.model.rotary.long else "short") if cfg.rope.rope_type == "longrope" else None,
         memory=weight_facts(model),
         kv_cache_bytes=num_blocks * bytes_per_block(cfg, config.block_size, dtype),
+        embedding_size=cfg.hidden_size,
+        pooling=cfg.pooling,
         speculative="off"
         if not spec.enabled
         else f"{spec.method}{' ' + spec.draft_model if spec.draft_model else ''} (up to {spec.num_tokens} tokens)",

@@ -26,8 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from loadgen import env_socket, session, steps_since, stream_request, wait_mode  # noqa: E402
 
-STATE_NAMES = {"p": "prefill", "d": "decode", "x": "padding", "h": "held"}
-
 
 def trace(n: int, seed: int) -> list[dict]:
     """Chat requests with output lengths from 8 to 96 tokens: uneven, so static mode's padding shows."""
@@ -98,6 +96,9 @@ def grid(payload: dict):
                 padding[row, x] = True
             elif state == "p":
                 img[row, x] = 0.45 * c + 0.55  # pale: a prefill chunk
+                img[row, x, 3] = 1.0
+            elif state == "e":
+                img[row, x] = 0.55 * c  # dark: an embedding's prompt chunk
                 img[row, x, 3] = 1.0
             elif state == "h":
                 img[row, x] = 0.2 * c + 0.8

@@ -17,7 +17,7 @@ from pydantic.json_schema import models_json_schema
 from minibatch.engine.core.info import EngineInfo
 
 from ..protocol import MAX_BODY_BYTES
-from . import anthropic, ollama, responses, schemas, tokens
+from . import anthropic, embeddings, ollama, responses, schemas, tokens
 from .openai_bodies import ChatRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
@@ -225,6 +225,33 @@ def _operations() -> list[tuple]:
         ),
         (
             "post",
+            "/v1/embeddings",
+            "OpenAI: each input's embedding (the model's pooled hidden states, length 1), batched with the chats",
+            embeddings.EmbeddingRequest,
+            {200: {JSON: s.EmbeddingList}},
+            gen,
+            [],
+        ),
+        (
+            "post",
+            "/api/embed",
+            "Ollama: each input's embedding (length 1); an input past the context is cut unless truncate is false",
+            embeddings.OllamaEmbedRequest,
+            {200: {JSON: s.OllamaEmbedAnswer}},
+            olla_gen,
+            [],
+        ),
+        (
+            "post",
+            "/api/embeddings",
+            "Ollama (older): one prompt's embedding, not normalised",
+            embeddings.OllamaEmbeddingsRequest,
+            {200: {JSON: s.OllamaEmbeddingAnswer}},
+            olla_gen,
+            [],
+        ),
+        (
+            "post",
             "/api/chat",
             "Ollama: a chat answer (streamed as NDJSON unless stream is false)",
             ollama.ChatBody,
@@ -342,6 +369,13 @@ def document(model: str | None = None, vocab_size: int | None = None, version: s
             for ids in (items, items.get("items", {})):
                 if ids.get("type") == "integer":
                     ids["maximum"] = vocab_size - 1
+        for body in (embeddings.EmbeddingRequest, embeddings.OllamaEmbedRequest):
+            name = refs[(body, "validation")]["$ref"].rsplit("/", 1)[1]
+            for variant in components[name]["properties"]["input"]["anyOf"]:
+                items = variant.get("items", {})
+                for ids in (items, items.get("items", {})):
+                    if ids.get("type") == "integer":
+                        ids["maximum"] = vocab_size - 1
         detokenize = components[refs[(tokens.DetokenizeRequest, "validation")]["$ref"].rsplit("/", 1)[1]]
         detokenize["properties"]["tokens"]["items"]["maximum"] = vocab_size - 1
 

@@ -372,6 +372,39 @@ class Detokenized(_Out):
     content: str
 
 
+# -- embeddings -----------------------------------------------------------------
+class EmbeddingItem(_Out):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # floats, or with encoding_format base64 their little-endian float32 bytes
+
+
+class EmbeddingUsage(_Out):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(_Out):
+    """POST /v1/embeddings's answer: one vector of length 1 per input, in the inputs' order."""
+
+    object: Literal["list"]
+    data: list[EmbeddingItem]
+    model: str
+    usage: EmbeddingUsage
+
+
+class OllamaEmbedAnswer(_Out):
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int
+    load_duration: int
+    prompt_eval_count: int
+
+
+class OllamaEmbeddingAnswer(_Out):
+    embedding: list[float]
+
+
 # -- Responses ------------------------------------------------------------------
 class ResponseOut(_Out):
     id: str

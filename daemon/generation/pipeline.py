@@ -79,6 +79,10 @@ class Generation:
     keep_alive: Any = None  # the request's, as parse_keep_alive reads it; None: the model's own
     operator: bool = False  # the daemon's own user asks (state.is_operator): keep_alive may change a preloaded model's
     stream_interval: float = 0.0  # seconds between a stream's outputs (0: one per engine step)
+    # Embeddings: each prompt computed and pooled (the model's pooling) instead of continued; no text comes
+    # back, RequestOutput.embedding does. `truncate`: a prompt past the context keeps its first tokens that fit.
+    embed: bool = False
+    truncate: bool = False
 
     def sampling_params(self, max_model_len: int, prompt_len: int, model_defaults: dict) -> SamplingParams:
         """The request's sampling: what it set, else the model's default (generation_config), else the
@@ -206,10 +210,13 @@ async def render(state: DaemonState, model: LoadedModel, gen: Generation) -> tup
     if gen.tools is not None:
         check_template(tok)
     if gen.messages is None:
-        texts = gen.prompts or []
+        texts = list(gen.prompts or [])
         for i, p in enumerate(texts):
             if isinstance(p, str):
-                _check_fits(tok, p, limit, f"prompt.{i}" if gen.batch else gen.prompt_field)
+                if gen.truncate:
+                    texts[i] = _head(tok, p, limit)
+                else:
+                    _check_fits(tok, p, limit, f"{gen.prompt_field}.{i}" if gen.batch else gen.prompt_field)
         return await off_loop(lambda: [p if isinstance(p, list) else tok.encode_prompt(p) for p in texts]), None
     ask = gen.reasoning
     args = {"enable_thinking": False} if tok.reasoning_tags is not None and ask.off and tok.can_stop_thinking else {}
@@ -245,6 +252,16 @@ def _check_fits(tok, text: str, limit: int | None, field: str) -> None:
         )
 
 
+def _head(tok, text: str, limit: int | None) -> str:
+    """A text to be cut to the context after encoding, cut before it where it is far longer: its first
+    (limit + 64) x max_token_bytes bytes hold more than `limit` tokens, whose first ones are the whole text's."""
+    if not limit:
+        return text
+    keep = (limit + 64) * tok.max_token_bytes
+    data = text.encode("utf-8", "surrogatepass")
+    return text if len(data) <= keep else data[:keep].decode("utf-8", "ignore")
+
+
 async def _grammar(model: LoadedModel, gen: Generation):
     """The answer's grammar, compiled once (each completion walks its own copy); tools' schemas checked."""
     if gen.tools is not None:
@@ -262,6 +279,8 @@ async def _grammar(model: LoadedModel, gen: Generation):
 async def _start(state: DaemonState, model: LoadedModel, gen: Generation, deadline: float) -> Running:
     engine = model.ready_engine()
     prompts, thinking = await render(state, model, gen)
+    if gen.embed:
+        return _submit_embeddings(model, gen, prompts, deadline, timed_out(state))
     grammar = await _grammar(model, gen)
     running = Running(model, gen, prompts, thinking, deadline, timed_out(state))
     total = len(prompts) * gen.n
@@ -285,25 +304,56 @@ async def _start(state: DaemonState, model: LoadedModel, gen: Generation, deadli
     return running
 
 
-def _submit(engine, gen: Generation, ids: list[int], params, rid: str, share: str | None, prompt: int | None) -> None:
+def _submit_embeddings(model: LoadedModel, gen: Generation, prompts: list[list[int]], deadline, expired) -> Running:
+    """One prefill-only request per input, pooled as the model pools (each ends with its prompt: it holds KV
+    blocks only while its prompt is computed), all or none."""
+    engine, limit = model.ready_engine(), model.info.max_model_len
+    if gen.truncate and limit:
+        prompts = [p[: limit - 1] for p in prompts]  # one position is admission's (it reserves a next token)
+    running = Running(model, gen, prompts, None, deadline, expired)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    ids = [gen.request_id] if len(prompts) == 1 else [f"{gen.request_id}-{k}" for k in range(len(prompts))]
+    try:
+        for k, (rid, prompt) in enumerate(zip(ids, prompts)):
+            _submit(engine, gen, prompt, params, rid, None, k if gen.batch else None, model.info.pooling)
+            running.ids.append(rid)
+            running.streams.append(engine.stream(rid))
+    except BaseException:
+        for rid in running.ids:
+            engine.abort(rid)
+        raise
+    return running
+
+
+def _submit(
+    engine,
+    gen: Generation,
+    ids: list[int],
+    params,
+    rid: str,
+    share: str | None,
+    prompt: int | None,
+    pooling: str | None = None,
+) -> None:
     """Submit one completion; a refusal becomes the API's error, naming the field and, in a batch of prompts,
     the prompt: `prompt.1`, `prompt.0.3` (its token 3)."""
     try:
-        engine.submit(ids, params, rid, share)
+        engine.submit(ids, params, rid, share, pooling=pooling)
     except QueueFull as exc:
         raise ApiError(exc.status, str(exc), exc.field, exc.code, "rate_limit_error", {"Retry-After": "1"}) from None
     except RequestRejected as exc:
-        param, message = exc.field, str(exc)
+        param, message, field = exc.field, str(exc), gen.prompt_field
         if param is not None and param.split(".")[0] == "prompt":
-            if gen.prompt_field != "prompt":
-                param = gen.prompt_field  # what the API turns into the prompt
-            elif prompt is not None:
-                param = f"prompt.{prompt}{param[len('prompt') :]}"
+            if prompt is not None:
+                param = f"{field}.{prompt}{param[len('prompt') :]}"
                 message = f"{param}: {message}" if "." in param else message
+            elif field != "prompt":
+                param = field  # what the API turns into the prompt
+                message = f"{field}: {message}"
             elif "." in param:
                 message = f"{param}: {message}"
         elif prompt is not None:
-            message = f"prompt.{prompt}: {message}"
+            message = f"{field}.{prompt}: {message}"
         elif param is not None:
             param = gen.names.get(param, param)
         raise ApiError(exc.status, message, param, exc.code) from None

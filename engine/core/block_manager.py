@@ -108,7 +108,7 @@ class BlockManager:
         shared = self.leader_blocks(req) if req.prompt_leader is not None else []
         if shared:
             return shared
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or req.computes_every_position:
             return []
         hits: list[Block] = []
         parent = None

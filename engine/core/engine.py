@@ -17,7 +17,7 @@ from minibatch.engine.core.cpu_wait import RunQueueWait
 from minibatch.engine.core.detokenizer import IncrementalDetokenizer, Tokenizer
 from minibatch.engine.core.info import EngineInfo
 from minibatch.engine.core.outputs import EngineState, RequestOutput, RunnerOutput, StepStats
-from minibatch.engine.core.request import Request, RequestStatus
+from minibatch.engine.core.request import POOLINGS, Request, RequestStatus
 from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.core.scheduler import Scheduler
 from minibatch.engine.core.scheduler_output import SchedulerOutput
@@ -85,13 +85,18 @@ class LLMEngine:
         params: SamplingParams,
         share_prompt_with: str | None = None,
         checked: bool = False,
+        pooling: str | None = None,
     ) -> Request:
         """Queue a request; raises RequestRejected (or QueueFull) with the reason.
 
         `share_prompt_with` names an earlier request with the same prompt (n > 1): this one then waits until
         that one has computed the prompt and borrows its KV blocks instead of computing them again.
-        `checked`: the caller (AsyncEngine) ran the admission checks already, counting its in-flight requests."""
-        req = Request(request_id, list(prompt_token_ids), params, arrival_time=self.clock())
+        `checked`: the caller (AsyncEngine) ran the admission checks already, counting its in-flight requests.
+        `pooling` ("last", "mean" or "cls"): an embedding request, which ends with its prompt's pooled hidden
+        states (RequestOutput.embedding) once the prompt is computed, in the same batches as the others."""
+        if pooling not in (None, *POOLINGS):
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        req = Request(request_id, list(prompt_token_ids), params, arrival_time=self.clock(), pooling=pooling)
         leader = self.scheduler.requests.get(share_prompt_with) if share_prompt_with is not None else None
         if leader is not None and leader.prompt_token_ids == req.prompt_token_ids:
             req.prompt_leader = leader
@@ -147,6 +152,15 @@ class LLMEngine:
             out = self._final(req, error) if req.status.finished else self._pending_delta(req)
             if out is not None:
                 outputs.append(out)
+        for request_id, vector in result.embeddings.items():
+            req = self.scheduler.requests.get(request_id)
+            if req is None or req.status.finished:
+                continue
+            req.embedding, req.first_token_time = vector, now
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            out = self._final(req)
+            out.embedding = vector
+            outputs.append(out)
         self.num_steps += 1
         step_time = time.perf_counter() - started
         spec_stats = self._observe_spec(sched, accepted_rows, step_time)
@@ -189,6 +203,7 @@ class LLMEngine:
             padding,
             held,
             [r.request_id for r in sched.preempted],
+            {r.request_id for r in sched.requests if r.pooling is not None},
         )
 
     def _take(self, req: Request) -> str | None:

@@ -69,6 +69,8 @@ class EngineInfo:
     speculative: str = "off"  # speculative decoding: off, "ngram (up to K tokens)", "draft MODEL (up to K tokens)"
     memory: WeightFacts | None = None
     kv_cache_bytes: int = 0  # the KV pool: what it takes once every block is written
+    embedding_size: int = 0  # an embedding's length (the hidden size)
+    pooling: str = "last"  # how an embedding pools the prompt's hidden states (ModelConfig.pooling)
 
     def as_dict(self, public: bool = False) -> dict:
         """JSON-ready: the fields, with `memory` nested (None fields left out); `public`: without the server's

@@ -28,6 +28,7 @@ class RunnerOutput:
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # per taken token, when asked for
+    embeddings: dict[str, list[float]] = field(default_factory=dict)  # per embedding request that ended its prompt
 
 
 @dataclass(slots=True)
@@ -42,6 +43,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None  # set on the final output
     error: str | None = None  # set when the request ended because the engine failed
     logprobs: list[TokenLogprob] | None = None  # per token in token_ids, when asked for
+    embedding: list[float] | None = None  # an embedding request's pooled hidden state, on its final output
 
 
 def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
@@ -62,6 +64,7 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
         last.metrics,
         last.error,
         logprobs,
+        last.embedding,
     )
 
 

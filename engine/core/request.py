@@ -8,6 +8,9 @@ from enum import IntEnum
 
 from minibatch.engine.core.sampling_params import SamplingParams
 
+# How an embedding request pools its prompt's hidden states: the last position's, their mean, the first's.
+POOLINGS = ("last", "mean", "cls")
+
 
 class RequestStatus(IntEnum):
     WAITING = 0
@@ -51,6 +54,15 @@ class Request:
     draft_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # draft tokens verified for it so far
     num_accepted_tokens: int = 0  # of them accepted
+    # An embedding request: its prompt is computed like any other's, then it ends with the prompt's hidden
+    # states pooled ("last": the last token's, "mean": every token's, "cls": the first's) instead of a next token.
+    pooling: str | None = None
+    embedding: list[float] | None = None
+
+    @property
+    def computes_every_position(self) -> bool:
+        """Its pooling reads hidden states before the last position: no prefix-cache hit may skip one."""
+        return self.pooling in ("mean", "cls")
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -17,7 +17,15 @@ from dataclasses import dataclass
 # Row states, one letter each in the compact form the API sends.
 PREFILL, DECODE, PADDING, HELD = "p", "d", "x", "h"  # HELD: in the batch, but not computed this step (token budget)
 VERIFIED = "v"  # a decoding row that verified a draft and took two or more tokens in the step
-STATES = {PREFILL: "prefill", DECODE: "decode", VERIFIED: "verified", PADDING: "padding", HELD: "held"}
+EMBED = "e"  # an embedding request's prompt chunk (it ends with its prompt: no decode follows)
+STATES = {
+    PREFILL: "prefill",
+    DECODE: "decode",
+    VERIFIED: "verified",
+    EMBED: "embedding",
+    PADDING: "padding",
+    HELD: "held",
+}
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,14 +85,21 @@ class Timeline:
         padding: list[str],
         held: list[str],
         preempted: list[str],
+        embeds: frozenset[str] | set[str] = frozenset(),
     ) -> StepRecord:
         """computed: (request id, tokens, is a decode, draft tokens, accepted) in batch order; padding and
-        held: request ids; preempted: ids."""
+        held: request ids; preempted: ids; embeds: the computed requests that are embeddings."""
         members = {c[0] for c in computed} | set(padding) | set(held)
         for rid in [r for r in self._rows if r not in members]:  # left the batch: its row is free for the next one
             heapq.heappush(self._free, self._rows.pop(rid))
+
+        def state(rid: str, decode: bool, accepted: int) -> str:
+            if rid in embeds:
+                return EMBED
+            return (VERIFIED if accepted else DECODE) if decode else PREFILL
+
         rows = [
-            (self._row_for(rid), rid, n, (VERIFIED if accepted else DECODE) if decode else PREFILL, drafted, accepted)
+            (self._row_for(rid), rid, n, state(rid, decode, accepted), drafted, accepted)
             for rid, n, decode, drafted, accepted in computed
         ]
         rows += [(self._row_for(rid), rid, 1, PADDING, 0, 0) for rid in padding]

@@ -53,6 +53,10 @@ _SAMPLING = {
 }
 
 
+# {arch}.pooling_type -> how an embedding pools the hidden states (llama.cpp's enum: 0 none, 4 rank left out)
+POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
+
+
 def can_prepare(gguf: GGUFFile) -> str | None:
     """None when write_model_files can do this file, else why not."""
     if gguf.architecture not in ARCHITECTURES:
@@ -118,6 +122,9 @@ def model_config(gguf: GGUFFile, n_tokens: int) -> dict:
         config["rope_parameters"].update(rope_type=scaling, factor=_decimal(get("rope.scaling.factor")))
     if get("attention.sliding_window"):
         config["sliding_window"] = get("attention.sliding_window")
+    pooling = POOLING_TYPES.get(get("pooling_type"))
+    if pooling is not None:  # an embedding model's (Qwen3-Embedding: last); none said: the engine's default
+        config["pooling"] = pooling
     freqs = next((t for t in gguf.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:  # Llama 3.1+: the converter stores the rope scaling as per-frequency factors
         _llama3_rope(gguf, config, _f32_tensor(gguf, freqs))

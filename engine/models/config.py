@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from minibatch.engine.core.request import POOLINGS
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 GEMMA = ("gemma2", "gemma3_text")
@@ -65,6 +68,9 @@ class ModelConfig:
     layer_windows: tuple[int, ...] = ()  # per layer: its sliding window, 0 for global attention (empty: every layer
     #                                      uses sliding_window)
     rope_local: RopeConfig | None = None  # the rotary of the sliding layers when it differs (Gemma 3)
+    # how an embedding pools the prompt's hidden states: the model's own (a GGUF's pooling_type), else the last
+    # token's, as the decoder-based embedding models (Qwen3-Embedding, gte-Qwen2, e5-mistral) pool
+    pooling: str = "last"
 
     @property
     def default_context(self) -> int:
@@ -151,7 +157,14 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
-        return cls.from_dict(json.loads(path.read_text()))
+        cfg = json.loads(path.read_text())
+        config = cls.from_dict(cfg)
+        pooling = cfg.get("pooling")
+        if pooling is None:
+            return config
+        if pooling not in POOLINGS:
+            raise UnsupportedModelError(f"pooling {pooling!r} is not supported ({', '.join(POOLINGS)})")
+        return dataclasses.replace(config, pooling=pooling)
 
 
 def _gemma(cfg: dict) -> ModelConfig:

@@ -29,11 +29,14 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.sampler = Sampler(model.ops, token_texts=token_texts)
         self.graphs = None  # DecodeGraphs on CUDA: pure-decode steps replay a captured forward
+        # mean pooling's running sums (cls: the first position's state), per embedding request mid-prompt
+        self.pooling_sums: dict[str, tuple[torch.Tensor | float, int]] = {}
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         chunks, starts, tables = [], [], []
         sampling: list[tuple[Request, list[int], list[int]]] = []  # (request, its draft, its sequences' indexes)
+        pooled: list[tuple[Request, int, int, int]] = []  # embedding requests: (request, sequence, start, tokens)
         for req, n, draft in zip(out.requests, out.num_new_tokens, out.drafts):
             start = req.num_computed_tokens
             if draft:
@@ -50,7 +53,9 @@ class ModelRunner:
             chunks.append(req.tokens(start, start + n))
             starts.append(start)
             tables.append(req.block_ids)
-            if start + n == req.num_tokens:
+            if req.pooling is not None:
+                pooled.append((req, len(chunks) - 1, start, n))
+            elif start + n == req.num_tokens:
                 sampling.append((req, [], [len(chunks) - 1]))
         for req in out.padding:
             # A finished static-batch member's row is computed as a padded row
@@ -64,7 +69,7 @@ class ModelRunner:
         batch = build_flat_batch(chunks, starts, tables, self.block_size, self.device)
         rows = [i for _, _, seqs in sampling for i in seqs]
         logits = None
-        if self.graphs is not None:
+        if self.graphs is not None and not pooled:
             # None unless a pure decode step that a graph fits (verify rows are decode sequences too);
             # static mode's padding rows (finished members still computed) replay as well, their logits dropped.
             logits = self.graphs.run(batch)
@@ -72,10 +77,12 @@ class ModelRunner:
                 if not rows:
                     return RunnerOutput()
                 logits = logits[rows]
+        embeddings: dict[str, list[float]] = {}
         if logits is None:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+            embeddings = self._pool(hidden, chunks, pooled) if pooled else {}
             if not rows:
-                return RunnerOutput()
+                return RunnerOutput(embeddings=embeddings)
             if len(rows) == len(chunks) == hidden.shape[0]:
                 # one token per sequence, every one sampled (decode and verify rows): no gather, whose
                 # parallel region would leave OpenMP's threads spinning beside the kernels' pool
@@ -85,9 +92,32 @@ class ModelRunner:
             logits = self.model.compute_logits(picked)
         reqs = [r for r, _, _ in sampling]
         tokens, logprobs = take_tokens(logits, reqs, [d for _, d, _ in sampling], self.sampler)
-        result = RunnerOutput({r.request_id: t for r, t in zip(reqs, tokens)})
+        result = RunnerOutput({r.request_id: t for r, t in zip(reqs, tokens)}, embeddings=embeddings)
         result.logprobs = {r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None}
         return result
+
+    def _pool(self, hidden: torch.Tensor, chunks: list[list[int]], pooled) -> dict[str, list[float]]:
+        """Each embedding request's chunk pooled into its running state; the vectors of those whose prompt
+        ended here (float32, as the hidden states are; mean pooling sums in float64)."""
+        ends = torch.tensor([len(c) for c in chunks]).cumsum(0).tolist()
+        done = {}
+        for req, seq, start, n in pooled:
+            rows = hidden[ends[seq] - n : ends[seq]]
+            if req.pooling == "mean":
+                total, count = (0.0, 0) if start == 0 else self.pooling_sums.get(req.request_id, (0.0, 0))
+                total, count = total + rows.sum(dim=0, dtype=torch.float64), count + n
+                self.pooling_sums[req.request_id] = (total, count)
+                vector = total / count
+            elif req.pooling == "cls":
+                if start == 0:
+                    self.pooling_sums[req.request_id] = (rows[0], 1)
+                vector = self.pooling_sums[req.request_id][0]
+            else:  # last
+                vector = rows[-1]
+            if start + n == req.num_prompt_tokens:
+                done[req.request_id] = vector.float().cpu().tolist()
+                self.pooling_sums.pop(req.request_id, None)
+        return done
 
     def device_lost(self) -> bool:
         """After a failed step: whether the device is unusable (a CUDA error is sticky: every later call fails too)."""
@@ -102,3 +132,4 @@ class ModelRunner:
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
+        self.pooling_sums.pop(request_id, None)
