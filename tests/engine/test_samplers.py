@@ -1,7 +1,7 @@
 """The samplers beyond the fused pass (top-nσ, typical-p, XTC, Mirostat 2.0) and DRY, each against a float64
 reference of its definition written here from llama.cpp's description, in plain loops.
 
-Distributions: 20,000 seeded draws of one request at positions 0..19,999 through the Sampler, chi-square over
+Distributions: 4,000 seeded draws of one request at positions 0..3,999 through the Sampler, chi-square over
 cells expecting >= 5 (the rest pooled), failing past z = 4.75 (a false failure once in a million per case for
 a fresh key; the draws here are fixed by their seed, so the test is deterministic); a token the reference
 drops is never drawn.
@@ -22,7 +22,7 @@ from minibatch.engine.runner.dry import breaker_mask, dry_penalties
 from minibatch.engine.runner.sampler import Sampler
 
 VOCAB = 400
-DRAWS = 20000
+DRAWS = 4000
 
 
 def chi2_critical(df: int, z: float) -> float:
