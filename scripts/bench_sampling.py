@@ -47,6 +47,12 @@ SETTINGS = {
     "Ollama (0.8 / top_k 40 / top_p 0.9)": dict(temperature=0.8, top_k=40, top_p=0.9),
     "chat + penalties": dict(temperature=0.7, top_p=0.95, repetition_penalty=1.1, frequency_penalty=0.5),
     "chat, seeded": dict(temperature=0.7, top_p=0.95, seed=7),
+    # llama-server's samplers (engine/runner/chain.py, DRY in engine/runner/dry.py) beside the fused pass's
+    "chat + typical_p 0.9": dict(temperature=0.7, top_p=0.95, typical_p=0.9),
+    "chat + top_n_sigma 1.0": dict(temperature=0.7, top_p=0.95, top_n_sigma=1.0),
+    "chat + XTC (0.5, 0.1)": dict(temperature=0.7, top_p=0.95, xtc_probability=0.5),
+    "chat + DRY 0.8": dict(temperature=0.7, top_p=0.95, dry_multiplier=0.8),
+    "Mirostat 2 (tau 5, eta 0.1)": dict(temperature=0.7, mirostat=2),
 }
 # the engine part's workloads: greedy beside the two sampling defaults people meet
 WORKLOADS = {
@@ -127,7 +133,7 @@ def sampler_part(engine, args) -> list[dict]:
         "its rows spread over 151,936": spread(real, QWEN_VOCAB),
         "random-normal, 151,936": torch.randn(64, QWEN_VOCAB, generator=g),
     }
-    sampler = Sampler(ops=engine.runner.model.ops)
+    sampler = Sampler(ops=engine.runner.model.ops, token_texts=engine.tokenizer.token_texts)  # DRY's breakers
     out = []
     for shape, logits in shapes.items():
         for name, params in SETTINGS.items():

@@ -36,6 +36,7 @@ COVERED = {
     "bench.py": "test_bench_over_the_socket",
     "bench_engine.py": "test_bench_engine_quick",
     "bench_sampling.py": "test_bench_sampling",
+    "bench_embeddings.py": "test_bench_embeddings",
     "bench_overhead.py": "test_bench_overhead",
     "bench_cluster.py": "test_bench_cluster",
     "soak.py": "test_soak",
@@ -409,6 +410,19 @@ def test_bench_overhead(env):
     inproc = number(r"in-process: ([\d.]+) output tok/s", proc.stdout)
     socket_side = number(r"through the socket \(3 concurrent SSE streams\): ([\d.]+) output tok/s", proc.stdout)
     assert number(r"socket / in-process: ([\d.]+)", proc.stdout) == pytest.approx(socket_side / inproc, abs=0.002)
+
+
+def test_bench_embeddings(env, tmp_path):
+    """Its own daemon: embeddings alone, then beside a chat; llama.cpp's side only with a llama-server."""
+    out = tmp_path / "emb.json"
+    args = ["--inputs", "6", "--clients", "3", "--chats", "1", "--chat-seconds", "2", "--chat-tokens", "6"]
+    env = {k: v for k, v in env.items() if k != "LLAMA_SERVER"}
+    proc = run(env, SCRIPTS / "bench_embeddings.py", *args, "--json", out, timeout=600)
+    mb = json.loads(out.read_text())["minibatch"]
+    for side in ("alone", "beside_chats"):
+        assert mb[side]["inputs"] == 6 and mb[side]["inputs_s"] > 0 and mb[side]["tokens_s"] > 0
+    assert mb["chat_tpot_ms_alone"] > 0 and mb["chat_tpot_ms_beside"] > 0 and min(mb["chat_answers"]) >= 1
+    assert "| minibatch | beside 1 chats |" in proc.stdout
 
 
 def test_bench_cluster(env, tmp_path):
