@@ -238,6 +238,10 @@ class AsyncEngine:
             "block_size": bm.block_size,
             "owners": owners,
             "shared": shared,
+            # the owners that are embeddings (prefill-only: their blocks go back when their prompt is done)
+            "embeddings": sorted(
+                rid for rid in owners if (r := self.engine.scheduler.requests.get(rid)) is not None and r.pooling
+            ),
             "cached_free": sum(1 for b in bm.free_queue.values() if b.block_hash is not None),
         }
         self._block_map_at = time.monotonic()

@@ -295,6 +295,13 @@ def test_block_map_colours_cells_by_pane():
     assert cells[:4] == [("used", 0, False), ("used", 0, True), ("used", 4, False), ("free", None, False)]
     grouped = block_map_cells({"total": 8, "owners": {"a": [1, 2, 3]}, "shared": []}, {"a": 1}, cells=4)
     assert grouped == [("used", 1, False), ("used", 1, False), ("free", None, False), ("free", None, False)]
+    # an embedding's blocks are marked as such (the daemon lists which owners are embeddings)
+    mixed = {"total": 4, "owners": {"e": [1, 2], "a": [3]}, "shared": [], "embeddings": ["e"]}
+    assert block_map_cells(mixed, {"a": 2}, cells=4)[:3] == [
+        ("embedding", None, False),
+        ("embedding", None, False),
+        ("used", 2, False),
+    ]
 
 
 def test_status_line_numbers():

@@ -43,7 +43,8 @@ def bar(fraction: float, width: int) -> str:
 
 
 def block_map_cells(blocks: dict, owners: dict[str, int], cells: int = MAP_CELLS) -> list[tuple[str, int | None, bool]]:
-    """Per cell: ('free'|'cached'|'used', pane index owning most of it or None, holds a shared block)."""
+    """Per cell: ('free'|'used'|'embedding', pane index owning most of it or None, holds a shared block);
+    'embedding' when the request holding most of it is an embedding."""
     total = blocks.get("total", 0)
     if not total:
         return []
@@ -54,6 +55,7 @@ def block_map_cells(blocks: dict, owners: dict[str, int], cells: int = MAP_CELLS
         for b in ids:
             owner_of[b] = rid
     shared = set(blocks.get("shared", []))
+    embeddings = set(blocks.get("embeddings", []))
     out = []
     for c in range(n_cells):
         ids = range(1 + c * per_cell, 1 + min(total, (c + 1) * per_cell))  # block 0 is the null block
@@ -62,7 +64,8 @@ def block_map_cells(blocks: dict, owners: dict[str, int], cells: int = MAP_CELLS
             out.append(("free", None, False))
             continue
         top = max(set(held), key=held.count)
-        out.append(("used", owners.get(top), any(b in shared for b in ids)))
+        kind = "embedding" if top in embeddings else "used"
+        out.append((kind, owners.get(top), any(b in shared for b in ids)))
     return out
 
 
@@ -248,14 +251,14 @@ class EnginePanel(Vertical):
         self._cells = (per, cells)
         text = Text("KV block map ", style="bold")
         text.append("(ctrl+g: timeline)\n", style="dim")
-        text.append(f"■ = {per} block{'s' if per > 1 else ''}, by pane; ◆ shared\n", style="dim")
+        text.append(f"■ = {per} block{'s' if per > 1 else ''}, by pane; ◆ shared; ▲ an embedding's\n", style="dim")
         width = 32
         for i, (state, pane, shared) in enumerate(cells):
             if state == "free":
                 text.append("·", style="grey37")
             else:
                 color = self.pane_colors[pane % len(self.pane_colors)] if pane is not None else "grey70"
-                text.append("◆" if shared else "■", style=color)
+                text.append("◆" if shared else "▲" if state == "embedding" else "■", style=color)
             if (i + 1) % width == 0:
                 text.append("\n")
         self._map = text  # drawn at the next redraw, in the frame clock's frame (not a screen update of its own)

@@ -3,7 +3,7 @@
 Each cell is coloured by the pane whose request held that row (grey: another
 client) and marked by what the row did: ▒ a prefill chunk, █ a decode, 2-9 a
 decode that verified a draft and took that many tokens in the step (+ for ten
-or more), ◆ an embedding's prompt chunk (it leaves the batch with its prompt: no
+or more), ▲ an embedding's prompt chunk (it leaves the batch with its prompt: no
 decode follows), ╳ padding (static mode computing a finished request's row: wasted),
 ┄ held without computing, · empty. Beneath, the waiting queue per step. In static
 mode finished rows turn to ╳ until the longest member ends (a staircase);
@@ -18,7 +18,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 KEEP = 512  # step records kept client-side (the daemon keeps its own ring)
-MARKS = {"p": "▒", "d": "█", "e": "◆", "x": "╳", "h": "┄"}  # "v" (verified) shows the tokens taken: verified_mark
+MARKS = {"p": "▒", "d": "█", "e": "▲", "x": "╳", "h": "┄"}  # "v" (verified) shows the tokens taken: verified_mark
 
 
 def verified_mark(accepted: int) -> str:
