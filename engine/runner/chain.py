@@ -3,8 +3,10 @@ each row's likely tokens, in float64, for the rows that ask for one of them (a r
 pass: they cost nothing when off).
 
 The chain draws among the row's tokens within TAIL nats of the most likely one at the row's temperature (a
-token less likely than e^-20 = 2e-9 times the top one is never drawn; the fused pass has no such floor), in
-the order of their logits (higher first, the lower id first among ties). Each step works on the distribution
+logit at least the top's minus 20 x temperature: a token less likely than e^-20 = 2e-9 times the top one is
+never drawn; the fused pass has no such floor), in the order of their logits (higher first, the lower id
+first among ties). It runs on the host in NumPy, a row at a time (a row's candidates are few: per-op
+overhead, not arithmetic, is what a step of torch calls would cost). Each step works on the distribution
 at the row's temperature (as the fused pass's top-p and min-p do), renormalised over what the steps before
 it kept:
 
@@ -47,9 +49,10 @@ def sample_chain(
     mu: list[float | None],  # each row's Mirostat state (None: its first draw, or no Mirostat)
 ) -> tuple[list[int], list[float | None]]:
     """(each row's token, each Mirostat row's new mu; None for the others)."""
-    from minibatch.engine.models.ops import _masked
-
-    x = _masked(logits, masks)
+    x = logits.detach().float().cpu().numpy().astype(np.float64)
+    if masks is not None:
+        bits = np.unpackbits(masks.cpu().numpy().view(np.uint8), axis=1, bitorder="little")[:, : x.shape[1]]
+        x[bits == 0] = -np.inf
     u, coin = uniform_pairs(streams[:, 0], streams[:, 1])
     tokens, mus = [], []
     for i, p in enumerate(params):
@@ -59,49 +62,54 @@ def sample_chain(
     return tokens, mus
 
 
-def _row(x: torch.Tensor, p: SamplingParams, u: float, coin: float, mu: float | None) -> tuple[int, float | None]:
-    top = int(x.argmax())
+def _row(x: np.ndarray, p: SamplingParams, u: float, coin: float, mu: float | None) -> tuple[int, float | None]:
+    top = int(np.argmax(x))
     m = float(x[top])
     if not math.isfinite(m):
         return top, mu
-    z = (x - m) / p.temperature
-    cand = (z >= -TAIL).nonzero().squeeze(1)  # ascending ids: the stable sort keeps them so among ties
-    zc, order = z[cand].sort(descending=True, stable=True)
+    t = p.temperature
+    cand = np.flatnonzero(x >= m - TAIL * t)  # ascending ids: the stable sort keeps them so among ties
+    order = np.argsort(-x[cand], kind="stable")
     ids = cand[order]
-    w = zc.exp()
+    xs = x[ids]
+    zc = (xs - m) / t
+    w = np.exp(zc)
     if p.mirostat == 2:
         return _mirostat(ids, w, p, u, mu)
-    keep = torch.ones_like(w, dtype=torch.bool)
+    keep = np.ones(len(w), dtype=bool)
     if p.top_n_sigma > 0:
-        finite = x[x > float("-inf")]
-        keep &= x[ids] >= m - p.top_n_sigma * float(finite.std(correction=0))
+        finite = x[np.isfinite(x)]
+        keep &= xs >= m - p.top_n_sigma * float(finite.std())
     if 0 < p.top_k < len(ids):
         keep &= zc >= zc[p.top_k - 1]
     if p.typical_p < 1:
         prob = _normalised(w, keep)
-        surprise = torch.where(keep, -prob.clamp(min=1e-300).log(), math.inf)
-        entropy = float((prob * torch.where(keep, -surprise, 0.0)).sum().neg())
-        by_distance = (surprise - entropy).abs().argsort(stable=True)
+        with np.errstate(divide="ignore"):
+            surprise = np.where(keep, -np.log(prob), np.inf)
+        entropy = float(np.sum(prob[keep] * surprise[keep]))
+        by_distance = np.argsort(np.abs(surprise - entropy), kind="stable")
         ps = prob[by_distance]
-        before = ps.cumsum(0) - ps
-        keep &= torch.zeros_like(keep).scatter(0, by_distance, before < p.typical_p)
+        before = np.cumsum(ps) - ps
+        inside = np.zeros(len(w), dtype=bool)
+        inside[by_distance] = before < p.typical_p
+        keep &= inside
     if p.top_p < 1:
         wk = w * keep
-        keep &= (wk.cumsum(0) - wk) < p.top_p * float(wk.sum())
+        keep &= (np.cumsum(wk) - wk) < p.top_p * wk.sum()
     if p.min_p > 0:
         keep &= zc >= math.log(p.min_p)
     if p.xtc_probability > 0 and p.xtc_threshold <= 0.5 and coin < p.xtc_probability:
         over = keep & (_normalised(w, keep) >= p.xtc_threshold)
-        if int(over.sum()) >= 2:
-            least = int(over.nonzero().max())  # the last over the threshold in the order: the least likely
+        if over.sum() >= 2:
+            least = int(np.flatnonzero(over)[-1])  # the last over the threshold in the order: the least likely
             keep &= ~over
             keep[least] = True
     return int(ids[_draw(w * keep, u)]), None
 
 
-def _mirostat(ids: torch.Tensor, w: torch.Tensor, p: SamplingParams, u: float, mu: float | None) -> tuple[int, float]:
+def _mirostat(ids: np.ndarray, w: np.ndarray, p: SamplingParams, u: float, mu: float | None) -> tuple[int, float]:
     mu = 2.0 * p.mirostat_tau if mu is None else mu
-    surprise = -(w / w.sum()).log2()
+    surprise = -np.log2(w / w.sum())
     keep = surprise <= mu
     keep[0] = True
     kept = w * keep
@@ -110,16 +118,16 @@ def _mirostat(ids: torch.Tensor, w: torch.Tensor, p: SamplingParams, u: float, m
     return int(ids[at]), mu - p.mirostat_eta * (observed - p.mirostat_tau)
 
 
-def _normalised(w: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def _normalised(w: np.ndarray, keep: np.ndarray) -> np.ndarray:
     wk = w * keep
-    return wk / float(wk.sum())
+    return wk / wk.sum()
 
 
-def _draw(weights: torch.Tensor, u: float) -> int:
+def _draw(weights: np.ndarray, u: float) -> int:
     """The index where the weights' running sum first passes u x their total (the last weighted one where
     rounding leaves the target past every sum)."""
-    c = weights.cumsum(0)
-    at = int(torch.searchsorted(c, torch.tensor([u * float(c[-1])], dtype=c.dtype, device=c.device), right=True))
+    c = np.cumsum(weights)
+    at = int(np.searchsorted(c, u * c[-1], side="right"))
     if at >= len(c):
-        at = int((weights > 0).nonzero().max())
+        at = int(np.flatnonzero(weights > 0)[-1])
     return at

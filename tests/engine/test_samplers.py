@@ -43,7 +43,7 @@ def reference(x: np.ndarray, p: SamplingParams, xtc_on: bool = True) -> np.ndarr
     """The chain's distribution for logits `x`, by its definition (engine/runner/chain.py's docstring)."""
     m = x.max()
     z = (x - m) / p.temperature
-    order = [i for i in sorted(range(len(x)), key=lambda i: (-x[i], i)) if z[i] >= -chain.TAIL]
+    order = [i for i in sorted(range(len(x)), key=lambda i: (-x[i], i)) if x[i] >= m - chain.TAIL * p.temperature]
     keep = dict.fromkeys(order, True)
     w = {i: math.exp(z[i]) for i in order}
 
@@ -157,7 +157,7 @@ def test_mirostat_tracks_its_target_surprise():
     row = torch.from_numpy(x).float()[None]
     mu, observed = 2 * tau, []
     z = x - x.max()
-    w = np.where(z >= -chain.TAIL, np.exp(z), 0.0)  # the chain's candidates: within TAIL nats of the top
+    w = np.where(x >= x.max() - chain.TAIL, np.exp(z), 0.0)  # the chain's candidates: within TAIL nats of the top
     p_all = w / w.sum()
     for step in range(600):
         token = sampler(row.clone(), [req], [step])[0]
