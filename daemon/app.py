@@ -14,7 +14,7 @@ from aiohttp import web
 
 from minibatch.engine.core.timeline import STATES
 
-from .api import anthropic, embeddings, ollama, openai, openapi, responses, tokens
+from .api import anthropic, embeddings, ollama, openai, openapi, response_store, responses, tokens
 from .api.schemas import ModeRequest
 from .guard import Guard, guard_middleware
 from .models.catalog import catalog
@@ -207,7 +207,7 @@ async def openapi_json(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = (state.pool.metrics.prometheus() if state.pool else b"") + request.app[GUARD].prometheus()
-    body += request.app[responses.STORE].prometheus()
+    body += request.app[response_store.STORE].prometheus()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 

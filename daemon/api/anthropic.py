@@ -1,14 +1,13 @@
 """Anthropic's Messages API on the same listeners, for the clients that speak it (the `anthropic` SDKs,
 Claude Code and other agents): `POST /v1/messages` and `POST /v1/messages/count_tokens`.
 
-Only the shapes live here: a request's system prompt and content blocks become the chat template's
-messages (tool_use blocks an assistant's tool calls, tool_result blocks tool messages, thinking blocks
-its reasoning), its tools the same tool specs and grammars the OpenAI API uses (tools.py,
-grammars.py), and it is admitted, sampled and streamed by the same core (state.submit, the model's
-engine). Answers are `message` objects with content blocks and Anthropic's stop reasons; a stream is
-Anthropic's event sequence; errors are `{"type": "error", "error": {"type", "message"}}` naming the
-field. The key may come as `x-api-key` (guard.py) and `anthropic-version` is accepted and not checked.
-Unknown top-level fields are ignored (newer clients send beta fields); the known ones are validated.
+Here: how a request's system prompt and content blocks become the chat template's messages (tool_use blocks
+an assistant's tool calls, tool_result blocks tool messages, thinking blocks its reasoning) and its tools
+the pipeline's tool specs and constraint; its shapes are anthropic_bodies.py's. Answers are `message`
+objects with content blocks and Anthropic's stop reasons; a stream is Anthropic's event sequence; errors are
+`{"type": "error", "error": {"type", "message"}}` naming the field. The key may come as `x-api-key`
+(guard.py) and `anthropic-version` is accepted and not checked. Unknown top-level fields are ignored (newer
+clients send beta fields); the known ones are validated.
 """
 
 from __future__ import annotations
@@ -16,18 +15,24 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
-
-from minibatch.engine.core.sampling_params import MAX_TOP_K
 
 from ..generation import pipeline
 from ..generation.pipeline import Constraint, Generation, Reasoning, Running
-from ..protocol import ApiError, Float, Int
+from ..protocol import ApiError
 from ..state import STATE, off_loop, read_body
-from .messages import FUNCTION_NAME, MAX_TOOLS
+from .anthropic_bodies import (
+    API_DEFAULTS,
+    NAMES,
+    CountTokensRequest,
+    MediaBlock,
+    MessagesRequest,
+    RedactedThinkingBlock,
+    TextBlock,
+    ThinkingBlock,
+    ToolUseBlock,
+)
 
 PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 # Anthropic's error types by status (https://docs.anthropic.com/en/api/errors)
@@ -44,140 +49,6 @@ ERROR_TYPES = {
     503: "overloaded_error",
     504: "timeout_error",
 }
-
-
-class _Block(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    cache_control: dict[str, Any] | None = None  # prompt caching is automatic here (prefix cache)
-
-
-class TextBlock(_Block):
-    type: Literal["text"]
-    text: StrictStr
-    citations: list[Any] | None = None
-
-
-class ToolUseBlock(_Block):
-    type: Literal["tool_use"]
-    id: StrictStr = Field(min_length=1, max_length=256)
-    name: StrictStr = Field(pattern=FUNCTION_NAME)
-    input: dict[str, Any]
-
-
-class ToolResultBlock(_Block):
-    type: Literal["tool_result"]
-    tool_use_id: StrictStr = Field(min_length=1, max_length=256)
-    content: StrictStr | list[TextBlock] = ""
-    is_error: StrictBool | None = None
-
-
-class ThinkingBlock(_Block):
-    type: Literal["thinking"]
-    thinking: StrictStr
-    signature: StrictStr | None = None
-
-
-class RedactedThinkingBlock(_Block):
-    type: Literal["redacted_thinking"]
-    data: StrictStr
-
-
-class MediaBlock(BaseModel):
-    """Images and documents: accepted by the schema so the refusal can name the block."""
-
-    model_config = ConfigDict(extra="allow")
-    type: Literal["image", "document"]
-
-
-Block = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock | MediaBlock,
-    Field(discriminator="type"),
-]
-
-
-class AnthropicMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["user", "assistant"]
-    content: StrictStr | list[Block]
-
-
-class ToolDef(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    name: StrictStr = Field(pattern=FUNCTION_NAME)
-    description: StrictStr | None = None
-    input_schema: dict[str, Any]
-    type: Literal["custom"] | None = None
-    cache_control: dict[str, Any] | None = None
-
-
-class ToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["auto", "any", "tool", "none"]
-    name: StrictStr | None = None
-    disable_parallel_tool_use: StrictBool | None = None
-
-
-class ThinkingConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["enabled", "disabled"]
-    budget_tokens: Int | None = Field(default=None, ge=1)
-
-
-class JsonOutputFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
-    type: Literal["json_schema"]
-    schema_: dict[str, Any] = Field(alias="schema")
-
-
-class OutputConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # accepted: no knob here
-    format: JsonOutputFormat | None = None  # the answer follows this JSON schema (structured output)
-
-
-class CountTokensRequest(BaseModel):
-    """POST /v1/messages/count_tokens: what the prompt of a Messages request would be."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-    model: StrictStr
-    messages: list[AnthropicMessage] = Field(min_length=1, max_length=1000)
-    system: StrictStr | list[TextBlock] | None = None
-    tools: list[ToolDef] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: ToolChoice | None = None
-    thinking: ThinkingConfig | None = None
-
-
-class MessagesRequest(CountTokensRequest):
-    """POST /v1/messages."""
-
-    max_tokens: Int = Field(ge=1)  # required, as Anthropic requires it
-    stop_sequences: list[StrictStr] | None = Field(default=None, max_length=16)
-    temperature: Float | None = Field(default=None, ge=0.0, le=1.0)
-    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: Int | None = Field(default=None, ge=0, le=MAX_TOP_K)
-    metadata: dict[str, Any] | None = None
-    output_config: OutputConfig | None = None
-    stream: StrictBool = False
-    ignore_eos: StrictBool = False  # an extension, as in the chat API: run to max_tokens (benchmarks)
-    seed: Int | None = Field(default=None, ge=0, le=2**63 - 1)  # an extension: the same seed, the same tokens
-
-    def sampling(self) -> dict:
-        """What the request set, in SamplingParams' names (top_k 0 is unset, as Anthropic means it)."""
-        given = {"max_tokens": self.max_tokens, "stop": list(self.stop_sequences or []), "ignore_eos": self.ignore_eos}
-        if self.seed is not None:
-            given["seed"] = self.seed
-        for name in ("temperature", "top_p", "top_k"):
-            if getattr(self, name):
-                given[name] = getattr(self, name)
-        if self.temperature == 0:
-            given["temperature"] = 0.0
-        return given
-
-
-# a SamplingParams field -> Anthropic's name for it, where they differ
-NAMES = {"stop": "stop_sequences"}
-# Anthropic's defaults for what neither the request nor the model sets
-API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 
 
 # -- requests into the core's terms ---------------------------------------------------------------------

@@ -17,7 +17,7 @@ from pydantic.json_schema import models_json_schema
 from minibatch.engine.core.info import EngineInfo
 
 from ..protocol import MAX_BODY_BYTES
-from . import anthropic, embeddings, ollama, responses, schemas, tokens
+from . import anthropic, anthropic_bodies, embeddings, ollama, response_store, responses_bodies, schemas, tokens
 from .openai_bodies import ChatRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
@@ -164,7 +164,7 @@ def _operations() -> list[tuple]:
             "post",
             "/v1/messages",
             "Anthropic: a message (streamed as Anthropic's events with stream: true)",
-            anthropic.MessagesRequest,
+            anthropic_bodies.MessagesRequest,
             {200: {JSON: s.AnthropicMessageOut, SSE: _events("one of Anthropic's message stream events")}},
             gen,
             [],
@@ -173,7 +173,7 @@ def _operations() -> list[tuple]:
             "post",
             "/v1/messages/count_tokens",
             "Anthropic: the prompt tokens a message request would take",
-            anthropic.CountTokensRequest,
+            anthropic_bodies.CountTokensRequest,
             {200: {JSON: s.TokenCount}},
             {**GUARDED, **BODY, **ENGINE, **MODEL},
             [],
@@ -182,7 +182,7 @@ def _operations() -> list[tuple]:
             "post",
             "/v1/responses",
             "OpenAI Responses: a response (streamed as response.* events with stream: true)",
-            responses.ResponsesRequest,
+            responses_bodies.ResponsesRequest,
             {200: {JSON: s.ResponseOut, SSE: _events("one response.* event")}},
             {**gen, 404: "a model name this machine lacks, or a previous_response_id not stored (or expired)"},
             [],
@@ -194,7 +194,7 @@ def _operations() -> list[tuple]:
             None,
             {200: {JSON: s.ResponseOut}},
             {**GUARDED, 404: "no such stored response (or expired)"},
-            [_path("response_id", responses.ID_PATTERN)],
+            [_path("response_id", response_store.ID_PATTERN)],
         ),
         (
             "delete",
@@ -203,7 +203,7 @@ def _operations() -> list[tuple]:
             None,
             {200: {JSON: s.ResponseDeleted}},
             {**GUARDED, 404: "no such stored response (or expired)"},
-            [_path("response_id", responses.ID_PATTERN)],
+            [_path("response_id", response_store.ID_PATTERN)],
         ),
         (
             "post",

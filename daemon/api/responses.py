@@ -1,245 +1,35 @@
 """OpenAI's Responses API on the same listeners, for the clients that speak it (the openai SDK's
 `responses.create`, Codex and other agents): `POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`.
 
-Only the shapes live here: `instructions` and `input` (a string, or message / function_call /
-function_call_output items) become the chat template's messages; `tools`, `tool_choice` and
-`text.format` the same tool specs and grammars the Chat Completions API uses (tools.py, grammars.py);
-the request is admitted, sampled and streamed by the same core (state.submit, the model's engine).
-`previous_response_id` continues a stored response: its input and output come before the new input.
-Stored responses (`store`, default true) are kept in memory, at most STORE_MAX of them for at most
-STORE_TTL_S seconds each; an unknown or expired id is a 404 that says so. Errors are the OpenAI shape.
+Here: how `instructions` and `input` (a string, or message / function_call / function_call_output items)
+become the chat template's messages, and `tools`, `tool_choice` and `text.format` the pipeline's tools and
+constraint; how its events and answers are encoded. The body's shapes are responses_bodies.py's, the store
+(`previous_response_id`, GET, DELETE) response_store.py's. Errors are the OpenAI shape.
 """
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import hmac
 import json
-import re
 import time
 import uuid
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag
+from pydantic import BaseModel
 
 from ..generation import pipeline
 from ..generation.pipeline import Constraint, Generation, Running
-from ..protocol import ApiError, Float, Int
+from ..protocol import ApiError
 from ..state import STATE, off_loop, read_body
-from .messages import FUNCTION_NAME, MAX_TOOLS
-
-STORE_MAX = 512  # responses kept for previous_response_id and GET, the oldest evicted first
-STORE_MAX_BYTES = 64 * 2**20  # and their JSON together at most this, the oldest evicted first
-STORE_TTL_S = 3600.0
-# OpenAI's limits on metadata: 16 pairs, keys up to 64 characters, values up to 512
-METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
-ID_PATTERN = "^resp_[0-9a-f]{24}$"  # what response_id makes
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class InputText(_Body):
-    type: Literal["input_text", "output_text", "text"]
-    text: StrictStr
-    annotations: list[Any] | None = None
-
-
-class MessageItem(_Body):
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: StrictStr | list[InputText]
-    id: StrictStr | None = None
-    status: StrictStr | None = None
-
-
-class FunctionCallItem(_Body):
-    type: Literal["function_call"]
-    call_id: StrictStr = Field(min_length=1, max_length=256)
-    name: StrictStr = Field(pattern=FUNCTION_NAME)
-    arguments: StrictStr
-    id: StrictStr | None = None
-    status: StrictStr | None = None
-
-
-class FunctionCallOutputItem(_Body):
-    type: Literal["function_call_output"]
-    call_id: StrictStr = Field(min_length=1, max_length=256)
-    output: StrictStr
-    id: StrictStr | None = None
-    status: StrictStr | None = None
-
-
-class ReasoningItem(BaseModel):
-    """An earlier reasoning item sent back: nothing of it reaches the template."""
-
-    model_config = ConfigDict(extra="allow")
-    type: Literal["reasoning"]
-
-
-def _item_kind(value) -> str:
-    return value.get("type", "message") if isinstance(value, dict) else "message"
-
-
-Item = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[ReasoningItem, Tag("reasoning")],
-    Discriminator(_item_kind),
-]
-
-
-class FunctionTool(_Body):
-    type: Literal["function"]
-    name: StrictStr = Field(pattern=FUNCTION_NAME)
-    description: StrictStr | None = None
-    parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None
-
-
-class NamedFunction(_Body):
-    type: Literal["function"]
-    name: StrictStr
-
-
-class TextFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
-    name: StrictStr | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    description: StrictStr | None = None
-    strict: StrictBool | None = None
-
-
-class TextOptions(_Body):
-    format: TextFormat | None = None
-    verbosity: StrictStr | None = None
-
-
-class Reasoning(_Body):
-    effort: Literal["minimal", "low", "medium", "high"] | None = None
-    summary: StrictStr | None = None
-
-
-class ResponsesRequest(_Body):
-    model: StrictStr | None = None
-    input: Annotated[
-        Annotated[StrictStr, Tag("text")] | Annotated[list[Item], Tag("items")],
-        Discriminator(lambda v: "text" if isinstance(v, str) else "items"),
-        Field(min_length=1),
-    ]
-    instructions: StrictStr | None = None
-    tools: list[FunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: Literal["auto", "none", "required"] | NamedFunction | None = None
-    text: TextOptions | None = None
-    max_output_tokens: Int | None = Field(default=None, ge=1)
-    temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: Int | None = Field(default=None, ge=0, le=2**63 - 1)  # an extension: the same seed, the same tokens
-    # accepted; the effort is the template's business (ignored here). A thinking model's thoughts come back as
-    # a reasoning item before the answer (with --reasoning-format auto)
-    reasoning: Reasoning | None = None
-    stream: StrictBool = False
-    store: StrictBool = True
-    previous_response_id: StrictStr | None = None
-    metadata: (
-        dict[
-            Annotated[StrictStr, Field(max_length=METADATA_KEY)],
-            Annotated[StrictStr, Field(max_length=METADATA_VALUE)],
-        ]
-        | None
-    ) = Field(default=None, max_length=METADATA_PAIRS)
-    parallel_tool_calls: StrictBool | None = None
-    truncation: Literal["auto", "disabled"] | None = None
-    user: StrictStr | None = None
-
-    def sampling(self) -> dict:
-        """What the request set, in SamplingParams' names."""
-        given = {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_output_tokens}
-        given["seed"] = self.seed
-        return {k: v for k, v in given.items() if v is not None}
-
-
-# a SamplingParams field -> the Responses API's name for it, where they differ
-NAMES = {"max_tokens": "max_output_tokens"}
-# the API's defaults for what neither the request nor the model sets
-API_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
-
-
-# -- the store -------------------------------------------------------------------------------------------
-class ResponseStore:
-    """Recent responses by id, each with its owner (who made it: a key's name, or the socket's user) and what
-    its conversation was (for previous_response_id). Bounded by count, by bytes and by age; another owner's
-    response is answered exactly as an unknown id is."""
-
-    def __init__(self, max_items: int = STORE_MAX, ttl: float = STORE_TTL_S, max_bytes: int = STORE_MAX_BYTES):
-        self.max_items, self.ttl, self.max_bytes = max_items, ttl, max_bytes
-        self._items: OrderedDict[str, tuple[float, str, dict, list[dict], int]] = OrderedDict()
-        self.bytes = 0  # the stored responses' and conversations' JSON
-        self.evicted = 0
-
-    def put(self, response: dict, conversation: list[dict], owner: str) -> None:
-        size = len(json.dumps(response)) + len(json.dumps(conversation))
-        if size > self.max_bytes:
-            self.evicted += 1
-            return  # more than the whole store holds: answered, not kept
-        self._drop(response["id"])
-        self._items[response["id"]] = (time.monotonic(), owner, response, conversation, size)
-        self.bytes += size
-        while len(self._items) > self.max_items or self.bytes > self.max_bytes:
-            self._drop(next(iter(self._items)))
-            self.evicted += 1
-
-    def _drop(self, rid: str) -> None:
-        entry = self._items.pop(rid, None)
-        if entry is not None:
-            self.bytes -= entry[4]
-
-    def get(self, rid: str, owner: str, param: str = "response_id") -> tuple[dict, list[dict]]:
-        """The response and its conversation (a copy: a continuation never changes what is stored)."""
-        if not re.fullmatch(ID_PATTERN, rid):
-            raise ApiError(404, f"{param}: {rid[:80]!r} is not a response id (resp_ and 24 hex digits)", param)
-        entry = self._items.get(rid)
-        if entry is not None and time.monotonic() - entry[0] > self.ttl:
-            self._drop(rid)
-            entry = None
-        if entry is None or not hmac.compare_digest(entry[1], owner):
-            raise ApiError(
-                404,
-                f"{param}: no stored response {rid!r} (responses are kept {self.ttl / 60:g} minutes, "
-                f"{self.max_items} and {self.max_bytes // 2**20} MiB at most, only with store: true, and "
-                "only for the key that made them)",
-                param,
-                "response_not_found",
-            )
-        return entry[2], copy.deepcopy(entry[3])
-
-    def delete(self, rid: str, owner: str) -> None:
-        self.get(rid, owner)
-        self._drop(rid)
-
-    def prometheus(self) -> bytes:
-        """What the store holds, and what it let go, in Prometheus' text format."""
-        lines = [
-            "# HELP minibatch_responses_stored Responses kept for GET and previous_response_id",
-            "# TYPE minibatch_responses_stored gauge",
-            f"minibatch_responses_stored {len(self._items)}",
-            "# HELP minibatch_responses_stored_bytes Their JSON, and their conversations', together",
-            "# TYPE minibatch_responses_stored_bytes gauge",
-            f"minibatch_responses_stored_bytes {self.bytes}",
-            "# HELP minibatch_responses_evicted_total Responses let go for room (count or bytes), or too large to keep",
-            "# TYPE minibatch_responses_evicted_total counter",
-            f"minibatch_responses_evicted_total {self.evicted}",
-        ]
-        return ("\n".join(lines) + "\n").encode()
-
-
-STORE = web.AppKey("responses", ResponseStore)
+from .response_store import STORE, ResponseStore, response_id
+from .responses_bodies import (
+    API_DEFAULTS,
+    NAMES,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    MessageItem,
+    ResponsesRequest,
+)
 
 
 # -- requests into the core's terms ---------------------------------------------------------------------
@@ -330,21 +120,6 @@ def generation(body: ResponsesRequest, earlier: list[dict]) -> Generation:
 
 
 # -- answers in the Responses shapes ---------------------------------------------------------------------
-def response_id(tag: str | None) -> str:
-    """A response's id: resp_ and 24 hex digits, the first 8 the replica's tag behind a cluster's ingress
-    (which routes the response's later requests by it)."""
-    return "resp_" + (tag or "") + uuid.uuid4().hex[: 24 - len(tag or "")]
-
-
-def replica_tag(replica_id: str) -> str:
-    """A replica's 8 hex digits in the ids of the responses it stores."""
-    return hashlib.sha256(replica_id.encode()).hexdigest()[:8]
-
-
-def tag_of(response_id: str) -> str | None:
-    return response_id[5:13] if re.fullmatch(ID_PATTERN, response_id) else None
-
-
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 

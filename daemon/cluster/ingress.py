@@ -24,7 +24,7 @@ import time
 
 from aiohttp import web
 
-from minibatch.daemon.api.responses import replica_tag, tag_of
+from minibatch.daemon.api.response_store import replica_tag, tag_of
 from minibatch.daemon.app import guarded_app
 from minibatch.daemon.guard import IDENTITY, IDENTITY_HEADER, LOCAL, Guard
 from minibatch.daemon.monitor import EVENT_INTERVAL

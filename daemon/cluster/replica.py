@@ -27,7 +27,7 @@ from pathlib import Path
 import aiohttp
 from ray import serve
 
-from minibatch.daemon.api.responses import replica_tag
+from minibatch.daemon.api.response_store import replica_tag
 from minibatch.daemon.client import request_json
 from minibatch.daemon.models.settings import PoolSettings
 from minibatch.daemon.server import DaemonConfig

@@ -12,7 +12,8 @@ import httpx
 import jsonschema
 import pytest
 
-from minibatch.daemon.api.anthropic import MessagesRequest, template_messages
+from minibatch.daemon.api.anthropic import template_messages
+from minibatch.daemon.api.anthropic_bodies import MessagesRequest
 from minibatch.engine.text.tokenizer import TextTokenizer
 
 from .helpers import keyed_daemon, save_tools_model

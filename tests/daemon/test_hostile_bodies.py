@@ -188,9 +188,9 @@ def test_anthropic_bodies_anthropic_refuses_are_refused(daemon, body, field):
 def test_a_400_names_the_field_as_the_client_wrote_it(kind, body, param, says):
     """Not the union branch pydantic tried first (`messages.0.content.str`, `input.items.0.message.content.str`):
     the branch that reached deepest into the body, named by the body's own keys and indexes."""
-    from minibatch.daemon.api.anthropic import MessagesRequest
+    from minibatch.daemon.api.anthropic_bodies import MessagesRequest
     from minibatch.daemon.api.openai_bodies import ChatRequest
-    from minibatch.daemon.api.responses import ResponsesRequest
+    from minibatch.daemon.api.responses_bodies import ResponsesRequest
     from minibatch.daemon.protocol import ApiError, parse_body
 
     model = {"anthropic": MessagesRequest, "responses": ResponsesRequest, "chat": ChatRequest}[kind]

@@ -9,7 +9,8 @@ import urllib.request
 
 import pytest
 
-from minibatch.daemon.api.responses import METADATA_KEY, METADATA_VALUE, ResponseStore
+from minibatch.daemon.api.response_store import ResponseStore
+from minibatch.daemon.api.responses_bodies import METADATA_KEY, METADATA_VALUE
 from minibatch.daemon.guard import Guard, GuardError, key_name, parse_key
 from minibatch.daemon.protocol import ApiError
 
@@ -106,7 +107,8 @@ def test_a_stored_response_is_its_keys_alone(daemon):
 def test_a_continuation_leaves_the_stored_conversation_as_it_was():
     """A continuation whose input adds a call to the stored answer's calls builds its own list: the stored
     conversation (and the store's copy of it) stays as it was."""
-    from minibatch.daemon.api.responses import ResponsesRequest, conversation
+    from minibatch.daemon.api.responses import conversation
+    from minibatch.daemon.api.responses_bodies import ResponsesRequest
 
     c1 = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {}}}
     stored = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [c1]}]
