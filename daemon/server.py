@@ -17,7 +17,8 @@ from minibatch.engine.factory import EngineConfig
 from .app import create_app
 from .guard import Guard, is_loopback
 from .lifecycle import InstanceLock, LifecycleError, private_umask
-from .models.pool import ModelPool, PoolSettings, display_name
+from .models.names import display_name
+from .models.pool import ModelPool, PoolSettings
 from .protocol import ApiError
 from .state import DaemonState
 

@@ -8,7 +8,7 @@ import time
 
 from minibatch.engine.store.cache import ModelEntry, list_models
 
-from .pool import normal_name
+from .names import normal_name
 
 
 def client_name(entry: ModelEntry) -> str:

@@ -28,19 +28,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from minibatch.engine.factory import EngineConfig
-from minibatch.engine.store import sources
 from minibatch.engine.store.cache import (
-    BUILTIN_MODELS,
     ModelNotFoundError,
-    canonical_name,
     list_models,
-    listed_spec,
     resolve_model,
-    servable_names,
 )
 
 from ..monitor import EngineMonitor, Metrics, StepSignal
 from ..protocol import ApiError
+from .names import cut, display_name, listed, normal_name, spec_of
 from .settings import DEFAULT_MEMORY_SHARE, PoolSettings, parse_duration
 
 if TYPE_CHECKING:
@@ -59,32 +55,6 @@ def parse_keep_alive(value, field_name: str = "keep_alive") -> float | None:
         return parse_duration(value, field_name)
     except ValueError as exc:
         raise ApiError(400, str(exc), field_name, "invalid_value") from None
-
-
-normal_name = canonical_name  # the one normalisation of a model's name (engine/store/cache.py)
-
-
-def spec_of(name: str) -> str:
-    """What resolve_model takes for a name the operator gave (--model, --preload): any path, or a built-in
-    alias or a models-folder name with the `:latest` Ollama clients add."""
-    base = name.removesuffix(":latest")
-    if base != name and (base in BUILTIN_MODELS or sources.resolve_local(base) or Path(base).expanduser().exists()):
-        return base
-    return name
-
-
-def display_name(name: str) -> str:
-    """How a model the operator named by its path is shown: its file's name without .gguf, or its folder's
-    (answers show no server path); any other name as it is."""
-    if "/" not in name and not name.startswith("~"):
-        return name
-    path = Path(name).expanduser()
-    return path.stem if path.suffix == ".gguf" else path.name or name
-
-
-def cut(name: str, limit: int = 64) -> str:
-    """A client's name as the answers and the log show it: at most `limit` characters."""
-    return name if len(name) <= limit else name[: limit - 3] + "..."
 
 
 def iso(ts: float | None) -> str:
@@ -264,7 +234,7 @@ class ModelPool:
             if operator:
                 spec = self.operator_specs.get(normal_name(requested)) or spec_of(requested)
             else:
-                spec = await asyncio.to_thread(self._listed, requested)
+                spec = await asyncio.to_thread(listed, requested)
             key = normal_name(requested)
             fut = self.loading.get(key)
             if fut is None:
@@ -274,25 +244,6 @@ class ModelPool:
             m = await asyncio.shield(fut)
             if m.loaded:  # (an eviction may have taken it between the load and this task's turn)
                 return m
-
-    @staticmethod
-    def _listed(name: str) -> str:
-        """The spec of a name a request gave, or a 404 whose text depends on the catalog alone (never on what
-        the filesystem holds at a path the name might spell)."""
-        try:
-            spec = listed_spec(name)
-        except ModelNotFoundError as exc:
-            raise ApiError(404, f"model {cut(name)!r}: {exc}", "model", "model_not_found") from None
-        if spec is None:
-            names = ", ".join(n for n in servable_names()) or "none"
-            raise ApiError(
-                404,
-                f"model {cut(name)!r} does not exist here; this daemon serves: {names} "
-                "(GET /v1/models lists them; a request names a model, not a file)",
-                "model",
-                "model_not_found",
-            )
-        return spec
 
     @asynccontextmanager
     async def lease(self, name: str | None, keep_alive=_UNSET, operator: bool = False) -> AsyncIterator[LoadedModel]:
