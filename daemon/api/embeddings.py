@@ -102,15 +102,10 @@ def _is_token(t) -> bool:
     )
 
 
-async def _embed(request: web.Request, gen: Generation, dimensions: int | None) -> tuple[list[list[float]], int, str]:
+async def _embed(request: web.Request, gen: Generation) -> tuple[list[list[float]], int, str]:
     """(the vectors in the inputs' order, the prompt tokens computed, the model's name)."""
     state = request.app[STATE]
     async with generate(state, gen) as running:
-        size = running.model.info.embedding_size
-        if dimensions is not None and dimensions != size:
-            where = "dimensions"
-            msg = f"{where}: this model's embeddings have {size} dimensions (it cannot shorten them), got {dimensions}"
-            raise ApiError(400, msg, where, "invalid_value")
         choices = await running.whole()
         return [c.last.embedding for c in choices], running.prompt_tokens, running.model.name
 
@@ -124,8 +119,16 @@ async def openai_embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_body(request, state, EmbeddingRequest)
     prompts, batch = inputs(body.input)
-    gen = Generation(f"embd-{uuid.uuid4().hex[:24]}", body.model, "input", prompts=prompts, batch=batch, embed=True)
-    vectors, tokens, name = await _embed(request, gen, body.dimensions)
+    gen = Generation(
+        f"embd-{uuid.uuid4().hex[:24]}",
+        body.model,
+        "input",
+        prompts=prompts,
+        batch=batch,
+        embed=True,
+        dimensions=body.dimensions,
+    )
+    vectors, tokens, name = await _embed(request, gen)
     data = []
     for i, v in enumerate(vectors):
         v = _unit(v)
@@ -135,7 +138,9 @@ async def openai_embeddings(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": data, "model": name, "usage": usage})
 
 
-def _ollama_generation(body: _Ollama, prompts, batch: bool, truncate: bool, operator: bool) -> Generation:
+def _ollama_generation(
+    body: _Ollama, prompts, batch: bool, truncate: bool, operator: bool, dimensions: int | None = None
+) -> Generation:
     return Generation(
         f"embd-{uuid.uuid4().hex[:24]}",
         body.model,
@@ -146,6 +151,7 @@ def _ollama_generation(body: _Ollama, prompts, batch: bool, truncate: bool, oper
         operator=operator,
         embed=True,
         truncate=truncate,
+        dimensions=dimensions,
     )
 
 
@@ -154,8 +160,8 @@ async def ollama_embed(request: web.Request) -> web.Response:
     started = time.perf_counter()
     body = await read_body(request, state, OllamaEmbedRequest)
     prompts, batch = inputs(body.input)
-    gen = _ollama_generation(body, prompts, batch, body.truncate, state.is_operator(request))
-    vectors, tokens, name = await _embed(request, gen, body.dimensions)
+    gen = _ollama_generation(body, prompts, batch, body.truncate, state.is_operator(request), body.dimensions)
+    vectors, tokens, name = await _embed(request, gen)
     return web.json_response(
         {
             "model": name,
@@ -172,7 +178,7 @@ async def ollama_embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_body(request, state, OllamaEmbeddingsRequest)
     gen = _ollama_generation(body, [body.prompt], False, True, state.is_operator(request))
-    vectors, _, _ = await _embed(request, gen, None)
+    vectors, _, _ = await _embed(request, gen)
     return web.json_response({"embedding": vectors[0]})
 
 

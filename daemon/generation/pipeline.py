@@ -83,6 +83,7 @@ class Generation:
     # back, RequestOutput.embedding does. `truncate`: a prompt past the context keeps its first tokens that fit.
     embed: bool = False
     truncate: bool = False
+    dimensions: int | None = None  # an embedding's length the client asked for (only the model's own can be)
 
     def sampling_params(self, max_model_len: int, prompt_len: int, model_defaults: dict) -> SamplingParams:
         """The request's sampling: what it set, else the model's default (generation_config), else the
@@ -307,7 +308,10 @@ async def _start(state: DaemonState, model: LoadedModel, gen: Generation, deadli
 def _submit_embeddings(model: LoadedModel, gen: Generation, prompts: list[list[int]], deadline, expired) -> Running:
     """One prefill-only request per input, pooled as the model pools (each ends with its prompt: it holds KV
     blocks only while its prompt is computed), all or none."""
-    engine, limit = model.ready_engine(), model.info.max_model_len
+    engine, limit, size = model.ready_engine(), model.info.max_model_len, model.info.embedding_size
+    if gen.dimensions is not None and gen.dimensions != size:
+        msg = f"this model's embeddings have {size} dimensions (it cannot shorten them), got {gen.dimensions}"
+        raise ApiError(400, f"dimensions: {msg}", "dimensions", "invalid_value")
     if gen.truncate and limit:
         prompts = [p[: limit - 1] for p in prompts]  # one position is admission's (it reserves a next token)
     running = Running(model, gen, prompts, None, deadline, expired)
