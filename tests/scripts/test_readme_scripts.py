@@ -118,9 +118,16 @@ def number(pattern: str, text: str) -> float:
     return float(m.group(1))
 
 
+def marked(path: Path, name: str) -> str:
+    """The text between `<!-- NAME -->` and `<!-- /NAME -->` in a document (found by marker, not by position)."""
+    text = path.read_text()
+    start, end = f"<!-- {name} -->", f"<!-- /{name} -->"
+    assert start in text and end in text, f"{path.name} lacks the markers {start} ... {end} that this test reads"
+    return text[text.index(start) + len(start) : text.index(end)]
+
+
 def test_every_script_in_the_readme_table_has_a_test_here():
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("| script | what it does |") :].split("\n\n")[0]
+    table = marked(ROOT / "README.md", "scripts")
     listed = set(re.findall(r"^\| `scripts/([a-z_]+\.(?:py|sh))`", table, re.M))
     assert listed == set(COVERED), listed ^ set(COVERED)
     assert all(name in globals() for name in COVERED.values())
