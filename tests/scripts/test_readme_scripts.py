@@ -406,7 +406,10 @@ def test_bench_sampling(env, tmp_path):
     )
     data = json.loads(out.read_text())
     shapes = {r["logits"] for r in data["sampler"]}
-    assert len(shapes) == 3 and len(data["sampler"]) == 3 * 9 * 2 and all(r["ms_per_row"] > 0 for r in data["sampler"])
+    settings = {r["setting"] for r in data["sampler"]}
+    assert {"chat + typical_p 0.9", "chat + DRY 0.8", "Mirostat 2 (tau 5, eta 0.1)"} <= settings  # beside the fused
+    assert len(shapes) == 3 and len(data["sampler"]) == 3 * len(settings) * 2
+    assert all(r["ms_per_row"] > 0 for r in data["sampler"])
     (row,) = data["engine"]
     assert row["concurrency"] == 2 and all(row[w] > 0 for w in ("greedy", "chat", "ollama"))
     assert number(r"spec off\s+c= 2: greedy ([\d.]+) tok/s", proc.stdout) == pytest.approx(row["greedy"], rel=0.01)
