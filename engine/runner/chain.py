@@ -39,6 +39,7 @@ from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.runner.philox import uniform_pairs
 
 TAIL = 20.0  # nats below the top at the row's temperature: the chain's candidates
+NARROW = 8.0  # nats below the top: the candidates top-p is tried on first (_narrowed)
 
 
 def sample_chain(
@@ -69,6 +70,10 @@ def _row(x: np.ndarray, p: SamplingParams, u: float, coin: float, mu: float | No
         return top, mu
     t = p.temperature
     cand = np.flatnonzero(x >= m - TAIL * t)  # ascending ids: the stable sort keeps them so among ties
+    sigma = float(x[np.isfinite(x)].std()) if p.top_n_sigma > 0 else 0.0
+    total = None  # top-p's mass (of what top-nσ and top-k keep), where the candidates were narrowed for it
+    if p.mirostat != 2 and p.top_p < 1 and p.typical_p >= 1:
+        cand, total = _narrowed(x, cand, m, p, sigma)
     order = np.argsort(-x[cand], kind="stable")
     ids = cand[order]
     xs = x[ids]
@@ -78,8 +83,7 @@ def _row(x: np.ndarray, p: SamplingParams, u: float, coin: float, mu: float | No
         return _mirostat(ids, w, p, u, mu)
     keep = np.ones(len(w), dtype=bool)
     if p.top_n_sigma > 0:
-        finite = x[np.isfinite(x)]
-        keep &= xs >= m - p.top_n_sigma * float(finite.std())
+        keep &= xs >= m - p.top_n_sigma * sigma
     if 0 < p.top_k < len(ids):
         keep &= zc >= zc[p.top_k - 1]
     if p.typical_p < 1:
@@ -95,7 +99,7 @@ def _row(x: np.ndarray, p: SamplingParams, u: float, coin: float, mu: float | No
         keep &= inside
     if p.top_p < 1:
         wk = w * keep
-        keep &= (np.cumsum(wk) - wk) < p.top_p * wk.sum()
+        keep &= (np.cumsum(wk) - wk) < p.top_p * (wk.sum() if total is None else total)
     if p.min_p > 0:
         keep &= zc >= math.log(p.min_p)
     if p.xtc_probability > 0 and p.xtc_threshold <= 0.5 and coin < p.xtc_probability:
@@ -105,6 +109,26 @@ def _row(x: np.ndarray, p: SamplingParams, u: float, coin: float, mu: float | No
             keep &= ~over
             keep[least] = True
     return int(ids[_draw(w * keep, u)]), None
+
+
+def _narrowed(
+    x: np.ndarray, cand: np.ndarray, m: float, p: SamplingParams, sigma: float
+) -> tuple[np.ndarray, float | None]:
+    """The candidates left to sort for top-p, and top-p's mass: where the tokens within NARROW nats of the top
+    hold top_p of the mass that top-nσ and top-k keep, every token below them is past top-p's cut (the mass
+    before it is already top_p), so only those are sorted; else all of them, and no mass is given."""
+    xc = x[cand]
+    w = np.exp((xc - m) / p.temperature)
+    kept = np.ones(len(cand), dtype=bool)
+    if p.top_n_sigma > 0:
+        kept &= xc >= m - p.top_n_sigma * sigma
+    if 0 < p.top_k < len(cand):
+        kept &= xc >= np.partition(xc, len(xc) - p.top_k)[len(xc) - p.top_k]  # the k-th largest, ties kept
+    near = kept & (xc >= m - NARROW * p.temperature)
+    total = float(w[kept].sum())
+    if float(w[near].sum()) < p.top_p * total:
+        return cand, None
+    return cand[near], total
 
 
 def _mirostat(ids: np.ndarray, w: np.ndarray, p: SamplingParams, u: float, mu: float | None) -> tuple[int, float]:

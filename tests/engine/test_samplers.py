@@ -120,6 +120,9 @@ CASES = {
     "top-n-sigma": dict(temperature=1.0, top_n_sigma=1.0),
     "top-n-sigma-wide": dict(temperature=0.7, top_n_sigma=2.5),
     "xtc-always": dict(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.05),
+    # with top-p and no typical: the chain sorts only the tokens near the top when they hold top-p's mass
+    "top-p-sigma": dict(temperature=1.0, top_p=0.9, top_n_sigma=2.0),
+    "top-p-k-xtc": dict(temperature=1.2, top_p=0.95, top_k=30, xtc_probability=1.0, xtc_threshold=0.1),
     "all": dict(
         temperature=1.2, top_k=60, top_n_sigma=3.0, typical_p=0.95, top_p=0.97, min_p=0.01, xtc_probability=1.0
     ),
@@ -133,6 +136,21 @@ def test_each_sampler_draws_from_its_reference_distribution(case):
     assert params.needs_chain
     p = reference(x, params)
     assert 1 < (p > 0).sum() < VOCAB  # the case keeps a real choice and drops something
+    assert_follows(draws(x, params), p)
+
+
+def test_top_p_sorts_every_candidate_when_the_tokens_near_the_top_cannot_decide():
+    """One token far ahead of 399 just past the narrow window (8.5 nats down): they hold 7.5% of the mass,
+    so top-p 0.97 reaches into them and the chain sorts them all, as the reference does."""
+    x = np.full(VOCAB, -8.5)
+    x[17] = 0.0
+    x[200:220] -= np.linspace(0.0, 1.0, 20)  # an order among the rest
+    x = x.astype(np.float32).astype(np.float64)
+    params = SamplingParams(temperature=1.0, top_p=0.97, top_n_sigma=50.0, seed=3)
+    cand = np.flatnonzero(x >= x.max() - chain.TAIL)
+    assert chain._narrowed(x, cand, x.max(), params, float(x.std()))[1] is None  # the fallback is taken
+    p = reference(x, params)
+    assert 1 < (p > 0).sum() < VOCAB
     assert_follows(draws(x, params), p)
 
 
