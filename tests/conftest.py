@@ -8,6 +8,13 @@ from pathlib import Path
 
 import pytest
 
+# `make test` runs a worker per core and one more (pytest-xdist). Each worker, and every daemon or script it
+# starts, then computes on one thread: with two threads per process on a machine already full of processes,
+# each parallel region would wait at its barrier for a thread another process preempted. Tests of the threaded
+# paths set their thread counts themselves; a plain `pytest` run keeps torch's default.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Triton kernels run in the interpreter on a machine without a GPU; it must be chosen
 # before any kernel is defined, so before any test module imports one.
 try:
@@ -17,6 +24,26 @@ try:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 except ImportError:  # pragma: no cover
     pass
+
+# The modules with the longest tests come first, so that on several workers they end while the others still
+# have short modules to take, not alone at the end.
+LONGEST_FIRST = (
+    "tests/scripts/test_readme_scripts_own_daemons.py",
+    "tests/scripts/test_readme_scripts_in_process.py",
+    "tests/scripts/test_readme_scripts.py",
+    "tests/scripts/test_gpu_check.py",
+    "tests/engine/test_engine_model.py",
+    "tests/scripts/test_bench.py",
+    "tests/cluster/",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        return next((i for i, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)), len(LONGEST_FIRST))
+
+    items.sort(key=rank)  # stable: the order within each stays
+
 
 TINY_COMMON = dict(
     vocab_size=256,

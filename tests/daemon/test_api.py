@@ -209,6 +209,7 @@ def test_stats_steps_is_how_many_recent_steps_come_back(daemon):
                 assert r.status == 200, await r.text()
 
     run(go())
+    daemon.wait_idle()  # no step between the reads below (an earlier test's request may still be ending)
     assert daemon.get("/v1/engine/stats?steps=0")[1]["recent_steps"] == []
     three = daemon.get("/v1/engine/stats?steps=3")[1]["recent_steps"]
     many = daemon.get("/v1/engine/stats?steps=600")[1]["recent_steps"]

@@ -1,0 +1,190 @@
+"""The scripts (docs/scripts.md) that build their engine in their own process (see test_readme_scripts.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.scripts.helpers import SCRIPTS, number, run
+
+pytestmark = pytest.mark.model
+
+
+def test_bench_spec_in_process(env, tmp_path):
+    """The two in-process measurements: a forward's time by rows and draft length, and tok/s by K and n."""
+    cost, sweep = tmp_path / "cost.json", tmp_path / "sweep.json"
+    run(env, SCRIPTS / "bench_spec.py", "--in-process", "verify-cost", "--repeats", "1", "--json", cost)
+    rows = json.loads(cost.read_text())
+    assert [r["rows"] for r in rows] == [1, 4, 16] and all(r["k0_ms"] > 0 and r["k8_ms"] > 0 for r in rows)
+    args = ["--in-process", "draft-sweep", "--workloads", "copy", "--max-tokens", "4", "--repeats", "1"]
+    run(env, SCRIPTS / "bench_spec.py", *args, "--json", sweep)
+    out = json.loads(sweep.read_text())
+    assert out[0]["config"] == "off" and out[0]["x_off"] == 1.0 and len(out) == 7 and all(r["tok_s"] > 0 for r in out)
+
+
+def test_bench_engine_quick(env, tmp_path):
+    out = tmp_path / "engine.json"
+    proc = run(
+        env,
+        SCRIPTS / "bench_engine.py",
+        "--quick",
+        "--requests",
+        "4",
+        "--repeats",
+        "1",
+        "--hf-repeats",
+        "1",
+        "--json",
+        out,
+        timeout=600,
+    )
+    data = json.loads(out.read_text())
+    assert set(data["median"]) == {"continuous", "static", "hf-static", "hf-cb"} and not data["errors"]
+    eff = data["efficiency"]
+    assert 0 < eff["efficiency"] <= 1.5 and eff["matmuls"] == 4 * 30 + 1 and "Q4_1" in eff["weights"]
+    assert 90e6 < eff["matmul_bytes_per_step"] < 100e6  # 4-bit layers and the Q8_0 output projection, as stored
+    assert number(r"batch-1 decode: minibatch ([\d.]+) tok/s", proc.stdout) > 0
+    assert "engine efficiency at 16 running" in proc.stdout
+
+
+def test_bench_sampling(env, tmp_path):
+    out = tmp_path / "sampling.json"
+    proc = run(
+        env,
+        SCRIPTS / "bench_sampling.py",
+        *("--calls", "1", "--concurrency", "2", "--tokens", "4", "--repeats", "1", "--spec", "off", "--json", out),
+        timeout=600,
+    )
+    data = json.loads(out.read_text())
+    shapes = {r["logits"] for r in data["sampler"]}
+    settings = {r["setting"] for r in data["sampler"]}
+    assert {"chat + typical_p 0.9", "chat + DRY 0.8", "Mirostat 2 (tau 5, eta 0.1)"} <= settings  # beside the fused
+    assert len(shapes) == 3 and len(data["sampler"]) == 3 * len(settings) * 2
+    assert all(r["ms_per_row"] > 0 for r in data["sampler"])
+    (row,) = data["engine"]
+    assert row["concurrency"] == 2 and all(row[w] > 0 for w in ("greedy", "chat", "ollama"))
+    assert number(r"spec off\s+c= 2: greedy ([\d.]+) tok/s", proc.stdout) == pytest.approx(row["greedy"], rel=0.01)
+
+
+def test_bench_overhead(env):
+    proc = run(env, SCRIPTS / "bench_overhead.py", "--requests", "3", "--repeats", "1")
+    inproc = number(r"in-process: ([\d.]+) output tok/s", proc.stdout)
+    socket_side = number(r"through the socket \(3 concurrent SSE streams\): ([\d.]+) output tok/s", proc.stdout)
+    assert number(r"socket / in-process: ([\d.]+)", proc.stdout) == pytest.approx(socket_side / inproc, abs=0.002)
+
+
+def test_bench_driver(env):
+    proc = run(
+        env, SCRIPTS / "bench_driver.py", "--batches", "1,2", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1"
+    )
+    assert number(r"batch   1: greedy decode\s+([\d.]+) tok/s", proc.stdout) > 0
+    assert number(r"batch   2: greedy decode\s+([\d.]+) tok/s", proc.stdout) > 0
+    assert number(r"peak RSS: (\d+) MiB", proc.stdout) > 100 and "load of converted model" in proc.stdout
+
+
+@pytest.mark.parametrize("weights", ["native", "float32"])
+def test_profile_step(env, weights):
+    proc = run(
+        env, SCRIPTS / "profile_step.py", "--weights", weights, "--rows", "1,3", "--context", "16", "--steps", "2"
+    )
+    for rows in (1, 3):
+        assert number(rf"{rows} running, context ~16: step ([\d.]+) ms", proc.stdout) > 0
+    assert number(r"\n  matmul\s+([\d.]+) ms", proc.stdout) > 0
+    read = number(r"the matmuls read (\d+) MB of weights per step", proc.stdout)
+    # the same model streams 4-bit blocks natively and every matrix in fp32 dequantised
+    assert (90 <= read <= 100) if weights == "native" else (500 <= read <= 560), read
+    if weights == "native":  # and the prefill of one prompt in one step
+        proc = run(env, SCRIPTS / "profile_step.py", "--prefill", "64", "--steps", "2")
+        ms, rate = re.search(
+            r"a 64-token prompt prefilled in one step: ([\d.]+) ms \(([\d.]+) tok/s", proc.stdout
+        ).groups()
+        assert float(ms) > 0 and float(rate) == pytest.approx(64 / float(ms) * 1e3, rel=0.01)
+        assert number(r"\n  matmul\s+([\d.]+) ms", proc.stdout) > 0
+
+
+def test_bench_grammar(env, tmp_path):
+    out = tmp_path / "grammar.json"
+    proc = run(env, SCRIPTS / "bench_grammar.py", "--batch", "2", "--json", out)
+    data = json.loads(out.read_text())
+    assert len(data["masks"]) == 5 and all(row["llguidance"]["compile_ms"] > 0 for row in data["masks"])
+    assert [s["batch"] for s in data["engine_steps"]] == [1, 2]
+    assert number(r"batch 2\s+[\d.]+\s+([\d.]+)", proc.stdout) > 0 and "llguidance" in proc.stdout
+
+
+def test_bench_decode_attention(env):
+    proc = run(env, SCRIPTS / "bench_decode_attention.py", "--cases", "1x64,2x32", "--repeats", "1")
+    rows = re.findall(r"^\| (\d+ x \d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|$", proc.stdout, re.M)
+    assert [r[0] for r in rows] == ["1 x 64", "2 x 32"] and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), (
+        proc.stdout
+    )
+
+
+def test_bench_quant_matmul(env):
+    proc = run(
+        env,
+        SCRIPTS / "bench_quant_matmul.py",
+        "--shape",
+        "qwen2.5-0.5b",
+        "--types",
+        "Q5_0,Q4_K,Q6_K",
+        "--rows",
+        "1,5",
+        "--repeats",
+        "1",
+    )
+    rows = re.findall(
+        r"^\| (Q\w+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| [\d.]+ \| ([\d.]+) \| (integer|exact) \|$", proc.stdout, re.M
+    )
+    assert [(r[0], r[1]) for r in rows] == [("Q5_0", "1"), ("Q5_0", "5")], proc.stdout
+    for _, _, exact, fast, ratio, winner in rows:  # the printed times are rounded to 0.01 ms
+        assert float(ratio) == pytest.approx(float(exact) / float(fast), rel=0.1)
+        assert winner == ("integer" if float(ratio) > 1 else "exact")
+    # 896 values per row hold no 256-value blocks (which is why llama-quantize falls back to Q5_0 and Q8_0)
+    assert "| Q4_K | - |" in proc.stdout and "| Q6_K | - |" in proc.stdout
+
+
+def test_make_model(env, tmp_path):
+    """The true Qwen2.5-0.5B layer shape (896 wide, 14 heads over 2 KV heads, qkv bias, tied output) with two layers
+    and its own 151,936-token vocabulary, quantized to Q5_0 by gguf's quantizer: it loads natively and generates,
+    greedy and sampled."""
+    out = tmp_path / "qwen-q5_0.gguf"
+    proc = run(
+        env,
+        SCRIPTS / "make_model.py",
+        *("--shape", "qwen2.5-0.5b", "--layers", "2", "--quantize", "Q5_0", "--true-vocab", "--out", out),
+    )
+    assert out.is_file() and f"make_model: {out}" in proc.stdout
+    check = (
+        "import sys, json; from minibatch.engine.factory import EngineConfig, build_engine\n"
+        "from minibatch.engine.core.sampling_params import SamplingParams\n"
+        f"e = build_engine(EngineConfig(model={str(out)!r}, num_kv_blocks=16, max_num_seqs=1))\n"
+        "r = e.add_request('a', [1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))\n"
+        "p = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=3, ignore_eos=True)\n"
+        "s = e.add_request('b', [1, 2, 3], p)\n"
+        "while e.has_work(): e.step()\n"
+        "c = e.runner.model.config\n"
+        "print(json.dumps({'weights': e.info.weights, 'family': e.info.family, 'out': r.output_token_ids,\n"
+        "  'sampled': s.output_token_ids, 'vocab': c.vocab_size, 'tokenizer': len(e.tokenizer.vocab()),\n"
+        "  'shape': [c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.num_layers]}))\n"
+    )
+    info = json.loads(run(env, "-c", check).stdout.strip().splitlines()[-1])
+    assert info["family"] == "qwen2" and info["weights"].startswith("Q5_0") and info["weights"].endswith(" native")
+    assert info["shape"] == [896, 14, 2, 64, 4864, 2] and len(info["out"]) == 3 and len(info["sampled"]) == 3
+    assert info["vocab"] == info["tokenizer"] == 151936
+
+
+def test_perplexity(env):
+    proc = run(env, SCRIPTS / "perplexity.py", "--chunks", "2", "--ctx", "128")
+    rows = {
+        r[0]: r[1:]
+        for r in re.findall(
+            r"^\| ([\w-]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.-]+) \| ([\d.%-]+) \| ([\d.]+) \|$", proc.stdout, re.M
+        )
+    }
+    assert set(rows) == {"native", "native-exact"}, proc.stdout
+    ppl = {w: float(v[0]) for w, v in rows.items()}
+    assert all(1 < p < 1000 for p in ppl.values()) and abs(ppl["native"] / ppl["native-exact"] - 1) < 0.05
+    kl, same = float(rows["native-exact"][2]), float(rows["native-exact"][3].rstrip("%"))
+    assert 0 < kl < 0.1 and 80 < same < 100

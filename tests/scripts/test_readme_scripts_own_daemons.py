@@ -1,0 +1,114 @@
+"""The scripts (docs/scripts.md) that start daemons of their own (see test_readme_scripts.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.scripts.helpers import ROOT, SCRIPTS, number, run
+
+pytestmark = pytest.mark.model
+
+
+def test_bench_embeddings(env, tmp_path):
+    """Its own daemon: embeddings alone, then beside a chat; llama.cpp's side only with a llama-server."""
+    out = tmp_path / "emb.json"
+    args = ["--inputs", "6", "--clients", "3", "--chats", "1", "--chat-seconds", "2", "--chat-tokens", "6"]
+    env = {k: v for k, v in env.items() if k != "LLAMA_SERVER"}
+    proc = run(env, SCRIPTS / "bench_embeddings.py", *args, "--json", out, timeout=600)
+    mb = json.loads(out.read_text())["minibatch"]
+    for side in ("alone", "beside_chats"):
+        assert mb[side]["inputs"] == 6 and mb[side]["inputs_s"] > 0 and mb[side]["tokens_s"] > 0
+    assert mb["chat_tpot_ms_alone"] > 0 and mb["chat_tpot_ms_beside"] > 0 and min(mb["chat_answers"]) >= 1
+    assert "| minibatch | beside 1 chats |" in proc.stdout
+
+
+def test_bench_cluster(env, tmp_path):
+    pytest.importorskip("ray", reason="the cluster extra is not installed")
+    out = tmp_path / "cluster.json"
+    args = ("--conversations", "3", "--concurrency", "2", "--max-tokens", "6", "--latency-requests", "5")
+    proc = run(env, SCRIPTS / "bench_cluster.py", *args, "--out", out, timeout=600)
+    report = json.loads(out.read_text())
+    setups = {r["setup"]: r for r in report["setups"]}
+    assert set(setups) == {"daemon", "prefix", "least-loaded"}
+    for name, r in setups.items():  # every setup replayed every turn of the same conversations
+        assert r["turns"] == setups["daemon"]["turns"] >= 9 and r["output_tok_s"] > 0, name
+        assert 0 < r["prefix_hit_rate"] < 1  # later turns reuse earlier turns' blocks
+        assert re.search(rf"^\| {name} \| {r['turns']} \| [\d.]+ \| \d+ / \d+ \| [\d.]+% \|$", proc.stdout, re.M)
+    assert setups["prefix"]["route_decisions"]["hit"] >= setups["daemon"]["turns"] - 3  # every later turn
+    assert setups["least-loaded"]["route_decisions"]["least_loaded"] == setups["daemon"]["turns"]
+    one = setups["prefix"]["one_token"]
+    assert one["ingress_p50_ms"] > 0 and one["direct_p50_ms"] > 0
+    added = re.search(r"the ingress adds (-?[\d.]+) ms \(p50\), (-?[\d.]+) ms \(p99\)", proc.stdout)
+    assert float(added[1]) == pytest.approx(one["added_p50_ms"], abs=0.06)
+    assert float(added[2]) == pytest.approx(one["added_p99_ms"], abs=0.06)
+    assert number(r"prefix: the ingress process used [\d.]+ CPU s, ([\d.]+) us per streamed token", proc.stdout) > 0
+    assert number(r"([\d.]+) µs to hash its text blocks", proc.stdout) > 0
+    assert number(r"([\d.]+) µs to render its chat template and tokenize", proc.stdout) > 0
+
+
+def test_fuzz_script(env):
+    # The deep run with 2 examples per operation and mode: the same check 17, from its own shell script.
+    proc = subprocess.run(
+        ["bash", str(SCRIPTS / "fuzz.sh"), "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**env, "PYTHON": sys.executable},
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "fuzz: 2 examples per operation and mode" in proc.stdout
+    assert re.search(r"(\d+) passed", proc.stdout) and int(re.search(r"(\d+) passed", proc.stdout).group(1)) >= 30
+
+
+def test_record_quick(env, tmp_path):
+    """`make bench`'s pieces with the smallest parameters: a private daemon per model, both modes at two
+    points, the sweeps, the prefill; then published into a copy of the docs."""
+    docs = tmp_path / "docs"
+    (docs / "docs" / "bench").mkdir(parents=True)
+    for name in ("README.md", "BENCHMARKS.md"):
+        shutil.copy(ROOT / name, docs / name)
+    args = ["--quick", "--models", "smollm2-135m-instruct", "--pieces", "serving,modes,sweeps,prefill"]
+    args += ["--concurrency", "1,2", "--requests", "3", "--repeats", "1", "--prefill-tokens", "32"]
+    proc = run(env, SCRIPTS / "record.py", *args, "--out", tmp_path / "out", "--publish", "--docs", docs, timeout=900)
+    [path] = (tmp_path / "out").glob("*/record.json")
+    record = json.loads(path.read_text())
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert record["run"]["commit"] == head[:12] and record["run"]["quick"] is True
+    assert record["run"]["machine"]["cores"] == os.cpu_count() and record["run"]["versions"]["torch"]
+    secs = record["sections"]
+    assert set(secs) == {"serving", "modes", "variance", "rate", "prefill"}
+    [model] = secs["modes"]["models"]
+    assert [p["c"] for p in model["points"]] == [1, 2]
+    for p in model["points"]:
+        for mode in ("continuous", "static"):
+            m = p[mode]
+            assert m["failed"] == 0 and m["requests"] == 3 and m["tok_s"] > 0 and m["ttft"]["p50"] > 0, (p, mode)
+            assert m["e2e"]["p50"] <= m["e2e"]["p95"] <= m["e2e"]["p99"]
+        assert p["continuous"]["wasted_row_steps"] == 0 and p["static"]["wasted_row_steps"] >= 0
+    assert len(secs["variance"]["points"]) == 5 and len(secs["rate"]["points"]) == 2
+    [serving] = secs["serving"]["rows"]
+    assert serving["start_s"] > 0 and serving["rss_after_mb"] > 100 and serving["file_mb"] > 90
+    [pre] = secs["prefill"]["rows"]
+    assert pre["tokens"] == 32 and pre["tok_s"] == pytest.approx(32 / pre["step_ms"] * 1e3)
+    assert "peers" not in secs and any("record: plot:" in line for line in proc.stderr.splitlines())
+    # published: the copy's record holds the run's sections, its tables were rewritten from them
+    published = json.loads((docs / "docs" / "bench" / "record.json").read_text())
+    assert published["sections"] == secs
+    readme = (docs / "README.md").read_text()
+    block = readme[readme.index("<!-- record:modes-headline -->") : readme.index("<!-- /record:modes-headline -->")]
+    assert "`make bench --quick`" in block and head[:10] in block
+    rows = re.findall(r"^\| (\d+) \| \**([\d.]+)\** / \**([\d.]+)\** \| ([\d.]+)×", block, re.M)
+    assert [int(r[0]) for r in rows] == [1, 2]
+    for (_, cont, stat, ratio), p in zip(rows, model["points"]):
+        assert float(cont) == pytest.approx(p["continuous"]["tok_s"], abs=0.05)
+        assert float(stat) == pytest.approx(p["static"]["tok_s"], abs=0.05)
+        assert float(ratio) == pytest.approx(p["continuous"]["tok_s"] / p["static"]["tok_s"], abs=0.006)
+    assert (docs / "docs" / "bench" / "record_modes.png").stat().st_size > 0
