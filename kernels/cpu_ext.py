@@ -23,6 +23,7 @@ SOURCES = (
     "quant_dot.cpp",
     "cpu_ops.cpp",
     "sampling.cpp",
+    "sampling_chain.cpp",
 )
 # No -ffast-math: the dequantisers must reproduce gguf.quants bit for bit.
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]

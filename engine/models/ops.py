@@ -65,6 +65,19 @@ class TorchOps:
         return _draw(cut.keep, cut.weights, cut.top, cut.drawn, streams)
 
     @staticmethod
+    def sample_chain(
+        logits: torch.Tensor,  # [rows, vocab]
+        settings: torch.Tensor,  # fp64 [rows, 12]: engine/runner/chain.py's pack()
+        streams: torch.Tensor,  # int64 [rows, 2]: Philox key and counter
+        masks: torch.Tensor | None,  # int32 [rows, ceil(vocab / 32)]: allowed-token bits, or None
+    ) -> torch.Tensor:
+        """fp64 [rows, 2]: each row's token and Mirostat mu by the chain of top-nσ, typical-p, XTC or Mirostat
+        (engine/runner/chain.py, in NumPy: the twin kernels/csrc/sampling_chain.cpp is tested against)."""
+        from minibatch.engine.runner.chain import sample_chain
+
+        return sample_chain(logits, settings, streams, masks)
+
+    @staticmethod
     def sample_cuts(logits, settings, streams, masks) -> torch.Tensor:
         """What the rule keeps per row: int64 [rows, 2], how many tokens and the last of them in the order."""
         cut = _reference_cut(logits, settings, masks)
@@ -221,6 +234,11 @@ class CpuOps(TorchOps):
 
     def sample_cuts(self, logits, settings, streams, masks):
         return self.ext.sample_cuts(logits.float(), settings, streams, _no_masks if masks is None else masks)
+
+    def sample_chain(self, logits, settings, streams, masks):
+        """The chain as one C++ pass per row (sampling_chain.cpp): a scan of the vocabulary and a sort of the
+        few candidates, where the twin converts the row to float64 in NumPy first."""
+        return self.ext.sample_chain(logits.float(), settings, streams, _no_masks if masks is None else masks)
 
 
 class TritonOps(TorchOps):

@@ -1,12 +1,13 @@
 """The samplers the fused pass does not hold -- top-nσ, typical-p, XTC and Mirostat 2.0 -- as one chain over
 each row's likely tokens, in float64, for the rows that ask for one of them (a row without stays in the fused
-pass: they cost nothing when off).
+pass: they cost nothing when off). This is the twin of the CPU kernel (kernels/csrc/sampling_chain.cpp, which
+the sampler runs where it is built): the tests hold the two to the same tokens.
 
 The chain draws among the row's tokens within TAIL nats of the most likely one at the row's temperature (a
 logit at least the top's minus 20 x temperature: a token less likely than e^-20 = 2e-9 times the top one is
 never drawn; the fused pass has no such floor), in the order of their logits (higher first, the lower id
-first among ties). It runs on the host in NumPy, a row at a time (a row's candidates are few: per-op
-overhead, not arithmetic, is what a step of torch calls would cost). Each step works on the distribution
+first among ties), a row at a time (a row's candidates are few: per-op overhead, not arithmetic, is what a
+step of torch calls would cost). Each step works on the distribution
 at the row's temperature (as the fused pass's top-p and min-p do), renormalised over what the steps before
 it kept:
 
@@ -31,6 +32,7 @@ last, where ours (and vLLM's) comes first.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -42,28 +44,72 @@ TAIL = 20.0  # nats below the top at the row's temperature: the chain's candidat
 NARROW = 8.0  # nats below the top: the candidates top-p is tried on first (_narrowed)
 
 
+class ChainSettings(NamedTuple):
+    """A row's settings as the kernel (kernels/csrc/sampling_chain.cpp) and this twin read them, in this order,
+    followed by the row's Mirostat mu."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    top_n_sigma: float
+    typical_p: float
+    xtc_probability: float
+    xtc_threshold: float
+    mirostat: int
+    mirostat_tau: float
+    mirostat_eta: float
+
+    @classmethod
+    def of(cls, p: SamplingParams) -> ChainSettings:
+        return cls(
+            p.temperature,
+            p.top_k,
+            p.top_p,
+            p.min_p,
+            p.top_n_sigma,
+            p.typical_p,
+            p.xtc_probability,
+            p.xtc_threshold,
+            p.mirostat,
+            p.mirostat_tau,
+            p.mirostat_eta,
+        )
+
+
+def pack(params: list[SamplingParams], mu: list[float | None]) -> torch.Tensor:
+    """fp64 [rows, 12]: each row's ChainSettings and its Mirostat mu (NaN before its first draw, or without)."""
+    rows = [[*ChainSettings.of(p), math.nan if m is None else m] for p, m in zip(params, mu)]
+    return torch.tensor(rows, dtype=torch.float64).reshape(len(rows), len(ChainSettings._fields) + 1)
+
+
 def sample_chain(
     logits: torch.Tensor,  # [rows, vocab]
-    params: list[SamplingParams],  # each row's (all sampled: temperature > 0)
-    streams: np.ndarray,  # int64 [rows, 2]: Philox key and counter
+    settings: torch.Tensor,  # fp64 [rows, 12]: pack()'s
+    streams: torch.Tensor,  # int64 [rows, 2]: Philox key and counter
     masks: torch.Tensor | None,  # int32 [rows, ceil(vocab / 32)]: the grammar's allowed tokens, or None
-    mu: list[float | None],  # each row's Mirostat state (None: its first draw, or no Mirostat)
-) -> tuple[list[int], list[float | None]]:
-    """(each row's token, each Mirostat row's new mu; None for the others)."""
+) -> torch.Tensor:
+    """fp64 [rows, 2]: each row's token and its Mirostat mu after the draw (NaN without Mirostat). The twin of
+    the kernel's sample_chain, in NumPy."""
     x = logits.detach().float().cpu().numpy().astype(np.float64)
     if masks is not None:
         bits = np.unpackbits(masks.cpu().numpy().view(np.uint8), axis=1, bitorder="little")[:, : x.shape[1]]
         x[bits == 0] = -np.inf
-    u, coin = uniform_pairs(streams[:, 0], streams[:, 1])
-    tokens, mus = [], []
-    for i, p in enumerate(params):
-        token, new_mu = _row(x[i], p, float(u[i]), float(coin[i]), mu[i])
-        tokens.append(token)
-        mus.append(new_mu)
-    return tokens, mus
+    keys = streams.cpu().numpy()
+    u, coin = uniform_pairs(keys[:, 0], keys[:, 1])
+    s = settings.cpu().numpy()
+    out = np.empty((len(s), 2), dtype=np.float64)
+    n = len(ChainSettings._fields)
+    for i in range(len(s)):
+        v = [float(f) for f in s[i, :n]]
+        p = ChainSettings(*v[:1], int(v[1]), *v[2:8], int(v[8]), *v[9:])
+        mu = None if math.isnan(s[i, n]) else float(s[i, n])
+        token, new_mu = _row(x[i], p, float(u[i]), float(coin[i]), mu)
+        out[i] = token, math.nan if new_mu is None else new_mu
+    return torch.from_numpy(out)
 
 
-def _row(x: np.ndarray, p: SamplingParams, u: float, coin: float, mu: float | None) -> tuple[int, float | None]:
+def _row(x: np.ndarray, p: ChainSettings, u: float, coin: float, mu: float | None) -> tuple[int, float | None]:
     top = int(np.argmax(x))
     m = float(x[top])
     if not math.isfinite(m):
@@ -112,7 +158,7 @@ def _row(x: np.ndarray, p: SamplingParams, u: float, coin: float, mu: float | No
 
 
 def _narrowed(
-    x: np.ndarray, cand: np.ndarray, m: float, p: SamplingParams, sigma: float
+    x: np.ndarray, cand: np.ndarray, m: float, p: ChainSettings, sigma: float
 ) -> tuple[np.ndarray, float | None]:
     """The candidates left to sort for top-p, and top-p's mass: where the tokens within NARROW nats of the top
     hold top_p of the mass that top-nσ and top-k keep, every token below them is past top-p's cut (the mass
@@ -131,7 +177,7 @@ def _narrowed(
     return cand[near], total
 
 
-def _mirostat(ids: np.ndarray, w: np.ndarray, p: SamplingParams, u: float, mu: float | None) -> tuple[int, float]:
+def _mirostat(ids: np.ndarray, w: np.ndarray, p: ChainSettings, u: float, mu: float | None) -> tuple[int, float]:
     mu = 2.0 * p.mirostat_tau if mu is None else mu
     surprise = -np.log2(w / w.sum())
     keep = surprise <= mu

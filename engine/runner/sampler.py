@@ -12,7 +12,7 @@ import torch
 
 from minibatch.engine.core.request import Request
 from minibatch.engine.models.ops import TorchOps
-from minibatch.engine.runner.chain import sample_chain
+from minibatch.engine.runner.chain import pack
 from minibatch.engine.runner.dry import breaker_mask, dry_penalties
 
 _KEY_BITS = (1 << 63) - 1  # keys and counters travel as int64
@@ -130,18 +130,13 @@ class Sampler:
             for i, t in zip(fused, picked):
                 tokens[i] = t
         sub = [reqs[i] for i in chained]
-        streams = np.array([(self._key(r), positions[i]) for i, r in zip(chained, sub)], dtype=np.int64)
+        streams = torch.tensor([(self._key(r), positions[i]) for i, r in zip(chained, sub)], dtype=torch.int64)
         rows = torch.tensor(chained, device=logits.device)
-        picked, mus = sample_chain(
-            logits[rows],
-            [r.params for r in sub],
-            streams,
-            self._masks(logits, sub),
-            [self.mu.get(r.request_id) for r in sub],
-        )
-        for i, r, t, mu in zip(chained, sub, picked, mus):
-            tokens[i] = t
-            if mu is not None:
+        settings = pack([r.params for r in sub], [self.mu.get(r.request_id) for r in sub])
+        out = self.ops.sample_chain(logits[rows].cpu(), settings, streams, self._masks(logits, sub)).tolist()
+        for i, r, (t, mu) in zip(chained, sub, out):
+            tokens[i] = int(t)
+            if mu == mu:  # not NaN: a Mirostat row's new mu
                 self.mu[r.request_id] = mu
         return tokens
 

@@ -30,3 +30,5 @@ at::Tensor argmax_rows(at::Tensor x);
 at::Tensor sample_tokens(at::Tensor logits, at::Tensor settings, at::Tensor streams, at::Tensor masks);
 at::Tensor sample_cuts(at::Tensor logits, at::Tensor settings, at::Tensor streams, at::Tensor masks);
 at::Tensor philox_uniforms(at::Tensor keys, at::Tensor counters);
+// sampling_chain.cpp
+at::Tensor sample_chain(at::Tensor logits, at::Tensor settings, at::Tensor streams, at::Tensor masks);

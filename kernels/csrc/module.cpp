@@ -1,5 +1,7 @@
 // The one CPU extension: binds every kernel declared in kernels.h.
-#include <torch/extension.h>
+// pybind11 with torch's Tensor casters alone: torch/extension.h would also parse the whole C++ frontend
+// (nn, optim, data), three times as long to compile for nothing these bindings use.
+#include <torch/csrc/utils/pybind.h>
 
 #include "kernels.h"
 
@@ -22,5 +24,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's argmax, the first of ties (fp32 [rows, n] -> int64 [rows])");
   m.def("sample_tokens", &sample_tokens, "one token per row: grammar mask, temperature, top-k, top-p, min-p, Philox draw");
   m.def("sample_cuts", &sample_cuts, "what sample_tokens' rule keeps per row: (count, last token in the order)");
+  m.def("sample_chain", &sample_chain, "top-nσ, typical-p, XTC or Mirostat 2.0 over each row's likely tokens, in doubles");
   m.def("philox_uniforms", &philox_uniforms, "Philox4x32-10's uniform in [0, 1) for each (key, counter)");
 }

@@ -47,4 +47,12 @@ inline double philox_uniform(uint64_t key, uint64_t counter) {
   return (double)bits * (1.0 / 9007199254740992.0);  // 2^-53
 }
 
+// The same block's two uniforms: the first from words 0-1 (philox_uniform's), the second from words 2-3 (the
+// chain's XTC coin: independent of the draw at the same position).
+inline void philox_uniform_pair(uint64_t key, uint64_t counter, double& first, double& second) {
+  const Philox4x32 r = philox4x32_10((uint32_t)counter, (uint32_t)(counter >> 32), 0u, 0u, (uint32_t)key, (uint32_t)(key >> 32));
+  first = (double)(((uint64_t)r.v[0] << 32 | r.v[1]) >> 11) * (1.0 / 9007199254740992.0);
+  second = (double)(((uint64_t)r.v[2] << 32 | r.v[3]) >> 11) * (1.0 / 9007199254740992.0);
+}
+
 }  // namespace mb

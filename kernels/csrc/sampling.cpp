@@ -192,28 +192,6 @@ int64_t collect(const float* l, const float* w, int64_t n, float lt, int32_t* id
   return c;
 }
 
-#ifdef MB_VEC_AVX2
-// exp(x) for 4 doubles, x <= 0: x = k ln 2 + r with |r| <= ln 2 / 2 (ln 2 in two parts), e^r by its Taylor
-// series to r^13 (a few ulp), times 2^k; 0 below -708, where 2^k would leave the normal range.
-inline __m256d exp256d(__m256d x) {
-  const __m256d floor = _mm256_set1_pd(-708.0);
-  const __m256d under = _mm256_cmp_pd(x, floor, _CMP_LT_OQ);
-  x = _mm256_max_pd(x, floor);
-  const __m256d k = _mm256_round_pd(_mm256_mul_pd(x, _mm256_set1_pd(1.4426950408889634)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256d r = _mm256_fnmadd_pd(k, _mm256_set1_pd(6.93147180369123816490e-01), x);
-  r = _mm256_fnmadd_pd(k, _mm256_set1_pd(1.90821492927058770002e-10), r);
-  double inv_fact = 1.0;
-  for (int i = 2; i <= 13; ++i) inv_fact /= i;  // 1 / 13!
-  __m256d p = _mm256_set1_pd(inv_fact);
-  for (int i = 13; i >= 2; --i) {
-    inv_fact *= i;  // 1 / (i - 1)!
-    p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(inv_fact));
-  }
-  p = _mm256_fmadd_pd(p, r, _mm256_set1_pd(1.0));
-  const __m256i bits = _mm256_slli_epi64(_mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(k)), _mm256_set1_epi64x(1023)), 52);
-  return _mm256_andnot_pd(under, _mm256_mul_pd(p, _mm256_castsi256_pd(bits)));
-}
-#endif
 
 // The candidates' weights in doubles, as the twin computes them: exp((l - m) / T).
 void weigh_candidates(const float* l, const int32_t* ids, int64_t count, double m, double t, double* wc) {

@@ -1,0 +1,340 @@
+// The samplers the fused pass does not hold -- top-nσ, typical-p, XTC and Mirostat 2.0 -- as one chain per row
+// over the row's likely tokens, in doubles. engine/runner/chain.py states the same chain in NumPy (its
+// docstring gives the rule step by step); that is the twin these kernels are tested against, token for token.
+//
+// Per row: the tokens within kTail nats of the most likely one at the row's temperature are the candidates
+// (one pass over the row, after the grammar's mask); with top-p and neither typical-p nor Mirostat, only those
+// within kNarrow nats are sorted when they hold top-p's share of the mass that top-nσ and top-k keep (a
+// trained model's rows nearly always), else every candidate is. The candidates are ordered by logit (higher
+// first, the lower id first among ties), the cuts run in llama.cpp's order (our temperature first), and the
+// draw inverts the kept weights' distribution function in that order at the row's Philox uniform; XTC's coin
+// is the second half of the same Philox block. Rows run one after another on the calling thread: a row is a
+// scan of the vocabulary and a sort of a few hundred candidates at most.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
+#include "philox.h"
+#include "vec_math.h"
+
+namespace {
+
+constexpr double kTail = 20.0;   // nats below the top: the chain's candidates (chain.py's TAIL)
+constexpr double kNarrow = 8.0;  // nats below the top: what top-p is tried on first (chain.py's NARROW)
+constexpr int kSettings = 12;    // per row: see ChainSettings
+
+struct ChainSettings {
+  double temperature, top_k, top_p, min_p, top_n_sigma, typical_p, xtc_probability, xtc_threshold, mirostat,
+      mirostat_tau, mirostat_eta, mu;  // mu: NaN before the first Mirostat draw (or without Mirostat)
+};
+
+struct Token {
+  double x;
+  int32_t id;
+};
+
+// The index where the weights' running sum first passes u x their total; the last weighted one where rounding
+// leaves the target past every sum (chain.py's _draw).
+int64_t draw(const std::vector<double>& w, double u) {
+  double total = 0.0;
+  for (double v : w) total += v;
+  const double goal = u * total;
+  double run = 0.0;
+  for (size_t i = 0; i < w.size(); ++i) {
+    run += w[i];
+    if (run > goal) return (int64_t)i;
+  }
+  for (size_t i = w.size(); i-- > 0;)
+    if (w[i] > 0.0) return (int64_t)i;
+  return 0;
+}
+
+// The row's maximum and the first index holding it, over the allowed tokens; a NaN (NumPy's argmax gives the
+// first) reports itself as the maximum. Without a mask the scan runs eight floats at a time.
+void row_max(const float* row, const int32_t* mask, int64_t n, double& m, int64_t& top) {
+  float best = -INFINITY;
+  bool nan = false;
+  int64_t i = 0;
+  if (mask == nullptr) {
+#ifdef MB_VEC_AVX2
+    __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(row + i);
+      vmax = _mm256_max_ps(vmax, v);
+      vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    for (float l : lanes) best = std::max(best, l);
+    nan = _mm256_movemask_ps(vnan) != 0;
+#endif
+    for (; i < n; ++i) {
+      best = std::max(best, row[i]);
+      nan = nan || row[i] != row[i];
+    }
+  } else {
+    for (; i < n; ++i) {
+      if (!((mask[i >> 5] >> (i & 31)) & 1)) continue;
+      best = std::max(best, row[i]);
+      nan = nan || row[i] != row[i];
+    }
+  }
+  for (i = 0; i < n; ++i) {
+    if (mask != nullptr && !((mask[i >> 5] >> (i & 31)) & 1)) continue;
+    if (nan ? row[i] != row[i] : row[i] == best) break;
+  }
+  top = i < n && (nan || best > -INFINITY) ? i : 0;  // nothing above -inf: the first token, as NumPy's argmax
+  m = nan ? std::nan("") : (double)best;
+}
+
+// The standard deviation of the row's finite allowed logits (NumPy's x[isfinite(x)].std()), in doubles.
+double row_sigma(const float* row, const int32_t* mask, int64_t n) {
+  double sum = 0.0, sq = 0.0;
+  int64_t count = 0;
+#ifdef MB_VEC_AVX2
+  if (mask == nullptr) {  // four doubles at a time, the non-finite values left out
+    const __m256d inf = _mm256_set1_pd(INFINITY);
+    __m256d vs = _mm256_setzero_pd();
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(row + i));
+      const __m256d fin = _mm256_cmp_pd(_mm256_andnot_pd(_mm256_set1_pd(-0.0), v), inf, _CMP_LT_OQ);
+      vs = _mm256_add_pd(vs, _mm256_and_pd(v, fin));
+      count += __builtin_popcount(_mm256_movemask_pd(fin));
+    }
+    alignas(32) double lanes[4];
+    _mm256_store_pd(lanes, vs);
+    sum = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    for (; i < n; ++i)
+      if (std::isfinite(row[i])) sum += row[i], ++count;
+    const double mean = sum / (double)count;
+    const __m256d vm = _mm256_set1_pd(mean);
+    __m256d vq = _mm256_setzero_pd();
+    for (i = 0; i + 4 <= n; i += 4) {
+      const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(row + i));
+      const __m256d fin = _mm256_cmp_pd(_mm256_andnot_pd(_mm256_set1_pd(-0.0), v), inf, _CMP_LT_OQ);
+      const __m256d d = _mm256_and_pd(_mm256_sub_pd(v, vm), fin);
+      vq = _mm256_fmadd_pd(d, d, vq);
+    }
+    _mm256_store_pd(lanes, vq);
+    sq = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    for (; i < n; ++i)
+      if (std::isfinite(row[i])) sq += ((double)row[i] - mean) * ((double)row[i] - mean);
+    return std::sqrt(sq / (double)count);
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    if (mask != nullptr && !((mask[i >> 5] >> (i & 31)) & 1)) continue;
+    if (std::isfinite(row[i])) sum += row[i], ++count;
+  }
+  const double mean = sum / (double)count;
+  for (int64_t i = 0; i < n; ++i) {
+    if (mask != nullptr && !((mask[i >> 5] >> (i & 31)) & 1)) continue;
+    if (std::isfinite(row[i])) sq += ((double)row[i] - mean) * ((double)row[i] - mean);
+  }
+  return std::sqrt(sq / (double)count);
+}
+
+// The allowed tokens whose logit, in doubles, is at least `floor`, in id order: a float pre-test eight at a
+// time (a float threshold just under the double one), then the exact test on those that pass.
+void collect(const float* row, const int32_t* mask, int64_t n, double floor, std::vector<Token>& cand) {
+  cand.clear();
+  const float below = std::nextafter((float)floor, -INFINITY);
+  int64_t i = 0;
+#ifdef MB_VEC_AVX2
+  const __m256 f = _mm256_set1_ps(below);
+  for (; i + 8 <= n; i += 8) {
+    int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), f, _CMP_GE_OQ));
+    while (hit) {
+      const int64_t j = i + __builtin_ctz(hit);
+      hit &= hit - 1;
+      if ((double)row[j] >= floor && (mask == nullptr || ((mask[j >> 5] >> (j & 31)) & 1))) cand.push_back({(double)row[j], (int32_t)j});
+    }
+  }
+#endif
+  for (; i < n; ++i)
+    if (row[i] >= below && (double)row[i] >= floor && (mask == nullptr || ((mask[i >> 5] >> (i & 31)) & 1)))
+      cand.push_back({(double)row[i], (int32_t)i});
+}
+
+// Each candidate's weight exp((x - m) / t), four at a time where AVX2 is built (a few ulp from the twin's).
+void weigh(const std::vector<Token>& cand, double m, double t, std::vector<double>& w) {
+  const size_t c = cand.size();
+  w.resize(c);
+  for (size_t i = 0; i < c; ++i) w[i] = (cand[i].x - m) / t;
+  size_t i = 0;
+#ifdef MB_VEC_AVX2
+  for (; i + 4 <= c; i += 4) _mm256_storeu_pd(&w[i], exp256d(_mm256_loadu_pd(&w[i])));
+#endif
+  for (; i < c; ++i) w[i] = std::exp(w[i]);
+}
+
+// One row: (token, Mirostat's new mu or NaN).
+std::pair<int64_t, double> chain_row(const float* row, const int32_t* mask, int64_t n, const ChainSettings& s, double u,
+                                     double coin, std::vector<Token>& cand, std::vector<double>& w) {
+  double m;
+  int64_t top;
+  row_max(row, mask, n, m, top);
+  if (!std::isfinite(m)) return {top, s.mu};
+  const double t = s.temperature;
+  const double sigma = s.top_n_sigma > 0 ? row_sigma(row, mask, n) : 0.0;
+  const int64_t top_k = (int64_t)s.top_k;
+  collect(row, mask, n, m - kTail * t, cand);
+  double narrowed_total = -1.0;  // top-p's mass where the candidates were narrowed for it
+  if (s.mirostat != 2 && s.top_p < 1 && s.typical_p >= 1) {
+    // Narrowed: where the tokens within kNarrow nats hold top_p of the mass top-nσ and top-k keep, every token
+    // below them is past top-p's cut, so only they are sorted.
+    double kth = -INFINITY;
+    const int64_t c = (int64_t)cand.size();
+    if (top_k > 0 && top_k < c) {
+      std::vector<double> xs(c);
+      for (int64_t i = 0; i < c; ++i) xs[i] = cand[i].x;
+      std::nth_element(xs.begin(), xs.begin() + (c - top_k), xs.end());
+      kth = xs[c - top_k];
+    }
+    const double near_floor = m - kNarrow * t, sigma_floor = m - s.top_n_sigma * sigma;
+    double total = 0.0, near = 0.0;
+    weigh(cand, m, t, w);
+    for (size_t i = 0; i < cand.size(); ++i) {
+      const Token& k = cand[i];
+      if (!((s.top_n_sigma <= 0 || k.x >= sigma_floor) && k.x >= kth)) continue;
+      total += w[i];
+      if (k.x >= near_floor) near += w[i];
+    }
+    if (near >= s.top_p * total) {
+      cand.erase(std::remove_if(cand.begin(), cand.end(),
+                                [&](const Token& k) {
+                                  return !((s.top_n_sigma <= 0 || k.x >= sigma_floor) && k.x >= kth && k.x >= near_floor);
+                                }),
+                 cand.end());
+      narrowed_total = total;
+    }
+  }
+  if (s.mirostat == 2) {
+    // Mirostat keeps the tokens whose surprise in the candidates' distribution is at most mu (the top always):
+    // the mass is summed over every candidate, and only those kept are sorted.
+    const double mu = std::isnan(s.mu) ? 2.0 * s.mirostat_tau : s.mu;
+    weigh(cand, m, t, w);
+    double total = 0.0;
+    for (double v : w) total += v;
+    size_t left = 0;
+    for (size_t i = 0; i < cand.size(); ++i)
+      if (cand[i].id == top || -std::log2(w[i] / total) <= mu) cand[left++] = cand[i];
+    cand.resize(left);
+    std::stable_sort(cand.begin(), cand.end(), [](const Token& a, const Token& b) { return a.x > b.x; });
+    std::vector<double> kept(cand.size());
+    double kept_total = 0.0;
+    for (size_t i = 0; i < cand.size(); ++i) kept_total += kept[i] = std::exp((cand[i].x - m) / t);
+    const int64_t at = draw(kept, u);
+    const double observed = -std::log2(kept[at] / kept_total);
+    return {cand[at].id, mu - s.mirostat_eta * (observed - s.mirostat_tau)};
+  }
+  std::stable_sort(cand.begin(), cand.end(), [](const Token& a, const Token& b) { return a.x > b.x; });
+  const size_t c = cand.size();
+  std::vector<double> zc(c);
+  for (size_t i = 0; i < c; ++i) zc[i] = (cand[i].x - m) / t;
+  weigh(cand, m, t, w);
+  std::vector<char> keep(c, 1);
+  if (s.top_n_sigma > 0)
+    for (size_t i = 0; i < c; ++i) keep[i] &= cand[i].x >= m - s.top_n_sigma * sigma;
+  if (top_k > 0 && (size_t)top_k < c)
+    for (size_t i = 0; i < c; ++i) keep[i] &= zc[i] >= zc[top_k - 1];
+  auto kept_mass = [&]() {
+    double total = 0.0;
+    for (size_t i = 0; i < c; ++i)
+      if (keep[i]) total += w[i];
+    return total;
+  };
+  if (s.typical_p < 1) {
+    // By how far each token's surprise is from the entropy, the nearest first (the order among equals).
+    const double total = kept_mass();
+    std::vector<double> prob(c), dist(c);
+    double entropy = 0.0;
+    for (size_t i = 0; i < c; ++i) {
+      prob[i] = keep[i] ? w[i] / total : 0.0;
+      if (keep[i]) entropy += prob[i] * -std::log(prob[i]);
+    }
+    for (size_t i = 0; i < c; ++i) dist[i] = keep[i] ? std::fabs(-std::log(prob[i]) - entropy) : INFINITY;
+    std::vector<int32_t> by(c);
+    for (size_t i = 0; i < c; ++i) by[i] = (int32_t)i;
+    std::stable_sort(by.begin(), by.end(), [&](int32_t a, int32_t b) { return dist[a] < dist[b]; });
+    double run = 0.0;  // the mass before each, as NumPy's cumsum(ps) - ps gives it
+    std::vector<char> inside(c, 0);
+    for (int32_t i : by) {
+      run += prob[i];
+      inside[i] = run - prob[i] < s.typical_p;
+    }
+    for (size_t i = 0; i < c; ++i) keep[i] &= inside[i];
+  }
+  if (s.top_p < 1) {
+    const double goal = s.top_p * (narrowed_total >= 0.0 ? narrowed_total : kept_mass());
+    double run = 0.0;
+    for (size_t i = 0; i < c; ++i) {
+      const double wk = keep[i] ? w[i] : 0.0;
+      run += wk;
+      keep[i] &= run - wk < goal;
+    }
+  }
+  if (s.min_p > 0) {
+    const double floor_z = std::log(s.min_p);
+    for (size_t i = 0; i < c; ++i) keep[i] &= zc[i] >= floor_z;
+  }
+  if (s.xtc_probability > 0 && s.xtc_threshold <= 0.5 && coin < s.xtc_probability) {
+    const double total = kept_mass();
+    int64_t over = 0, least = -1;
+    for (size_t i = 0; i < c; ++i)
+      if (keep[i] && w[i] / total >= s.xtc_threshold) ++over, least = (int64_t)i;
+    if (over >= 2)
+      for (size_t i = 0; i < c; ++i)
+        if (keep[i] && w[i] / total >= s.xtc_threshold && (int64_t)i != least) keep[i] = 0;
+  }
+  std::vector<double> kept(c);
+  for (size_t i = 0; i < c; ++i) kept[i] = keep[i] ? w[i] : 0.0;
+  return {cand[draw(kept, u)].id, std::nan("")};
+}
+
+}  // namespace
+
+// logits fp32 [rows, n]; settings fp64 [rows, 12] (temperature, top_k, top_p, min_p, top_n_sigma, typical_p,
+// xtc_probability, xtc_threshold, mirostat, mirostat_tau, mirostat_eta, mu or NaN); streams int64 [rows, 2]
+// (Philox key, counter); masks int32 [rows, ceil(n / 32)] of allowed-token bits, or an empty tensor for none
+// -> fp64 [rows, 2]: each row's token and its Mirostat mu after the draw (NaN for a row without Mirostat).
+at::Tensor sample_chain(at::Tensor logits, at::Tensor settings, at::Tensor streams, at::Tensor masks) {
+  TORCH_CHECK(logits.dtype() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
+              "logits must be fp32 [rows, n] with contiguous rows");
+  const int64_t rows = logits.size(0), n = logits.size(1), ld = logits.stride(0), words = (n + 31) / 32;
+  TORCH_CHECK(n > 0 && n < (int64_t{1} << 31), "sampling needs 1 to 2^31 - 1 values per row");
+  TORCH_CHECK(settings.dtype() == at::kDouble && settings.is_contiguous() && settings.dim() == 2 &&
+                  settings.size(0) == rows && settings.size(1) == kSettings,
+              "settings must be contiguous fp64 [rows, 12]");
+  TORCH_CHECK(streams.dtype() == at::kLong && streams.is_contiguous() && streams.dim() == 2 && streams.size(0) == rows &&
+                  streams.size(1) == 2,
+              "streams must be contiguous int64 [rows, 2]");
+  if (masks.numel() > 0)
+    TORCH_CHECK(masks.dtype() == at::kInt && masks.is_contiguous() && masks.dim() == 2 && masks.size(0) == rows &&
+                    masks.size(1) == words,
+                "masks must be contiguous int32 [rows, ceil(n / 32)]");
+  auto out = at::empty({rows, 2}, logits.options().dtype(at::kDouble));
+  const float* lp = logits.data_ptr<float>();
+  const double* sp = settings.data_ptr<double>();
+  const int64_t* kp = streams.data_ptr<int64_t>();
+  const int32_t* mp = masks.numel() > 0 ? masks.data_ptr<int32_t>() : nullptr;
+  double* op = out.data_ptr<double>();
+  std::vector<Token> cand;
+  std::vector<double> w;
+  for (int64_t r = 0; r < rows; ++r) {
+    const double* q = sp + r * kSettings;
+    const ChainSettings s{q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7], q[8], q[9], q[10], q[11]};
+    double u, coin;
+    mb::philox_uniform_pair((uint64_t)kp[r * 2], (uint64_t)kp[r * 2 + 1], u, coin);
+    const auto [token, mu] = chain_row(lp + r * ld, mp ? mp + r * words : nullptr, n, s, u, coin, cand, w);
+    op[r * 2] = (double)token;
+    op[r * 2 + 1] = mu;
+  }
+  return out;
+}
