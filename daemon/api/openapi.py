@@ -417,3 +417,29 @@ def document(model: str | None = None, vocab_size: int | None = None, version: s
         # The socket needs no key; the TCP listener needs one (or --insecure-no-auth).
         "security": [{}, {"apiKey": []}],
     }
+
+
+def endpoint_table(doc: dict[str, Any] | None = None) -> str:
+    """The Markdown table docs/api.md shows between its `<!-- endpoints -->` markers: every operation of the
+    document with what it does, its query parameters and its body's fields (written from the document, so
+    the page cannot drift from what the daemon validates; a test compares the two)."""
+    doc = doc or document()
+    components = doc["components"]["schemas"]
+    rows = ["| method | path | what | query / body fields |", "|---|---|---|---|"]
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            fields = [f"`?{p['name']}`" for p in op.get("parameters", []) if p.get("in") == "query"]
+            body = op.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema", {})
+            if "$ref" in body:
+                props = components[body["$ref"].rsplit("/", 1)[1]].get("properties", {})
+                fields += [f"`{name}`" for name in sorted(props)]
+            summary = op.get("summary", "").replace("|", "\\|")
+            rows.append(f"| {method.upper()} | `{path}` | {summary} | {', '.join(fields)} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":  # python -m minibatch.daemon.api.openapi: the document, or --markdown: the table
+    import json
+    import sys
+
+    sys.stdout.write(endpoint_table() if "--markdown" in sys.argv[1:] else json.dumps(document(), indent=1) + "\n")

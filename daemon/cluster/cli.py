@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="deploy the replicas and the ingress (in the background unless --foreground)")
     add_socket(start)
-    daemon_cli.add_server_options(start, models=False)  # one model per application (README)
+    daemon_cli.add_server_options(start, models=False)  # one model per application (docs/daemon.md, Several models)
     for flag, typ, default, help_ in CLUSTER_OPTIONS:
         value = os.environ.get(env(flag))
         start.add_argument(flag, type=typ, default=typ(value) if value else default, help=f"{help_} (env {env(flag)})")

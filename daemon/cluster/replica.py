@@ -96,7 +96,7 @@ class EngineReplica:
             shutdown_timeout=shutdown_timeout,
             request_timeout=request_timeout,
             read_timeout=read_timeout,
-            models=PoolSettings(on_demand=False),  # an application serves one model (README: two models)
+            models=PoolSettings(on_demand=False),  # an application serves one model (docs/daemon.md, Several models)
             replica_tag=replica_tag(self.replica_id),  # its stored responses' ids say it holds them
         )
         started = threading.Event()

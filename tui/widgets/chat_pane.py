@@ -100,6 +100,11 @@ class ChatPane(Vertical):
         return bool(self._pending)
 
     @property
+    def chunks(self) -> int:
+        """Pieces of the current (or last) answer streamed so far."""
+        return self._chunks
+
+    @property
     def transcript(self) -> Transcript:
         return self.query_one(Transcript)
 
