@@ -43,12 +43,14 @@ lint: install
 	$(VENV)/bin/ruff format --check --diff .
 	$(VENV)/bin/ruff check .
 
-# One pytest worker per core and one more, at most four (a worker often waits on a daemon or a script it
-# started); a module stays on one worker (its daemon is started once), the longest first (tests/conftest.py).
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -ge 3 ] && echo 4 || echo $$((n + 1)))
+# One pytest worker per core, at most four; a module stays on one worker (its daemon is started once), the
+# longest modules first (tests/conftest.py); then, alone, the few tests that need a core to themselves (marked
+# solo). A third worker on two cores was no faster.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -ge 4 ] && echo 4 || echo $$n)
 
 test: install lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not solo"
+	$(PY) -m pytest -q -m solo
 
 # Start the daemon with the built-in model if it is not running, then open the chat.
 chat: install

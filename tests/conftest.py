@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-# `make test` runs a worker per core and one more (pytest-xdist). Each worker, and every daemon or script it
-# starts, then computes on one thread: with two threads per process on a machine already full of processes,
+# `make test` runs a worker per core (pytest-xdist). Each worker, and every daemon or script it starts, then
+# computes on one thread: with two threads per process on a machine already full of processes,
 # each parallel region would wait at its barrier for a thread another process preempted. Tests of the threaded
 # paths set their thread counts themselves; a plain `pytest` run keeps torch's default.
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -21,6 +21,7 @@ def spin(seconds: float) -> None:
         pass
 
 
+@pytest.mark.solo  # "alone" means a core nothing else wants
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity")
 def test_a_thread_sharing_its_core_waits_and_the_wait_is_counted():
     core = sorted(os.sched_getaffinity(0))[0]

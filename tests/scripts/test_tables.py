@@ -92,7 +92,7 @@ def test_a_block_built_from_two_runs_names_both():
     same = copy.deepcopy(record)
     same["sections"]["prefill"]["run"] = same["sections"]["serving"]["run"]
     head = tables.render(same)["serving"].split("\n\n")[0]
-    assert head.count("commit") == 1 and not head.startswith("serving:")
+    assert head.count("commit `") == 1 and not head.startswith("serving:")
     other = copy.deepcopy(same)
     other["sections"]["prefill"]["run"] = other["sections"]["prefill"]["run"] | {"commit": "e" * 12}
     lines = tables.render(other)["serving"].split("\n\n")[0].splitlines()
