@@ -298,15 +298,15 @@ class AsyncEngine:
                     self._emit(out)
             return None
         self.state = engine.state()
+        if stats is not None:  # the step's record first: a client that has its answer finds the step behind it
+            self.stats.append(stats)
+            for listener in list(self.stats_listeners):
+                listener(stats)
         for out in outputs:
             self._emit(out)
         if time.monotonic() - self._block_map_at > 0.2 or not engine.has_work():
             self._refresh_block_map()
-        if stats is not None:
-            self.stats.append(stats)
-            for listener in list(self.stats_listeners):
-                listener(stats)
-        elif not outputs:
+        if stats is None and not outputs:
             # Nothing ran: wait for news or the static batch deadline.
             wakeup = engine.scheduler.next_wakeup()
             return math.inf if wakeup is None else max(0.0, wakeup - engine.clock())
