@@ -43,26 +43,10 @@ void check_rows(const at::Tensor& t, const char* name) {
 // NaN, as torch.argmax does. Two passes over the row (it stays in cache): its maximum and whether it holds
 // a NaN, then the first place that matches.
 inline int64_t argmax_row(const float* v, int64_t n) {
-  float best = -INFINITY;
-  bool nan = false;
+  float best;
+  bool nan;
+  max_and_nan(v, n, best, nan);
   int64_t i = 0;
-#ifdef MB_VEC_AVX2
-  __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(v + i);
-    vmax = _mm256_max_ps(vmax, x);  // a NaN in x leaves vmax as it was: vnan keeps it
-    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vmax);
-  for (float l : lanes) best = std::max(best, l);
-  nan = _mm256_movemask_ps(vnan) != 0;
-#endif
-  for (; i < n; ++i) {
-    best = std::max(best, v[i]);
-    nan = nan || v[i] != v[i];
-  }
-  i = 0;
 #ifdef MB_VEC_AVX2
   if (!nan) {
     const __m256 b = _mm256_set1_ps(best);

@@ -61,22 +61,7 @@ void row_max(const float* row, const int32_t* mask, int64_t n, double& m, int64_
   bool nan = false;
   int64_t i = 0;
   if (mask == nullptr) {
-#ifdef MB_VEC_AVX2
-    __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) {
-      const __m256 v = _mm256_loadu_ps(row + i);
-      vmax = _mm256_max_ps(vmax, v);
-      vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, vmax);
-    for (float l : lanes) best = std::max(best, l);
-    nan = _mm256_movemask_ps(vnan) != 0;
-#endif
-    for (; i < n; ++i) {
-      best = std::max(best, row[i]);
-      nan = nan || row[i] != row[i];
-    }
+    max_and_nan(row, n, best, nan);
   } else {
     for (; i < n; ++i) {
       if (!((mask[i >> 5] >> (i & 31)) & 1)) continue;

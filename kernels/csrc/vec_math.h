@@ -4,6 +4,7 @@
 
 #include "thread_pool.h"
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 
@@ -122,3 +123,26 @@ inline __m256d exp256d(__m256d x) {
 }
 #endif
 
+// The largest of n floats and whether any is a NaN (a NaN never becomes the maximum), eight at a time where
+// AVX2 is built: the argmax kernel's first pass and the chain's.
+inline void max_and_nan(const float* v, int64_t n, float& best, bool& nan) {
+  best = -INFINITY;
+  nan = false;
+  int64_t i = 0;
+#ifdef MB_VEC_AVX2
+  __m256 vmax = _mm256_set1_ps(-INFINITY), vnan = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(v + i);
+    vmax = _mm256_max_ps(vmax, x);  // a NaN in x leaves vmax as it was: vnan keeps it
+    vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (float l : lanes) best = std::max(best, l);
+  nan = _mm256_movemask_ps(vnan) != 0;
+#endif
+  for (; i < n; ++i) {
+    best = std::max(best, v[i]);
+    nan = nan || v[i] != v[i];
+  }
+}
