@@ -3,9 +3,6 @@
 // spends more time dispatching the dozen small ops these replace than computing them. (The sampler's
 // kernels are in sampling.cpp.)
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include "kernels.h"
@@ -36,7 +33,7 @@ at::Tensor rms_norm(at::Tensor x,       // [tokens, dim] fp32
   check_rows(x, "x");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must be [dim]");
   const int64_t n = x.size(0), d = x.size(1), ld = x.stride(0);
-  auto out = at::empty({n, d}, x.options());
+  auto out = mb::empty({n, d}, x.scalar_type());
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -56,7 +53,7 @@ at::Tensor add_rms_norm(at::Tensor x,         // [tokens, dim] fp32
               "residual must be contiguous fp32 with x's shape");
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must be [dim]");
   const int64_t n = x.size(0), d = x.size(1), ld = x.stride(0);
-  auto out = at::empty({n, d}, x.options());
+  auto out = mb::empty({n, d}, x.scalar_type());
   const float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
@@ -116,7 +113,7 @@ void rotary_inplace(at::Tensor positions,  // [tokens] int64
 at::Tensor silu_mul(at::Tensor gate_up) {
   check_rows(gate_up, "gate_up");
   const int64_t t = gate_up.size(0), n = gate_up.size(1) / 2, ld = gate_up.stride(0);
-  auto out = at::empty({t, n}, gate_up.options());
+  auto out = mb::empty({t, n}, gate_up.scalar_type());
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   parallel_for_rows(t, 0, t, 4, [&](int64_t b, int64_t e) {

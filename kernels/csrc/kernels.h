@@ -2,7 +2,17 @@
 // ATen's core headers (not torch/extension.h), which keeps the first-use build short.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_ops.h>
 #include <vector>
+
+namespace mb {
+// A new CPU tensor, as at::empty gives it, through ATen's operator declaration alone: at::empty's own header
+// pulls in most of ATen, which took two thirds of each kernel file's compile time.
+inline at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype) {
+  return at::_ops::empty_memory_format::call(c10::fromIntArrayRefSlow(sizes), dtype, std::nullopt, std::nullopt,
+                                             std::nullopt, std::nullopt);
+}
+}  // namespace mb
 
 // paged_decode_attention.cpp
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,

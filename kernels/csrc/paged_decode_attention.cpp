@@ -9,9 +9,6 @@
 // Optional: a sliding window (only the last `window` positions), and scores soft-capped as
 // cap * tanh(score / cap) before the softmax (Gemma 2).
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/mm.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include "kernels.h"
@@ -141,7 +138,7 @@ at::Tensor paged_decode_attention(
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
-  auto out = at::empty_like(q);
+  auto out = mb::empty(q.sizes(), q.scalar_type());
   const float* qp = q.data_ptr<float>();
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();

@@ -15,7 +15,6 @@
 // Q4_1 and Q8_0 (with VNNI) take eight columns at a time instead, one per lane (dot_cols8), which makes
 // the rows of a few-sequence decode step or of a verify step cheap: see there.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include "kernels.h"
 #include "quant_dot_blocks.h"
@@ -611,9 +610,9 @@ std::vector<at::Tensor> quantize_activations(at::Tensor x, int64_t block) {
   x = x.contiguous();
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(k % block == 0, "in_features ", k, " is not a multiple of ", block);
-  auto q = at::empty({m, k}, x.options().dtype(at::kChar));
-  auto d = at::empty({m, k / block}, x.options());
-  auto bs = at::empty({m, k / 16}, x.options().dtype(at::kShort));
+  auto q = mb::empty({m, k}, at::kChar);
+  auto d = mb::empty({m, k / block}, x.scalar_type());
+  auto bs = mb::empty({m, k / 16}, at::kShort);
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float* dp = d.data_ptr<float>();
@@ -652,18 +651,18 @@ at::Tensor quant_linear_q8(at::Tensor q, at::Tensor d, at::Tensor bs,  // quanti
               "qweight must be a contiguous uint8 [N, row_bytes] tensor");
   TORCH_CHECK(qweight.size(1) == k / t.elems * t.bytes, "qweight has ", qweight.size(1), " bytes per row; type ", type,
               " with in_features ", k, " needs ", k / t.elems * t.bytes);
-  auto out = at::empty({m, n}, d.options());
+  auto out = mb::empty({m, n}, d.scalar_type());
   if (m == 0 || n == 0) return out;
   Acts a{q.data_ptr<int8_t>(), d.data_ptr<float>(), bs.data_ptr<int16_t>(), k};
   at::Tensor sums;  // per row and block, once for every column: what the eight-column loop subtracts or adds
 #ifdef MBQ_AVX2
   if (type == Q4_1) {
-    sums = at::empty({m, k / 32}, d.options());
+    sums = mb::empty({m, k / 32}, d.scalar_type());
     float* sp = sums.data_ptr<float>();
     for (int64_t i = 0; i < m * (k / 32); ++i) sp[i] = a.d[i] * (float)(a.bs[2 * i] + a.bs[2 * i + 1]);
     a.sa = sp;
   } else if (type == Q4_0 || (type == Q8_0 && kVnni)) {
-    sums = at::empty({m, k / 32}, d.options().dtype(at::kInt));
+    sums = mb::empty({m, k / 32}, at::kInt);
     int32_t* sp = sums.data_ptr<int32_t>();
     const int shift = type == Q4_0 ? 3 : 7;  // offsets 8 and 128
     for (int64_t i = 0; i < m * (k / 32); ++i) sp[i] = ((int32_t)a.bs[2 * i] + a.bs[2 * i + 1]) * (1 << shift);

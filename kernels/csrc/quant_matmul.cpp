@@ -15,9 +15,7 @@
 //               tile: the call runs inside the parallel region).
 // Threads split the output columns in both paths.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/mm.h>
+#include <ATen/ops/mm_ops.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
 #include "gguf_blocks.h"
@@ -507,7 +505,7 @@ at::Tensor quant_linear(at::Tensor x,        // [M, K] fp32
   x = x.contiguous();
   const int64_t m = x.size(0), k = x.size(1), n = qweight.size(0);
   check_weight(qweight, type, k);
-  auto out = at::empty({m, n}, x.options());
+  auto out = mb::empty({m, n}, x.scalar_type());
   if (m == 0 || n == 0) return out;
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
@@ -529,14 +527,14 @@ at::Tensor quant_linear(at::Tensor x,        // [M, K] fp32
   const int64_t tiles = (n + tile - 1) / tile;
   parallel_chunks_omp(tiles, 1, [&](int64_t t0, int64_t t1) {
     c10::InferenceMode guard;  // worker threads do not inherit the caller's mode
-    auto buf = at::empty({tile, k}, x.options());
-    auto part = at::empty({m, tile}, x.options());
+    auto buf = mb::empty({tile, k}, x.scalar_type());
+    auto part = mb::empty({m, tile}, x.scalar_type());
     float* bp = buf.data_ptr<float>();
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t c0 = t * tile, cols = std::min(tile, n - c0);
       for (int64_t c = 0; c < cols; ++c) dequant_row_fast(type, wp + (c0 + c) * row_bytes, k, bp + c * k);
       auto p = part.narrow(1, 0, cols);
-      at::mm_out(p, x, buf.narrow(0, 0, cols).t());
+      at::_ops::mm_out::call(x, buf.narrow(0, 0, cols).t(), p);
       const float* pp = part.data_ptr<float>();
       for (int64_t r = 0; r < m; ++r) std::memcpy(op + r * n + c0, pp + r * tile, cols * sizeof(float));
     }
@@ -547,7 +545,7 @@ at::Tensor quant_linear(at::Tensor x,        // [M, K] fp32
 at::Tensor dequantize(at::Tensor qweight, int64_t type, int64_t k) {  // -> [N, K] fp32
   check_weight(qweight, type, k);
   const int64_t n = qweight.size(0), row_bytes = qweight.size(1);
-  auto out = at::empty({n, k}, at::kFloat);
+  auto out = mb::empty({n, k}, at::kFloat);
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
@@ -563,7 +561,7 @@ at::Tensor embedding(at::Tensor qweight, int64_t type, int64_t k, at::Tensor ids
   const int64_t t = ids.size(0), n = qweight.size(0), row_bytes = qweight.size(1);
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < t; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "token id ", ip[i], " out of range [0, ", n, ")");
-  auto out = at::empty({t, k}, at::kFloat);
+  auto out = mb::empty({t, k}, at::kFloat);
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   parallel_for_rows(t, 0, t, 64, [&](int64_t r0, int64_t r1) {

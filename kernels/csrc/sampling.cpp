@@ -22,7 +22,6 @@
 // the candidates cannot decide (fewer than k of them, or their mass short of top_p), the threshold drops
 // 8 nats and they are collected again, down to every finite token.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -447,7 +446,7 @@ at::Tensor argmax_rows(at::Tensor x) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), n = x.size(1), ld = x.stride(0);
   TORCH_CHECK(n > 0, "argmax_rows needs at least one value per row");
-  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  auto out = mb::empty({rows}, at::kLong);
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   parallel_for_rows(rows, 0, rows, 1, [&](int64_t b, int64_t e) {
@@ -501,7 +500,7 @@ void sample_all(const at::Tensor& logits, const at::Tensor& settings, const at::
 // -> int64 [rows]: one token per row by the rule above.
 at::Tensor sample_tokens(at::Tensor logits, at::Tensor settings, at::Tensor streams, at::Tensor masks) {
   check_settings(logits, settings, streams, masks);
-  auto out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  auto out = mb::empty({logits.size(0)}, at::kLong);
   sample_all(logits, settings, streams, masks, out.data_ptr<int64_t>(), nullptr);
   return out;
 }
@@ -511,8 +510,8 @@ at::Tensor sample_tokens(at::Tensor logits, at::Tensor settings, at::Tensor stre
 at::Tensor sample_cuts(at::Tensor logits, at::Tensor settings, at::Tensor streams, at::Tensor masks) {
   check_settings(logits, settings, streams, masks);
   const int64_t rows = logits.size(0);
-  auto out = at::empty({rows}, logits.options().dtype(at::kLong));
-  auto cuts = at::empty({rows, 2}, logits.options().dtype(at::kLong));
+  auto out = mb::empty({rows}, at::kLong);
+  auto cuts = mb::empty({rows, 2}, at::kLong);
   sample_all(logits, settings, streams, masks, out.data_ptr<int64_t>(), cuts.data_ptr<int64_t>());
   return cuts;
 }
@@ -522,7 +521,7 @@ at::Tensor philox_uniforms(at::Tensor keys, at::Tensor counters) {
   TORCH_CHECK(keys.dtype() == at::kLong && counters.dtype() == at::kLong && keys.is_contiguous() && counters.is_contiguous() &&
                   keys.numel() == counters.numel(),
               "keys and counters must be contiguous int64 of one length");
-  auto out = at::empty({keys.numel()}, keys.options().dtype(at::kDouble));
+  auto out = mb::empty({keys.numel()}, at::kDouble);
   const int64_t* k = keys.data_ptr<int64_t>();
   const int64_t* c = counters.data_ptr<int64_t>();
   double* o = out.data_ptr<double>();

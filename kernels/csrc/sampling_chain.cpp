@@ -11,7 +11,6 @@
 // is the second half of the same Philox block. Rows run one after another on the calling thread: a row is a
 // scan of the vocabulary and a sort of a few hundred candidates at most.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>
@@ -304,7 +303,7 @@ at::Tensor sample_chain(at::Tensor logits, at::Tensor settings, at::Tensor strea
     TORCH_CHECK(masks.dtype() == at::kInt && masks.is_contiguous() && masks.dim() == 2 && masks.size(0) == rows &&
                     masks.size(1) == words,
                 "masks must be contiguous int32 [rows, ceil(n / 32)]");
-  auto out = at::empty({rows, 2}, logits.options().dtype(at::kDouble));
+  auto out = mb::empty({rows, 2}, at::kDouble);
   const float* lp = logits.data_ptr<float>();
   const double* sp = settings.data_ptr<double>();
   const int64_t* kp = streams.data_ptr<int64_t>();
