@@ -353,7 +353,7 @@ async def run(args) -> int:
     pts = points(args)
     largest = max(p[1] for p in pts)  # the point whose TTFT distribution is plotted
     total = len(pts) * args.repeats * len(modes) * args.requests
-    rows, ttft, timelines = [], {}, {}
+    rows, ttft, timelines, labels = [], {}, {}, set()
     progress = tqdm(total=total, desc="requests", unit="req", file=sys.stderr)
     async with session(**target) as s:
         for kind, x, over in pts:
@@ -367,6 +367,9 @@ async def run(args) -> int:
             if kind == "variance":
                 x = statistics.pstdev(it.max_tokens for it in trace)
             label = {"main": "main", "concurrency": f"c={x}", "rate": f"{x} req/s", "variance": f"sd={x:.0f}"}[kind]
+            if label in labels:  # two spreads whose few requests drew the same sd: the points stay apart
+                label += f" (outputs {olen[0]}-{olen[1]})"
+            labels.add(label)
             warm = trace[: args.warmup]
             for mode in modes:
                 runs, engines = [], []

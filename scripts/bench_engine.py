@@ -34,6 +34,8 @@ import torch
 from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.factory import EngineConfig, build_engine
 
+MAX_BATCHED_TOKENS = 1024  # a step's token budget, ours and transformers' manager's
+
 
 def make_trace(n, pmin, pmax, omin, omax, seed, vocab=(200, 40000)):
     rng = random.Random(seed)
@@ -89,12 +91,26 @@ def run_hf_static(hf, trace, batch):
 
 
 def run_hf_cb(hf, trace, batch):
+    """transformers' manager with a cache for `batch` of the trace's longest requests and our batch's token
+    budget (left to itself on a CPU it sizes both from the memory it finds), timed from its first request:
+    its warm-up runs before."""
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     cfg = GenerationConfig(do_sample=False, max_new_tokens=max(n for _, n in trace), eos_token_id=None, pad_token_id=0)
-    t0 = time.monotonic()
+    page = 256
+    longest = max(len(p) + n for p, n in trace)
+    cb = ContinuousBatchingConfig(
+        page_size=page,
+        num_blocks=batch * -(-longest // page) + 1,
+        max_batch_tokens=MAX_BATCHED_TOKENS,
+        max_requests_per_batch=batch,
+    )
     e2e = {}
-    with hf.continuous_batching_context_manager(generation_config=cfg, block=True, timeout=5) as manager:
+    with hf.continuous_batching_context_manager(
+        generation_config=cfg, block=True, timeout=5, continuous_batching_config=cb
+    ) as manager:
+        t0 = time.monotonic()
         ids = [manager.add_request(p, max_new_tokens=n) for p, n in trace]
         while len(e2e) < len(ids):
             res = manager.get_result(timeout=60)
@@ -208,7 +224,7 @@ def main() -> None:
         EngineConfig(
             model=args.model,
             max_num_seqs=max(64, args.max_running),
-            max_num_batched_tokens=1024,
+            max_num_batched_tokens=MAX_BATCHED_TOKENS,
             kv_cache_gb=3.0,
             max_wait_ms=0,
             enable_prefix_caching=False,

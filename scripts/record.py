@@ -9,8 +9,8 @@ Pieces (--pieces), each run by the script that owns its method, on private daemo
 
   serving   per model: the daemon's start time (`minibatchd start` until ready) and its RSS after serving
   modes     per model: static against continuous through the socket, c = 1, 4, 16, 32, 64 (bench.py,
-            prompts of 16-64 tokens, outputs of 8-128 forced with ignore_eos, no prefix cache), goodput
-            under --slo-ttft / --slo-tpot, wasted row-steps
+            prompts of 16-64 tokens, outputs of 8-128 forced with ignore_eos, no prefix cache; --prompt-len,
+            --output-len), goodput under --slo-ttft / --slo-tpot, wasted row-steps
   sweeps    the built-in model: the output-length-variance sweep (c = 16) and the request-rate sweep
   prefill   per model: one 512-token prompt's prefill step (profile_step.py), llama-bench's pp512 with
             LLAMA_BENCH
@@ -265,7 +265,9 @@ def bench_rows(folder: Path) -> list[dict]:
     return json.loads((folder / "summary.json").read_text())["rows"]
 
 
-TRACE = ["--prompt-len", "16,64", "--output-len", "8,128", "--workload", "synthetic"]
+def trace(args) -> list[str]:
+    """bench.py's trace options for the modes and the sweeps."""
+    return ["--prompt-len", args.prompt_len, "--output-len", args.output_len, "--workload", "synthetic"]
 
 
 def modes(run: Run, model: Model, daemon: Daemon) -> dict:
@@ -279,7 +281,7 @@ def modes(run: Run, model: Model, daemon: Daemon) -> dict:
         n, reps = args.requests or n, args.repeats or reps
         folder = run.out / f"modes-{model.key}-c{c}"
         slo = ["--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot)]
-        argv = ["--socket", daemon.socket, "--out", str(folder), *TRACE, *slo]
+        argv = ["--socket", daemon.socket, "--out", str(folder), *trace(args), *slo]
         argv += ["--concurrency", str(c), "--requests", str(n), "--repeats", str(reps), "--seed", "0"]
         run.script("bench.py", *argv, log=f"modes-{model.key}-c{c}.log")
         by_mode = {r["variant"]: lite(r["summary"], r["engine"]) for r in bench_rows(folder)}
@@ -298,7 +300,7 @@ def sweeps(run: Run, model: Model, daemon: Daemon) -> None:
         slo = ["--slo-ttft", str(run.args.slo_ttft), "--slo-tpot", str(run.args.slo_tpot)]
         run.script(
             "bench.py",
-            *["--socket", daemon.socket, "--out", str(folder), *TRACE, *slo, *argv, "--repeats", "1"],
+            *["--socket", daemon.socket, "--out", str(folder), *trace(run.args), *slo, *argv, "--repeats", "1"],
             log=f"sweep-{name}.log",
         )
         rows = bench_rows(folder)
@@ -412,6 +414,8 @@ def main() -> int:
     ap.add_argument(
         "--requests", type=int, default=None, help="modes, sweeps: requests per point (default: the plan's)"
     )
+    ap.add_argument("--prompt-len", default="16,64", help="modes, sweeps: prompt lengths, lo,hi tokens")
+    ap.add_argument("--output-len", default="8,128", help="modes, sweeps: output lengths, lo,hi tokens")
     ap.add_argument("--prefill-tokens", type=int, default=512, help="prefill: the prompt's length (as llama-bench -p)")
     ap.add_argument("--repeats", type=int, default=None, help="modes: repetitions per point (default: the plan's)")
     ap.add_argument("--slo-ttft", type=float, default=2.0, help="goodput: TTFT at most this many seconds")
@@ -453,8 +457,9 @@ def main() -> int:
         run.section(
             "modes",
             {
-                "trace": "synthetic prompts of 16-64 tokens, outputs of 8-128 forced with ignore_eos, all at once, "
-                "c in flight; --max-num-seqs 64, no prefix cache, the daemon's other defaults",
+                "trace": f"synthetic prompts of {'-'.join(args.prompt_len.split(','))} tokens, outputs of "
+                f"{'-'.join(args.output_len.split(','))} forced with ignore_eos, all at once, c in flight; "
+                "--max-num-seqs 64, no prefix cache, the daemon's other defaults",
                 "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
                 "models": per_model,
             },

@@ -19,7 +19,22 @@ pytestmark = pytest.mark.model
 def test_bench_embeddings(env, tmp_path):
     """Its own daemon: embeddings alone, then beside a chat; llama.cpp's side only with a llama-server."""
     out = tmp_path / "emb.json"
-    args = ["--inputs", "6", "--clients", "3", "--chats", "1", "--chat-seconds", "2", "--chat-tokens", "6"]
+    # one thread: on a machine whose cores the other tests keep busy, a two-thread daemon waits at every
+    # parallel region's barrier for a preempted thread (four times as long here)
+    args = [
+        "--inputs",
+        "6",
+        "--clients",
+        "3",
+        "--chats",
+        "1",
+        "--chat-seconds",
+        "2",
+        "--chat-tokens",
+        "6",
+        "--threads",
+        "1",
+    ]
     env = {k: v for k, v in env.items() if k != "LLAMA_SERVER"}
     proc = run(env, SCRIPTS / "bench_embeddings.py", *args, "--json", out, timeout=600)
     mb = json.loads(out.read_text())["minibatch"]
@@ -32,7 +47,18 @@ def test_bench_embeddings(env, tmp_path):
 def test_bench_cluster(env, tmp_path):
     pytest.importorskip("ray", reason="the cluster extra is not installed")
     out = tmp_path / "cluster.json"
-    args = ("--conversations", "3", "--concurrency", "2", "--max-tokens", "6", "--latency-requests", "5")
+    args = (
+        "--conversations",
+        "3",
+        "--concurrency",
+        "2",
+        "--max-tokens",
+        "6",
+        "--latency-requests",
+        "5",
+        "--threads",
+        "1",
+    )
     proc = run(env, SCRIPTS / "bench_cluster.py", *args, "--out", out, timeout=600)
     report = json.loads(out.read_text())
     setups = {r["setup"]: r for r in report["setups"]}
@@ -76,7 +102,18 @@ def test_record_quick(env, tmp_path):
     for name in ("README.md", "BENCHMARKS.md"):
         shutil.copy(ROOT / name, docs / name)
     args = ["--quick", "--models", "smollm2-135m-instruct", "--pieces", "serving,modes,sweeps,prefill"]
-    args += ["--concurrency", "1,2", "--requests", "3", "--repeats", "1", "--prefill-tokens", "32"]
+    args += [
+        "--concurrency",
+        "1,2",
+        "--requests",
+        "3",
+        "--repeats",
+        "1",
+        "--prefill-tokens",
+        "32",
+        "--output-len",
+        "8,32",
+    ]
     proc = run(env, SCRIPTS / "record.py", *args, "--out", tmp_path / "out", "--publish", "--docs", docs, timeout=900)
     [path] = (tmp_path / "out").glob("*/record.json")
     record = json.loads(path.read_text())
@@ -85,6 +122,7 @@ def test_record_quick(env, tmp_path):
     assert record["run"]["machine"]["cores"] == os.cpu_count() and record["run"]["versions"]["torch"]
     secs = record["sections"]
     assert set(secs) == {"serving", "modes", "variance", "rate", "prefill"}
+    assert "outputs of 8-32 forced" in secs["modes"]["trace"]
     [model] = secs["modes"]["models"]
     assert [p["c"] for p in model["points"]] == [1, 2]
     for p in model["points"]:
