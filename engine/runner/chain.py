@@ -15,8 +15,9 @@ it kept:
 2. top-nσ: the tokens whose logit is at least the top's minus n standard deviations of the row's finite logits
    (a cut in logit space: the temperature does not move it);
 3. top-k, ties with the k-th kept (the fused pass's rule);
-4. typical-p: the tokens ordered by how far their surprise (-ln p) is from the distribution's entropy, the
-   nearest first (the order of the logits among equals), kept while the mass before them is below typical_p;
+4. typical-p: the tokens ordered by how far their surprise (-ln p, taken as ln(total) - z) is from the
+   distribution's entropy, the nearest first (the order of the logits among equals), kept while the mass before
+   them is below typical_p;
 5. top-p, then min-p (the fused pass's rules);
 6. XTC: with probability xtc_probability (a second Philox uniform at the row's position), when two tokens or
    more have a probability of at least xtc_threshold, every one of them but the least likely is dropped;
@@ -133,11 +134,13 @@ def _row(x: np.ndarray, p: ChainSettings, u: float, coin: float, mu: float | Non
     if 0 < p.top_k < len(ids):
         keep &= zc >= zc[p.top_k - 1]
     if p.typical_p < 1:
+        # -ln p = ln(total) - zc (w = e^zc): a token's distance from the entropy is |c0 - zc|, c0 = ln(total) -
+        # entropy, so it falls, then rises, along the order (the kernel walks it outwards instead of sorting)
+        log_mass = math.log(float((w * keep).sum()))
         prob = _normalised(w, keep)
-        with np.errstate(divide="ignore"):
-            surprise = np.where(keep, -np.log(prob), np.inf)
+        surprise = log_mass - zc
         entropy = float(np.sum(prob[keep] * surprise[keep]))
-        by_distance = np.argsort(np.abs(surprise - entropy), kind="stable")
+        by_distance = np.argsort(np.where(keep, np.abs((log_mass - entropy) - zc), np.inf), kind="stable")
         ps = prob[by_distance]
         before = np.cumsum(ps) - ps
         inside = np.zeros(len(w), dtype=bool)

@@ -235,23 +235,42 @@ std::pair<int64_t, double> chain_row(const float* row, const int32_t* mask, int6
     return total;
   };
   if (s.typical_p < 1) {
-    // By how far each token's surprise is from the entropy, the nearest first (the order among equals).
+    // By how far each token's surprise, ln(total) - z, is from the entropy, the nearest first (the order among
+    // equals): that distance is |c0 - z| with c0 = ln(total) - entropy, which falls along the order down to the
+    // first token below c0 and rises after it, so the kept tokens (a prefix of the order: top-nσ and top-k cut
+    // its tail) are taken outwards from there, two runs merged, with no sort.
     const double total = kept_mass();
-    std::vector<double> prob(c), dist(c);
+    const double log_total = std::log(total);
+    size_t kept_n = 0;
     double entropy = 0.0;
+    std::vector<double> prob(c, 0.0);
     for (size_t i = 0; i < c; ++i) {
-      prob[i] = keep[i] ? w[i] / total : 0.0;
-      if (keep[i]) entropy += prob[i] * -std::log(prob[i]);
+      if (!keep[i]) continue;
+      kept_n = i + 1;
+      prob[i] = w[i] / total;
+      entropy += prob[i] * (log_total - zc[i]);
     }
-    for (size_t i = 0; i < c; ++i) dist[i] = keep[i] ? std::fabs(-std::log(prob[i]) - entropy) : INFINITY;
-    std::vector<int32_t> by(c);
-    for (size_t i = 0; i < c; ++i) by[i] = (int32_t)i;
-    std::stable_sort(by.begin(), by.end(), [&](int32_t a, int32_t b) { return dist[a] < dist[b]; });
-    double run = 0.0;  // the mass before each, as NumPy's cumsum(ps) - ps gives it
+    const double c0 = log_total - entropy;
+    auto dist = [&](size_t i) { return std::fabs(c0 - zc[i]); };
+    size_t right = 0;  // the first of the rising run
+    while (right < kept_n && zc[right] >= c0) ++right;
     std::vector<char> inside(c, 0);
-    for (int32_t i : by) {
+    double run = 0.0;  // the mass before each, as the twin's cumsum(ps) - ps gives it
+    auto take = [&](size_t i) {
       run += prob[i];
       inside[i] = run - prob[i] < s.typical_p;
+    };
+    size_t left = right;  // the falling run, walked backwards: [0, left) still to take
+    while (left > 0 || right < kept_n) {
+      if (left > 0 && (right >= kept_n || dist(left - 1) <= dist(right))) {
+        // a run of equal distances (equal logits) goes lowest index first, as the stable sort has it
+        size_t from = left - 1;
+        while (from > 0 && dist(from - 1) == dist(left - 1)) --from;
+        for (size_t i = from; i < left; ++i) take(i);
+        left = from;
+      } else {
+        take(right++);
+      }
     }
     for (size_t i = 0; i < c; ++i) keep[i] &= inside[i];
   }
