@@ -5,7 +5,8 @@
 // Per row: the tokens within kTail nats of the most likely one at the row's temperature are the candidates
 // (one pass over the row, after the grammar's mask); with top-p and neither typical-p nor Mirostat, only those
 // within kNarrow nats are sorted when they hold top-p's share of the mass that top-nσ and top-k keep (a
-// trained model's rows nearly always), else every candidate is. The candidates are ordered by logit (higher
+// trained model's rows nearly always), else every candidate is; with typical-p, only those in the bins by
+// distance from the entropy that hold typical_p's mass (narrow_for_typical). The candidates are ordered by logit (higher
 // first, the lower id first among ties), the cuts run in llama.cpp's order (our temperature first), and the
 // draw inverts the kept weights' distribution function in that order at the row's Philox uniform; XTC's coin
 // is the second half of the same Philox block. Rows run one after another on the calling thread: a row is a
@@ -158,6 +159,58 @@ void weigh(const std::vector<Token>& cand, double m, double t, std::vector<doubl
   for (; i < c; ++i) w[i] = std::exp(w[i]);
 }
 
+// The k-th largest logit among the candidates, ties kept (-inf when top-k keeps them all).
+double kth_logit(const std::vector<Token>& cand, int64_t top_k) {
+  const int64_t c = (int64_t)cand.size();
+  if (top_k <= 0 || top_k >= c) return -INFINITY;
+  std::vector<double> xs(c);
+  for (int64_t i = 0; i < c; ++i) xs[i] = cand[i].x;
+  std::nth_element(xs.begin(), xs.begin() + (c - top_k), xs.end());
+  return xs[c - top_k];
+}
+
+// Typical-p keeps the tokens nearest the entropy by |c0 - z| until typical_p of the mass (chain_row's walk).
+// The candidates that top-nσ and top-k keep go into bins by that distance, each bin's mass summed, in one
+// pass; where the bins up to some b hold typical_p of the mass (with a margin for the order of the sums),
+// every token of a later bin comes after them in the walk and is past the cut, so only the tokens of bins
+// up to b stay to be sorted, and the mass and the centre are given to the walk.
+void narrow_for_typical(std::vector<Token>& cand, std::vector<double>& w, double m, double t, const ChainSettings& s,
+                        double sigma, double& total_out, double& c0_out) {
+  constexpr int kBins = 256;
+  const double kth = kth_logit(cand, (int64_t)s.top_k), sigma_floor = m - s.top_n_sigma * sigma;
+  auto kept = [&](const Token& k) { return (s.top_n_sigma <= 0 || k.x >= sigma_floor) && k.x >= kth; };
+  weigh(cand, m, t, w);
+  const size_t c = cand.size();
+  double total = 0.0;
+  for (size_t i = 0; i < c; ++i)
+    if (kept(cand[i])) total += w[i];
+  const double log_total = std::log(total);
+  double entropy = 0.0, reach = 0.0;
+  for (size_t i = 0; i < c; ++i)
+    if (kept(cand[i])) entropy += w[i] / total * (log_total - (cand[i].x - m) / t);
+  const double c0 = log_total - entropy;
+  for (size_t i = 0; i < c; ++i)
+    if (kept(cand[i])) reach = std::max(reach, std::fabs(c0 - (cand[i].x - m) / t));
+  if (!(reach > 0.0) || !std::isfinite(reach)) return;
+  const double scale = (kBins - 0.5) / reach;
+  auto bin = [&](const Token& k) { return (int)(std::fabs(c0 - (k.x - m) / t) * scale); };
+  double mass[kBins] = {};
+  for (size_t i = 0; i < c; ++i)
+    if (kept(cand[i])) mass[std::min(bin(cand[i]), kBins - 1)] += w[i];
+  const double goal = s.typical_p * total * (1.0 + 1e-9);
+  double run = 0.0;
+  int last = 0;
+  for (; last < kBins; ++last)
+    if ((run += mass[last]) >= goal) break;
+  if (last >= kBins - 1) return;  // (the last bin is everything: nothing to narrow)
+  size_t left = 0;
+  for (size_t i = 0; i < c; ++i)
+    if (kept(cand[i]) && std::min(bin(cand[i]), kBins - 1) <= last) cand[left++] = cand[i];
+  cand.resize(left);
+  total_out = total;
+  c0_out = c0;
+}
+
 // One row: (token, Mirostat's new mu or NaN).
 std::pair<int64_t, double> chain_row(const float* row, const int32_t* mask, int64_t n, const ChainSettings& s, double u,
                                      double coin, std::vector<Token>& cand, std::vector<double>& w) {
@@ -170,17 +223,12 @@ std::pair<int64_t, double> chain_row(const float* row, const int32_t* mask, int6
   const int64_t top_k = (int64_t)s.top_k;
   collect(row, mask, n, m - kTail * t, cand);
   double narrowed_total = -1.0;  // top-p's mass where the candidates were narrowed for it
+  double typical_total = -1.0, typical_c0 = 0.0;  // typical-p's mass and centre where narrowed for it
+  if (s.mirostat != 2 && s.typical_p < 1) narrow_for_typical(cand, w, m, t, s, sigma, typical_total, typical_c0);
   if (s.mirostat != 2 && s.top_p < 1 && s.typical_p >= 1) {
     // Narrowed: where the tokens within kNarrow nats hold top_p of the mass top-nσ and top-k keep, every token
     // below them is past top-p's cut, so only they are sorted.
-    double kth = -INFINITY;
-    const int64_t c = (int64_t)cand.size();
-    if (top_k > 0 && top_k < c) {
-      std::vector<double> xs(c);
-      for (int64_t i = 0; i < c; ++i) xs[i] = cand[i].x;
-      std::nth_element(xs.begin(), xs.begin() + (c - top_k), xs.end());
-      kth = xs[c - top_k];
-    }
+    const double kth = kth_logit(cand, top_k);
     const double near_floor = m - kNarrow * t, sigma_floor = m - s.top_n_sigma * sigma;
     double total = 0.0, near = 0.0;
     weigh(cand, m, t, w);
@@ -226,7 +274,7 @@ std::pair<int64_t, double> chain_row(const float* row, const int32_t* mask, int6
   std::vector<char> keep(c, 1);
   if (s.top_n_sigma > 0)
     for (size_t i = 0; i < c; ++i) keep[i] &= cand[i].x >= m - s.top_n_sigma * sigma;
-  if (top_k > 0 && (size_t)top_k < c)
+  if (top_k > 0 && (size_t)top_k < c && typical_total < 0.0)  // (narrowing for typical-p applied it)
     for (size_t i = 0; i < c; ++i) keep[i] &= zc[i] >= zc[top_k - 1];
   auto kept_mass = [&]() {
     double total = 0.0;
@@ -239,7 +287,8 @@ std::pair<int64_t, double> chain_row(const float* row, const int32_t* mask, int6
     // equals): that distance is |c0 - z| with c0 = ln(total) - entropy, which falls along the order down to the
     // first token below c0 and rises after it, so the kept tokens (a prefix of the order: top-nσ and top-k cut
     // its tail) are taken outwards from there, two runs merged, with no sort.
-    const double total = kept_mass();
+    const bool narrowed = typical_total >= 0.0;
+    const double total = narrowed ? typical_total : kept_mass();
     const double log_total = std::log(total);
     size_t kept_n = 0;
     double entropy = 0.0;
@@ -250,7 +299,7 @@ std::pair<int64_t, double> chain_row(const float* row, const int32_t* mask, int6
       prob[i] = w[i] / total;
       entropy += prob[i] * (log_total - zc[i]);
     }
-    const double c0 = log_total - entropy;
+    const double c0 = narrowed ? typical_c0 : log_total - entropy;
     auto dist = [&](size_t i) { return std::fabs(c0 - zc[i]); };
     size_t right = 0;  // the first of the rising run
     while (right < kept_n && zc[right] >= c0) ++right;
