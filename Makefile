@@ -45,12 +45,15 @@ lint: install
 
 # One pytest worker per core, at most four; a module stays on one worker (its daemon is started once), the
 # longest modules first (tests/conftest.py); then, alone, the few tests that need a core to themselves (marked
-# solo). A third worker on two cores was no faster.
+# solo; only their files are collected). A third worker on two cores was no faster. The suite writes
+# bytecode whatever PYTHONDONTWRITEBYTECODE says: pytest's rewritten test modules and the project's modules
+# are then compiled once, not again in every worker, daemon and script the tests start.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -ge 4 ] && echo 4 || echo $$n)
+SOLO_FILES = $(shell grep -rl "pytest.mark.solo" tests)
 
 test: install lint
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not solo"
-	$(PY) -m pytest -q -m solo
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not solo"
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m solo $(SOLO_FILES)
 
 # Start the daemon with the built-in model if it is not running, then open the chat.
 chat: install
