@@ -99,3 +99,18 @@ def test_the_sampler_runs_the_kernel_where_it_is_built(any_build):
     a = Sampler(CpuOps(any_build))(x.clone(), reqs)
     b = Sampler(TorchOps())(x.clone(), reqs)
     assert a == b
+
+
+def test_many_candidates_in_groups_of_equal_logits_keep_the_order_of_their_ids(any_build):
+    """Thousands of candidates (the kernel's radix order, not std::stable_sort's) in a few groups of equal
+    logits, zero written as both +0 and -0: equal logits stay in id order, so every draw is the twin's."""
+    g = torch.Generator().manual_seed(3)
+    levels = torch.tensor([6.0, 4.0, 0.0, -0.0, -2.0, -5.0, -12.0])
+    share = torch.tensor([0.002, 0.058, 0.2, 0.2, 0.24, 0.2, 0.1])  # a small top group: Mirostat keeps a choice
+    row = levels[torch.multinomial(share, 8192, replacement=True, generator=g)][None]
+    n = 120
+    for p in SETTINGS:
+        x = row.expand(n, -1).contiguous()
+        got, want = both(any_build, x, [p] * n, [None] * n, range(n))
+        assert torch.equal(got[:, 0], want[:, 0]), p
+        assert len(set(got[:, 0].tolist())) > 1, p
