@@ -3,14 +3,14 @@
 // docstring gives the rule step by step); that is the twin these kernels are tested against, token for token.
 //
 // Per row: the tokens within kTail nats of the most likely one at the row's temperature are the candidates
-// (one pass over the row, after the grammar's mask); with top-p and neither typical-p nor Mirostat, only those
-// within kNarrow nats are sorted when they hold top-p's share of the mass that top-nσ and top-k keep (a
-// trained model's rows nearly always), else every candidate is; with typical-p, only those in the bins by
-// distance from the entropy that hold typical_p's mass (narrow_for_typical). The candidates are ordered by logit (higher
-// first, the lower id first among ties), the cuts run in llama.cpp's order (our temperature first), and the
-// draw inverts the kept weights' distribution function in that order at the row's Philox uniform; XTC's coin
-// is the second half of the same Philox block. Rows run one after another on the calling thread: a row is a
-// scan of the vocabulary and a sort of a few hundred candidates at most.
+// (one pass over the row, after the grammar's mask). Only those a cut can keep are sorted: with top-p and
+// neither typical-p nor Mirostat, those in the bins by logit that hold top-p's share of the mass top-nσ and
+// top-k keep (narrow_for_top_p); with typical-p, those in the bins by distance from the entropy that hold
+// typical_p's (narrow_for_typical); with Mirostat, those it keeps. They are ordered by logit (higher first, the
+// lower id first among ties; by radix where they are many), the cuts run in llama.cpp's order (our temperature
+// first), and the draw inverts the kept weights' distribution function in that order at the row's Philox
+// uniform; XTC's coin is the second half of the same Philox block. Rows run one after another on the calling
+// thread: a trained model's row is a scan of the vocabulary and a sort of a few hundred candidates at most.
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
@@ -26,7 +26,6 @@
 namespace {
 
 constexpr double kTail = 20.0;   // nats below the top: the chain's candidates (chain.py's TAIL)
-constexpr double kNarrow = 8.0;  // nats below the top: what top-p is tried on first (chain.py's NARROW)
 constexpr int kSettings = 12;    // per row: see ChainSettings
 
 struct ChainSettings {
@@ -217,25 +216,28 @@ void narrow_for_typical(std::vector<Token>& cand, std::vector<double>& w, double
                         double sigma, double& total_out, double& c0_out) {
   constexpr int kBins = 256;
   const double kth = kth_logit(cand, (int64_t)s.top_k), sigma_floor = m - s.top_n_sigma * sigma;
-  auto kept = [&](const Token& k) { return (s.top_n_sigma <= 0 || k.x >= sigma_floor) && k.x >= kth; };
   weigh(cand, m, t, w);
-  const size_t c = cand.size();
+  size_t c = 0;  // those top-nσ and top-k drop are never kept: out first, in order, their weights with them
+  for (size_t i = 0; i < cand.size(); ++i)
+    if ((s.top_n_sigma <= 0 || cand[i].x >= sigma_floor) && cand[i].x >= kth) cand[c] = cand[i], w[c++] = w[i];
+  cand.resize(c);
+  w.resize(c);
   double total = 0.0;
-  for (size_t i = 0; i < c; ++i)
-    if (kept(cand[i])) total += w[i];
+  for (size_t i = 0; i < c; ++i) total += w[i];
   const double log_total = std::log(total);
+  std::vector<double> d(c);
   double entropy = 0.0, reach = 0.0;
-  for (size_t i = 0; i < c; ++i)
-    if (kept(cand[i])) entropy += w[i] / total * (log_total - (cand[i].x - m) / t);
+  for (size_t i = 0; i < c; ++i) {
+    d[i] = (cand[i].x - m) / t;  // z, as chain_row's zc
+    entropy += w[i] / total * (log_total - d[i]);
+  }
   const double c0 = log_total - entropy;
-  for (size_t i = 0; i < c; ++i)
-    if (kept(cand[i])) reach = std::max(reach, std::fabs(c0 - (cand[i].x - m) / t));
+  for (size_t i = 0; i < c; ++i) reach = std::max(reach, d[i] = std::fabs(c0 - d[i]));
   if (!(reach > 0.0) || !std::isfinite(reach)) return;
   const double scale = (kBins - 0.5) / reach;
-  auto bin = [&](const Token& k) { return (int)(std::fabs(c0 - (k.x - m) / t) * scale); };
+  std::vector<uint8_t> bins(c);
   double mass[kBins] = {};
-  for (size_t i = 0; i < c; ++i)
-    if (kept(cand[i])) mass[std::min(bin(cand[i]), kBins - 1)] += w[i];
+  for (size_t i = 0; i < c; ++i) mass[bins[i] = (uint8_t)std::min((int)(d[i] * scale), kBins - 1)] += w[i];
   const double goal = s.typical_p * total * (1.0 + 1e-9);
   double run = 0.0;
   int last = 0;
@@ -244,10 +246,45 @@ void narrow_for_typical(std::vector<Token>& cand, std::vector<double>& w, double
   if (last >= kBins - 1) return;  // (the last bin is everything: nothing to narrow)
   size_t left = 0;
   for (size_t i = 0; i < c; ++i)
-    if (kept(cand[i]) && std::min(bin(cand[i]), kBins - 1) <= last) cand[left++] = cand[i];
+    if (bins[i] <= last) cand[left++] = cand[i];
   cand.resize(left);
   total_out = total;
   c0_out = c0;
+}
+
+// Top-p (with neither typical-p nor Mirostat) keeps a prefix of the logit order. The candidates that top-nσ
+// and top-k keep go into bins by (max - logit) / temperature, each bin's mass summed; where the bins up to some
+// b hold top_p of the mass (with a margin for the order of the sums), every token of a later bin is past the
+// cut, so only those up to b stay to be sorted. Returns the mass top-p's cut is taken of, or -1 where nothing
+// was narrowed.
+double narrow_for_top_p(std::vector<Token>& cand, std::vector<double>& w, double m, double t, const ChainSettings& s,
+                        double sigma) {
+  constexpr int kBins = 256;
+  const double kth = kth_logit(cand, (int64_t)s.top_k), sigma_floor = m - s.top_n_sigma * sigma;
+  weigh(cand, m, t, w);
+  size_t c = 0;  // those top-nσ and top-k drop are never kept: out first, in order, their weights with them
+  for (size_t i = 0; i < cand.size(); ++i)
+    if ((s.top_n_sigma <= 0 || cand[i].x >= sigma_floor) && cand[i].x >= kth) cand[c] = cand[i], w[c++] = w[i];
+  cand.resize(c);
+  w.resize(c);
+  const double scale = (kBins - 0.5) / kTail;
+  std::vector<uint8_t> bins(c);
+  double mass[kBins] = {}, total = 0.0;
+  for (size_t i = 0; i < c; ++i) {
+    mass[bins[i] = (uint8_t)std::min((int)((m - cand[i].x) / t * scale), kBins - 1)] += w[i];
+    total += w[i];
+  }
+  const double goal = s.top_p * total * (1.0 + 1e-9);
+  double run = 0.0;
+  int last = 0;
+  for (; last < kBins; ++last)
+    if ((run += mass[last]) >= goal) break;
+  if (last >= kBins - 1) return -1.0;
+  size_t left = 0;
+  for (size_t i = 0; i < c; ++i)
+    if (bins[i] <= last) cand[left++] = cand[i];
+  cand.resize(left);
+  return total;
 }
 
 // One row: (token, Mirostat's new mu or NaN).
@@ -264,28 +301,7 @@ std::pair<int64_t, double> chain_row(const float* row, const int32_t* mask, int6
   double narrowed_total = -1.0;  // top-p's mass where the candidates were narrowed for it
   double typical_total = -1.0, typical_c0 = 0.0;  // typical-p's mass and centre where narrowed for it
   if (s.mirostat != 2 && s.typical_p < 1) narrow_for_typical(cand, w, m, t, s, sigma, typical_total, typical_c0);
-  if (s.mirostat != 2 && s.top_p < 1 && s.typical_p >= 1) {
-    // Narrowed: where the tokens within kNarrow nats hold top_p of the mass top-nσ and top-k keep, every token
-    // below them is past top-p's cut, so only they are sorted.
-    const double kth = kth_logit(cand, top_k);
-    const double near_floor = m - kNarrow * t, sigma_floor = m - s.top_n_sigma * sigma;
-    double total = 0.0, near = 0.0;
-    weigh(cand, m, t, w);
-    for (size_t i = 0; i < cand.size(); ++i) {
-      const Token& k = cand[i];
-      if (!((s.top_n_sigma <= 0 || k.x >= sigma_floor) && k.x >= kth)) continue;
-      total += w[i];
-      if (k.x >= near_floor) near += w[i];
-    }
-    if (near >= s.top_p * total) {
-      cand.erase(std::remove_if(cand.begin(), cand.end(),
-                                [&](const Token& k) {
-                                  return !((s.top_n_sigma <= 0 || k.x >= sigma_floor) && k.x >= kth && k.x >= near_floor);
-                                }),
-                 cand.end());
-      narrowed_total = total;
-    }
-  }
+  if (s.mirostat != 2 && s.top_p < 1 && s.typical_p >= 1) narrowed_total = narrow_for_top_p(cand, w, m, t, s, sigma);
   if (s.mirostat == 2) {
     // Mirostat keeps the tokens whose surprise in the candidates' distribution is at most mu (the top always):
     // the mass is summed over every candidate, and only those kept are sorted.
