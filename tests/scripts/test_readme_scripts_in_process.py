@@ -36,6 +36,8 @@ def test_bench_engine_quick(env, tmp_path):
         "1",
         "--hf-repeats",
         "1",
+        "--output",
+        "4,16",
         "--json",
         out,
         timeout=600,
