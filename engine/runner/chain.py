@@ -5,9 +5,9 @@ the sampler runs where it is built): the tests hold the two to the same tokens.
 
 The chain draws among the row's tokens within TAIL nats of the most likely one at the row's temperature (a
 logit at least the top's minus 20 x temperature: a token less likely than e^-20 = 2e-9 times the top one is
-never drawn; the fused pass has no such floor), in the order of their logits (higher first, the lower id
-first among ties), a row at a time (a row's candidates are few: per-op overhead, not arithmetic, is what a
-step of torch calls would cost). Each step works on the distribution
+never drawn; the fused pass has no such floor), its cuts taking them in the order of their logits (higher
+first, the lower id first among ties), a row at a time (a row's candidates are few: per-op overhead, not
+arithmetic, is what a step of torch calls would cost). Each step works on the distribution
 at the row's temperature (as the fused pass's top-p and min-p do), renormalised over what the steps before
 it kept:
 
@@ -21,7 +21,8 @@ it kept:
 5. top-p, then min-p (the fused pass's rules);
 6. XTC: with probability xtc_probability (a second Philox uniform at the row's position), when two tokens or
    more have a probability of at least xtc_threshold, every one of them but the least likely is dropped;
-7. the draw: the kept weights' distribution function, in the order above, inverted at the row's uniform.
+7. the draw: the kept weights' distribution function, in token-id order (as the fused pass's), inverted at the
+   row's uniform.
 
 With mirostat = 2, steps 2-6 are Mirostat 2.0's truncation instead: the tokens whose surprise (-log2 p) is at
 most the request's mu (2 tau at first) are kept, the most likely always; after the draw mu moves by eta x
@@ -157,7 +158,7 @@ def _row(x: np.ndarray, p: ChainSettings, u: float, coin: float, mu: float | Non
             least = int(np.flatnonzero(over)[-1])  # the last over the threshold in the order: the least likely
             keep &= ~over
             keep[least] = True
-    return int(ids[_draw(w * keep, u)]), None
+    return _draw_by_id(ids, w * keep, u), None
 
 
 def _narrowed(
@@ -186,9 +187,16 @@ def _mirostat(ids: np.ndarray, w: np.ndarray, p: ChainSettings, u: float, mu: fl
     keep = surprise <= mu
     keep[0] = True
     kept = w * keep
-    at = _draw(kept, u)
-    observed = -math.log2(float(kept[at] / kept.sum()))
-    return int(ids[at]), mu - p.mirostat_eta * (observed - p.mirostat_tau)
+    token = _draw_by_id(ids, kept, u)
+    observed = -math.log2(float(kept[ids == token][0] / kept.sum()))
+    return token, mu - p.mirostat_eta * (observed - p.mirostat_tau)
+
+
+def _draw_by_id(ids: np.ndarray, weights: np.ndarray, u: float) -> int:
+    """The token the weights' distribution function, taken in token-id order (as the fused pass's draw), gives
+    at u: the order of the draw moves no probability, and in id order the kernel orders nothing to draw."""
+    by_id = np.argsort(ids, kind="stable")
+    return int(ids[by_id][_draw(weights[by_id], u)])
 
 
 def _normalised(w: np.ndarray, keep: np.ndarray) -> np.ndarray:

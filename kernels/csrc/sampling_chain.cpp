@@ -3,14 +3,13 @@
 // docstring gives the rule step by step); that is the twin these kernels are tested against, token for token.
 //
 // Per row: the tokens within kTail nats of the most likely one at the row's temperature are the candidates
-// (one pass over the row, after the grammar's mask). Only those a cut can keep are sorted: with top-p and
-// neither typical-p nor Mirostat, those in the bins by logit that hold top-p's share of the mass top-nσ and
-// top-k keep (narrow_for_top_p); with typical-p, those in the bins by distance from the entropy that hold
-// typical_p's (narrow_for_typical); with Mirostat, those it keeps. They are ordered by logit (higher first, the
-// lower id first among ties; by radix where they are many), the cuts run in llama.cpp's order (our temperature
-// first), and the draw inverts the kept weights' distribution function in that order at the row's Philox
-// uniform; XTC's coin is the second half of the same Philox block. Rows run one after another on the calling
-// thread: a trained model's row is a scan of the vocabulary and a sort of a few hundred candidates at most.
+// (one pass over the row, after the grammar's mask). The cuts run in llama.cpp's order (our temperature first)
+// and take the candidates by logit (higher first, the lower id first among ties); the draw inverts the kept
+// weights' distribution function in token-id order (as the fused pass's) at the row's Philox uniform, and
+// XTC's coin is the second half of the same Philox block. So only typical-p orders its candidates, those in
+// the bins by distance from the entropy that hold typical_p's mass (narrow_for_typical; by radix where they
+// are many); without it every cut is a threshold but top-p, whose boundary bin alone is ordered
+// (draw_unordered), and Mirostat's cut is a threshold. Rows run one after another on the calling thread.
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
@@ -36,6 +35,7 @@ struct ChainSettings {
 struct Token {
   double x;
   int32_t id;
+  int32_t pos;  // where an ordered path found it in id order (the draw's order)
 };
 
 // The index where the weights' running sum first passes u x their total; the last weighted one where rounding
@@ -138,13 +138,13 @@ void collect(const float* row, const int32_t* mask, int64_t n, double floor, std
     while (hit) {
       const int64_t j = i + __builtin_ctz(hit);
       hit &= hit - 1;
-      if ((double)row[j] >= floor && (mask == nullptr || ((mask[j >> 5] >> (j & 31)) & 1))) cand.push_back({(double)row[j], (int32_t)j});
+      if ((double)row[j] >= floor && (mask == nullptr || ((mask[j >> 5] >> (j & 31)) & 1))) cand.push_back({(double)row[j], (int32_t)j, 0});
     }
   }
 #endif
   for (; i < n; ++i)
     if (row[i] >= below && (double)row[i] >= floor && (mask == nullptr || ((mask[i >> 5] >> (i & 31)) & 1)))
-      cand.push_back({(double)row[i], (int32_t)i});
+      cand.push_back({(double)row[i], (int32_t)i, 0});
 }
 
 // Each candidate's weight exp((x - m) / t), four at a time where AVX2 is built (a few ulp from the twin's).
@@ -252,39 +252,73 @@ void narrow_for_typical(std::vector<Token>& cand, std::vector<double>& w, double
   c0_out = c0;
 }
 
-// Top-p (with neither typical-p nor Mirostat) keeps a prefix of the logit order. The candidates that top-nσ
-// and top-k keep go into bins by (max - logit) / temperature, each bin's mass summed; where the bins up to some
-// b hold top_p of the mass (with a margin for the order of the sums), every token of a later bin is past the
-// cut, so only those up to b stay to be sorted. Returns the mass top-p's cut is taken of, or -1 where nothing
-// was narrowed.
-double narrow_for_top_p(std::vector<Token>& cand, std::vector<double>& w, double m, double t, const ChainSettings& s,
-                        double sigma) {
+// With neither typical-p nor Mirostat, every cut but top-p is a threshold and top-p keeps a prefix of the logit
+// order, so nothing is ordered but the tokens of top-p's boundary: the candidates that top-nσ and top-k keep go
+// into bins by (max - logit) / temperature, each bin's mass summed; those of the bins before the one where the
+// mass reaches top_p of the total are kept, those after it are not, and only that bin's tokens are ordered and
+// walked from the mass before it. Then min-p, XTC (its least likely token over the threshold: the lowest logit,
+// the highest id among equals) and the draw, in id order. Returns the token.
+int64_t draw_unordered(std::vector<Token>& cand, std::vector<double>& w, double m, double t, const ChainSettings& s,
+                       double sigma, double u, double coin) {
   constexpr int kBins = 256;
   const double kth = kth_logit(cand, (int64_t)s.top_k), sigma_floor = m - s.top_n_sigma * sigma;
   weigh(cand, m, t, w);
-  size_t c = 0;  // those top-nσ and top-k drop are never kept: out first, in order, their weights with them
+  size_t c = 0;  // those top-nσ and top-k drop: out, in order, their weights with them
   for (size_t i = 0; i < cand.size(); ++i)
     if ((s.top_n_sigma <= 0 || cand[i].x >= sigma_floor) && cand[i].x >= kth) cand[c] = cand[i], w[c++] = w[i];
   cand.resize(c);
   w.resize(c);
-  const double scale = (kBins - 0.5) / kTail;
-  std::vector<uint8_t> bins(c);
-  double mass[kBins] = {}, total = 0.0;
-  for (size_t i = 0; i < c; ++i) {
-    mass[bins[i] = (uint8_t)std::min((int)((m - cand[i].x) / t * scale), kBins - 1)] += w[i];
-    total += w[i];
+  std::vector<char> keep(c, 1);
+  if (s.top_p < 1) {
+    const double scale = (kBins - 0.5) / kTail;
+    std::vector<uint8_t> bins(c);
+    double mass[kBins] = {}, total = 0.0;
+    for (size_t i = 0; i < c; ++i) {
+      mass[bins[i] = (uint8_t)std::min((int)((m - cand[i].x) / t * scale), kBins - 1)] += w[i];
+      total += w[i];
+    }
+    const double goal = s.top_p * total;
+    double before = 0.0;
+    int last = 0;
+    for (; last < kBins - 1 && before + mass[last] < goal; ++last) before += mass[last];
+    std::vector<int32_t> edge;  // the boundary bin's tokens, by logit (the lower id first among equals)
+    for (size_t i = 0; i < c; ++i) {
+      keep[i] = bins[i] < last;
+      if (bins[i] == last) edge.push_back((int32_t)i);
+    }
+    std::stable_sort(edge.begin(), edge.end(), [&](int32_t a, int32_t b) { return cand[a].x > cand[b].x; });
+    for (int32_t i : edge) {
+      keep[i] = before < goal;
+      before += w[i];
+    }
+    size_t left = 0;  // what top-p dropped: out, in order (the steps after it see only what it kept)
+    for (size_t i = 0; i < c; ++i)
+      if (keep[i]) cand[left] = cand[i], w[left++] = w[i];
+    cand.resize(c = left);
+    w.resize(c);
+    keep.assign(c, 1);
   }
-  const double goal = s.top_p * total * (1.0 + 1e-9);
-  double run = 0.0;
-  int last = 0;
-  for (; last < kBins; ++last)
-    if ((run += mass[last]) >= goal) break;
-  if (last >= kBins - 1) return -1.0;
-  size_t left = 0;
+  if (s.min_p > 0) {
+    const double floor_z = std::log(s.min_p);
+    for (size_t i = 0; i < c; ++i) keep[i] &= (cand[i].x - m) / t >= floor_z;
+  }
+  if (s.xtc_probability > 0 && s.xtc_threshold <= 0.5 && coin < s.xtc_probability) {
+    double total = 0.0;
+    for (size_t i = 0; i < c; ++i)
+      if (keep[i]) total += w[i];
+    int64_t over = 0, least = -1;
+    for (size_t i = 0; i < c; ++i)
+      if (keep[i] && w[i] / total >= s.xtc_threshold) {
+        ++over;
+        if (least < 0 || cand[i].x <= cand[least].x) least = (int64_t)i;
+      }
+    if (over >= 2)
+      for (size_t i = 0; i < c; ++i)
+        if (keep[i] && w[i] / total >= s.xtc_threshold && (int64_t)i != least) keep[i] = 0;
+  }
   for (size_t i = 0; i < c; ++i)
-    if (bins[i] <= last) cand[left++] = cand[i];
-  cand.resize(left);
-  return total;
+    if (!keep[i]) w[i] = 0.0;
+  return cand[draw(w, u)].id;
 }
 
 // One row: (token, Mirostat's new mu or NaN).
@@ -298,29 +332,27 @@ std::pair<int64_t, double> chain_row(const float* row, const int32_t* mask, int6
   const double sigma = s.top_n_sigma > 0 ? row_sigma(row, mask, n) : 0.0;
   const int64_t top_k = (int64_t)s.top_k;
   collect(row, mask, n, m - kTail * t, cand);
-  double narrowed_total = -1.0;  // top-p's mass where the candidates were narrowed for it
-  double typical_total = -1.0, typical_c0 = 0.0;  // typical-p's mass and centre where narrowed for it
-  if (s.mirostat != 2 && s.typical_p < 1) narrow_for_typical(cand, w, m, t, s, sigma, typical_total, typical_c0);
-  if (s.mirostat != 2 && s.top_p < 1 && s.typical_p >= 1) narrowed_total = narrow_for_top_p(cand, w, m, t, s, sigma);
   if (s.mirostat == 2) {
-    // Mirostat keeps the tokens whose surprise in the candidates' distribution is at most mu (the top always):
-    // the mass is summed over every candidate, and only those kept are sorted.
+    // Mirostat keeps the tokens whose surprise in the candidates' distribution is at most mu (the top always),
+    // a threshold: nothing is ordered.
     const double mu = std::isnan(s.mu) ? 2.0 * s.mirostat_tau : s.mu;
     weigh(cand, m, t, w);
     double total = 0.0;
     for (double v : w) total += v;
-    size_t left = 0;
-    for (size_t i = 0; i < cand.size(); ++i)
-      if (cand[i].id == top || -std::log2(w[i] / total) <= mu) cand[left++] = cand[i];
-    cand.resize(left);
-    by_logit(cand, scratch);
-    std::vector<double> kept(cand.size());
     double kept_total = 0.0;
-    for (size_t i = 0; i < cand.size(); ++i) kept_total += kept[i] = std::exp((cand[i].x - m) / t);
-    const int64_t at = draw(kept, u);
-    const double observed = -std::log2(kept[at] / kept_total);
+    size_t left = 0;  // those kept, in id order
+    for (size_t i = 0; i < cand.size(); ++i)
+      if (cand[i].id == top || -std::log2(w[i] / total) <= mu) cand[left] = cand[i], kept_total += w[left++] = w[i];
+    cand.resize(left);
+    w.resize(left);
+    const int64_t at = draw(w, u);
+    const double observed = -std::log2(w[at] / kept_total);
     return {cand[at].id, mu - s.mirostat_eta * (observed - s.mirostat_tau)};
   }
+  if (s.typical_p >= 1) return {draw_unordered(cand, w, m, t, s, sigma, u, coin), std::nan("")};
+  double typical_total = -1.0, typical_c0 = 0.0;  // typical-p's mass and centre where narrowed for it
+  narrow_for_typical(cand, w, m, t, s, sigma, typical_total, typical_c0);
+  for (size_t i = 0; i < cand.size(); ++i) cand[i].pos = (int32_t)i;
   by_logit(cand, scratch);
   const size_t c = cand.size();
   std::vector<double> zc(c);
@@ -379,7 +411,7 @@ std::pair<int64_t, double> chain_row(const float* row, const int32_t* mask, int6
     for (size_t i = 0; i < c; ++i) keep[i] &= inside[i];
   }
   if (s.top_p < 1) {
-    const double goal = s.top_p * (narrowed_total >= 0.0 ? narrowed_total : kept_mass());
+    const double goal = s.top_p * kept_mass();
     double run = 0.0;
     for (size_t i = 0; i < c; ++i) {
       const double wk = keep[i] ? w[i] : 0.0;
@@ -400,9 +432,14 @@ std::pair<int64_t, double> chain_row(const float* row, const int32_t* mask, int6
       for (size_t i = 0; i < c; ++i)
         if (keep[i] && w[i] / total >= s.xtc_threshold && (int64_t)i != least) keep[i] = 0;
   }
-  std::vector<double> kept(c);
-  for (size_t i = 0; i < c; ++i) kept[i] = keep[i] ? w[i] : 0.0;
-  return {cand[draw(kept, u)].id, std::nan("")};
+  // the draw in id order: each kept weight back at its place in it
+  std::vector<double> kept(c, 0.0);
+  std::vector<int32_t> ids(c);
+  for (size_t i = 0; i < c; ++i) {
+    kept[cand[i].pos] = keep[i] ? w[i] : 0.0;
+    ids[cand[i].pos] = cand[i].id;
+  }
+  return {ids[draw(kept, u)], std::nan("")};
 }
 
 }  // namespace

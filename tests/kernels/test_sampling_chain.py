@@ -114,3 +114,16 @@ def test_many_candidates_in_groups_of_equal_logits_keep_the_order_of_their_ids(a
         got, want = both(any_build, x, [p] * n, [None] * n, range(n))
         assert torch.equal(got[:, 0], want[:, 0]), p
         assert len(set(got[:, 0].tolist())) > 1, p
+
+
+def test_xtc_keeps_the_last_of_equal_least_likely_tokens_over_its_threshold(any_build):
+    """Three tokens over XTC's threshold, the two least likely equal: XTC keeps the last of them in the order
+    (the higher id), drops the others, and the draws are the twin's."""
+    x = torch.full((1, 4096), -5.0)
+    x[0, 10], x[0, 20], x[0, 30] = 3.0, 2.0, 2.0  # p = 0.32, 0.12, 0.12; the rest 0.007 each
+    n = 200
+    p = SamplingParams(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.1)
+    got, want = both(any_build, x.expand(n, -1).contiguous(), [p] * n, [None] * n, range(n))
+    assert torch.equal(got[:, 0], want[:, 0])
+    drawn = set(got[:, 0].long().tolist())
+    assert 30 in drawn and not drawn & {10, 20}
