@@ -21,7 +21,12 @@ def load_hf_reference(model_dir: str | Path, dtype: torch.dtype = torch.float32)
     from minibatch.engine.gguf.tensors import GGUFWeights
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:  # every weight is loaded below (strictly): not drawn at random first (3 s for a 135M model)
+        from transformers.initialization import no_init_weights
+    except ImportError:  # pragma: no cover - an older transformers: initialised, then overwritten
+        from contextlib import nullcontext as no_init_weights
+    with no_init_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     weights = GGUFWeights(gguf, ModelConfig.from_dir(model_dir))
     state = {name: t.dequantized().to(dtype) for name, t in weights.tensors.items()}
     if config.tie_word_embeddings:
