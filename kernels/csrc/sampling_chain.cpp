@@ -207,21 +207,29 @@ double kth_logit(const std::vector<Token>& cand, int64_t top_k) {
   return xs[c - top_k];
 }
 
-// Typical-p keeps the tokens nearest the entropy by |c0 - z| until typical_p of the mass (chain_row's walk).
-// The candidates that top-nσ and top-k keep go into bins by that distance, each bin's mass summed, in one
-// pass; where the bins up to some b hold typical_p of the mass (with a margin for the order of the sums),
-// every token of a later bin comes after them in the walk and is past the cut, so only the tokens of bins
-// up to b stay to be sorted, and the mass and the centre are given to the walk.
-void narrow_for_typical(std::vector<Token>& cand, std::vector<double>& w, double m, double t, const ChainSettings& s,
-                        double sigma, double& total_out, double& c0_out) {
-  constexpr int kBins = 256;
+// Top-nσ and top-k, both thresholds on the logit (the k-th's, ties kept): the candidates they drop leave, in
+// order, and w holds the weights of those that stay.
+void keep_top_sigma_and_k(std::vector<Token>& cand, std::vector<double>& w, double m, double t, const ChainSettings& s,
+                          double sigma) {
   const double kth = kth_logit(cand, (int64_t)s.top_k), sigma_floor = m - s.top_n_sigma * sigma;
   weigh(cand, m, t, w);
-  size_t c = 0;  // those top-nσ and top-k drop are never kept: out first, in order, their weights with them
+  size_t c = 0;
   for (size_t i = 0; i < cand.size(); ++i)
     if ((s.top_n_sigma <= 0 || cand[i].x >= sigma_floor) && cand[i].x >= kth) cand[c] = cand[i], w[c++] = w[i];
   cand.resize(c);
   w.resize(c);
+}
+
+// Typical-p keeps the tokens nearest the entropy by |c0 - z| until typical_p of the mass (chain_row's walk).
+// The candidates that top-nσ and top-k keep (the others leave) go into bins by that distance, each bin's mass
+// summed, in one pass; where the bins up to some b hold typical_p of the mass (with a margin for the order of
+// the sums), every token of a later bin comes after them in the walk and is past the cut, so only the tokens
+// of bins up to b stay to be sorted. The mass and the centre are given to the walk.
+void narrow_for_typical(std::vector<Token>& cand, std::vector<double>& w, double m, double t, const ChainSettings& s,
+                        double sigma, double& total_out, double& c0_out) {
+  constexpr int kBins = 256;
+  keep_top_sigma_and_k(cand, w, m, t, s, sigma);
+  size_t c = cand.size();
   double total = 0.0;
   for (size_t i = 0; i < c; ++i) total += w[i];
   const double log_total = std::log(total);
@@ -232,6 +240,8 @@ void narrow_for_typical(std::vector<Token>& cand, std::vector<double>& w, double
     entropy += w[i] / total * (log_total - d[i]);
   }
   const double c0 = log_total - entropy;
+  total_out = total;
+  c0_out = c0;
   for (size_t i = 0; i < c; ++i) reach = std::max(reach, d[i] = std::fabs(c0 - d[i]));
   if (!(reach > 0.0) || !std::isfinite(reach)) return;
   const double scale = (kBins - 0.5) / reach;
@@ -248,8 +258,6 @@ void narrow_for_typical(std::vector<Token>& cand, std::vector<double>& w, double
   for (size_t i = 0; i < c; ++i)
     if (bins[i] <= last) cand[left++] = cand[i];
   cand.resize(left);
-  total_out = total;
-  c0_out = c0;
 }
 
 // With neither typical-p nor Mirostat, every cut but top-p is a threshold and top-p keeps a prefix of the logit
@@ -261,13 +269,8 @@ void narrow_for_typical(std::vector<Token>& cand, std::vector<double>& w, double
 int64_t draw_unordered(std::vector<Token>& cand, std::vector<double>& w, double m, double t, const ChainSettings& s,
                        double sigma, double u, double coin) {
   constexpr int kBins = 256;
-  const double kth = kth_logit(cand, (int64_t)s.top_k), sigma_floor = m - s.top_n_sigma * sigma;
-  weigh(cand, m, t, w);
-  size_t c = 0;  // those top-nσ and top-k drop: out, in order, their weights with them
-  for (size_t i = 0; i < cand.size(); ++i)
-    if ((s.top_n_sigma <= 0 || cand[i].x >= sigma_floor) && cand[i].x >= kth) cand[c] = cand[i], w[c++] = w[i];
-  cand.resize(c);
-  w.resize(c);
+  keep_top_sigma_and_k(cand, w, m, t, s, sigma);
+  size_t c = cand.size();
   std::vector<char> keep(c, 1);
   if (s.top_p < 1) {
     const double scale = (kBins - 0.5) / kTail;
@@ -330,7 +333,6 @@ std::pair<int64_t, double> chain_row(const float* row, const int32_t* mask, int6
   if (!std::isfinite(m)) return {top, s.mu};
   const double t = s.temperature;
   const double sigma = s.top_n_sigma > 0 ? row_sigma(row, mask, n) : 0.0;
-  const int64_t top_k = (int64_t)s.top_k;
   collect(row, mask, n, m - kTail * t, cand);
   if (s.mirostat == 2) {
     // Mirostat keeps the tokens whose surprise in the candidates' distribution is at most mu (the top always),
@@ -350,8 +352,9 @@ std::pair<int64_t, double> chain_row(const float* row, const int32_t* mask, int6
     return {cand[at].id, mu - s.mirostat_eta * (observed - s.mirostat_tau)};
   }
   if (s.typical_p >= 1) return {draw_unordered(cand, w, m, t, s, sigma, u, coin), std::nan("")};
-  double typical_total = -1.0, typical_c0 = 0.0;  // typical-p's mass and centre where narrowed for it
-  narrow_for_typical(cand, w, m, t, s, sigma, typical_total, typical_c0);
+  // Typical-p (only it orders the candidates): those top-nσ and top-k keep, narrowed to the ones it can keep
+  double total, c0;
+  narrow_for_typical(cand, w, m, t, s, sigma, total, c0);
   for (size_t i = 0; i < cand.size(); ++i) cand[i].pos = (int32_t)i;
   by_logit(cand, scratch);
   const size_t c = cand.size();
@@ -359,34 +362,20 @@ std::pair<int64_t, double> chain_row(const float* row, const int32_t* mask, int6
   for (size_t i = 0; i < c; ++i) zc[i] = (cand[i].x - m) / t;
   weigh(cand, m, t, w);
   std::vector<char> keep(c, 1);
-  if (s.top_n_sigma > 0)
-    for (size_t i = 0; i < c; ++i) keep[i] &= cand[i].x >= m - s.top_n_sigma * sigma;
-  if (top_k > 0 && (size_t)top_k < c && typical_total < 0.0)  // (narrowing for typical-p applied it)
-    for (size_t i = 0; i < c; ++i) keep[i] &= zc[i] >= zc[top_k - 1];
   auto kept_mass = [&]() {
-    double total = 0.0;
+    double mass = 0.0;
     for (size_t i = 0; i < c; ++i)
-      if (keep[i]) total += w[i];
-    return total;
+      if (keep[i]) mass += w[i];
+    return mass;
   };
-  if (s.typical_p < 1) {
+  {
     // By how far each token's surprise, ln(total) - z, is from the entropy, the nearest first (the order among
     // equals): that distance is |c0 - z| with c0 = ln(total) - entropy, which falls along the order down to the
-    // first token below c0 and rises after it, so the kept tokens (a prefix of the order: top-nσ and top-k cut
-    // its tail) are taken outwards from there, two runs merged, with no sort.
-    const bool narrowed = typical_total >= 0.0;
-    const double total = narrowed ? typical_total : kept_mass();
-    const double log_total = std::log(total);
-    size_t kept_n = 0;
-    double entropy = 0.0;
-    std::vector<double> prob(c, 0.0);
-    for (size_t i = 0; i < c; ++i) {
-      if (!keep[i]) continue;
-      kept_n = i + 1;
-      prob[i] = w[i] / total;
-      entropy += prob[i] * (log_total - zc[i]);
-    }
-    const double c0 = narrowed ? typical_c0 : log_total - entropy;
+    // first token below c0 and rises after it, so the tokens are taken outwards from there, two runs merged,
+    // with no sort.
+    const size_t kept_n = c;
+    std::vector<double> prob(c);
+    for (size_t i = 0; i < c; ++i) prob[i] = w[i] / total;
     auto dist = [&](size_t i) { return std::fabs(c0 - zc[i]); };
     size_t right = 0;  // the first of the rising run
     while (right < kept_n && zc[right] >= c0) ++right;
