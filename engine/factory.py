@@ -228,7 +228,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         device=device,
         dtype=dtype_name,
         weights=model.weights_desc,
-        attention=backend.name if getattr(backend, "decode_kernel", None) is None else "torch+cpu-decode-kernel",
+        attention=backend.name,
         ops=ops.name,
         block_size=config.block_size,
         num_kv_blocks=num_blocks,

@@ -18,7 +18,7 @@ log = logging.getLogger("minibatch.kernels")
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "module.cpp",
-    "paged_decode_attention.cpp",
+    "paged_attention.cpp",
     "quant_matmul.cpp",
     "quant_dot.cpp",
     "cpu_ops.cpp",
@@ -40,6 +40,13 @@ def load_cpu_extension():
     if os.environ.get("MINIBATCH_CPU_KERNELS", "1") == "0":
         log.info("CPU kernels disabled by MINIBATCH_CPU_KERNELS=0; using the PyTorch twins")
         return None
+    build = os.environ.get(BUILD_VARIABLE, "native")
+    if build != "native":
+        if build not in OTHER_BUILDS:
+            raise ValueError(f"{BUILD_VARIABLE}={build!r}: expected native or one of {sorted(OTHER_BUILDS)}")
+        log.info("CPU kernels built for %s (%s), not for this CPU", build, BUILD_VARIABLE)
+        _ext = load_other_build(build)
+        return _ext
     started = time.perf_counter()
     # torch's build cache hashes the sources, not the headers: the digest of every file in
     # csrc/ goes into the flags so that any change rebuilds.
@@ -69,6 +76,8 @@ def load_cpu_extension():
 
 
 # The builds the tests make besides this CPU's, so that no path rots where this machine would not take it.
+# MINIBATCH_CPU_BUILD=avx2 (or portable) makes the engine itself run on one: what such a CPU computes, here.
+BUILD_VARIABLE = "MINIBATCH_CPU_BUILD"
 OTHER_BUILDS = {
     "portable": ["-march=x86-64", "-DMINIBATCH_PORTABLE"],  # x86-64's baseline: the plain C++ loops
     "avx2": ["-march=haswell", "-DMINIBATCH_NO_VNNI"],  # AVX2 + FMA + F16C without VNNI dot products

@@ -1,9 +1,12 @@
-"""CPU paged decode attention as a small C++ extension, compiled on first use (then cached).
+"""CPU paged attention as part of the C++ extension (csrc/paged_attention.cpp): one kernel for every query.
 
 The PyTorch path gathers each sequence's context out of the paged cache into a
 contiguous copy every layer, then attends over the copy: the context crosses
 memory three times. This kernel reads K and V once, in place, through the block
-table. `paged_decode_attention_ref` is its PyTorch twin and the test reference.
+table, and computes a decode token, a prefill, a chunk of one and a verify row by
+one rule, so a token's result does not depend on which of those it was in or on
+what else was in the batch. `paged_attention_ref` is its PyTorch twin and the test
+reference.
 """
 
 from __future__ import annotations
@@ -19,78 +22,101 @@ def load_extension():
     return load_cpu_extension()
 
 
-def paged_decode_attention(
-    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]: every sequence's new tokens, back to back
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32: context after this forward (cached + new)
+    query_start: torch.Tensor,  # [num_seqs + 1] int32: sequence s's rows of q are query_start[s] .. [s + 1] - 1
     scale: float,
     window: int = 0,  # sliding window: attend to the last `window` positions only (0: all)
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of each new token over its sequence's context up to its own position."""
     ext = load_extension()
     if ext is None:
-        return paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, window, softcap)
-    return ext.paged_decode_attention(
-        q.contiguous(), kv_cache[0], kv_cache[1], block_tables, seq_lens, scale, window, float(softcap or 0.0)
+        return paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start, scale, window, softcap)
+    return ext.paged_attention(
+        q.contiguous(),
+        kv_cache[0],
+        kv_cache[1],
+        block_tables,
+        seq_lens,
+        query_start,
+        scale,
+        window,
+        float(softcap or 0),
     )
 
 
-def store_and_decode_attention(
-    q: torch.Tensor,  # [num_seqs, num_heads, head_dim], one new token per sequence
-    k: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim]
-    v: torch.Tensor,  # [num_seqs, num_kv_heads, head_dim]
+def store_and_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [num_seqs] int64
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
     window: int = 0,
     softcap: float | None = None,
-) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Write the new K/V into the cache, then attend: one kernel call per layer at decode."""
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Write the new K/V into the cache, then attend: one kernel call per layer."""
     ext = load_extension()
     if ext is None:
-        return store_and_decode_attention_ref(
-            q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale, window, softcap
+        return store_and_attention_ref(
+            q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start, scale, window, softcap
         )
-    return ext.store_and_decode_attention(
-        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale, window, float(softcap or 0.0)
+    return ext.store_and_attention(
+        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start, scale, window, float(softcap or 0)
     )
 
 
-def store_and_decode_attention_ref(
-    q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, scale, window=0, softcap=None
+def decode_query_start(num_seqs: int, device=None) -> torch.Tensor:
+    """query_start for one new token per sequence."""
+    return torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
+
+
+def paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, window=0, softcap=None) -> torch.Tensor:
+    """paged_attention with one query per sequence (q: [num_seqs, num_heads, head_dim])."""
+    query_start = decode_query_start(q.shape[0], q.device)
+    return paged_attention(q, kv_cache, block_tables, seq_lens, query_start, scale, window, softcap)
+
+
+def store_and_attention_ref(
+    q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start, scale, window=0, softcap=None
 ):
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
-    return paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, window, softcap)
+    return paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start, scale, window, softcap)
 
 
-def paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale, window=0, softcap=None):
-    """The PyTorch twin: gather each context through its block table, then attend (to the last `window` only,
-    scores soft-capped when `softcap` is set)."""
-    num_seqs, _, head_dim = q.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    max_len = int(seq_lens.max())
-    pos = torch.arange(max_len, device=q.device)
-    blocks = block_tables.long().gather(
-        1, (pos // block_size).expand(num_seqs, -1).clamp(max=block_tables.shape[1] - 1)
-    )
-    slots = blocks * block_size + pos % block_size  # [num_seqs, max_len]
-    k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)[slots]  # [num_seqs, max_len, kv_heads, head_dim]
-    v = kv_cache[1].reshape(-1, num_kv_heads, head_dim)[slots]
-    lens = seq_lens[:, None].long()
-    mask = pos[None, :] < lens
-    if window:
-        mask &= pos[None, :] >= lens - window
-    mask = mask[:, None, None, :]
-    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [num_seqs, kv_heads, max_len, head_dim]
-    if softcap:
-        groups = q.shape[1] // num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = torch.tanh(q.unsqueeze(2) @ k.transpose(-1, -2) * scale / softcap) * softcap
-        return (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v).squeeze(2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.squeeze(2)
+def paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start, scale, window=0, softcap=None):
+    """The PyTorch twin: per sequence, gather its context through its block table, then attend with each query
+    limited to the positions up to its own (and to the last `window` of them), scores soft-capped when `softcap`
+    is set."""
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+    out = torch.empty_like(q)
+    starts = query_start.tolist()
+    for s, ctx in enumerate(seq_lens.tolist()):
+        lo, hi = starts[s], starts[s + 1]
+        pos = torch.arange(ctx, device=q.device)
+        slots = block_tables[s].long()[pos // block_size] * block_size + pos % block_size
+        k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)[slots].transpose(0, 1)  # [kv_heads, ctx, head_dim]
+        v = kv_cache[1].reshape(-1, num_kv_heads, head_dim)[slots].transpose(0, 1)
+        q_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)[:, None]
+        mask = pos[None, :] <= q_pos
+        if window:
+            mask &= pos[None, :] > q_pos - window
+        qs = q[lo:hi].transpose(0, 1)  # [heads, qlen, head_dim]
+        groups = qs.shape[0] // num_kv_heads
+        k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+        if softcap:
+            scores = torch.tanh(qs @ k.transpose(-1, -2) * scale / softcap) * softcap
+            o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+        else:
+            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
+        out[lo:hi] = o.transpose(0, 1)
+    return out

@@ -21,11 +21,7 @@ import torch  # noqa: E402
 
 from minibatch.engine.attention.metadata import AttentionMetadata
 from minibatch.engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from minibatch.kernels.cpu_paged_attention import (  # noqa: E402
-    load_extension,
-    paged_decode_attention,
-    store_and_decode_attention,
-)
+from minibatch.kernels.cpu_paged_attention import load_extension, store_and_attention  # noqa: E402
 
 # query heads, KV heads, head_dim
 SHAPES = {"gemma2-2b": (8, 4, 256), "smollm2-135m": (9, 3, 64), "mistral-7b": (32, 8, 128)}
@@ -80,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     softcap = args.softcap or None
     backends = {
         "pytorch": TorchAttentionBackend(),
-        "c++ kernel": TorchAttentionBackend(paged_decode_attention, store_and_decode_attention),
+        "c++ kernel": TorchAttentionBackend(store_and_attention),
     }
     print(
         f"{args.shape} ({heads}/{kv_heads} heads, head_dim {head_dim}), softcap {softcap}, window {args.window}, "

@@ -27,7 +27,7 @@ def gpu_shape_problems(num_heads: int, num_kv_heads: int, head_dim: int, block_s
 
 
 def select_backend(device: str, dtype: torch.dtype):
-    """(attention backend, model ops): Triton on CUDA; on CPU, PyTorch (+ the C++ decode kernel for fp32)."""
+    """(attention backend, model ops): Triton on CUDA; on CPU, the C++ paged kernel for fp32 (else PyTorch)."""
     if device == "cuda":
         try:
             import triton  # noqa: F401
@@ -35,13 +35,9 @@ def select_backend(device: str, dtype: torch.dtype):
             return TorchAttentionBackend(), TorchOps()
         return TritonAttentionBackend(), TritonOps()
     if dtype == torch.float32:
-        from minibatch.kernels.cpu_paged_attention import (
-            load_extension,
-            paged_decode_attention,
-            store_and_decode_attention,
-        )
+        from minibatch.kernels.cpu_paged_attention import load_extension, store_and_attention
 
         ext = load_extension()  # compiled on first use, then cached
         if ext is not None:
-            return TorchAttentionBackend(paged_decode_attention, store_and_decode_attention), CpuOps(ext)
+            return TorchAttentionBackend(store_and_attention), CpuOps(ext)
     return TorchAttentionBackend(), TorchOps()

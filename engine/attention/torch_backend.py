@@ -1,7 +1,8 @@
-"""Attention in PyTorch over the paged KV cache: the CPU path (with the C++ decode kernel when it is built)."""
+"""Attention over the paged KV cache on the CPU: the C++ paged kernel when it is built, else PyTorch."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -11,34 +12,68 @@ from minibatch.engine.attention.metadata import AttentionMetadata
 
 
 @dataclass(slots=True)
+class _KernelPlan:
+    # Every token of the batch in one kernel call, through the block tables (no copy of the context).
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with the null block
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start: torch.Tensor  # [num_seqs + 1] int32
+
+
+@dataclass(slots=True)
 class _TorchPlan:
-    # Sequences with one new token attend together: in the C++ kernel (through block tables,
-    # no copy) when it is available, else in one padded SDPA call over gathered contexts.
+    # Sequences with one new token attend together in one padded SDPA call over gathered contexts.
     decode_tokens: torch.Tensor | None  # [num_decode] flat token index
     decode_slots: torch.Tensor | None  # [num_decode * max_ctx] cache slot per context position (0 = pad)
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_ctx] True where a real context position
     decode_ctx: int
-    decode_tables: torch.Tensor | None  # [num_decode, max_blocks] int32, padded with the null block
-    decode_lens: torch.Tensor | None  # [num_decode] int32
     # Longer chunks attend one sequence at a time: (token start, query len, slots, mask or None).
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
-    all_decode: bool = False  # every token is a decode: the kernel reads q and writes out whole
+
+
+# The CPU kernel's entry point (kernels/cpu_paged_attention.py store_and_attention): the new K/V stored, then
+# every query attended, by one rule whatever the query's kind (docs/internals.md).
+StoreAndAttend = Callable[..., torch.Tensor]
 
 
 class TorchAttentionBackend:
-    """Attention in PyTorch (scaled_dot_product_attention); the CPU path.
+    """Attention on the CPU: the C++ paged kernel when it is built, else PyTorch (scaled_dot_product_attention).
 
-    With `decode_kernel` (the CPU paged decode kernel from minibatch.kernels),
-    single-token queries read K/V in place through their block tables.
+    With `kernel` (kernels/cpu_paged_attention.py's store_and_attention) every query — decode, prefill, a
+    chunk over cached blocks, a verify row — reads K/V in place through its block table and is computed by
+    one rule, so its result does not depend on the batch. Without it, PyTorch's SDPA (whose blocking
+    depends on the query count: not batch-invariant) serves as the fallback and the reference.
     """
 
-    name = "torch"
-
-    def __init__(self, decode_kernel=None, store_decode_kernel=None) -> None:
-        self.decode_kernel = decode_kernel
-        self.store_decode_kernel = store_decode_kernel  # KV store + decode attention in one call
+    def __init__(self, kernel: StoreAndAttend | None = None) -> None:
+        self.kernel = kernel
+        self.name = "torch" if kernel is None else "cpu-paged"
 
     def prepare(self, meta: AttentionMetadata) -> None:
+        if self.kernel is not None:
+            meta.plan = self._kernel_plan(meta)
+        else:
+            meta.plan = self._torch_plan(meta)
+
+    @staticmethod
+    def _kernel_plan(meta: AttentionMetadata) -> _KernelPlan:
+        device, bs = meta.slot_mapping.device, meta.block_size
+        used = [-(-n // bs) for n in meta.seq_lens]
+        width = max(used)
+        tables = [t[:u] + [0] * (width - u) for t, u in zip(meta.block_tables, used)]
+        starts = [0]
+        for qlen in meta.query_lens:
+            starts.append(starts[-1] + qlen)
+        packed = torch.tensor([x for t in tables for x in t] + list(meta.seq_lens) + starts, dtype=torch.int32)
+        packed = packed.to(device)
+        n = len(tables)
+        return _KernelPlan(
+            block_tables=packed[: n * width].view(n, width),
+            seq_lens=packed[n * width : n * width + n],
+            query_start=packed[n * width + n :],
+        )
+
+    @staticmethod
+    def _torch_plan(meta: AttentionMetadata) -> _TorchPlan:
         device = meta.slot_mapping.device
         bs = meta.block_size
         decode_rows: list[int] = []
@@ -63,55 +98,46 @@ class TorchAttentionBackend:
                         mask &= k_pos > q_pos - window
                 prefills.append((start, qlen, slots, mask))
             start += qlen
-        plan = _TorchPlan(None, None, None, 0, None, None, prefills, all_decode=not prefills)
+        plan = _TorchPlan(None, None, None, 0, prefills)
         if decode_rows:
             plan.decode_tokens = torch.tensor(decode_rows, dtype=torch.long, device=device)
-            if self.decode_kernel is not None:
-                width = max(-(-n // bs) for n in decode_lens)
-                plan.decode_tables = torch.tensor(
-                    [t[: -(-n // bs)] + [0] * (width - -(-n // bs)) for t, n in zip(decode_tables, decode_lens)],
-                    dtype=torch.int32,
-                    device=device,
-                )
-                plan.decode_lens = torch.tensor(decode_lens, dtype=torch.int32, device=device)
-            else:
-                max_ctx = max(decode_lens)
-                lens = torch.tensor(decode_lens, device=device)
-                slots = torch.stack(
-                    [_context_slots(t, max_ctx, bs, device, valid=n) for t, n in zip(decode_tables, decode_lens)]
-                )
-                plan.decode_slots = slots.reshape(-1)
-                pos = torch.arange(max_ctx, device=device)[None, :]
-                keep = pos < lens[:, None]
-                if meta.window:
-                    keep &= pos >= lens[:, None] - meta.window
-                plan.decode_mask = keep[:, None, None, :]
-                plan.decode_ctx = max_ctx
-        meta.plan = plan
+            max_ctx = max(decode_lens)
+            lens = torch.tensor(decode_lens, device=device)
+            slots = torch.stack(
+                [_context_slots(t, max_ctx, bs, device, valid=n) for t, n in zip(decode_tables, decode_lens)]
+            )
+            plan.decode_slots = slots.reshape(-1)
+            pos = torch.arange(max_ctx, device=device)[None, :]
+            keep = pos < lens[:, None]
+            if meta.window:
+                keep &= pos >= lens[:, None] - meta.window
+            plan.decode_mask = keep[:, None, None, :]
+            plan.decode_ctx = max_ctx
+        return plan
 
     def forward(self, q, k, v, kv_cache, meta, scale):
-        plan: _TorchPlan = meta.plan
-        window = meta.window
-        if plan.all_decode and plan.decode_tables is not None and self.store_decode_kernel is not None:
-            return self.store_decode_kernel(
-                q, k, v, kv_cache, meta.slot_mapping, plan.decode_tables, plan.decode_lens, scale, window, meta.softcap
+        plan = meta.plan
+        if isinstance(plan, _KernelPlan):
+            return self.kernel(
+                q,
+                k,
+                v,
+                kv_cache,
+                meta.slot_mapping,
+                plan.block_tables,
+                plan.seq_lens,
+                plan.query_start,
+                scale,
+                meta.window,
+                meta.softcap,
             )
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_flat = kv_cache[0].view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
         v_flat = kv_cache[1].view(-1, num_kv_heads, head_dim)
         k_flat.index_copy_(0, meta.slot_mapping, k)
         v_flat.index_copy_(0, meta.slot_mapping, v)
-        if plan.all_decode and plan.decode_tables is not None:
-            return self.decode_kernel(q, kv_cache, plan.decode_tables, plan.decode_lens, scale, window, meta.softcap)
         out = torch.empty_like(q)
-        if plan.decode_tables is not None:
-            qd = q.index_select(0, plan.decode_tokens)  # [n, heads, head_dim]
-            out.index_copy_(
-                0,
-                plan.decode_tokens,
-                self.decode_kernel(qd, kv_cache, plan.decode_tables, plan.decode_lens, scale, window, meta.softcap),
-            )
-        elif plan.decode_tokens is not None:
+        if plan.decode_tokens is not None:
             n = plan.decode_tokens.numel()
             kd = k_flat.index_select(0, plan.decode_slots).view(n, plan.decode_ctx, num_kv_heads, head_dim)
             vd = v_flat.index_select(0, plan.decode_slots).view(n, plan.decode_ctx, num_kv_heads, head_dim)

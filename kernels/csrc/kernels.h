@@ -14,12 +14,12 @@ inline at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype) {
 }
 }  // namespace mb
 
-// paged_decode_attention.cpp
-at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                                  at::Tensor seq_lens, double scale, int64_t window, double softcap);
-at::Tensor store_and_decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor kv_cache,
-                                      at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens, double scale,
-                                      int64_t window, double softcap);
+// paged_attention.cpp
+at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                           at::Tensor seq_lens, at::Tensor query_start, double scale, int64_t window, double softcap);
+at::Tensor store_and_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slot_mapping,
+                               at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start, double scale,
+                               int64_t window, double softcap);
 // quant_matmul.cpp
 at::Tensor quant_linear(at::Tensor x, at::Tensor qweight, int64_t type, int64_t gemv_max_rows);
 at::Tensor dequantize(at::Tensor qweight, int64_t type, int64_t k);

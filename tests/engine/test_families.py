@@ -100,11 +100,11 @@ def hf_logits(hf, ids):
 
 
 def backends():
-    from minibatch.kernels.cpu_paged_attention import load_extension, paged_decode_attention, store_and_decode_attention
+    from minibatch.kernels.cpu_paged_attention import load_extension, store_and_attention
 
     out = [("torch", TorchAttentionBackend())]
     if load_extension() is not None:
-        out.append(("cpu-kernel", TorchAttentionBackend(paged_decode_attention, store_and_decode_attention)))
+        out.append(("cpu-kernel", TorchAttentionBackend(store_and_attention)))
     return out
 
 

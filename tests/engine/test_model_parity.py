@@ -77,12 +77,12 @@ def test_chunked_prefill_over_cached_context_matches_hf(tiny_llama_dir):
     torch.testing.assert_close(torch.cat(outs), _hf_logits(hf, ids), atol=1e-4, rtol=0)
 
 
-def test_decode_with_the_cpu_kernel_matches_hf(tiny_llama_dir):
-    from minibatch.kernels.cpu_paged_attention import load_extension, paged_decode_attention
+def test_prefill_and_decode_with_the_cpu_kernel_match_hf(tiny_llama_dir):
+    from minibatch.kernels.cpu_paged_attention import load_extension, store_and_attention
 
     if load_extension() is None:
         pytest.skip("the C++ extension cannot be built here")
-    ours = load_model(tiny_llama_dir, TorchAttentionBackend(paged_decode_attention))
+    ours = load_model(tiny_llama_dir, TorchAttentionBackend(store_and_attention))
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     seqs = [list(range(3, 3 + n)) for n in (9, 21, 4)]
     tables = [[5, 1, 9, 12], [2, 7, 11, 3, 8, 0 + 13, 14], [4, 6, 10]]

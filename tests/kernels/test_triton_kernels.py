@@ -224,4 +224,4 @@ def test_backend_selection():
     cpu_ops = CpuOps if load_cpu_extension() is not None else TorchOps  # the C++ kernels, where they build
     assert isinstance(backend, TorchAttentionBackend) and type(ops) is cpu_ops
     backend, ops = select_backend("cpu", torch.float16)
-    assert isinstance(backend, TorchAttentionBackend) and backend.decode_kernel is None
+    assert isinstance(backend, TorchAttentionBackend) and backend.kernel is None

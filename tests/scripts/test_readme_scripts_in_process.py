@@ -189,4 +189,4 @@ def test_perplexity(env):
     ppl = {w: float(v[0]) for w, v in rows.items()}
     assert all(1 < p < 1000 for p in ppl.values()) and abs(ppl["native"] / ppl["native-exact"] - 1) < 0.05
     kl, same = float(rows["native-exact"][2]), float(rows["native-exact"][3].rstrip("%"))
-    assert 0 < kl < 0.1 and 80 < same < 100
+    assert 0 < kl < 0.1 and 80 < same <= 100  # every token the same is a valid result (an AVX2-only CPU gives it)
