@@ -92,7 +92,7 @@ def load_other_build(kind: str):
     return load(
         name=f"minibatch_cpu_kernels_{kind}",
         sources=[str(_CSRC / s) for s in SOURCES],
-        extra_cflags=["-O2", "-fopenmp", *OTHER_BUILDS[kind], f"-DMINIBATCH_CSRC_DIGEST={digest}"],
+        extra_cflags=["-O3", "-fopenmp", *OTHER_BUILDS[kind], f"-DMINIBATCH_CSRC_DIGEST={digest}"],
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )

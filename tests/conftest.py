@@ -33,6 +33,8 @@ LONGEST_FIRST = (
     "tests/scripts/test_readme_scripts.py",
     "tests/scripts/test_gpu_check.py",
     "tests/engine/test_engine_model.py",
+    "tests/engine/test_batch_invariance_portable.py",
+    "tests/engine/test_batch_invariance.py",
     "tests/scripts/test_bench.py",
     "tests/cluster/",
 )

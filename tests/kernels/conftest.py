@@ -34,12 +34,17 @@ def device() -> str:
     return DEVICE
 
 
-@pytest.fixture(scope="session", params=["this-cpu", "portable"])
+@pytest.fixture(scope="session", params=["this-cpu", "avx2", "portable"])
 def any_build(request):
-    """The C++ extension as built for this CPU, and for x86-64's baseline (the scalar loops)."""
+    """The C++ extension as built for this CPU, for AVX2 without VNNI, and for x86-64's baseline (the scalar
+    loops): every path, whichever this machine would take."""
     from minibatch.kernels.cpu_ext import load_cpu_extension, load_other_build
 
     ext = load_cpu_extension()
     if ext is None:
         pytest.skip("the C++ extension cannot be built here")
-    return ext if request.param == "this-cpu" else load_other_build(request.param)
+    if request.param == "this-cpu":
+        return ext
+    other = load_other_build(request.param)
+    assert other.int_path_has_avx2() == (request.param == "avx2") and not other.int_path_has_vnni()
+    return other

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minibatch.kernels.cpu_ext import load_cpu_extension, load_other_build
+from minibatch.kernels.cpu_ext import load_cpu_extension
 from minibatch.kernels.quant import (
     INT_DOT_TYPES,
     QUANT_TYPES,
@@ -84,14 +84,10 @@ def test_bad_shapes_are_refused_with_the_numbers():
 INT_TYPES = sorted(INT_DOT_TYPES)
 
 
-@pytest.fixture(scope="module", params=["this-cpu", "avx2", "portable"])
-def ext(request):
-    """The extension as built for this CPU, for AVX2 without VNNI, and for x86-64's baseline (the portable path)."""
-    if request.param == "this-cpu":
-        return load_cpu_extension()
-    other = load_other_build(request.param)
-    assert other.int_path_has_avx2() == (request.param == "avx2") and not other.int_path_has_vnni()
-    return other
+@pytest.fixture
+def ext(any_build):
+    """The extension as built for this CPU, for AVX2 without VNNI, and for x86-64's baseline (conftest.py)."""
+    return any_build
 
 
 @pytest.mark.parametrize("rows", [1, 5, 64])

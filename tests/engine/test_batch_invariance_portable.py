@@ -1,0 +1,30 @@
+"""test_batch_invariance.py's matrix on the kernels built for x86-64's baseline (the plain C++ loops), in a module
+of its own so that it runs beside the other builds' on another worker. Its batches stop at 16 requests: the
+plain loops take minutes for 64, and the kernels' own tests check every row count to 64 on this build
+(tests/kernels/test_batch_invariance.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .test_batch_invariance import BATCHES, alone, chats, use_build  # noqa: F401 (the matrix's fixtures)
+from .test_batch_invariance import test_continuous_batches_and_chunks as _batches
+from .test_batch_invariance import test_prefix_hits_static_mode_and_preemption as _prefix_static_preemption
+
+pytestmark = pytest.mark.model
+
+SMALL = {name: case for name, case in BATCHES.items() if case[0] < 16}
+
+
+@pytest.fixture(scope="module")
+def cpu_build():
+    yield from use_build("portable")
+
+
+@pytest.mark.parametrize("others,chunk,waves,speculative,rows", SMALL.values(), ids=SMALL.keys())
+def test_continuous_batches_and_chunks(cpu_build, chats, alone, others, chunk, waves, speculative, rows):  # noqa: F811
+    _batches(cpu_build, chats, alone, others, chunk, waves, speculative, rows)
+
+
+def test_prefix_hits_static_mode_and_preemption(cpu_build, chats, alone):
+    _prefix_static_preemption(cpu_build, chats, alone)
