@@ -26,5 +26,5 @@ def test_continuous_batches_and_chunks(cpu_build, chats, alone, others, chunk, w
     _batches(cpu_build, chats, alone, others, chunk, waves, speculative, rows)
 
 
-def test_prefix_hits_static_mode_and_preemption(cpu_build, chats, alone):
+def test_prefix_hits_static_mode_and_preemption(cpu_build, chats, alone):  # noqa: F811 (fixtures by name)
     _prefix_static_preemption(cpu_build, chats, alone)
