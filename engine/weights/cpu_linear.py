@@ -3,6 +3,11 @@
 A plain `F.linear` with a few rows re-packs the whole weight matrix on every
 call, which costs 2-3x the time of reading it; the decode steps of a batching
 engine are exactly such calls. oneDNN's packed layout is made once at load.
+
+oneDNN multiplies a single row by a kernel of its own (a matrix-vector product
+that sums in another order) and two or more by its GEMM, whose blocking does not
+depend on the row count: a lone row goes in twice, so a row's result is the same
+bits whatever else is in the call (tests/engine/test_cpu_linear.py).
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().clone()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out]
+        if x.shape[0] == 1:  # the GEMM's bits, not the matrix-vector kernel's: one row answers as in a batch
+            return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1), self.packed, self.bias, "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
