@@ -12,7 +12,11 @@
 Every variant replays the same trace (prompts, output lengths forced with
 ignore_eos, arrival times); each point is the median of --repeats runs after
 --warmup requests that are not counted. The daemon's mode is switched between
-runs. Writes JSON per run, summary.json, table.md and PNG plots to --out.
+runs. Each request's text is compared across the modes ("same text": a request
+answers alike whatever its batch, so the modes differ in time alone); sampled
+requests carry a seed each so that theirs compare too. --natural lets every
+answer end where the model ends it (max_tokens a cap): the texts then decide the
+lengths. Writes JSON per run, summary.json, table.md and PNG plots to --out.
 """
 
 from __future__ import annotations
@@ -52,15 +56,19 @@ def message_body(item: TraceItem, tokenizer) -> dict:
     body = {"model": "default", "messages": [m for m in messages if m["role"] != "system"]}
     if system:
         body["system"] = "\n".join(system)
-    return body | {"max_tokens": item.max_tokens, **SAMPLING, "ignore_eos": True}
+    return body | {"max_tokens": item.max_tokens, **SAMPLING, **LENGTHS}
 
 
 # What every request asks for besides its length: --sampling's preset (greedy unless told).
 SAMPLING: dict = {"temperature": 0.0}
+# The trace's lengths forced (ignore_eos), or with --natural only capped: each answer ends where the model ends it.
+LENGTHS: dict = {"ignore_eos": True}
 
 
-def body_of(item: TraceItem) -> tuple[dict, bool]:
-    common = {"max_tokens": item.max_tokens, **SAMPLING, "ignore_eos": True}
+def body_of(item: TraceItem, index: int) -> tuple[dict, bool]:
+    common = {"max_tokens": item.max_tokens, **SAMPLING, **LENGTHS}
+    if SAMPLING.get("temperature", 1.0) > 0:  # a seed per request: its text is the same in every mode and run
+        common["seed"] = 1000 + index
     if item.messages is not None:
         return {"messages": item.messages, **common}, True
     if item.prompt_text is not None:
@@ -89,7 +97,7 @@ async def replay(
         if tokenizer is not None:
             send = stream_message(s, i, message_body(item, tokenizer))
         else:
-            body, chat = body_of(item)
+            body, chat = body_of(item, i)
             send = stream_request(s, i, body, chat)
         if sem is None:
             res = await send
@@ -222,9 +230,9 @@ def ceilings_line(c: dict) -> str:
 def table(rows: list[dict]) -> str:
     head = (
         "| point | variant | out tok/s | req/s | TTFT p50 / p95 (s) | TPOT p50 (ms) | e2e p50 / p95 (s) "
-        "| mean running | wasted rows | preempt | failed |"
+        "| mean running | wasted rows | preempt | failed | same text |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     for r in rows:
         s, e = r["summary"], r.get("engine", {})
         f = lambda v, k=1: "-" if v is None else f"{v:.{k}f}"  # noqa: E731
@@ -234,7 +242,7 @@ def table(rows: list[dict]) -> str:
             f"{f(s['tpot']['p50'] and 1000 * s['tpot']['p50'])} | "
             f"{f(s['e2e']['p50'])} / {f(s['e2e']['p95'])} | {f(e.get('mean_running'))} | "
             f"{e.get('wasted_row_steps', '-')} | "
-            f"{e.get('preemptions', '-')} | {s['failed']} |"
+            f"{e.get('preemptions', '-')} | {s['failed']} | {'/'.join(map(str, r.get('same_texts', ['-'])))} |"
         )
     return "\n".join(lines)
 
@@ -371,6 +379,7 @@ async def run(args) -> int:
                 label += f" (outputs {olen[0]}-{olen[1]})"
             labels.add(label)
             warm = trace[: args.warmup]
+            texts: dict[str, list[str | None]] = {}  # each mode's first run: every request's text
             for mode in modes:
                 runs, engines = [], []
                 for rep in range(args.repeats):
@@ -393,6 +402,8 @@ async def run(args) -> int:
                         timelines[mode] = data | {"point": label}
                     summary = summarize(results, wall, args.slo_ttft, args.slo_tpot)
                     runs.append(summary)
+                    if rep == 0:
+                        texts[mode] = [r.text if r.ok else None for r in results]
                     engines.append(engine)
                     if kind in ("main", "concurrency") and x == largest:
                         ttft.setdefault(mode, []).extend(
@@ -421,6 +432,10 @@ async def run(args) -> int:
                         "engine": engine,
                     }
                 )
+            if len(texts) > 1:  # the same answers whatever the mode: static and continuous differ in time alone
+                same = sum(len(set(t)) == 1 and t[0] is not None for t in zip(*texts.values()))
+                for r in rows[-len(texts) :]:
+                    r["same_texts"] = [same, len(trace)]
             if args.hf_baseline:
                 rows.append(
                     {
@@ -509,10 +524,16 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--natural",
+        action="store_true",
+        help="no ignore_eos: every answer ends where the model ends it (the trace's lengths become caps)",
+    )
+    ap.add_argument(
         "--sampling",
         choices=list(sampling_presets()),
         default="greedy",
-        help="what every request samples with: greedy, the chat's defaults or Ollama's (peers included)",
+        help="what every request samples with: greedy, the chat's defaults or Ollama's (peers included; "
+        "each sampled request with a seed of its own)",
     )
     ap.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO: TTFT at most this many seconds")
     ap.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO: TPOT at most this many seconds")
@@ -556,6 +577,8 @@ def main() -> int:
     args.socket = env_socket(args.socket)
     SAMPLING.clear()
     SAMPLING.update(sampling_presets()[args.sampling])
+    if args.natural:
+        LENGTHS.clear()
     if args.output_len is None:
         args.output_len = (8, 128) if args.peers else (16, 256)
     return asyncio.run(run(args))

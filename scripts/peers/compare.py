@@ -54,7 +54,7 @@ async def replay_http(
 
         async def one(i: int, item: TraceItem) -> Result:
             async with sem:
-                body, chat = body_of(item)
+                body, chat = body_of(item, i)
                 return await stream_request(s, i, {**body, "model": model} if model else body, chat)
 
         start = time.monotonic()

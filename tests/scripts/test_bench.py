@@ -97,6 +97,7 @@ def test_bench_end_to_end_against_the_tiny_daemon(tiny_chat_model_dir, short_tmp
                 "1",
                 "--sweep",
                 "concurrency:1,3",
+                "--natural",  # each answer's length is the model's: the same in both modes
                 "--out",
                 str(out),
             ],
@@ -110,6 +111,7 @@ def test_bench_end_to_end_against_the_tiny_daemon(tiny_chat_model_dir, short_tmp
         assert variants == {("c=1", "continuous"), ("c=1", "static"), ("c=3", "continuous"), ("c=3", "static")}
         for row in summary["rows"]:
             assert row["summary"]["completed"] == 6 and row["summary"]["failed"] == 0
+            assert row["same_texts"] == [6, 6]  # each request's text alike in both modes, at both points
         assert "| c=3 | continuous |" in (out / "table.md").read_text()
         assert (out / "throughput_vs_concurrency.png").stat().st_size > 1000
         assert summary["ceilings"]["memory_bandwidth_gb_s"] > 0 and summary["ceilings"]["model_params"] > 0

@@ -152,6 +152,7 @@ def test_bench_over_the_socket(daemon, env, tmp_path):
         (p, m) for p in ("c=1", "c=2") for m in ("continuous", "static")
     }
     assert all(r["summary"]["completed"] == 4 and r["summary"]["failed"] == 0 for r in summary["rows"])
+    assert all(r["same_texts"] == [4, 4] for r in summary["rows"])  # the same answers in both modes
     c = summary["ceilings"]
     memory = summary["daemon"]["memory"]
     assert c["model_params"] == memory["num_params"] and c["matmul_bytes_per_step"] == memory["matmul_bytes_per_step"]
