@@ -29,6 +29,7 @@
 #define MB_ATTN_AVX2 1
 #endif
 
+
 namespace {
 
 
@@ -86,24 +87,53 @@ inline void soft_cap(float* s, int64_t n, float cap) {
 }
 
 #ifdef MB_ATTN_AVX2
-// One query head against one KV block, with the head's accumulator in registers (head_dim = 8 * V):
-// scores of the block's n positions, the online-softmax update, then acc += p * v.
+// The scores of up to 8 keys (count of them, from kb with stride ks1) against q in registers (head_dim = 8 * V),
+// lane i for key i and 0 past count. Each key's products run in two chains over the head dimension, the
+// chains are added, and the 8 lanes are summed by one tree for every key, ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)):
+// eight keys share the reduction's shuffles, and a key's score never depends on its neighbours.
 template <int V>
-inline void block_head(const float* q, const float* kb, int64_t ks1, const float* vb, int64_t vs1, int64_t n,
-                       float* sc, float* mx, float* sum, float* acc, float cap) {
-  __m256 qv[V];
-  for (int j = 0; j < V; ++j) qv[j] = _mm256_loadu_ps(q + 8 * j);
-  for (int64_t i = 0; i < n; ++i) {
+inline __m256 scores8(const __m256* qv, const float* kb, int64_t ks1, int64_t count) {
+  __m256 s[8];
+  for (int i = 0; i < 8; ++i) {
+    if (i >= count) {
+      s[i] = _mm256_setzero_ps();
+      continue;
+    }
     const float* k = kb + i * ks1;
     __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k)), a1 = _mm256_setzero_ps();
     for (int j = 1; j < V; ++j) {
       if (j % 2) a1 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + 8 * j), a1);
       else a0 = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(k + 8 * j), a0);
     }
-    sc[i] = hsum(_mm256_add_ps(a0, a1));
+    s[i] = _mm256_add_ps(a0, a1);
   }
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(s[0], s[1]), _mm256_hadd_ps(s[2], s[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(s[4], s[5]), _mm256_hadd_ps(s[6], s[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// Lanes i < count of an 8-lane mask.
+inline __m256 first_lanes(int64_t count) {
+  const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), idx));
+}
+
+// One query head against n positions of one KV block, with the head's accumulator in registers (head_dim =
+// 8 * V): the positions' scores eight at a time (sc: room for n rounded up to 8), the online-softmax update
+// (exponentials in eight lanes, summed in lanes, then across them), then acc += p * v position by position.
+template <int V>
+inline void block_head(const float* q, const float* kb, int64_t ks1, const float* vb, int64_t vs1, int64_t n,
+                       float* sc, float* mx, float* sum, float* acc, float cap) {
+  __m256 qv[V];
+  for (int j = 0; j < V; ++j) qv[j] = _mm256_loadu_ps(q + 8 * j);
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(sc + i, scores8<V>(qv, kb + i * ks1, ks1, n - i));
   if (cap > 0.0f) soft_cap(sc, n, cap);
-  const float bmax = *std::max_element(sc, sc + n);
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < n; i += 8)
+    vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(vmax, _mm256_loadu_ps(sc + i), first_lanes(n - i)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  const float bmax = *std::max_element(lanes, lanes + 8);  // a maximum is exact in any order
   __m256 av[V];
   for (int j = 0; j < V; ++j) av[j] = _mm256_loadu_ps(acc + 8 * j);
   if (bmax > *mx) {
@@ -113,7 +143,14 @@ inline void block_head(const float* q, const float* kb, int64_t ks1, const float
     for (int j = 0; j < V; ++j) av[j] = _mm256_mul_ps(av[j], c);
     *mx = bmax;
   }
-  *sum += exp_shifted(sc, n, *mx);
+  const __m256 m = _mm256_set1_ps(*mx);
+  __m256 psum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 p = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + i), m)), first_lanes(n - i));
+    _mm256_storeu_ps(sc + i, p);
+    psum = _mm256_add_ps(psum, p);
+  }
+  *sum += hsum(psum);
   for (int64_t i = 0; i < n; ++i) {
     const __m256 p = _mm256_set1_ps(sc[i]);
     const float* v = vb + i * vs1;
@@ -149,9 +186,9 @@ inline void fold_block(const QueryState& st, int64_t group, int64_t head_dim, co
   }
 #endif
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t g = 0; g < group; ++g) scores[g * block_size + i] = dot(st.q + g * head_dim, kb + i * ks1, head_dim);
+    for (int64_t g = 0; g < group; ++g) scores[g * (block_size + 8) + i] = dot(st.q + g * head_dim, kb + i * ks1, head_dim);
   for (int64_t g = 0; g < group; ++g) {  // online softmax: fold this block into the running max and sum
-    float* sg = scores + g * block_size;
+    float* sg = scores + g * (block_size + 8);
     if (cap > 0.0f) soft_cap(sg, n, cap);
     const float bmax = *std::max_element(sg, sg + n);
     if (bmax > st.mx[g]) {
@@ -164,7 +201,7 @@ inline void fold_block(const QueryState& st, int64_t group, int64_t head_dim, co
     st.sum[g] += exp_shifted(sg, n, st.mx[g]);
   }
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t g = 0; g < group; ++g) axpy(scores[g * block_size + i], vb + i * vs1, st.acc + g * head_dim, head_dim);
+    for (int64_t g = 0; g < group; ++g) axpy(scores[g * (block_size + 8) + i], vb + i * vs1, st.acc + g * head_dim, head_dim);
 }
 
 }  // namespace
@@ -217,7 +254,8 @@ at::Tensor paged_attention(
   const int64_t tiles = static_cast<int64_t>(tile_seq.size()), per_query = group * head_dim;
 
   parallel_chunks_for_rows(num_tokens, tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qsc(kQueryTile * per_query), acc(kQueryTile * per_query), scores(group * block_size);
+    // scores: a block's per query head, with room for the eight-lane stores past its last position
+    std::vector<float> qsc(kQueryTile * per_query), acc(kQueryTile * per_query), scores(group * (block_size + 8));
     std::vector<float> mx(kQueryTile * group), sum(kQueryTile * group);
     int64_t first[kQueryTile], stop[kQueryTile];
     for (int64_t task = begin; task < end; ++task) {
