@@ -65,6 +65,34 @@ def test_paged_attention_mixed_batch(heads, kv_heads, block_size, dtype):
     torch.testing.assert_close(got.float(), ref.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [0, 5])
+def test_paged_attention_gives_a_query_the_same_bits_however_it_is_computed(dtype, window):
+    """A fixed tiling of queries (16) and keys (from position 0): a token's row is the same bits in a whole
+    prefill, in any chunk of it, as a decode token and beside other sequences (tiles past its position are
+    wholly masked and change nothing)."""
+    g = torch.Generator().manual_seed(3)
+    block_size, heads, kv_heads, head_dim, n = 8, 4, 2, 16, 37
+    tables = torch.tensor([[3, 1, 6, 2, 5], [4, 7, 0, 0, 0]], dtype=torch.int32, device=DEVICE)
+    cache = torch.randn(2, 8, block_size, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    q = torch.randn(n, heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    other = torch.randn(1, heads, head_dim, generator=g).to(dtype).to(DEVICE)
+
+    def attend(rows, lens, qlens, table_rows):
+        qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+        return paged_attention(rows, cache, tables[table_rows].contiguous(), qsl, seq_lens, 0.25, max(qlens), window)
+
+    whole = attend(q, [n], [n], [0])
+    for t in (0, 7, 15, 16, 17, 36):  # decode tokens, at and around the query tiles' edges
+        assert torch.equal(attend(q[t : t + 1], [t + 1], [1], [0]), whole[t : t + 1]), t
+    for chunk in (5, 16, 20):
+        parts = [attend(q[s : s + chunk], [min(n, s + chunk)], [min(chunk, n - s)], [0]) for s in range(0, n, chunk)]
+        assert torch.equal(torch.cat(parts), whole), chunk
+    mixed = attend(torch.cat([other, q[9:]]), [12, n], [1, n - 9], [1, 0])
+    assert torch.equal(mixed[1:], whole[9:])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16])
 def test_paged_attention_reads_blocks_past_2_31_elements(dtype):
     """A block whose offset (block id x block stride) passes 2**31 elements: int32 offsets would wrap.
