@@ -94,29 +94,31 @@ def store_and_attention_ref(
 
 
 def paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start, scale, window=0, softcap=None):
-    """The PyTorch twin: per sequence, gather its context through its block table, then attend with each query
-    limited to the positions up to its own (and to the last `window` of them), scores soft-capped when `softcap`
-    is set."""
-    block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+    """The PyTorch twin of this kernel and of the Triton one (kernels/paged_attention.py), in fp32: per sequence,
+    gather its context through its block table, then attend with each query limited to the positions up to
+    its own (and to the last `window` of them), scores soft-capped when `softcap` is set."""
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     out = torch.empty_like(q)
     starts = query_start.tolist()
     for s, ctx in enumerate(seq_lens.tolist()):
         lo, hi = starts[s], starts[s + 1]
         pos = torch.arange(ctx, device=q.device)
         slots = block_tables[s].long()[pos // block_size] * block_size + pos % block_size
-        k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)[slots].transpose(0, 1)  # [kv_heads, ctx, head_dim]
-        v = kv_cache[1].reshape(-1, num_kv_heads, head_dim)[slots].transpose(0, 1)
+        k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)[slots].transpose(0, 1).float()  # [kv_heads, ctx, dim]
+        v = kv_cache[1].reshape(-1, num_kv_heads, head_dim)[slots].transpose(0, 1).float()
+        qs = q[lo:hi].transpose(0, 1).float()  # [heads, qlen, head_dim]
         q_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)[:, None]
         mask = pos[None, :] <= q_pos
         if window:
             mask &= pos[None, :] > q_pos - window
-        qs = q[lo:hi].transpose(0, 1)  # [heads, qlen, head_dim]
         groups = qs.shape[0] // num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
         if softcap:
+            k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
             scores = torch.tanh(qs @ k.transpose(-1, -2) * scale / softcap) * softcap
             o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
         else:
-            o = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)
-        out[lo:hi] = o.transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qs[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+            )[0]
+        out[lo:hi] = o.transpose(0, 1).to(q.dtype)
     return out

@@ -12,9 +12,10 @@ its block through the table. Optional: a sliding window, and scores soft-capped
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from . import cpu_paged_attention
 
 
 # stride_bt is the block table's width, which follows the batch's longest context from
@@ -195,28 +196,7 @@ def paged_attention(
 def paged_attention_ref(
     q, kv_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, window=0, softcap=None
 ):
-    """The PyTorch twin: gather each sequence's context through its table, attend causally."""
-    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
-    out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    for i, ctx in enumerate(seq_lens.tolist()):
-        a, b = starts[i], starts[i + 1]
-        pos = torch.arange(ctx, device=q.device)
-        slots = block_tables[i].long()[pos // block_size] * block_size + pos % block_size
-        k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)[slots].transpose(0, 1).float()  # [kv_heads, ctx, head_dim]
-        v = kv_cache[1].reshape(-1, num_kv_heads, head_dim)[slots].transpose(0, 1).float()
-        qi = q[a:b].transpose(0, 1).float()  # [heads, q_len, head_dim]
-        q_pos = torch.arange(ctx - (b - a), ctx, device=q.device)
-        mask = pos[None, :] <= q_pos[:, None]
-        if window:
-            mask &= pos[None, :] > q_pos[:, None] - window
-        if softcap:
-            groups = qi.shape[0] // k.shape[0]
-            scores = torch.tanh(qi @ k.repeat_interleave(groups, 0).transpose(1, 2) * scale / softcap) * softcap
-            o = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.repeat_interleave(groups, 0)
-        else:
-            o = F.scaled_dot_product_attention(
-                qi[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
-            )[0]
-        out[a:b] = o.transpose(0, 1).to(q.dtype)
-    return out
+    """The PyTorch twin (kernels/cpu_paged_attention.py's, the CPU kernel's too), in this kernel's argument order."""
+    return cpu_paged_attention.paged_attention_ref(
+        q, kv_cache, block_tables, seq_lens, query_start_loc, scale, window, softcap
+    )
