@@ -11,6 +11,7 @@ from minibatch.engine.core.engine import LLMEngine
 from minibatch.engine.core.info import WEIGHT_MODES, EngineInfo
 from minibatch.engine.core.sampling_params import SAMPLING_DEFAULT_FIELDS
 from minibatch.engine.heap import release_free_memory
+from minibatch.engine.runner.kv_cache import KVCacheTypes
 from minibatch.engine.spec_decode.config import DEFAULT_METHOD, DEFAULT_NUM_TOKENS, SpecConfig
 from minibatch.engine.store.cache import DEFAULT_MODEL, resolve_model
 from minibatch.engine.testing import faults
@@ -31,6 +32,7 @@ class EngineConfig:
     kv_cache_gb: float | None = None  # None: kv_cache_fraction of the memory available once the model is loaded
     kv_cache_fraction: float | None = None  # None: 0.1 on CPU, 0.8 on a GPU (see kv_budget)
     kv_cache_tokens: int | None = None  # a pool of this many tokens (llama.cpp's -c); overrides the byte budget
+    kv_cache_type: str = "auto"  # TYPE or K_TYPE,V_TYPE of kernels/kv_types.py's; auto: see default_kv_types
     timeline_steps: int = 512  # steps the timeline ring keeps (GET /v1/engine/steps)
     cuda_graphs: bool = True  # capture decode graphs on a GPU (MINIBATCH_CUDA_GRAPHS=0 also turns them off)
     num_kv_blocks: int | None = None  # exact pool size (tests, experiments); overrides the budget
@@ -59,6 +61,8 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_tokens must be at least one block ({self.block_size}), got {self.kv_cache_tokens}"
             )
+        if self.kv_cache_type != "auto":
+            KVCacheTypes.parse(self.kv_cache_type)  # names the option and the types there are
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         if self.timeline_steps < 1:
@@ -82,6 +86,20 @@ def available_memory_bytes() -> int:
 
 
 DEFAULT_KV_FRACTION = {"cpu": 0.1, "cuda": 0.8}
+
+
+def default_kv_types(device: str, dtype_name: str, exact_weights: bool, head_dim: int) -> KVCacheTypes:
+    """--kv-cache-type auto. On the CPU: q8_0 (a quarter of fp32's bytes: the fastest decode at long contexts
+    and perplexity within 0.5% of fp32's, BENCHMARKS.md "Long contexts"), f16 where the heads are not a
+    multiple of 32 values, and f32 where the weights run exactly (native-exact, fp32 safetensors): those
+    modes promise the reference's results. On a GPU: the model's dtype."""
+    if device == "cuda":
+        name = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[dtype_name]
+    elif exact_weights:
+        name = "f32"
+    else:
+        name = "q8_0" if head_dim % 32 == 0 else "f16"
+    return KVCacheTypes(name, name)
 
 
 def kv_budget(config: EngineConfig, device: str) -> tuple[int, str]:
@@ -128,15 +146,39 @@ def generation_config(model_dir) -> tuple[set[int], dict]:
     return ids, defaults
 
 
+def kv_cache_types(config: EngineConfig, model_dir, device: str, dtype_name: str, exact_weights: bool) -> KVCacheTypes:
+    """The types this model's cache is kept in (--kv-cache-type), refused before the load when the model or the
+    device cannot hold them, naming the option and the types there are."""
+    from minibatch.engine.models.config import ModelConfig
+    from minibatch.engine.runner.kv_cache import types_problem
+    from minibatch.kernels.kv_types import KV_CACHE_TYPES
+
+    mc = ModelConfig.from_dir(model_dir)
+    if config.kv_cache_type == "auto":
+        return default_kv_types(device, dtype_name, exact_weights, mc.head_dim)
+    types = KVCacheTypes.parse(config.kv_cache_type)
+    problem = types_problem(mc, types)
+    if problem:
+        raise ValueError(f"kv_cache_type {types}: {problem} (the types are {', '.join(KV_CACHE_TYPES)})")
+    if device == "cuda" and "q8_0" in (types.k, types.v):
+        raise ValueError(f"kv_cache_type {types}: the GPU kernels keep f32, f16 or bf16 caches")
+    return types
+
+
 def build_engine(config: EngineConfig) -> LLMEngine:
     import torch
 
     from minibatch.engine.attention.select import select_backend
-    from minibatch.engine.runner.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_budget
+    from minibatch.engine.runner.kv_cache import (
+        allocate_kv_cache,
+        bytes_per_block,
+        bytes_per_token,
+        num_blocks_for_budget,
+    )
     from minibatch.engine.runner.model_runner import ModelRunner
     from minibatch.engine.text.tokenizer import TextTokenizer
     from minibatch.engine.weights.facts import weight_facts
-    from minibatch.engine.weights.loader import load_model
+    from minibatch.engine.weights.loader import load_model, runs_exactly
 
     device = config.device
     if device == "auto":
@@ -158,6 +200,9 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         problems = gpu_shape_problems(mc.num_heads, mc.num_kv_heads, mc.head_dim, config.block_size)
         if problems:
             raise ValueError(f"{config.model} cannot run on the GPU kernels: {'; '.join(problems)}")
+    kv_types = kv_cache_types(
+        config, model_dir, device, dtype_name, runs_exactly(model_dir, config.weights, device, dtype)
+    )
     model = load_model(model_dir, backend, device=device, dtype=dtype, ops=ops, weights=config.weights)
     tokenizer = TextTokenizer(model_dir)
     cfg = model.config
@@ -173,7 +218,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         )
     else:
         budget, budget_rule = kv_budget(config, device)
-        num_blocks = num_blocks_for_budget(cfg, config.block_size, dtype, budget)
+        num_blocks = num_blocks_for_budget(cfg, config.block_size, kv_types, budget)
         # Never more than every running request at full context could use (+ the null block).
         num_blocks = min(num_blocks, config.max_num_seqs * -(-max_model_len // config.block_size) + 1)
     if num_blocks < 2:
@@ -181,7 +226,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     # LongRoPE past its original length: the long factors, for every position. No sequence outgrows the
     # pool (admission refuses one that would), so the rotary tables hold at most that many positions.
     model.use_context(max_model_len, positions=(num_blocks - 1) * config.block_size)
-    caches = allocate_kv_cache(cfg, num_blocks, config.block_size, dtype, device)
+    caches = allocate_kv_cache(cfg, num_blocks, config.block_size, kv_types, device)
     runner = ModelRunner(model, caches, config.block_size, token_texts=tokenizer.token_texts)
     if (
         device == "cuda"
@@ -197,7 +242,9 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     spec = config.spec_config()
     proposer = None
     if spec.method == "draft":
-        proposer = build_draft_proposer(spec, config, tokenizer, backend, ops, device, dtype, num_blocks, max_model_len)
+        proposer = build_draft_proposer(
+            spec, config, tokenizer, backend, ops, device, dtype, num_blocks, max_model_len, kv_types
+        )
 
     gen_eos, gen_defaults = generation_config(model_dir)
     eos = set(cfg.eos_token_ids) | gen_eos  # e.g. Llama 3's end-of-turn tokens beside end-of-text
@@ -241,7 +288,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         # which LongRoPE factors this run rotates with (use_context)
         rope_factors=("long" if model.model.rotary.long else "short") if cfg.rope.rope_type == "longrope" else None,
         memory=weight_facts(model),
-        kv_cache_bytes=num_blocks * bytes_per_block(cfg, config.block_size, dtype),
+        kv_cache_bytes=num_blocks * bytes_per_block(cfg, config.block_size, kv_types),
+        kv_cache_type=str(kv_types),
+        kv_bytes_per_token=bytes_per_token(cfg, kv_types),
+        kv_cache_tokens=(num_blocks - 1) * config.block_size,
         embedding_size=cfg.hidden_size,
         pooling=cfg.pooling,
         speculative="off"
@@ -252,10 +302,12 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     return engine
 
 
-def build_draft_proposer(spec, config: EngineConfig, tokenizer, backend, ops, device, dtype, num_blocks, max_len):
+def build_draft_proposer(
+    spec, config: EngineConfig, tokenizer, backend, ops, device, dtype, num_blocks, max_len, kv_types: KVCacheTypes
+):
     """The draft model of --speculative draft, loaded as the target is, with a KV pool of as many blocks;
     refused, naming both, when its vocabulary is not the target's."""
-    from minibatch.engine.runner.kv_cache import allocate_kv_cache
+    from minibatch.engine.runner.kv_cache import allocate_kv_cache, types_problem
     from minibatch.engine.spec_decode.draft_model import DraftModelProposer
     from minibatch.engine.text.tokenizer import TextTokenizer
     from minibatch.engine.weights.loader import load_model
@@ -271,5 +323,8 @@ def build_draft_proposer(spec, config: EngineConfig, tokenizer, backend, ops, de
         )
     draft = load_model(draft_dir, backend, device=device, dtype=dtype, ops=ops, weights=config.weights)
     draft.use_context(max_len, positions=(num_blocks - 1) * config.block_size)
-    caches = allocate_kv_cache(draft.config, num_blocks, config.block_size, dtype, device)
+    problem = types_problem(draft.config, kv_types)
+    if problem:
+        raise ValueError(f"draft_model {spec.draft_model!r}: kv_cache_type {kv_types}: {problem}")
+    caches = allocate_kv_cache(draft.config, num_blocks, config.block_size, kv_types, device)
     return DraftModelProposer(draft, caches, num_blocks, config.block_size, vocab_size=len(ours))

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from minibatch.engine.core.info import WEIGHT_MODES
 from minibatch.engine.factory import DTYPES, EngineConfig
 from minibatch.engine.spec_decode.config import MAX_NUM_TOKENS, SPEC_METHODS
+from minibatch.kernels.kv_types import KV_CACHE_TYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,13 @@ ENGINE_OPTIONS = (
         "on a GPU 0.8 of the free memory, divided by --max-loaded-models)",
     ),
     Option("kv_cache_tokens", int, "KV cache size in tokens, as llama.cpp's -c (instead of --kv-cache-gb)"),
+    Option(
+        "kv_cache_type",
+        str,
+        f"what the KV cache keeps K and V in: one of {', '.join(KV_CACHE_TYPES)} for both, or K_TYPE,V_TYPE "
+        "(llama.cpp's -ctk/-ctv); auto: q8_0 on the CPU (f32 with exact weights: native-exact, fp32 "
+        "safetensors), the model's dtype on a GPU",
+    ),
     Option("block_size", int, "tokens per KV block"),
     Option("timeline_steps", int, "engine steps the timeline keeps (GET /v1/engine/steps, the chat's timeline)"),
     Option("device", str, "auto, cpu or cuda"),

@@ -5,8 +5,9 @@ contiguous copy every layer, then attends over the copy: the context crosses
 memory three times. This kernel reads K and V once, in place, through the block
 table, and computes a decode token, a prefill, a chunk of one and a verify row by
 one rule, so a token's result does not depend on which of those it was in or on
-what else was in the batch. `paged_attention_ref` is its PyTorch twin and the test
-reference.
+what else was in the batch. K and V may each be kept in any of kernels/kv_types.py's
+types: a new token's rows are converted once as they are stored, and read back one
+block at a time. `paged_attention_ref` is its PyTorch twin and the test reference.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_ext import load_cpu_extension
+from .kv_types import from_cache_ref, to_cache_ref, type_of
 
 
 def load_extension():
@@ -24,7 +26,7 @@ def load_extension():
 
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]: every sequence's new tokens, back to back
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache,  # PagedKV (K, V), or one [2, num_blocks, block_size, num_kv_heads, row] tensor of one type
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32: context after this forward (cached + new)
     query_start: torch.Tensor,  # [num_seqs + 1] int32: sequence s's rows of q are query_start[s] .. [s + 1] - 1
@@ -53,7 +55,7 @@ def store_and_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache,  # PagedKV (K, V), each [num_blocks, block_size, num_kv_heads, row] in its type, contiguous
     slot_mapping: torch.Tensor,  # [num_tokens] int64
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
@@ -69,7 +71,18 @@ def store_and_attention(
             q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start, scale, window, softcap
         )
     return ext.store_and_attention(
-        q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start, scale, window, float(softcap or 0)
+        q,
+        k,
+        v,
+        kv_cache[0],
+        kv_cache[1],
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        query_start,
+        scale,
+        window,
+        float(softcap or 0),
     )
 
 
@@ -87,25 +100,25 @@ def paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, window=0,
 def store_and_attention_ref(
     q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start, scale, window=0, softcap=None
 ):
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    for cache, new in zip(kv_cache, (k, v)):
+        rows = to_cache_ref(new.float(), type_of(cache))
+        cache.view(-1, *rows.shape[1:]).index_copy_(0, slot_mapping, rows)
     return paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start, scale, window, softcap)
 
 
 def paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start, scale, window=0, softcap=None):
     """The PyTorch twin of this kernel and of the Triton one (kernels/paged_attention.py), in fp32: per sequence,
-    gather its context through its block table, then attend with each query limited to the positions up to
-    its own (and to the last `window` of them), scores soft-capped when `softcap` is set."""
-    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    gather its context through its block table (as fp32, whatever the cache's type), then attend with each
+    query limited to the positions up to its own (and to the last `window` of them), scores soft-capped when
+    `softcap` is set."""
+    block_size, num_kv_heads = kv_cache[0].shape[1:3]
     out = torch.empty_like(q)
     starts = query_start.tolist()
     for s, ctx in enumerate(seq_lens.tolist()):
         lo, hi = starts[s], starts[s + 1]
         pos = torch.arange(ctx, device=q.device)
         slots = block_tables[s].long()[pos // block_size] * block_size + pos % block_size
-        k = kv_cache[0].reshape(-1, num_kv_heads, head_dim)[slots].transpose(0, 1).float()  # [kv_heads, ctx, dim]
-        v = kv_cache[1].reshape(-1, num_kv_heads, head_dim)[slots].transpose(0, 1).float()
+        k, v = (from_cache_ref(c.reshape(-1, *c.shape[2:])[slots]).transpose(0, 1) for c in kv_cache[:2])
         qs = q[lo:hi].transpose(0, 1).float()  # [heads, qlen, head_dim]
         q_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)[:, None]
         mask = pos[None, :] <= q_pos

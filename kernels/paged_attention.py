@@ -94,7 +94,7 @@ def _paged_attention_kernel(
             if FP32_DOT:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
-                s = tl.dot(q, tl.trans(k))
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))
             s = s * scale
             if SOFTCAP:  # tanh written out (stable for either sign): no tanh in every Triton backend
                 e = tl.exp(-2.0 * tl.abs(s) / softcap)
@@ -120,7 +120,7 @@ def _paged_attention_kernel(
             if FP32_DOT:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
             m_i = m_new
         acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
@@ -132,7 +132,7 @@ def _paged_attention_kernel(
 
 def paged_attention(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache,  # PagedKV (K, V) or one [2, ...] tensor: each [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query lengths
     seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the new tokens
@@ -142,21 +142,26 @@ def paged_attention(
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (None: none)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     _, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, kv_dim = kv_cache.shape
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _, block_size, num_kv_heads, kv_dim = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"K {tuple(k_cache.shape)} and V {tuple(v_cache.shape)} caches differ in shape")
     if kv_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"heads {num_heads}x{head_dim} do not fit KV heads {num_kv_heads}x{kv_dim}")
     if block_size < 8 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 8, got {block_size}")
     if head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must be a power of two, got {head_dim}")
-    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("the last dimension of q and the cache must be contiguous")
     if block_tables.dtype != torch.int32 or query_start_loc.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("block_tables, query_start_loc and seq_lens must be int32")
-    if q.dtype != kv_cache.dtype:
-        raise ValueError(f"q is {q.dtype} but the cache is {kv_cache.dtype}")
+    if not (k_cache.is_floating_point() and v_cache.is_floating_point()):
+        raise ValueError(f"the GPU kernels read f32, f16 or bf16 caches, not {k_cache.dtype} / {v_cache.dtype}")
+    wide = [c.dtype == torch.float32 for c in (k_cache, v_cache)]
+    if any(wide) != (q.dtype == torch.float32) or any(wide) != all(wide):
+        raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype} / {v_cache.dtype}: f32 goes with f32")
     out = torch.empty_like(q)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_m = 16
     block_n = max(16, block_size)
     grid = (seq_lens.numel(), num_heads, triton.cdiv(max_query_len, block_m))

@@ -17,6 +17,8 @@ from typing import Protocol
 
 import torch
 
+from minibatch.kernels.kv_types import PagedKV
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -108,7 +110,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: PagedKV,  # K and V, each [num_blocks, block_size, num_kv_heads, row] in its cache type
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]

@@ -69,6 +69,9 @@ class EngineInfo:
     speculative: str = "off"  # speculative decoding: off, "ngram (up to K tokens)", "draft MODEL (up to K tokens)"
     memory: WeightFacts | None = None
     kv_cache_bytes: int = 0  # the KV pool: what it takes once every block is written
+    kv_cache_type: str = "f32"  # what K and V are kept in: TYPE, or K_TYPE,V_TYPE (kernels/kv_types.py)
+    kv_bytes_per_token: int = 0  # one token's K and V across all layers
+    kv_cache_tokens: int = 0  # tokens the pool holds: its blocks (less the null block) times block_size
     embedding_size: int = 0  # an embedding's length (the hidden size)
     pooling: str = "last"  # how an embedding pools the prompt's hidden states (ModelConfig.pooling)
 

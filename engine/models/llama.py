@@ -17,6 +17,7 @@ from torch import nn
 from minibatch.engine.attention.metadata import AttentionBackend, AttentionMetadata
 from minibatch.engine.models.config import ModelConfig, RopeConfig
 from minibatch.engine.models.ops import TorchOps
+from minibatch.kernels.kv_types import PagedKV
 
 
 class RMSNorm(nn.Module):
@@ -177,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_caches: list[PagedKV],  # per layer: K and V, each [num_blocks, block_size, num_kv_heads, row]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm
         cfg = self.config

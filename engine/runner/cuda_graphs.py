@@ -12,6 +12,7 @@ import torch
 
 from minibatch.engine.attention.metadata import AttentionMetadata, FlatBatch
 from minibatch.engine.attention.triton_backend import TritonPlan
+from minibatch.kernels.kv_types import PagedKV
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -117,13 +118,11 @@ class DecodeInputs:
 class DecodeGraphs:
     """Captured decode forwards keyed by padded batch size (CUDA only)."""
 
-    def __init__(
-        self, model, kv_caches: list[torch.Tensor], block_size: int, max_model_len: int, max_num_seqs: int
-    ) -> None:
+    def __init__(self, model, kv_caches: list[PagedKV], block_size: int, max_model_len: int, max_num_seqs: int) -> None:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.sizes = capture_sizes(max_num_seqs)
         self.max_blocks = -(-max_model_len // block_size)
-        self.device = kv_caches[0].device
+        self.device = kv_caches[0].k.device
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]] = {}
         self._plan_cls = TritonPlan
 

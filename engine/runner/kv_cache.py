@@ -1,14 +1,25 @@
-"""The paged KV cache tensors: one [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer."""
+"""The paged KV cache: per layer a PagedKV of K and V, each [num_blocks, block_size, num_kv_heads, row] in its
+cache type (kernels/kv_types.py: f32, f16, bf16 or q8_0), and the types' choice and byte counts."""
 
 from __future__ import annotations
 
 import contextlib
 import math
 import mmap
+from dataclasses import dataclass
 
 import torch
 
 from minibatch.engine.models.config import ModelConfig
+from minibatch.kernels.kv_types import (
+    KV_CACHE_TYPES,
+    PagedKV,
+    check_type,
+    row_bytes,
+    row_width,
+    storage_dtype,
+    type_problem,
+)
 
 # 4 KB pages for the pool, also where the kernel would give huge ones: a first write into a 2 MB page zeroes all
 # of it, and a fresh pool's first prefill writes into one per layer's K and V (12 copy-heavy prompts prefilled
@@ -16,37 +27,93 @@ from minibatch.engine.models.config import ModelConfig
 PAGE_ADVICE = getattr(mmap, "MADV_NOHUGEPAGE", None)
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+@dataclass(frozen=True, slots=True)
+class KVCacheTypes:
+    """The types K and V are kept in (llama.cpp's -ctk / -ctv)."""
+
+    k: str
+    v: str
+
+    @classmethod
+    def parse(cls, text: str, field: str = "kv_cache_type") -> KVCacheTypes:
+        """`TYPE` for both, or `K_TYPE,V_TYPE`; an error naming the field and the types there are."""
+        parts = [p.strip() for p in str(text).split(",")]
+        if len(parts) not in (1, 2):
+            raise ValueError(
+                f"{field}: a type or K_TYPE,V_TYPE, got {text!r}; the types are {', '.join(KV_CACHE_TYPES)}"
+            )
+        k, v = (parts[0], parts[-1])
+        return cls(check_type(k, field), check_type(v, field))
+
+    @classmethod
+    def of_dtype(cls, dtype: torch.dtype) -> KVCacheTypes:
+        """Both in the type of a model dtype (f32, f16, bf16)."""
+        name = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
+        return cls(name, name)
+
+    def __str__(self) -> str:
+        return self.k if self.k == self.v else f"{self.k},{self.v}"
+
+
+def bytes_per_token(cfg: ModelConfig, types: KVCacheTypes) -> int:
+    """Memory one token's K and V take across all layers."""
+    per_head = row_bytes(types.k, cfg.head_dim) + row_bytes(types.v, cfg.head_dim)
+    return cfg.num_layers * cfg.num_kv_heads * per_head
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, types: KVCacheTypes) -> int:
     """Memory one block takes across all layers (K and V)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return block_size * bytes_per_token(cfg, types)
 
 
-def num_blocks_for_budget(cfg: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
-    return max(0, budget_bytes // bytes_per_block(cfg, block_size, dtype))
+def num_blocks_for_budget(cfg: ModelConfig, block_size: int, types: KVCacheTypes, budget_bytes: int) -> int:
+    return max(0, budget_bytes // bytes_per_block(cfg, block_size, types))
+
+
+def types_problem(cfg: ModelConfig, types: KVCacheTypes) -> str | None:
+    """Why this model's cache cannot be kept in these types, or None."""
+    for kv_type in dict.fromkeys((types.k, types.v)):
+        problem = type_problem(kv_type, cfg.head_dim)
+        if problem:
+            return problem
+    return None
 
 
 def allocate_kv_cache(
     cfg: ModelConfig,
     num_blocks: int,
     block_size: int,
-    dtype: torch.dtype = torch.float32,
+    types: KVCacheTypes | None = None,  # None: f32
     device: torch.device | str = "cpu",
-) -> list[torch.Tensor]:
-    shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+) -> list[PagedKV]:
+    types = types or KVCacheTypes("f32", "f32")
+    shapes = [(num_blocks, block_size, cfg.num_kv_heads, row_width(t, cfg.head_dim)) for t in (types.k, types.v)]
+    dtypes = [storage_dtype(t) for t in (types.k, types.v)]
     if torch.device(device).type != "cpu":
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        return [
+            PagedKV(*(torch.zeros(shape, dtype=dt, device=device) for shape, dt in zip(shapes, dtypes)))
+            for _ in range(cfg.num_layers)
+        ]
     # On the CPU the pool is an anonymous mapping of its own: the kernel maps zero pages as blocks are first
     # written, so the pool is ready at once and costs memory as it is used (torch.zeros would spend ~0.4 s a
     # GiB touching every page at start), and it is unmapped when its last tensor goes. calloc (numpy's zeros,
     # before) gave the same only when its memory came fresh from the kernel: a request this size is served from
     # a free chunk of the heap when one is large enough (after a model load's temporaries, say), and calloc then
     # writes zeros over all of it, so the whole pool was resident from the start.
-    per_layer = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    sizes = [math.prod(shape) * torch.empty((), dtype=dt).element_size() for shape, dt in zip(shapes, dtypes)]
+    sizes = [-(-n // 64) * 64 for n in sizes]  # each tensor on a cache line of its own
+    per_layer = sum(sizes)
     total = cfg.num_layers * per_layer
     raw = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if PAGE_ADVICE is not None:
         with contextlib.suppress(OSError):
             raw.madvise(PAGE_ADVICE)
     pool = torch.frombuffer(raw, dtype=torch.uint8, count=total)  # page-aligned; holds the mapping
-    return [pool[i * per_layer : (i + 1) * per_layer].view(dtype).view(shape) for i in range(cfg.num_layers)]
+    layers = []
+    for i in range(cfg.num_layers):
+        at = i * per_layer
+        k = pool[at : at + math.prod(shapes[0]) * dtypes[0].itemsize].view(dtypes[0]).view(shapes[0])
+        at += sizes[0]
+        v = pool[at : at + math.prod(shapes[1]) * dtypes[1].itemsize].view(dtypes[1]).view(shapes[1])
+        layers.append(PagedKV(k, v))
+    return layers

@@ -13,6 +13,7 @@ from minibatch.engine.core.scheduler_output import SchedulerOutput
 from minibatch.engine.models.llama import LlamaForCausalLM
 from minibatch.engine.runner.sampler import Sampler
 from minibatch.engine.runner.verify import take_tokens
+from minibatch.kernels.kv_types import PagedKV
 
 
 class ModelRunner:
@@ -21,7 +22,7 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_caches: list[PagedKV],  # per layer: K and V, each [num_blocks, block_size, num_kv_heads, row]
         block_size: int,
         token_texts: Callable[[int], list[str]] | None = None,  # the tokenizer's, for DRY's breakers
     ) -> None:

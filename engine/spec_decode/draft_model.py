@@ -20,13 +20,14 @@ from minibatch.engine.core.block_manager import BlockManager
 from minibatch.engine.core.request import Request
 from minibatch.engine.models.llama import LlamaForCausalLM
 from minibatch.engine.spec_decode.draft_length import Draft
+from minibatch.kernels.kv_types import PagedKV
 
 
 class DraftModelProposer:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[PagedKV],
         num_blocks: int,
         block_size: int,
         vocab_size: int,  # the target's: a draft row padded past it proposes nothing there

@@ -10,7 +10,7 @@ import torch
 
 from minibatch.engine.attention.metadata import build_flat_batch
 from minibatch.engine.models.llama import LlamaForCausalLM
-from minibatch.engine.runner.kv_cache import allocate_kv_cache
+from minibatch.engine.runner.kv_cache import KVCacheTypes, allocate_kv_cache
 
 
 @torch.inference_mode()
@@ -32,7 +32,7 @@ def greedy_generate(
         need = -(-(len(prompt) + limit) // block_size)
         tables.append(list(range(next_block, next_block + need)))
         next_block += need
-    caches = allocate_kv_cache(model.config, next_block, block_size, dtype, device)
+    caches = allocate_kv_cache(model.config, next_block, block_size, KVCacheTypes.of_dtype(dtype), device)
 
     outputs: list[list[int]] = [[] for _ in range(n)]
     active = [i for i in range(n) if limits[i] > 0]

@@ -112,6 +112,16 @@ def load_model(
     return model
 
 
+def runs_exactly(model_dir: str | Path, weights: str, device: str, dtype: torch.dtype) -> bool:
+    """Whether load_model's forward is the reference's (no quantized matmul): native-exact, or dense weights
+    (float32 mode, a safetensors model without --weights q8_0)."""
+    if weights == "auto":
+        weights = "native" if torch.device(device).type == "cpu" and dtype == torch.float32 else "float32"
+    if weights == "native":
+        return gguf_source(Path(model_dir)) is None
+    return weights in ("native-exact", "float32")
+
+
 def gguf_source(model_dir: Path) -> Path | None:
     """The GGUF file whose weights `model_dir` stands for, or None for a safetensors directory."""
     marker = Path(model_dir) / SOURCE_FILE

@@ -17,7 +17,8 @@ inline at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype) {
 // paged_attention.cpp
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
                            at::Tensor seq_lens, at::Tensor query_start, double scale, int64_t window, double softcap);
-at::Tensor store_and_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor kv_cache, at::Tensor slot_mapping,
+at::Tensor store_and_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+                               at::Tensor slot_mapping,
                                at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start, double scale,
                                int64_t window, double softcap);
 // quant_matmul.cpp

@@ -6,8 +6,8 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged causal attention for decode, prefill and verify rows (CPU, fp32)");
-  m.def("store_and_attention", &store_and_attention, "KV store, then paged attention (CPU, fp32)");
+  m.def("paged_attention", &paged_attention, "paged causal attention for decode, prefill and verify rows over an f32/f16/bf16/q8_0 cache (CPU)");
+  m.def("store_and_attention", &store_and_attention, "KV store (converted to each cache's type), then paged attention (CPU)");
   m.def("quant_linear", &quant_linear, "y = x W^T with W in GGUF blocks (CPU, fp32 activations)", pybind11::arg("x"),
         pybind11::arg("qweight"), pybind11::arg("type"), pybind11::arg("gemv_max_rows") = -1);
   m.def("dequantize", &dequantize, "GGUF blocks -> fp32 [N, K]");

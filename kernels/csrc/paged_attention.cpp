@@ -15,6 +15,14 @@
 // take each KV block in turn while it is in cache. Scores, exponentials and sums are fp32. Optional: a
 // sliding window (only the last `window` positions), and scores soft-capped as cap * tanh(score / cap)
 // before the softmax (Gemma 2).
+//
+// The cache holds K and V each in one of four types (kernels/kv_types.py): f32, f16, bf16, or q8_0 (each row
+// of head_dim values as head_dim / 32 of GGUF's Q8_0 blocks: an fp16 scale and 32 int8 quants, llama.cpp's
+// block_q8_0 byte for byte). The type is the cache tensor's dtype (uint8 for q8_0). A new token's K and V are
+// converted once, as they are stored; attention converts the rows of one KV block at a time into fp32 in a
+// scratch buffer the size of one block, shared by the group's query heads and the tile's queries, so the
+// scores and sums run on the same fp32 values, by the same operations, whatever the type (the conversion is
+// exact: an f16/bf16 value is an fp32 one, and q * d of an int8 and an fp16 scale needs 19 of fp32's 24 bits).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -24,6 +32,9 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include "gguf_blocks.h"
 #include "vec_math.h"
 #ifdef MB_VEC_AVX2
 #define MB_ATTN_AVX2 1
@@ -31,6 +42,121 @@
 
 
 namespace {
+
+// What a cache tensor holds (its dtype, and for uint8 the Q8_0 row width).
+enum class KVType { F32, F16, BF16, Q8_0 };
+constexpr int64_t kQ8Block = 32, kQ8Bytes = 34;  // values and bytes per Q8_0 block (fp16 scale, 32 int8)
+
+KVType kv_type_of(const at::Tensor& cache, int64_t head_dim, const char* which) {
+  const int64_t width = cache.size(-1);
+  switch (cache.scalar_type()) {
+    case at::kFloat: TORCH_CHECK(width == head_dim, which, " cache rows are ", width, " values, the heads ", head_dim); return KVType::F32;
+    case at::kHalf: TORCH_CHECK(width == head_dim, which, " cache rows are ", width, " values, the heads ", head_dim); return KVType::F16;
+    case at::kBFloat16: TORCH_CHECK(width == head_dim, which, " cache rows are ", width, " values, the heads ", head_dim); return KVType::BF16;
+    case at::kByte:
+      TORCH_CHECK(head_dim % kQ8Block == 0, "a q8_0 ", which, " cache needs head_dim a multiple of 32, got ", head_dim);
+      TORCH_CHECK(width == head_dim / kQ8Block * kQ8Bytes, which, " cache rows are ", width, " bytes, q8_0 heads of ", head_dim, " take ", head_dim / kQ8Block * kQ8Bytes);
+      return KVType::Q8_0;
+    default: TORCH_CHECK(false, which, " cache: f32, f16, bf16 or uint8 (q8_0) only, got ", cache.scalar_type());
+  }
+  return KVType::F32;
+}
+
+// One cache's rows: the type, the base address and byte strides over (block, position, KV head).
+struct KVRows {
+  KVType type;
+  const uint8_t* base;
+  int64_t s0, s1, s2;
+  KVRows(const at::Tensor& t, KVType type_) : type(type_), base(static_cast<const uint8_t*>(t.data_ptr())) {
+    const int64_t e = t.element_size();
+    s0 = t.stride(0) * e, s1 = t.stride(1) * e, s2 = t.stride(2) * e;
+  }
+};
+
+// n rows of head_dim values, from src (rows `stride` bytes apart) into dst as fp32, row after row. Exact.
+inline void rows_to_float(KVType type, const uint8_t* src, int64_t stride, int64_t n, int64_t head_dim, float* dst) {
+  for (int64_t i = 0; i < n; ++i, src += stride, dst += head_dim) {
+    int64_t d = 0;
+    switch (type) {
+      case KVType::F32:
+        std::memcpy(dst, src, head_dim * sizeof(float));
+        break;
+      case KVType::F16:
+#if defined(MB_ATTN_AVX2) && defined(__F16C__)
+        for (; d + 8 <= head_dim; d += 8)
+          _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * d))));
+#endif
+        for (; d < head_dim; ++d) dst[d] = half_to_float(src + 2 * d);
+        break;
+      case KVType::BF16:
+#ifdef MB_ATTN_AVX2
+        for (; d + 8 <= head_dim; d += 8) {
+          const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * d)));
+          _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+        }
+#endif
+        for (; d < head_dim; ++d) {
+          uint16_t b;
+          std::memcpy(&b, src + 2 * d, 2);
+          const uint32_t bits = static_cast<uint32_t>(b) << 16;
+          std::memcpy(dst + d, &bits, 4);
+        }
+        break;
+      case KVType::Q8_0:
+        for (int64_t blk = 0; blk < head_dim / kQ8Block; ++blk) {
+          const uint8_t* b = src + blk * kQ8Bytes;
+          const float scale = half_to_float(b);
+          const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
+          float* out = dst + blk * kQ8Block;
+#ifdef MB_ATTN_AVX2
+          const __m256 sv = _mm256_set1_ps(scale);
+          for (int j = 0; j < kQ8Block; j += 8) {
+            const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + j)));
+            _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_cvtepi32_ps(w), sv));
+          }
+#else
+          for (int j = 0; j < kQ8Block; ++j) out[j] = static_cast<float>(qs[j]) * scale;
+#endif
+        }
+        break;
+    }
+  }
+}
+
+// One row of head_dim fp32 values into its cache form at dst. f16 and bf16 round to nearest even, as
+// torch's conversions do; q8_0 is GGUF's reference quantizer (gguf.quants, llama.cpp's quantize_row_q8_0_ref):
+// d = max |x| / 127, q = round(x / d) (halves away from zero, x times 1 / d), d kept as fp16.
+inline void float_to_row(KVType type, const float* x, int64_t head_dim, uint8_t* dst) {
+  switch (type) {
+    case KVType::F32:
+      std::memcpy(dst, x, head_dim * sizeof(float));
+      break;
+    case KVType::F16:
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const c10::Half h(x[d]);
+        std::memcpy(dst + 2 * d, &h.x, 2);
+      }
+      break;
+    case KVType::BF16:
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const c10::BFloat16 h(x[d]);
+        std::memcpy(dst + 2 * d, &h.x, 2);
+      }
+      break;
+    case KVType::Q8_0:
+      for (int64_t blk = 0; blk < head_dim / kQ8Block; ++blk) {
+        const float* v = x + blk * kQ8Block;
+        uint8_t* b = dst + blk * kQ8Bytes;
+        float amax = 0.0f;
+        for (int j = 0; j < kQ8Block; ++j) amax = std::max(amax, std::fabs(v[j]));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        const c10::Half dh(d);
+        std::memcpy(b, &dh.x, 2);
+        for (int j = 0; j < kQ8Block; ++j) b[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::round(v[j] * id)));
+      }
+      break;
+  }
+}
 
 
 
@@ -118,15 +244,21 @@ inline __m256 first_lanes(int64_t count) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), idx));
 }
 
-// One query head against n positions of one KV block, with the head's accumulator in registers (head_dim =
-// 8 * V): the positions' scores eight at a time (sc: room for n rounded up to 8), the online-softmax update
-// (exponentials in eight lanes, summed in lanes, then across them), then acc += p * v position by position.
+// One query head against n positions of one KV block, in three phases so that a tile's heads and queries,
+// independent of each other, overlap in the core instead of each waiting on its own chain of latencies:
+// scores_head (the positions' scores eight at a time into sc, room for n rounded up to 8), softmax_head (the
+// online-softmax update: block max, the accumulator rescaled when it grows, exponentials in eight lanes,
+// summed in lanes, then across them), values_head (acc += p * v position by position, in registers). A
+// head's values go through the same operations in the same order whatever runs beside it.
 template <int V>
-inline void block_head(const float* q, const float* kb, int64_t ks1, const float* vb, int64_t vs1, int64_t n,
-                       float* sc, float* mx, float* sum, float* acc, float cap) {
+inline void scores_head(const float* q, const float* kb, int64_t ks1, int64_t n, float* sc) {
   __m256 qv[V];
   for (int j = 0; j < V; ++j) qv[j] = _mm256_loadu_ps(q + 8 * j);
   for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(sc + i, scores8<V>(qv, kb + i * ks1, ks1, n - i));
+}
+
+template <int V>
+inline void softmax_head(float* sc, int64_t n, float* mx, float* sum, float* acc, float cap) {
   if (cap > 0.0f) soft_cap(sc, n, cap);
   __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += 8)
@@ -134,13 +266,11 @@ inline void block_head(const float* q, const float* kb, int64_t ks1, const float
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, vmax);
   const float bmax = *std::max_element(lanes, lanes + 8);  // a maximum is exact in any order
-  __m256 av[V];
-  for (int j = 0; j < V; ++j) av[j] = _mm256_loadu_ps(acc + 8 * j);
   if (bmax > *mx) {
     const float corr = std::exp(*mx - bmax);  // 0 for the first block
     *sum *= corr;
     const __m256 c = _mm256_set1_ps(corr);
-    for (int j = 0; j < V; ++j) av[j] = _mm256_mul_ps(av[j], c);
+    for (int j = 0; j < V; ++j) _mm256_storeu_ps(acc + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * j), c));
     *mx = bmax;
   }
   const __m256 m = _mm256_set1_ps(*mx);
@@ -151,6 +281,12 @@ inline void block_head(const float* q, const float* kb, int64_t ks1, const float
     psum = _mm256_add_ps(psum, p);
   }
   *sum += hsum(psum);
+}
+
+template <int V>
+inline void values_head(const float* sc, const float* vb, int64_t vs1, int64_t n, float* acc) {
+  __m256 av[V];
+  for (int j = 0; j < V; ++j) av[j] = _mm256_loadu_ps(acc + 8 * j);
   for (int64_t i = 0; i < n; ++i) {
     const __m256 p = _mm256_set1_ps(sc[i]);
     const float* v = vb + i * vs1;
@@ -171,45 +307,79 @@ struct QueryState {
   float* sum;
 };
 
-// Fold positions [skip, skip + n) of one KV block into a query's `group` heads: the one operation every query
-// is computed with, whatever its kind.
-inline void fold_block(const QueryState& st, int64_t group, int64_t head_dim, const float* kb, int64_t ks1,
-                       const float* vb, int64_t vs1, int64_t n, float* scores, int64_t block_size, float cap) {
+// The part of one KV block a query attends: positions [skip, skip + n) of it.
+struct Span {
+  int64_t j, skip, n;  // the query's index in its tile
+};
+
+// Fold one KV block into the `group` heads of each query of a tile that attends to part of it (spans): the
+// one operation every query is computed with, whatever its kind. kb / vb: the block's first row.
+inline void fold_block(const QueryState* st, const Span* spans, int64_t count, int64_t group, int64_t head_dim,
+                       const float* kb, int64_t ks1, const float* vb, int64_t vs1, float* scores, int64_t block_size,
+                       float cap) {
+  const int64_t room = block_size + 8;  // each (query, head)'s scores, with room for the eight-lane stores
 #ifdef MB_ATTN_AVX2
   if (head_dim == 64 || head_dim == 128) {
-    for (int64_t g = 0; g < group; ++g) {
-      float* a = st.acc + g * head_dim;
-      if (head_dim == 64) block_head<8>(st.q + g * head_dim, kb, ks1, vb, vs1, n, scores, &st.mx[g], &st.sum[g], a, cap);
-      else block_head<16>(st.q + g * head_dim, kb, ks1, vb, vs1, n, scores, &st.mx[g], &st.sum[g], a, cap);
+    for (int64_t c = 0; c < count; ++c) {
+      const Span& sp = spans[c];
+      for (int64_t g = 0; g < group; ++g) {
+        float* sc = scores + (c * group + g) * room;
+        const float* q = st[c].q + g * head_dim;
+        if (head_dim == 64) scores_head<8>(q, kb + sp.skip * ks1, ks1, sp.n, sc);
+        else scores_head<16>(q, kb + sp.skip * ks1, ks1, sp.n, sc);
+      }
+    }
+    for (int64_t c = 0; c < count; ++c)
+      for (int64_t g = 0; g < group; ++g) {
+        float* sc = scores + (c * group + g) * room;
+        float* a = st[c].acc + g * head_dim;
+        if (head_dim == 64) softmax_head<8>(sc, spans[c].n, &st[c].mx[g], &st[c].sum[g], a, cap);
+        else softmax_head<16>(sc, spans[c].n, &st[c].mx[g], &st[c].sum[g], a, cap);
+      }
+    for (int64_t c = 0; c < count; ++c) {
+      const Span& sp = spans[c];
+      for (int64_t g = 0; g < group; ++g) {
+        const float* sc = scores + (c * group + g) * room;
+        float* a = st[c].acc + g * head_dim;
+        if (head_dim == 64) values_head<8>(sc, vb + sp.skip * vs1, vs1, sp.n, a);
+        else values_head<16>(sc, vb + sp.skip * vs1, vs1, sp.n, a);
+      }
     }
     return;
   }
 #endif
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t g = 0; g < group; ++g) scores[g * (block_size + 8) + i] = dot(st.q + g * head_dim, kb + i * ks1, head_dim);
-  for (int64_t g = 0; g < group; ++g) {  // online softmax: fold this block into the running max and sum
-    float* sg = scores + g * (block_size + 8);
-    if (cap > 0.0f) soft_cap(sg, n, cap);
-    const float bmax = *std::max_element(sg, sg + n);
-    if (bmax > st.mx[g]) {
-      const float corr = std::exp(st.mx[g] - bmax);  // 0 for the first block
-      st.sum[g] *= corr;
-      float* a = st.acc + g * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) a[d] *= corr;
-      st.mx[g] = bmax;
+  for (int64_t c = 0; c < count; ++c) {
+    const QueryState& q = st[c];
+    const int64_t n = spans[c].n;
+    const float* k0 = kb + spans[c].skip * ks1;
+    const float* v0 = vb + spans[c].skip * vs1;
+    float* sq = scores + c * group * room;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t g = 0; g < group; ++g) sq[g * room + i] = dot(q.q + g * head_dim, k0 + i * ks1, head_dim);
+    for (int64_t g = 0; g < group; ++g) {  // online softmax: fold this block into the running max and sum
+      float* sg = sq + g * room;
+      if (cap > 0.0f) soft_cap(sg, n, cap);
+      const float bmax = *std::max_element(sg, sg + n);
+      if (bmax > q.mx[g]) {
+        const float corr = std::exp(q.mx[g] - bmax);  // 0 for the first block
+        q.sum[g] *= corr;
+        float* a = q.acc + g * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) a[d] *= corr;
+        q.mx[g] = bmax;
+      }
+      q.sum[g] += exp_shifted(sg, n, q.mx[g]);
     }
-    st.sum[g] += exp_shifted(sg, n, st.mx[g]);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t g = 0; g < group; ++g) axpy(sq[g * room + i], v0 + i * vs1, q.acc + g * head_dim, head_dim);
   }
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t g = 0; g < group; ++g) axpy(scores[g * (block_size + 8) + i], vb + i * vs1, st.acc + g * head_dim, head_dim);
 }
 
 }  // namespace
 
 at::Tensor paged_attention(
     at::Tensor q,             // [num_tokens, num_heads, head_dim] fp32: every sequence's new tokens, back to back
-    at::Tensor k_cache,       // [num_blocks, block_size, num_kv_heads, head_dim] fp32
-    at::Tensor v_cache,       // [num_blocks, block_size, num_kv_heads, head_dim] fp32
+    at::Tensor k_cache,       // [num_blocks, block_size, num_kv_heads, row]: f32, f16, bf16 or q8_0 (uint8) rows
+    at::Tensor v_cache,       // [num_blocks, block_size, num_kv_heads, row], its own type
     at::Tensor block_tables,  // [num_seqs, max_blocks] int32
     at::Tensor seq_lens,      // [num_seqs] int32: each sequence's context after this forward (cached + new)
     at::Tensor query_start,   // [num_seqs + 1] int32: sequence s's tokens are rows query_start[s] .. [s + 1] - 1
@@ -218,16 +388,19 @@ at::Tensor paged_attention(
     double softcap) {         // > 0: scores -> softcap * tanh(scores / softcap)
   TORCH_CHECK(window >= 0, "window must be >= 0");
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0");
-  TORCH_CHECK(q.dtype() == at::kFloat && k_cache.dtype() == at::kFloat && v_cache.dtype() == at::kFloat,
-              "paged_attention: fp32 only");
+  TORCH_CHECK(q.dtype() == at::kFloat, "paged_attention: fp32 queries only");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be [num_blocks, block_size, num_kv_heads, row]");
   TORCH_CHECK(block_tables.dtype() == at::kInt && seq_lens.dtype() == at::kInt && query_start.dtype() == at::kInt,
               "int32 tables");
   TORCH_CHECK(q.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous() && query_start.is_contiguous(),
               "contiguous inputs");
-  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "head_dim must be contiguous in the cache");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "a cache row must be contiguous");
   const int64_t num_tokens = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const KVType k_type = kv_type_of(k_cache, head_dim, "K"), v_type = kv_type_of(v_cache, head_dim, "V");
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(v_cache.size(1) == block_size && v_cache.size(2) == num_kv_heads && v_cache.size(0) == k_cache.size(0),
+              "K and V caches must have the same blocks");
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(query_start.numel() == num_seqs + 1 && block_tables.size(0) == num_seqs, "one table and length per sequence");
@@ -244,19 +417,20 @@ at::Tensor paged_attention(
   }
   auto out = mb::empty(q.sizes(), q.scalar_type());
   const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const KVRows kr(k_cache, k_type), vr(v_cache, v_type);
+  const int64_t k_row_bytes = k_cache.size(3) * k_cache.element_size(), v_row_bytes = v_cache.size(3) * v_cache.element_size();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
-  const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
-  const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const int64_t tiles = static_cast<int64_t>(tile_seq.size()), per_query = group * head_dim;
 
   parallel_chunks_for_rows(num_tokens, tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    // scores: a block's per query head, with room for the eight-lane stores past its last position
-    std::vector<float> qsc(kQueryTile * per_query), acc(kQueryTile * per_query), scores(group * (block_size + 8));
+    // scores: a block's per query head, with room for the eight-lane stores past its last position;
+    // kbuf / vbuf: one block's K and V rows as fp32 when the cache holds another type
+    std::vector<float> qsc(kQueryTile * per_query), acc(kQueryTile * per_query), scores(kQueryTile * group * (block_size + 8));
     std::vector<float> mx(kQueryTile * group), sum(kQueryTile * group);
+    std::vector<float> kbuf(k_type == KVType::F32 ? 0 : block_size * head_dim);
+    std::vector<float> vbuf(v_type == KVType::F32 ? 0 : block_size * head_dim);
     int64_t first[kQueryTile], stop[kQueryTile];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t tile = task / num_kv_heads, kvh = task % num_kv_heads, s = tile_seq[tile];
@@ -275,15 +449,48 @@ at::Tensor paged_attention(
       std::fill(sum.begin(), sum.begin() + nq * group, 0.0f);
       for (int64_t t0 = lo; t0 < hi; t0 += block_size) {  // block by block; each query takes the part it attends
         const int64_t block = bt[s * max_blocks + t0 / block_size];
+        const uint8_t* krow = kr.base + block * kr.s0 + kvh * kr.s2;
+        const uint8_t* vrow = vr.base + block * vr.s0 + kvh * vr.s2;
+        // This block's rows as fp32: in place for an f32 cache, else the positions the tile attends, converted
+        const float *kb = reinterpret_cast<const float*>(krow), *vb = reinterpret_cast<const float*>(vrow);
+        int64_t ks1 = kr.s1 / static_cast<int64_t>(sizeof(float)), vs1 = vr.s1 / static_cast<int64_t>(sizeof(float));
+        if (k_type != KVType::F32 || v_type != KVType::F32) {
+#ifdef MB_ATTN_AVX2
+          if (t0 + block_size < hi) {  // the next block's rows on their way while this one is computed
+            const int64_t next = bt[s * max_blocks + t0 / block_size + 1];
+            for (const KVRows* c : {&kr, &vr}) {
+              const uint8_t* r = c->base + next * c->s0 + kvh * c->s2;
+              const int64_t bytes = c == &kr ? k_row_bytes : v_row_bytes;
+              for (int64_t i = 0; i < block_size; ++i)
+                for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(r + i * c->s1 + off), _MM_HINT_T0);
+            }
+          }
+#endif
+          int64_t a = block_size, b = 0;
+          for (int64_t j = 0; j < nq; ++j) {
+            if (t0 >= stop[j] || t0 + block_size <= first[j]) continue;
+            a = std::min(a, std::max<int64_t>(0, first[j] - t0)), b = std::max(b, std::min(block_size, stop[j] - t0));
+          }
+          if (k_type != KVType::F32) {
+            rows_to_float(k_type, krow + a * kr.s1, kr.s1, b - a, head_dim, kbuf.data() + a * head_dim);
+            kb = kbuf.data(), ks1 = head_dim;
+          }
+          if (v_type != KVType::F32) {
+            rows_to_float(v_type, vrow + a * vr.s1, vr.s1, b - a, head_dim, vbuf.data() + a * head_dim);
+            vb = vbuf.data(), vs1 = head_dim;
+          }
+        }
+        Span spans[kQueryTile];
+        QueryState states[kQueryTile];
+        int64_t count = 0;
         for (int64_t j = 0; j < nq; ++j) {
           if (t0 >= stop[j] || t0 + block_size <= first[j]) continue;
           const int64_t skip = std::max<int64_t>(0, first[j] - t0);  // positions of this block before the window
-          const int64_t n = std::min(block_size, stop[j] - t0) - skip;
-          const QueryState st{qsc.data() + j * per_query, acc.data() + j * per_query, mx.data() + j * group,
-                              sum.data() + j * group};
-          fold_block(st, group, head_dim, kp + block * ks0 + kvh * ks2 + skip * ks1, ks1,
-                     vp + block * vs0 + kvh * vs2 + skip * vs1, vs1, n, scores.data(), block_size, cap);
+          spans[count] = Span{j, skip, std::min(block_size, stop[j] - t0) - skip};
+          states[count++] = QueryState{qsc.data() + j * per_query, acc.data() + j * per_query, mx.data() + j * group,
+                                       sum.data() + j * group};
         }
+        fold_block(states, spans, count, group, head_dim, kb, ks1, vb, vs1, scores.data(), block_size, cap);
       }
       for (int64_t j = 0; j < nq; ++j) {
         float* os = op + ((q0 + j) * num_heads + kvh * group) * head_dim;
@@ -298,12 +505,14 @@ at::Tensor paged_attention(
   return out;
 }
 
-// The new tokens' K and V written into their cache slots, then attention: one call per layer.
+// The new tokens' K and V converted into their caches' types and written into their slots, then attention:
+// one call per layer.
 at::Tensor store_and_attention(
     at::Tensor q,             // [num_tokens, num_heads, head_dim] fp32
     at::Tensor k,             // [num_tokens, num_kv_heads, head_dim] fp32
     at::Tensor v,             // [num_tokens, num_kv_heads, head_dim] fp32
-    at::Tensor kv_cache,      // [2, num_blocks, block_size, num_kv_heads, head_dim] fp32, contiguous
+    at::Tensor k_cache,       // [num_blocks, block_size, num_kv_heads, row], contiguous, any cache type
+    at::Tensor v_cache,       // [num_blocks, block_size, num_kv_heads, row], contiguous, any cache type
     at::Tensor slot_mapping,  // [num_tokens] int64: block * block_size + offset of each new token
     at::Tensor block_tables,  // [num_seqs, max_blocks] int32
     at::Tensor seq_lens,      // [num_seqs] int32
@@ -311,22 +520,28 @@ at::Tensor store_and_attention(
     double scale,
     int64_t window,
     double softcap) {
-  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dtype() == at::kFloat && kv_cache.dim() == 5, "kv_cache must be contiguous fp32 [2, blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "caches must be contiguous [blocks, block_size, kv_heads, row]");
   TORCH_CHECK(slot_mapping.dtype() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping must be contiguous int64");
   TORCH_CHECK(k.dtype() == at::kFloat && v.dtype() == at::kFloat, "k and v must be fp32");
-  const int64_t n = q.size(0), row = kv_cache.size(3) * kv_cache.size(4);
-  const int64_t slots = kv_cache.size(1) * kv_cache.size(2);
-  TORCH_CHECK(k.size(0) == n && v.size(0) == n && slot_mapping.numel() == n && k.size(1) * k.size(2) == row, "k, v, slots: one row per token");
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(1) == v.size(2), "k and v rows must be contiguous");
+  const int64_t n = q.size(0), kv_heads = k_cache.size(2), head_dim = k.size(2);
+  const KVType k_type = kv_type_of(k_cache, head_dim, "K"), v_type = kv_type_of(v_cache, head_dim, "V");
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(k.size(0) == n && v.size(0) == n && slot_mapping.numel() == n && k.size(1) == kv_heads &&
+              v.size(1) == kv_heads && v.size(2) == head_dim && v_cache.size(0) * v_cache.size(1) == slots,
+              "k, v, slots: one row per token");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == head_dim && v.stride(1) == head_dim, "k and v rows must be contiguous");
   const int64_t* sp = slot_mapping.data_ptr<int64_t>();
-  float* cache = kv_cache.data_ptr<float>();
+  uint8_t* kc = static_cast<uint8_t*>(k_cache.data_ptr());
+  uint8_t* vc = static_cast<uint8_t*>(v_cache.data_ptr());
+  const int64_t k_row = k_cache.size(3) * k_cache.element_size(), v_row = v_cache.size(3) * v_cache.element_size();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < slots, "slot ", sp[i], " outside the cache");
-  for (int64_t i = 0; i < n; ++i) {
-    std::memcpy(cache + sp[i] * row, kp + i * k.stride(0), row * sizeof(float));
-    std::memcpy(cache + (slots + sp[i]) * row, vp + i * v.stride(0), row * sizeof(float));
-  }
-  return paged_attention(q.contiguous(), kv_cache[0], kv_cache[1], block_tables, seq_lens, query_start, scale, window,
-                         softcap);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      float_to_row(k_type, kp + i * k.stride(0) + h * head_dim, head_dim, kc + (sp[i] * kv_heads + h) * k_row);
+      float_to_row(v_type, vp + i * v.stride(0) + h * head_dim, head_dim, vc + (sp[i] * kv_heads + h) * v_row);
+    }
+  return paged_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, query_start, scale, window, softcap);
 }

@@ -5,7 +5,9 @@ chunking, no prefix cache and no speculation. Then the same requests run among o
 to 64, with chunked prefill at several chunk sizes, hitting the prefix cache, preempted for want of KV blocks,
 in static mode, with speculation on: every token must be the one they got alone. The matrix runs on the
 kernels built for this CPU and for AVX2 without VNNI (MINIBATCH_CPU_BUILD), so a machine with AVX-512 tests
-what an AVX2-only one runs; test_batch_invariance_portable.py runs it on x86-64's baseline build.
+what an AVX2-only one runs; test_batch_invariance_portable.py runs it on x86-64's baseline build. The KV cache
+is the default's (q8_0) on each build, and f16 on this CPU's: the cache type must not make answers depend on
+the batch either.
 """
 
 from __future__ import annotations
@@ -49,14 +51,17 @@ def params_of(i: int) -> SamplingParams:
     return SamplingParams(temperature=0.8, top_p=0.95, top_k=40, seed=100 + i, max_tokens=TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["this-cpu", "avx2"])
+@pytest.fixture(scope="module", params=["this-cpu", "avx2", "this-cpu:f16"])
 def cpu_build(request):
-    """The engine's kernels as built for this CPU, or for AVX2 without VNNI."""
+    """The engine's kernels as built for this CPU, or for AVX2 without VNNI; and the KV cache type after a colon
+    (the default's without one)."""
     yield from use_build(request.param)
 
 
-def use_build(build: str):
-    """Run the engine on the kernels of `build` (this-cpu, avx2, portable) until the fixture ends."""
+def use_build(spec: str):
+    """Run the engine on the kernels of `spec`'s build (this-cpu, avx2, portable) until the fixture ends; yields
+    the spec, whose KV cache type (after a colon, else auto) engine() takes."""
+    build = spec.partition(":")[0]
     if cpu_ext.load_cpu_extension() is None:
         pytest.skip("the C++ extension cannot be built here")
     mp = pytest.MonkeyPatch()
@@ -67,7 +72,7 @@ def use_build(build: str):
     ext = cpu_ext.load_cpu_extension()
     if build != "this-cpu":  # this CPU's build is whatever MINIBATCH_CPU_BUILD or the machine makes it
         assert ext.int_path_has_avx2() == (build == "avx2") and not ext.int_path_has_vnni()
-    yield build
+    yield spec
     mp.undo()
 
 
@@ -84,9 +89,12 @@ def chats(builtin_model_dir):
     return [ids(q) for q in QUESTIONS], [ids(q, system=i % 4 == 0) for i, q in enumerate(OTHERS)]
 
 
-def engine(**kw):
+def engine(spec: str, **kw):
+    kv_type = spec.partition(":")[2] or "auto"
     cfg = dict(dtype="float32", weights="native", max_num_seqs=64, num_kv_blocks=800, max_wait_ms=0)
-    return build_engine(EngineConfig(**{**cfg, **kw}))
+    eng = build_engine(EngineConfig(**{**cfg, "kv_cache_type": kv_type, **kw}))
+    assert eng.info.kv_cache_type == (kv_type if kv_type != "auto" else "q8_0")
+    return eng
 
 
 def run(eng, tests, others, n_others: int, waves: int = 1, batch: int = 0):
@@ -121,7 +129,7 @@ def run(eng, tests, others, n_others: int, waves: int = 1, batch: int = 0):
 @pytest.fixture(scope="module")
 def alone(cpu_build, chats):
     tests, _ = chats
-    eng = engine(enable_prefix_caching=False, speculative="off", max_num_batched_tokens=4096)
+    eng = engine(cpu_build, enable_prefix_caching=False, speculative="off", max_num_batched_tokens=4096)
     out = {}
     for i, p in enumerate(tests):
         r = eng.add_request(f"t{i}", p, params_of(i))
@@ -144,13 +152,15 @@ BATCHES = {
 @pytest.mark.parametrize("others,chunk,waves,speculative,rows", BATCHES.values(), ids=BATCHES.keys())
 def test_continuous_batches_and_chunks(cpu_build, chats, alone, others, chunk, waves, speculative, rows):
     seqs = min(64, chunk)  # every running row decodes each step
-    eng = engine(enable_prefix_caching=False, speculative=speculative, max_num_batched_tokens=chunk, max_num_seqs=seqs)
+    eng = engine(
+        cpu_build, enable_prefix_caching=False, speculative=speculative, max_num_batched_tokens=chunk, max_num_seqs=seqs
+    )
     assert run(eng, *chats, others, waves, batch=rows) == alone
 
 
 def test_prefix_hits_static_mode_and_preemption(cpu_build, chats, alone):
     tests, others = chats
-    eng = engine(max_num_batched_tokens=128)  # the prefix cache and ngram speculation on, as by default
+    eng = engine(cpu_build, max_num_batched_tokens=128)  # the prefix cache and ngram speculation on, as by default
     run(eng, [], others, 3)  # caches the system prompt's blocks
     hits = eng.scheduler.blocks.prefix_hits
     assert run(eng, tests, others, 5, waves=2) == alone
@@ -160,6 +170,6 @@ def test_prefix_hits_static_mode_and_preemption(cpu_build, chats, alone):
     assert run(eng, tests, others, 11, waves=2) == alone
     assert eng.scheduler.wasted_row_steps > 0
 
-    small = engine(enable_prefix_caching=False, num_kv_blocks=20, max_num_seqs=16, max_num_batched_tokens=64)
+    small = engine(cpu_build, enable_prefix_caching=False, num_kv_blocks=20, max_num_seqs=16, max_num_batched_tokens=64)
     assert run(small, tests, others, 12, waves=2) == alone
     assert small.scheduler.num_preemptions > 0

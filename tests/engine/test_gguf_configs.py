@@ -128,7 +128,7 @@ def test_a_gguf_alone_runs_as_the_model_it_came_from(tmp_path, kind):
         expected = hf(torch.tensor([ids])).logits[0]
     for weights in ("native-exact", "float32"):
         model = load_model(model_dir, TorchAttentionBackend(), weights=weights)
-        caches = allocate_kv_cache(model.config, 16, 16, torch.float32, "cpu")
+        caches = allocate_kv_cache(model.config, 16, 16)
         batch = build_flat_batch([ids], [0], [[1, 2, 3]], 16)
         with torch.inference_mode():
             got = model.compute_logits(model(batch.input_ids, batch.positions, caches, batch.attn))

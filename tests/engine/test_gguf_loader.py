@@ -72,7 +72,7 @@ def _tiny_hf(path, kind: str, **overrides):
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:
-    caches = allocate_kv_cache(model.config, 16, 16, torch.float32, "cpu")
+    caches = allocate_kv_cache(model.config, 16, 16)
     batch = build_flat_batch([ids], [0], [[1, 2, 3]], 16)
     with torch.inference_mode():
         return model.compute_logits(model(batch.input_ids, batch.positions, caches, batch.attn))

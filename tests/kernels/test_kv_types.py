@@ -1,0 +1,167 @@
+"""The KV cache types on the CPU: each type's store and read against its PyTorch twin on every build (this
+CPU's, AVX2 without VNNI, the portable one): f16 and bf16 bit for bit, q8_0 blocks byte for byte against
+gguf.quants' Q8_0; attention over every pair of types against the twin; and the batch-invariance rule on
+quantized caches."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from minibatch.kernels.cpu_paged_attention import load_extension, paged_attention_ref
+from minibatch.kernels.kv_types import (
+    KV_CACHE_TYPES,
+    PagedKV,
+    dequantize_q8_0_ref,
+    from_cache_ref,
+    quantize_q8_0_ref,
+    row_width,
+    storage_dtype,
+    to_cache_ref,
+)
+
+pytestmark = pytest.mark.skipif(load_extension() is None, reason="the C++ extension cannot be built here")
+
+
+def values(g, *shape) -> torch.Tensor:
+    """Values as K and V have them, with the edge cases a quantizer meets: a block of zeros, ties at .5."""
+    x = torch.randn(*shape, generator=g) * 2
+    x.view(-1, shape[-1])[0, :32] = 0  # a Q8_0 block whose scale is 0
+    x.view(-1, shape[-1])[1, :32] = torch.arange(32) - 15.5  # halves after scaling
+    return x
+
+
+def test_the_q8_0_twin_is_gguf_quants():
+    g = torch.Generator().manual_seed(0)
+    x = values(g, 40, 256)
+    ours = quantize_q8_0_ref(x)
+    theirs = torch.from_numpy(quantize(x.numpy(), GGMLQuantizationType.Q8_0)).view(40, -1)
+    assert torch.equal(ours, theirs)
+    q = dequantize_q8_0_ref(ours)
+    assert torch.equal(q, torch.from_numpy(np.ascontiguousarray(dequantize_numpy(theirs.numpy()))).view(40, 256))
+    assert (q - x).abs().max() <= x.abs().max() / 127  # half a step, at most
+
+
+def dequantize_numpy(blocks: np.ndarray) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    return dequantize(blocks, GGMLQuantizationType.Q8_0)
+
+
+def empty_cache(blocks: int, block_size: int, kv_heads: int, head_dim: int, k_type: str, v_type: str) -> PagedKV:
+    return PagedKV(
+        *(
+            torch.zeros(blocks, block_size, kv_heads, row_width(t, head_dim), dtype=storage_dtype(t))
+            for t in (k_type, v_type)
+        )
+    )
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("kv_type", KV_CACHE_TYPES)
+def test_each_build_stores_each_type_as_the_twin_does(any_build, kv_type, head_dim):
+    """Rows written by the kernel's store equal the twin's conversion bit for bit (byte for byte for q8_0), and
+    attention over them equals the twin's over the same rows, at lengths around the block boundaries."""
+    g = torch.Generator().manual_seed(head_dim)
+    block_size, kv_heads, heads = 16, 2, 4
+    scale = head_dim**-0.5  # the model's
+    lens = [1, 15, 16, 17, 32, 33]
+    width = max(-(-n // block_size) for n in lens)
+    cache = empty_cache(len(lens) * width + 1, block_size, kv_heads, head_dim, kv_type, kv_type)
+    tables = torch.arange(1, len(lens) * width + 1, dtype=torch.int32).view(len(lens), width)
+    slots = torch.tensor(
+        [int(tables[s, p // block_size]) * block_size + p % block_size for s, n in enumerate(lens) for p in range(n)]
+    )
+    n = len(slots)
+    q = torch.randn(n, heads, head_dim, generator=g)
+    k, v = values(g, n, kv_heads, head_dim), values(g, n, kv_heads, head_dim)
+    starts = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    got = any_build.store_and_attention(q, k, v, cache.k, cache.v, slots, tables, seq_lens, starts, scale, 0, 0.0)
+    for stored, new in ((cache.k, k), (cache.v, v)):
+        rows = stored.view(-1, kv_heads, stored.shape[-1])[slots]
+        assert torch.equal(rows, to_cache_ref(new, kv_type))
+    ref = paged_attention_ref(q, cache, tables, seq_lens, starts, scale)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    # what attention reads is the stored rows' exact values: a cache of those values in f32 gives the same bits
+    exact = PagedKV(*(from_cache_ref(c) for c in cache))
+    assert torch.equal(any_build.paged_attention(q, exact.k, exact.v, tables, seq_lens, starts, scale, 0, 0.0), got)
+
+
+@pytest.mark.parametrize("k_type", KV_CACHE_TYPES)
+@pytest.mark.parametrize("v_type", KV_CACHE_TYPES)
+def test_every_pair_of_types_reads_as_the_twin(k_type, v_type):
+    """K and V in different types (llama.cpp's -ctk / -ctv): prefills, chunks and decodes in one call."""
+    ext = load_extension()
+    g = torch.Generator().manual_seed(len(k_type) * 10 + len(v_type))
+    block_size, heads, kv_heads, head_dim = 8, 6, 2, 64
+    lens, qlens = [40, 1, 23, 70, 9], [40, 1, 5, 33, 1]
+    width = max(-(-n // block_size) for n in lens)
+    cache = empty_cache(len(lens) * width + 1, block_size, kv_heads, head_dim, k_type, v_type)
+    for c, t in zip(cache, (k_type, v_type)):
+        c.view(-1, kv_heads, c.shape[-1])[:] = to_cache_ref(values(g, c.shape[0] * block_size, kv_heads, head_dim), t)
+    tables = (torch.randperm(len(lens) * width, generator=g) + 1).view(len(lens), width).int()
+    starts = torch.tensor([0, *np.cumsum(qlens)], dtype=torch.int32)
+    q = torch.randn(int(starts[-1]), heads, head_dim, generator=g)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    got = ext.paged_attention(q, cache.k, cache.v, tables, seq_lens, starts, 0.125, 0, 0.0)
+    torch.testing.assert_close(
+        got, paged_attention_ref(q, cache, tables, seq_lens, starts, 0.125), atol=2e-5, rtol=2e-5
+    )
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_a_query_gets_the_same_bits_however_it_is_computed_on_a_quantized_cache(any_build, kv_type):
+    """The batch-invariance rule holds on every type: a token's result is the same in a whole prefill, in a
+    chunk, as a decode token and beside other sequences."""
+    g = torch.Generator().manual_seed(7)
+    block_size, heads, kv_heads, head_dim, n = 16, 9, 3, 64, 45
+    cache = empty_cache(10, block_size, kv_heads, head_dim, kv_type, kv_type)
+    for c in cache:
+        c.view(-1, kv_heads, c.shape[-1])[:] = to_cache_ref(values(g, 10 * block_size, kv_heads, head_dim), kv_type)
+    tables = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32)
+    q = torch.randn(n, heads, head_dim, generator=g)
+
+    def attend(rows, lens, qlens, table_rows):
+        starts = torch.tensor([0, *np.cumsum(qlens)], dtype=torch.int32)
+        sub = tables[table_rows].contiguous()
+        return any_build.paged_attention(
+            rows, cache.k, cache.v, sub, torch.tensor(lens, dtype=torch.int32), starts, 0.125, 0, 0.0
+        )
+
+    whole = attend(q, [n], [n], [0])
+    for t in (0, 15, 16, 31, 44):
+        assert torch.equal(attend(q[t : t + 1], [t + 1], [1], [0]), whole[t : t + 1]), t
+    parts = [attend(q[s : s + 7], [min(n, s + 7)], [min(7, n - s)], [0]) for s in range(0, n, 7)]
+    assert torch.equal(torch.cat(parts), whole)
+    other = torch.randn(3, heads, head_dim, generator=g)
+    mixed = attend(torch.cat([other, q[20:]]), [30, n], [3, n - 20], [1, 0])
+    assert torch.equal(mixed[3:], whole[20:])
+
+
+def test_a_cache_the_kernel_cannot_read_is_refused_naming_it():
+    ext = load_extension()
+    q = torch.randn(1, 2, 48)
+    tables, lens, starts = (
+        torch.ones(1, 1, dtype=torch.int32),
+        torch.ones(1, dtype=torch.int32),
+        torch.tensor([0, 1], dtype=torch.int32),
+    )
+    bad = torch.zeros(2, 16, 1, 51, dtype=torch.uint8)  # q8_0 of 48 values: not a multiple of 32
+    with pytest.raises(RuntimeError, match="q8_0 K cache needs head_dim a multiple of 32"):
+        ext.paged_attention(q, bad, bad, tables, lens, starts, 0.1, 0, 0.0)
+    with pytest.raises(RuntimeError, match="f32, f16, bf16 or uint8"):
+        ext.paged_attention(
+            q,
+            torch.zeros(2, 16, 1, 48, dtype=torch.float64),
+            torch.zeros(2, 16, 1, 48),
+            tables,
+            lens,
+            starts,
+            0.1,
+            0,
+            0.0,
+        )
