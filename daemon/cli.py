@@ -151,7 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     logs = sub.add_parser("logs", help="print the daemon's log")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     logs.add_argument("--log-file", type=Path, default=None)
-    sub.add_parser("models", help="list the models this machine can serve without a network")
+    models = sub.add_parser(
+        "models", help="list the models this machine can serve without a network (and what a running daemon loaded)"
+    )
+    add_common(models)
     return ap
 
 
@@ -358,7 +361,11 @@ def cmd_status(args) -> int:
             ("mode", mode),
             ("running", f"{s['running']} / {s['max_num_seqs']}"),
             ("waiting", s["waiting"]),
-            ("kv cache", f"{s['kv_blocks_used']} / {s['kv_blocks_total']} blocks ({s['kv_usage_percent']:.1f}%)"),
+            (
+                "kv cache",
+                f"{s['kv_blocks_used']} / {s['kv_blocks_total']} blocks ({s['kv_usage_percent']:.1f}%), "
+                f"{kv_text(health)}",
+            ),  # fmt: skip
             ("tokens/s", f"{s['decode_tokens_per_s']:.1f} decode, {s['prefill_tokens_per_s']:.1f} prefill (last 2 s)"),
             ("prefix hits", f"{100 * s['prefix_cache_hit_rate']:.1f}% of prompt tokens"),
             ("preemptions", s["preemptions"]),
@@ -374,11 +381,18 @@ def cmd_status(args) -> int:
             until = "kept loaded" if m["expires_at"].startswith("0001") else f"until {m['expires_at']}"
             print(
                 f"  {m['name']:<32} {m['mode']:<10} {m['running']:>3} running {m['waiting']:>3} waiting  "
-                f"{m['memory_bytes'] / 2**20:6.0f} MB  {m['weights']}  {until}"
+                f"{m['memory_bytes'] / 2**20:6.0f} MB  {m['weights']}  KV {kv_text(m)}  {until}"
             )
     for name in health.get("loading") or []:
         print(f"  {name:<32} loading")
     return 0 if hstatus == 200 else 1
+
+
+def kv_text(facts: dict) -> str:
+    """A loaded model's KV cache in a few words: its type, bytes per token and how many tokens fit."""
+    if "kv_cache_type" not in facts:
+        return "-"
+    return f"{facts['kv_cache_type']}, {facts['kv_bytes_per_token']:,} B/token, {facts['kv_cache_tokens']:,} tokens"
 
 
 def cmd_logs(args) -> int:
@@ -408,6 +422,17 @@ def cmd_models(args) -> int:
         else:
             state = "ready" if m.ready else "cannot run here"
         print(f"{m.name:<32} {m.kind:<10} {state:<22} {m.note}")
+    sock = socket_of(args)
+    if running_pid(sock):  # what the running daemon has loaded, and its KV caches
+        try:
+            _, health = request_json(str(sock), "GET", "/health", api_key=os.environ.get("MINIBATCH_API_KEY"))
+        except OSError:
+            health = {}
+        loaded = health.get("models") or []
+        if loaded:
+            print(f"\nloaded by the daemon on {sock}:")
+            for m in loaded:
+                print(f"  {m['name']:<32} KV cache {kv_text(m)}")
     from minibatch.engine.models.config import SUPPORTED_MODEL_TYPES
 
     print(

@@ -21,7 +21,7 @@ from .screens.help import HelpScreen
 from .screens.models import ModelScreen
 from .screens.settings import SettingsScreen
 from .widgets.chat_pane import PANE_COLORS, ChatPane
-from .widgets.engine_panel import EnginePanel
+from .widgets.engine_panel import EnginePanel, kv_cache_text
 
 MAX_PANES = 6
 NARROW = 100  # below this many columns the engine panel moves under the panes
@@ -317,6 +317,7 @@ class MinibatchChat(App):
         facts = next((m for m in h.get("models", []) if m.get("name") == panel.shown_model), h)
         name = short_model_name(facts.get("name") or facts.get("model") or "")
         panel.border_subtitle = " · ".join(str(v) for v in (name, facts.get("weights"), facts.get("device")) if v)
+        panel.kv_cache = kv_cache_text(facts)
         panel.set_target(getattr(self.client, "target", ""))
 
     @work(exclusive=True, group="blocks")

@@ -368,7 +368,18 @@ async def ps(request: web.Request) -> web.Response:
     for m in pool.models.values() if pool else ():
         e = model_entry(entries[m.name]) if m.name in entries else {}
         vram = m.footprint if m.info.device == "cuda" else 0
-        out.append({**e, "size": m.footprint, "size_vram": vram, "expires_at": iso(m.expires_at)})
+        out.append(
+            {
+                **e,
+                "size": m.footprint,
+                "size_vram": vram,
+                "expires_at": iso(m.expires_at),
+                "context_length": m.info.max_model_len,
+                "kv_cache_type": m.info.kv_cache_type,
+                "kv_bytes_per_token": m.info.kv_bytes_per_token,
+                "kv_cache_tokens": m.info.kv_cache_tokens,
+            }
+        )
     return web.json_response({"models": out})
 
 

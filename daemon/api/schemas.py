@@ -291,6 +291,10 @@ class OllamaTags(_Out):
 class OllamaRunning(OllamaModel):
     size_vram: int
     expires_at: str
+    context_length: int  # the context limit it was loaded with (newer Ollama's field)
+    kv_cache_type: str  # what its KV cache keeps K and V in (EngineInfo.kv_cache_type)
+    kv_bytes_per_token: int
+    kv_cache_tokens: int  # tokens its KV pool holds
 
 
 class OllamaPs(_Out):

@@ -396,13 +396,16 @@ class ModelPool:
         self.metrics.load_seconds.labels(name).set(m.load_seconds)
         self.metrics.memory.labels(name).set(m.footprint)
         log.info(
-            "ready in %.1f s: %s (%s, %.0f MB, KV %.0f MB) on %s (%s), %d KV blocks of %d tokens (%s), mode %s, "
-            "speculative %s",
+            "ready in %.1f s: %s (%s, %.0f MB, KV %.0f MB: %d tokens of %s, %d bytes each) on %s (%s), "
+            "%d KV blocks of %d tokens (%s), mode %s, speculative %s",
             m.load_seconds,
             name,
             info.weights,
             info.memory.loaded_bytes / 1e6 if info.memory else 0,
             info.kv_cache_bytes / 1e6,
+            info.kv_cache_tokens,
+            info.kv_cache_type,
+            info.kv_bytes_per_token,
             info.device,
             info.dtype,
             info.num_kv_blocks,

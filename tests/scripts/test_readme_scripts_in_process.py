@@ -178,15 +178,16 @@ def test_make_model(env, tmp_path):
 
 
 def test_perplexity(env):
-    proc = run(env, SCRIPTS / "perplexity.py", "--chunks", "2", "--ctx", "128")
+    proc = run(env, SCRIPTS / "perplexity.py", "--chunks", "2", "--ctx", "128", "--kv-cache-type", "f32,q8_0")
     rows = {
         r[0]: r[1:]
         for r in re.findall(
-            r"^\| ([\w-]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.-]+) \| ([\d.%-]+) \| ([\d.]+) \|$", proc.stdout, re.M
+            r"^\| ([\w-]+ [\w,]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.-]+) \| ([\d.%-]+) \| ([\d.]+) \|$", proc.stdout, re.M
         )
     }
-    assert set(rows) == {"native", "native-exact"}, proc.stdout
+    assert set(rows) == {"native f32", "native q8_0", "native-exact f32", "native-exact q8_0"}, proc.stdout
     ppl = {w: float(v[0]) for w, v in rows.items()}
-    assert all(1 < p < 1000 for p in ppl.values()) and abs(ppl["native"] / ppl["native-exact"] - 1) < 0.05
-    kl, same = float(rows["native-exact"][2]), float(rows["native-exact"][3].rstrip("%"))
+    assert all(1 < p < 1000 for p in ppl.values()) and abs(ppl["native f32"] / ppl["native-exact f32"] - 1) < 0.05
+    assert abs(ppl["native q8_0"] / ppl["native f32"] - 1) < 0.02  # the 8-bit cache costs little
+    kl, same = float(rows["native-exact f32"][2]), float(rows["native-exact f32"][3].rstrip("%"))
     assert 0 < kl < 0.1 and 80 < same <= 100  # every token the same is a valid result (an AVX2-only CPU gives it)

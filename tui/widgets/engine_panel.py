@@ -69,6 +69,16 @@ def block_map_cells(blocks: dict, owners: dict[str, int], cells: int = MAP_CELLS
     return out
 
 
+def kv_cache_text(facts: dict) -> str:
+    """A model's KV cache from its /health facts, short: type, bytes per token, tokens it holds."""
+    if "kv_cache_type" not in facts:
+        return ""
+    per, tokens = facts["kv_bytes_per_token"], facts["kv_cache_tokens"]
+    size = f"{per / 1024:.1f} KB" if per >= 1024 else f"{per} B"
+    held = f"{tokens / 1000:.0f}k" if tokens >= 10_000 else str(tokens)
+    return f"{facts['kv_cache_type']} · {size}/token · {held} tokens"
+
+
 def replica_lines(replicas: list[dict]) -> str:
     """One compact line per replica: its id, batch occupancy and KV use, and its mode when it differs."""
     modes = {r.get("mode") for r in replicas}
@@ -112,6 +122,7 @@ class EnginePanel(Vertical):
         self.last: dict | None = None  # the newest event
         self.connected = False
         self.shown_model: str | None = None  # the model whose engine the bars show
+        self.kv_cache = ""  # its KV cache's type, bytes per token and capacity (kv_cache_text of /health's facts)
         self.hit_blocks = 0  # prefix-cache hits seen since the panel opened
         self.redraws = 0  # redraws that changed something, over the panel's life
         self._drawn: dict | None = None  # the event the lines show (each event a new one: a cluster's merged
@@ -220,7 +231,7 @@ class EnginePanel(Vertical):
         changed |= self._show(
             "engine-kv",
             f"KV    {bar(used / total if total else 0, 14)} {e.get('kv_usage_percent', 0):4.1f}%\n"
-            f"      {used}/{total} blocks",
+            f"      {used}/{total} blocks" + (f"\n      {self.kv_cache}" if self.kv_cache else ""),
         )
         self.lines["engine-replicas"].display = "replicas" in e
         if "replicas" in e:
