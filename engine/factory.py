@@ -19,6 +19,11 @@ from minibatch.engine.testing import faults
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
+class ModelSettingError(ValueError):
+    """A setting this model cannot take (a KV cache type its heads cannot hold, say): its text names the
+    option and what would do, never a server path, so the daemon shows it to the request that loaded it."""
+
+
 @dataclass(slots=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL
@@ -159,9 +164,12 @@ def kv_cache_types(config: EngineConfig, model_dir, device: str, dtype_name: str
     types = KVCacheTypes.parse(config.kv_cache_type)
     problem = types_problem(mc, types)
     if problem:
-        raise ValueError(f"kv_cache_type {types}: {problem} (the types are {', '.join(KV_CACHE_TYPES)})")
-    if device == "cuda" and "q8_0" in (types.k, types.v):
-        raise ValueError(f"kv_cache_type {types}: the GPU kernels keep f32, f16 or bf16 caches")
+        raise ModelSettingError(f"kv_cache_type {types}: {problem} (the types are {', '.join(KV_CACHE_TYPES)})")
+    floats = [t == "f32" for t in (types.k, types.v) if t != "q8_0"]
+    if device == "cuda" and any(wide != (dtype_name == "float32") for wide in floats):
+        raise ModelSettingError(
+            f"kv_cache_type {types}: on the GPU an f32 cache goes with --dtype float32, 16 bits with 16"
+        )
     return types
 
 

@@ -3,9 +3,11 @@
 Each sequence has `query_len` new tokens (the last `query_len` positions of its
 `seq_len`-token context); each attends causally to its whole context, read from
 the paged cache through the sequence's block table. Grouped-query heads share a
-KV head. Online softmax in fp32. Any block size that is a power of two >= 8:
-keys are processed in tiles of BLOCK_N >= 16 positions, each position finding
-its block through the table. Optional: a sliding window, and scores soft-capped
+KV head. Online softmax in fp32. The cache may hold f32, f16, bf16 or q8_0 rows
+(kernels/kv_types.py), K and V each its own: q8_0 rows are read as their exact
+fp32 values (int8 times the block's fp16 scale). Any block size that is a power
+of two >= 8: keys are processed in tiles of BLOCK_N >= 16 positions, each
+position finding its block through the table. Optional: a sliding window, and scores soft-capped
 (cap * tanh(score / cap), Gemma 2) before the softmax.
 """
 
@@ -16,6 +18,22 @@ import triton
 import triton.language as tl
 
 from . import cpu_paged_attention
+from .kv_types import row_width
+
+
+@triton.jit
+def _load_rows(row_ptrs, offs_d, mask, Q8: tl.constexpr):
+    """[BLOCK_N, HEAD_DIM] cache rows as they are stored (f32, f16, bf16), or Q8_0 rows (uint8: each 32 values an
+    fp16 scale then 32 int8) as fp32, exactly: q * d."""
+    if Q8:
+        blk = offs_d // 32
+        q = tl.load(row_ptrs[:, None] + (blk * 34 + 2 + offs_d % 32)[None, :], mask=mask[:, None], other=0)
+        lo = tl.load(row_ptrs[:, None] + (blk * 34)[None, :], mask=mask[:, None], other=0).to(tl.uint16)
+        hi = tl.load(row_ptrs[:, None] + (blk * 34 + 1)[None, :], mask=mask[:, None], other=0).to(tl.uint16)
+        d = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        return q.to(tl.int8, bitcast=True).to(tl.float32) * d
+    else:
+        return tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
 
 
 # stride_bt is the block table's width, which follows the batch's longest context from
@@ -50,6 +68,8 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    K_Q8: tl.constexpr,
+    V_Q8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -82,19 +102,13 @@ def _paged_attention_kernel(
                 tl.int64
             )
             within = k_pos % BLOCK_SIZE
-            k = tl.load(
-                k_cache_ptr
-                + block[:, None] * stride_kb
-                + within[:, None] * stride_ks
-                + kv_head * stride_kh
-                + offs_d[None, :],
-                mask=k_valid[:, None],
-                other=0.0,
+            k = _load_rows(
+                k_cache_ptr + block * stride_kb + within * stride_ks + kv_head * stride_kh, offs_d, k_valid, K_Q8
             )
             if FP32_DOT:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)))
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))  # a q8_0 row's fp32 values, rounded to q's type
             s = s * scale
             if SOFTCAP:  # tanh written out (stable for either sign): no tanh in every Triton backend
                 e = tl.exp(-2.0 * tl.abs(s) / softcap)
@@ -108,14 +122,8 @@ def _paged_attention_kernel(
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_cache_ptr
-                + block[:, None] * stride_vb
-                + within[:, None] * stride_vs
-                + kv_head * stride_vh
-                + offs_d[None, :],
-                mask=k_valid[:, None],
-                other=0.0,
+            v = _load_rows(
+                v_cache_ptr + block * stride_vb + within * stride_vs + kv_head * stride_vh, offs_d, k_valid, V_Q8
             )
             if FP32_DOT:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
@@ -143,9 +151,13 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     _, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _, block_size, num_kv_heads, kv_dim = k_cache.shape
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"K {tuple(k_cache.shape)} and V {tuple(v_cache.shape)} caches differ in shape")
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    kv_dim = head_dim if k_cache.dtype == torch.uint8 else k_cache.shape[-1]
+    for c in (k_cache, v_cache):
+        if c.shape[:3] != k_cache.shape[:3] or (c.dtype == torch.uint8 and c.shape[-1] != row_width("q8_0", kv_dim)):
+            raise ValueError(
+                f"K {tuple(k_cache.shape)} and V {tuple(v_cache.shape)} caches do not fit heads of {head_dim}"
+            )
     if kv_dim != head_dim or num_heads % num_kv_heads:
         raise ValueError(f"heads {num_heads}x{head_dim} do not fit KV heads {num_kv_heads}x{kv_dim}")
     if block_size < 8 or block_size & (block_size - 1):
@@ -156,10 +168,12 @@ def paged_attention(
         raise ValueError("the last dimension of q and the cache must be contiguous")
     if block_tables.dtype != torch.int32 or query_start_loc.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("block_tables, query_start_loc and seq_lens must be int32")
-    if not (k_cache.is_floating_point() and v_cache.is_floating_point()):
-        raise ValueError(f"the GPU kernels read f32, f16 or bf16 caches, not {k_cache.dtype} / {v_cache.dtype}")
-    wide = [c.dtype == torch.float32 for c in (k_cache, v_cache)]
-    if any(wide) != (q.dtype == torch.float32) or any(wide) != all(wide):
+    if any(c.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.uint8) for c in (k_cache, v_cache)):
+        raise ValueError(f"the GPU kernels read f32, f16, bf16 or q8_0 caches, not {k_cache.dtype} / {v_cache.dtype}")
+    # a float cache is f32 with f32 queries and 16-bit with 16-bit ones; q8_0 goes with either
+    if any(
+        (c.dtype == torch.float32) != (q.dtype == torch.float32) for c in (k_cache, v_cache) if c.is_floating_point()
+    ):
         raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype} / {v_cache.dtype}: f32 goes with f32")
     out = torch.empty_like(q)
     block_m = 16
@@ -194,6 +208,8 @@ def paged_attention(
         BLOCK_N=block_n,
         FP32_DOT=q.dtype == torch.float32,
         SOFTCAP=bool(softcap),
+        K_Q8=k_cache.dtype == torch.uint8,
+        V_Q8=v_cache.dtype == torch.uint8,
     )
     return out
 

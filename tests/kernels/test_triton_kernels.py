@@ -164,6 +164,35 @@ def test_store_kv(dtype):
     assert cache[0].reshape(-1, 2, 16)[40].equal(k[1]) and cache[1].reshape(-1, 2, 16)[17].equal(v[4])
 
 
+@pytest.mark.parametrize("k_type,v_type", [("q8_0", "q8_0"), ("q8_0", "f16"), ("f16", "q8_0"), ("f16", "f16")])
+def test_store_and_attention_over_each_cache_type(k_type, v_type):
+    """The store writes each type as its twin does (q8_0 byte for byte: GGUF's quantizer), padding rows
+    skipped; attention reads q8_0 rows as their exact values and matches the twin over the same cache. fp32
+    queries in the interpreter (f16 caches beside f16 queries), heads of 64 (two Q8_0 blocks)."""
+    from minibatch.kernels.kv_types import PagedKV, row_width, storage_dtype
+
+    g = torch.Generator().manual_seed(len(k_type) + 3 * len(v_type))
+    blocks, bs, kv_heads, heads, dim = 7, 8, 2, 4, 64
+    qdtype = torch.float16 if "f16" in (k_type, v_type) else torch.float32
+    make = lambda t: torch.zeros(blocks, bs, kv_heads, row_width(t, dim), dtype=storage_dtype(t), device=DEVICE)  # noqa: E731
+    cache, ref = PagedKV(make(k_type), make(v_type)), PagedKV(make(k_type), make(v_type))
+    lens = [13, 30]
+    tables = torch.tensor([[1, 2, 0, 0], [3, 4, 5, 6]], dtype=torch.int32, device=DEVICE)
+    slots = [int(tables[s, p // bs]) * bs + p % bs for s, n in enumerate(lens) for p in range(n)]
+    slots = torch.tensor(slots[:20] + [-1] + slots[20:], device=DEVICE)  # a padding row among them
+    k = (torch.randn(len(slots), kv_heads, dim, generator=g) * 3).to(qdtype).to(DEVICE)
+    v = torch.randn(len(slots), kv_heads, dim, generator=g).to(qdtype).to(DEVICE)
+    store_kv(k, v, cache, slots)
+    store_kv_ref(k, v, ref, slots)
+    assert torch.equal(cache.k, ref.k) and torch.equal(cache.v, ref.v)
+    q = torch.randn(sum(lens), heads, dim, generator=g).to(qdtype).to(DEVICE)
+    qsl = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=DEVICE)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    got = paged_attention(q, cache, tables, qsl, seq, dim**-0.5, max(lens))
+    want = paged_attention_ref(q, cache, tables, qsl, seq, dim**-0.5, max(lens))
+    torch.testing.assert_close(got, want, **TOL[qdtype])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [64, 96])
 def test_fused_add_rmsnorm(dtype, hidden):
