@@ -45,6 +45,13 @@ MODEL_OPTIONS = [
         f"{DEFAULT_MEMORY_SHARE:g} of the machine's memory, of the GPU's on a GPU)",
     ),
     (
+        "--model-settings",
+        str,
+        None,
+        'a JSON file of per-model engine options, e.g. {"qwen2.5-coder:7b": {"kv-cache-type": "q8_0", '
+        '"max-model-len": 32768}}: each model loads with the daemon\'s options and its own on top',
+    ),
+    (
         "--load-wait",
         float,
         DEFAULT_LOAD_WAIT,
@@ -170,7 +177,7 @@ def engine_config(args):
 
 def pool_settings(args):
     """How many models stay loaded, for how long, in how much memory (ValueError naming the option)."""
-    from .models.settings import PoolSettings, parse_duration
+    from .models.settings import PoolSettings, parse_duration, read_model_settings
 
     return PoolSettings(
         max_loaded=args.max_loaded_models,
@@ -178,6 +185,7 @@ def pool_settings(args):
         keep_alive=parse_duration(args.keep_alive, "--keep-alive"),
         load_wait=args.load_wait,
         engine_loop=args.engine_loop,
+        model_settings=read_model_settings(args.model_settings),
     )
 
 

@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from minibatch.engine.factory import EngineConfig
+from minibatch.engine.factory import EngineConfig, ModelSettingError
 from minibatch.engine.store.cache import (
     ModelNotFoundError,
     list_models,
@@ -276,9 +276,18 @@ class ModelPool:
     def loaded_or_loading(self, name: str | None) -> bool:
         return self.find(name) is not None or normal_name(name or self.default_name) in self.loading
 
-    def model_config(self, spec: str) -> EngineConfig:
-        """The engine options of `spec`: the daemon's, with its KV rule for several models on a GPU."""
-        cfg = dataclasses.replace(self.base, model=spec)
+    def model_config(self, spec: str, name: str) -> EngineConfig:
+        """The engine options of `spec` (shown as `name`): the daemon's, with its KV rule for several models on
+        a GPU, and its own settings (--model-settings, found by any of its names) on top; a value its settings
+        get wrong is a ModelSettingError naming the model."""
+        own = {}
+        for key, options in self.settings.model_settings.items():
+            if normal_name(key) in {normal_name(n) for n in (spec, name, display_name(spec))}:
+                own = options
+        try:
+            cfg = dataclasses.replace(self.base, model=spec, **own)
+        except (TypeError, ValueError) as exc:
+            raise ModelSettingError(f"--model-settings for {cut(name)!r}: {exc}") from None
         if cfg.kv_cache_gb is None and cfg.kv_cache_tokens is None and cfg.kv_cache_fraction is None:
             if self._device() == "cuda":  # each model takes its share of the free memory at its load
                 from minibatch.engine.factory import DEFAULT_KV_FRACTION
@@ -358,10 +367,10 @@ class ModelPool:
         else:
             loop = StepLoop(name=f"minibatch-engine-{len(self.models)}", private=True)
             loop.start()
-        config = self.model_config(spec)
         log.info("loading model %s", name)
         started = time.perf_counter()
         try:
+            config = self.model_config(spec, name)
             engine, tokenizer = await asyncio.wrap_future(loop.call(lambda: _build_engine(config)))
         except Exception as exc:
             if loop.private:
@@ -421,7 +430,9 @@ class ModelPool:
         catalog lists or the operator gave get this far: the dict is bounded by the catalog), answered naming
         it and the kind of failure (the log has the rest, which may name the server's files)."""
         log.error("could not load model %s: %s: %s", cut(name), type(exc).__name__, exc)
-        self.failed[normal_name(name)] = why = f"{type(exc).__name__} (see the daemon's log)"
+        # a setting the model cannot take says which (its text names no server file); anything else, its kind
+        why = str(exc) if isinstance(exc, ModelSettingError) else f"{type(exc).__name__} (see the daemon's log)"
+        self.failed[normal_name(name)] = why
         return ApiError(
             500, f"model {cut(name)!r} could not be loaded: {why}", "model", "model_load_failed", "server_error"
         )

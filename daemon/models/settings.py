@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_KEEP_ALIVE = 300.0  # seconds a model loaded on demand stays after its last request (Ollama's 5m)
 DEFAULT_MAX_LOADED = 3  # Ollama's default on a CPU
@@ -51,6 +51,56 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+# Engine options a model's own settings may change (--model-settings): what sizes and shapes its engine. The
+# daemon-wide ones (threads, device) and the model itself are the daemon's.
+PER_MODEL_OPTIONS = (
+    "kv_cache_type",
+    "kv_cache_gb",
+    "kv_cache_tokens",
+    "kv_cache_fraction",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "weights",
+    "speculative",
+    "num_speculative_tokens",
+    "draft_model",
+    "mode",
+)
+
+
+def read_model_settings(path: str | None) -> dict[str, dict]:
+    """--model-settings: a JSON object of model names, each an object of engine options (PER_MODEL_OPTIONS,
+    named as the flags are without the dashes, or as EngineConfig's fields) for that model alone. Its shape and
+    option names are checked here (a ValueError naming the file and the key refuses the start); the values when
+    the model loads, so a bad one fails that model's load, naming it, and the daemon serves the others."""
+    if not path:
+        return {}
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--model-settings {path}: {exc}") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ValueError(f"--model-settings {path}: an object of model names, each an object of options")
+    out = {}
+    for model, options in data.items():
+        fields = {}
+        for key, value in options.items():
+            field_name = key.lstrip("-").replace("-", "_")
+            if field_name not in PER_MODEL_OPTIONS:
+                raise ValueError(
+                    f"--model-settings {path}: {model!r}: {key!r} is not a per-model option; they are "
+                    f"{', '.join(o.replace('_', '-') for o in PER_MODEL_OPTIONS)}"
+                )
+            fields[field_name] = value
+        out[model] = fields
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class PoolSettings:
     on_demand: bool = True  # False: only the preloaded models answer (a cluster replica serves one)
@@ -59,6 +109,7 @@ class PoolSettings:
     keep_alive: float | None = DEFAULT_KEEP_ALIVE  # for models loaded on demand; None: until evicted
     load_wait: float = DEFAULT_LOAD_WAIT
     engine_loop: str = "shared"
+    model_settings: dict[str, dict] = field(default_factory=dict)  # read_model_settings: name -> engine options
 
     def __post_init__(self) -> None:
         if self.max_loaded < 1:

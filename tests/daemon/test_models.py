@@ -285,3 +285,59 @@ def test_keep_alive_zero_returns_the_memory(tiny_chat_model_dir):
     finally:
         assert daemon.stop() == 0, daemon.log_text()
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_each_model_takes_its_own_settings_and_a_bad_one_fails_that_model_alone(tiny_chat_model_dir, models_env):
+    """--model-settings: the daemon's own model keeps its cache in bf16, the Qwen model is set to q8_0, which its
+    16-value heads cannot hold: loading it fails naming the option and why, and the first model keeps serving.
+    /health and /api/ps show each model's cache."""
+    import json
+
+    d = Path(tempfile.mkdtemp(prefix="mb-settings-", dir="/tmp"))
+    settings = d / "models.json"
+    own = tiny_chat_model_dir.name
+    settings.write_text(json.dumps({own: {"kv-cache-type": "bf16"}, "qwen": {"kv_cache_type": "q8_0"}}))
+    daemon = Daemon(d / "d.sock", tiny_chat_model_dir, "--kv-cache-gb", "0.05", "--model-settings", str(settings),
+                    env=models_env)  # fmt: skip
+    try:
+        daemon.wait_ready()
+
+        async def go():
+            async with session(daemon.socket) as s:
+                async with s.post("/v1/chat/completions", json=chat_body(model="qwen")) as r:
+                    bad = r.status, await r.json()
+                async with s.post("/v1/chat/completions", json=chat_body(max_tokens=3)) as r:
+                    still = r.status
+                async with s.get("/api/ps") as r:
+                    ps = await r.json()
+            return bad, still, ps
+
+        bad, still, ps = asyncio.run(go())
+        status, err = bad
+        assert status == 500 and err["error"]["code"] == "model_load_failed", err
+        assert "kv_cache_type q8_0: q8_0 needs head_dim a multiple of 32" in err["error"]["message"], err
+        assert still == 200
+        _, health = daemon.get("/health")
+        (mine,) = health["models"]
+        assert mine["kv_cache_type"] == "bf16" and mine["kv_bytes_per_token"] == 2 * 2 * 16 * 2 * 2
+        assert "q8_0 needs head_dim" in health["load_errors"]["qwen"]
+        (running,) = ps["models"]
+        assert running["kv_cache_type"] == "bf16" and running["kv_cache_tokens"] == mine["kv_cache_tokens"] > 0
+    finally:
+        assert daemon.stop() == 0, daemon.log_text()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_model_settings_with_an_unknown_option_refuse_the_start(tiny_chat_model_dir, short_tmp):
+    import json
+    import subprocess
+    import sys
+
+    settings = short_tmp / "models.json"
+    settings.write_text(json.dumps({"qwen": {"threads": 4}}))
+    out = subprocess.run(
+        [sys.executable, "-m", "minibatch.daemon.cli", "start", "--socket", str(short_tmp / "d.sock"), "--model",
+         str(tiny_chat_model_dir), "--model-settings", str(settings)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2 and "'qwen': 'threads' is not a per-model option; they are kv-cache-type" in out.stderr
