@@ -1,13 +1,16 @@
-"""Perplexity of a model over a text, computed as llama.cpp's `llama-perplexity` computes it, per weight path.
+"""Perplexity of a model over a text, computed as llama.cpp's `llama-perplexity` computes it, per weight path
+and KV cache type.
 
   .venv/bin/python scripts/perplexity.py                                  # built-in model, native and native-exact
   .venv/bin/python scripts/perplexity.py --model file.gguf --weights native,native-exact,float32 --chunks 32
+  .venv/bin/python scripts/perplexity.py --weights native --kv-cache-type f32,f16,q8_0   # llama-perplexity -ctk/-ctv
 
 The text (default: scripts/data/hamlet.txt, public domain) is tokenized whole, as llama-perplexity does
 (a BOS first only when the model's tokenizer adds one), and cut into chunks of --ctx tokens; each chunk
 runs alone from an empty cache, and the negative log-likelihood of every token in its second half is
 scored (the first half is context). Perplexity = exp(mean NLL), with its standard error. Every weight
-path runs the same chunks in one process, and each is compared with the first one: the mean KL
+path runs with every KV cache type (each chunk's K and V stored in that type, then attended from it, as the
+engine serves) on the same chunks in one process, and each is compared with the first pair: the mean KL
 divergence of its next-token distribution from the first's, and how often both pick the same top token.
 """
 
@@ -22,8 +25,8 @@ from pathlib import Path
 import torch
 
 from minibatch.engine.attention.metadata import build_flat_batch
-from minibatch.engine.attention.torch_backend import TorchAttentionBackend
-from minibatch.engine.runner.kv_cache import allocate_kv_cache
+from minibatch.engine.attention.select import select_backend
+from minibatch.engine.runner.kv_cache import KVCacheTypes, allocate_kv_cache
 from minibatch.engine.store.cache import resolve_model
 from minibatch.engine.text.tokenizer import TextTokenizer
 from minibatch.engine.weights.loader import load_model
@@ -32,10 +35,10 @@ TEXT = Path(__file__).resolve().parent / "data" / "hamlet.txt"
 
 
 @torch.inference_mode()
-def chunk_logprobs(model, tokens: list[int], block_size: int = 16) -> torch.Tensor:
+def chunk_logprobs(model, tokens: list[int], types: KVCacheTypes, block_size: int = 16) -> torch.Tensor:
     """[len(tokens) // 2 - 1, vocab] log-probabilities of the next token at every scored position of one chunk."""
     n = len(tokens)
-    caches = allocate_kv_cache(model.config, -(-n // block_size), block_size, torch.float32, "cpu")
+    caches = allocate_kv_cache(model.config, -(-n // block_size), block_size, types, "cpu")
     batch = build_flat_batch([tokens], [0], [list(range(-(-n // block_size)))], block_size, "cpu")
     hidden = model(batch.input_ids, batch.positions, caches, batch.attn)
     first = n // 2
@@ -50,6 +53,9 @@ def main() -> int:
         default="native,native-exact",
         help="weight paths, comma-separated; the first is the reference for KL",
     )
+    ap.add_argument(
+        "--kv-cache-type", default="f32", help="KV cache types, comma-separated (each TYPE or K_TYPE/V_TYPE)"
+    )
     ap.add_argument("--text", type=Path, default=TEXT)
     ap.add_argument("--ctx", type=int, default=512, help="tokens per chunk")
     ap.add_argument("--chunks", type=int, default=16, help="chunks scored (at most what the text holds)")
@@ -63,8 +69,10 @@ def main() -> int:
     chunks = min(args.chunks, len(ids) // args.ctx)
     if chunks < 1:
         raise SystemExit(f"perplexity: the text has {len(ids)} tokens, fewer than one chunk of {args.ctx}")
-    paths = args.weights.split(",")
-    models = {w: load_model(model_dir, TorchAttentionBackend(), weights=w) for w in paths}
+    weights = args.weights.split(",")
+    models = {w: load_model(model_dir, select_backend("cpu", torch.float32)[0], weights=w) for w in weights}
+    kv_types = {t: KVCacheTypes.parse(t.replace("/", ",")) for t in args.kv_cache_type.split(",")}
+    paths = [f"{w} {t}" for w in weights for t in kv_types]  # every pair; the first is the reference
     print(
         f"{args.model}: {len(ids)} tokens, {chunks} chunks of {args.ctx}, "
         f"{(args.ctx // 2 - 1) * chunks} scored tokens; "
@@ -81,7 +89,8 @@ def main() -> int:
         ref = None
         for w in paths:
             started = time.perf_counter()
-            lp = chunk_logprobs(models[w], tokens)
+            weight, kv = w.split(" ")
+            lp = chunk_logprobs(models[weight], tokens, kv_types[kv])
             seconds[w] += time.perf_counter() - started
             nll[w].extend((-lp.gather(1, targets[:, None])[:, 0]).tolist())
             if ref is None:
@@ -94,7 +103,7 @@ def main() -> int:
             file=sys.stderr,
             flush=True,
         )
-    print("| weights | perplexity | ± | KL vs " + paths[0] + " | same top token | s per chunk |")
+    print("| weights, KV cache | perplexity | ± | KL vs " + paths[0] + " | same top token | s per chunk |")
     print("|---|---:|---:|---:|---:|---:|")
     for w in paths:
         values = nll[w]

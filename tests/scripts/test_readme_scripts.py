@@ -46,6 +46,8 @@ COVERED = {
     "profile_step.py": "in_process:test_profile_step",
     "bench_grammar.py": "in_process:test_bench_grammar",
     "bench_decode_attention.py": "in_process:test_bench_decode_attention",
+    "bench_long_attention.py": "in_process:test_bench_long_attention",
+    "bench_long_context.py": "own_daemons:test_bench_long_context",
     "bench_quant_matmul.py": "in_process:test_bench_quant_matmul",
     "make_model.py": "in_process:test_make_model",
     "perplexity.py": "in_process:test_perplexity",

@@ -123,6 +123,15 @@ def test_bench_decode_attention(env):
     )
 
 
+def test_bench_long_attention(env):
+    args = ["--shape", "smollm2-135m", "--contexts", "64,200", "--prefill", "48", "--repeats", "1"]
+    proc = run(env, SCRIPTS / "bench_long_attention.py", *args)
+    decode = re.findall(r"^\| (\d+) \| " + r"([\d.]+) \(([\d.]+)\) \| " * 4 + r"([\d.]+) \|$", proc.stdout, re.M)
+    assert [r[0] for r in decode] == ["64", "200"] and all(float(x) > 0 for r in decode for x in r[1:]), proc.stdout
+    prefill = re.findall(r"^\| 48 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", proc.stdout, re.M)
+    assert len(prefill) == 1, proc.stdout
+
+
 def test_bench_quant_matmul(env):
     proc = run(
         env,
@@ -188,6 +197,9 @@ def test_perplexity(env):
     assert set(rows) == {"native f32", "native q8_0", "native-exact f32", "native-exact q8_0"}, proc.stdout
     ppl = {w: float(v[0]) for w, v in rows.items()}
     assert all(1 < p < 1000 for p in ppl.values()) and abs(ppl["native f32"] / ppl["native-exact f32"] - 1) < 0.05
-    assert abs(ppl["native q8_0"] / ppl["native f32"] - 1) < 0.02  # the 8-bit cache costs little
+    # the 8-bit cache moves each next-token distribution little (on 126 scored tokens the perplexities' ratio is
+    # noise; BENCHMARKS.md's 16,000 tokens put q8_0 within 0.11% of f32)
+    kl8, same8 = float(rows["native q8_0"][2]), float(rows["native q8_0"][3].rstrip("%"))
+    assert 0 < kl8 < 0.05 and 80 < same8 <= 100
     kl, same = float(rows["native-exact f32"][2]), float(rows["native-exact f32"][3].rstrip("%"))
     assert 0 < kl < 0.1 and 80 < same <= 100  # every token the same is a valid result (an AVX2-only CPU gives it)

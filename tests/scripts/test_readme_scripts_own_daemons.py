@@ -153,3 +153,18 @@ def test_record_quick(env, tmp_path):
         assert float(stat) == pytest.approx(p["static"]["tok_s"], abs=0.05)
         assert float(ratio) == pytest.approx(p["continuous"]["tok_s"] / p["static"]["tok_s"], abs=0.006)
     assert (docs / "docs" / "bench" / "record_modes.png").stat().st_size > 0
+
+
+def test_bench_long_context(env, tmp_path):
+    """Its own daemons, one per KV cache type, over the built-in model; llama.cpp's side only with a llama-server."""
+    out = tmp_path / "long.json"
+    env = {k: v for k, v in env.items() if k != "LLAMA_SERVER"}
+    args = ["--lengths", "64,300", "--types", "q8_0,f32", "--max-tokens", "6", "--threads", "1", "--json", out]
+    proc = run(env, SCRIPTS / "bench_long_context.py", *args, timeout=600)
+    results = json.loads(out.read_text())
+    assert [r["server"] for r in results] == ["minibatchd q8_0", "minibatchd f32"], proc.stdout
+    for r in results:
+        assert [row["length"] for row in r["rows"]] == [64, 300] and r["rss_mb"] > 0
+        assert all(row["prefill"] > 0 and row["decode"] > 0 for row in r["rows"])
+        assert abs(r["rows"][1]["prompt_tokens"] - 300) <= 2  # the prompt is the length asked
+    assert "| minibatchd q8_0 |" in proc.stdout
