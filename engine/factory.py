@@ -11,10 +11,10 @@ from minibatch.engine.core.engine import LLMEngine
 from minibatch.engine.core.info import WEIGHT_MODES, EngineInfo
 from minibatch.engine.core.sampling_params import SAMPLING_DEFAULT_FIELDS
 from minibatch.engine.heap import release_free_memory
-from minibatch.engine.runner.kv_cache import KVCacheTypes
 from minibatch.engine.spec_decode.config import DEFAULT_METHOD, DEFAULT_NUM_TOKENS, SpecConfig
 from minibatch.engine.store.cache import DEFAULT_MODEL, resolve_model
 from minibatch.engine.testing import faults
+from minibatch.kernels.kv_types import KVCacheTypes
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 

@@ -9,7 +9,9 @@ whole cache from memory as a real one does. Bytes per second is the cache bytes 
 every layer, in the type) over its time; the copy row is torch's copy of a buffer that size (bytes read per
 second), the machine's streaming bandwidth on these threads. Prefill: one layer's attention for a whole
 prompt of that length (the query tokens' part only: no matmuls), seconds, times the layer count.
-Median of --repeats; every type in the same run.
+Median of --repeats; every type in the same run. --split MODEL: a real prefill of one prompt of each --prefill
+length (random tokens, in the engine's chunks) on that model per type, its total time and the part inside the
+attention backend's forward.
 """
 
 from __future__ import annotations
@@ -107,12 +109,49 @@ def prefill_attention(shape, ctx: int, kv_type: str, block_size: int, repeats: i
     return statistics.median(times)
 
 
+def prefill_split(model: str, n: int, kv_type: str) -> tuple[float, float]:
+    """(seconds of a real prefill of n random tokens, seconds of it inside the attention backend)."""
+    import random
+
+    from minibatch.engine.core.sampling_params import SamplingParams
+    from minibatch.engine.factory import EngineConfig, build_engine
+
+    spent = [0.0]
+    forward = TorchAttentionBackend.forward
+
+    def timed(self, *args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return forward(self, *args, **kw)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    TorchAttentionBackend.forward = timed
+    try:
+        eng = build_engine(
+            EngineConfig(model=model, kv_cache_type=kv_type, kv_cache_tokens=n + 64, max_model_len=n + 64,
+                         speculative="off", enable_prefix_caching=False, max_num_seqs=1)
+        )  # fmt: skip
+        rng = random.Random(n)
+        for name, length in (("warm-up", 64), ("prompt", n)):
+            spent[0] = 0.0
+            eng.add_request(name, [rng.randrange(100, 30000) for _ in range(length)], SamplingParams(max_tokens=1))
+            t0 = time.perf_counter()
+            while eng.has_work():
+                eng.step()
+            total = time.perf_counter() - t0
+        return total, spent[0]
+    finally:
+        TorchAttentionBackend.forward = forward
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=SHAPES, default="qwen2.5-0.5b")
     ap.add_argument("--types", default=",".join(KV_CACHE_TYPES))
     ap.add_argument("--contexts", default="8192,16384,32768", help="decode contexts, comma-separated")
     ap.add_argument("--prefill", default="1024,8192", help="prefill lengths, comma-separated ('' for none)")
+    ap.add_argument("--split", metavar="MODEL", help="also time real prefills on MODEL: total and attention part")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
@@ -144,6 +183,15 @@ def main(argv: list[str] | None = None) -> int:
                     for t in types
                 ]
                 print(f"| {ctx} | " + " | ".join(cells) + " |", flush=True)
+        if args.split and args.prefill:
+            print(f"\nA real prefill on {args.split}: s in all, s in attention (share)\n")
+            print("| prompt | " + " | ".join(types) + " |\n|---:|" + "---:|" * len(types))
+            for n in (int(c) for c in args.prefill.split(",")):
+                cells = []
+                for t in types:
+                    total, attention = prefill_split(args.split, n, t)
+                    cells.append(f"{total:.3f} / {attention:.3f} ({100 * attention / total:.0f}%)")
+                print(f"| {n} | " + " | ".join(cells) + " |", flush=True)
     return 0
 
 

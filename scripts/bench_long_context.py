@@ -48,7 +48,7 @@ async def one(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[flo
     `minibatch` timings (time to the first token, then per output token), llama-server's `timings` (prompt eval,
     then per predicted token). A random-weight model's tokens are often special ones whose text is empty and
     which a server need not stream, so the client's clock cannot see each token."""
-    prompt_tokens, mine, theirs = 0, None, None
+    prompt_tokens, mine, theirs, error = 0, None, None, None
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
             raise SystemExit(f"{url}: {resp.status} {await resp.text()}")
@@ -60,6 +60,9 @@ async def one(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[flo
             prompt_tokens = (chunk.get("usage") or {}).get("prompt_tokens", prompt_tokens)
             mine = chunk.get("minibatch") or mine
             theirs = chunk.get("timings") or theirs
+            error = chunk.get("error") or error
+    if error:
+        raise SystemExit(f"{url}: {error}")
     if mine:
         return prompt_tokens / (mine["ttft_ms"] / 1e3), 1e3 / mine["tpot_ms"], prompt_tokens
     if theirs:
@@ -127,9 +130,29 @@ def run_minibatch(kv_type: str, args, lengths, prompts) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="mb-long-"))
     sock = str(workdir / "mb.sock")
     daemon = str(Path(sys.executable).parent / "minibatchd")
-    argv = [daemon, "start", "--socket", sock, "--model", str(args.gguf), "--threads", str(args.threads),
-            "--max-num-seqs", "1", "--kv-cache-tokens", str(args.ctx), "--max-model-len", str(args.ctx),
-            "--kv-cache-type", kv_type, "--no-prefix-caching", "--speculative", "off"]  # fmt: skip
+    argv = [
+        daemon,
+        "start",
+        "--socket",
+        sock,
+        "--model",
+        str(args.gguf),
+        "--threads",
+        str(args.threads),
+        "--max-num-seqs",
+        "1",
+        "--kv-cache-tokens",
+        str(args.ctx),
+        "--max-model-len",
+        str(args.ctx),
+        "--kv-cache-type",
+        kv_type,
+        "--no-prefix-caching",
+        "--speculative",
+        "off",
+        "--request-timeout",
+        "7200",
+    ]  # fmt: skip  (a 32k prompt's prefill on two cores takes past 600 s)
     subprocess.run(argv, check=True, capture_output=True, timeout=900)
     try:
         from minibatch.daemon.lifecycle import running_pid

@@ -26,10 +26,11 @@ import torch
 
 from minibatch.engine.attention.metadata import build_flat_batch
 from minibatch.engine.attention.select import select_backend
-from minibatch.engine.runner.kv_cache import KVCacheTypes, allocate_kv_cache
+from minibatch.engine.runner.kv_cache import allocate_kv_cache
 from minibatch.engine.store.cache import resolve_model
 from minibatch.engine.text.tokenizer import TextTokenizer
 from minibatch.engine.weights.loader import load_model
+from minibatch.kernels.kv_types import KVCacheTypes
 
 TEXT = Path(__file__).resolve().parent / "data" / "hamlet.txt"
 

@@ -6,15 +6,13 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
-from dataclasses import dataclass
 
 import torch
 
 from minibatch.engine.models.config import ModelConfig
 from minibatch.kernels.kv_types import (
-    KV_CACHE_TYPES,
+    KVCacheTypes,
     PagedKV,
-    check_type,
     row_bytes,
     row_width,
     storage_dtype,
@@ -25,34 +23,6 @@ from minibatch.kernels.kv_types import (
 # of it, and a fresh pool's first prefill writes into one per layer's K and V (12 copy-heavy prompts prefilled
 # by a fresh process each, alternating: 705, 633, 543, 685 tok/s with 4 KB pages, 551, 529, 514, 551 with 2 MB)
 PAGE_ADVICE = getattr(mmap, "MADV_NOHUGEPAGE", None)
-
-
-@dataclass(frozen=True, slots=True)
-class KVCacheTypes:
-    """The types K and V are kept in (llama.cpp's -ctk / -ctv)."""
-
-    k: str
-    v: str
-
-    @classmethod
-    def parse(cls, text: str, field: str = "kv_cache_type") -> KVCacheTypes:
-        """`TYPE` for both, or `K_TYPE,V_TYPE`; an error naming the field and the types there are."""
-        parts = [p.strip() for p in str(text).split(",")]
-        if len(parts) not in (1, 2):
-            raise ValueError(
-                f"{field}: a type or K_TYPE,V_TYPE, got {text!r}; the types are {', '.join(KV_CACHE_TYPES)}"
-            )
-        k, v = (parts[0], parts[-1])
-        return cls(check_type(k, field), check_type(v, field))
-
-    @classmethod
-    def of_dtype(cls, dtype: torch.dtype) -> KVCacheTypes:
-        """Both in the type of a model dtype (f32, f16, bf16)."""
-        name = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}[dtype]
-        return cls(name, name)
-
-    def __str__(self) -> str:
-        return self.k if self.k == self.v else f"{self.k},{self.v}"
 
 
 def bytes_per_token(cfg: ModelConfig, types: KVCacheTypes) -> int:

@@ -10,7 +10,8 @@ import torch
 
 from minibatch.engine.attention.metadata import build_flat_batch
 from minibatch.engine.models.llama import LlamaForCausalLM
-from minibatch.engine.runner.kv_cache import KVCacheTypes, allocate_kv_cache
+from minibatch.engine.runner.kv_cache import allocate_kv_cache
+from minibatch.kernels.kv_types import KVCacheTypes
 
 
 @torch.inference_mode()

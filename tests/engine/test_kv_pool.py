@@ -9,7 +9,8 @@ import psutil
 import pytest
 
 from minibatch.engine.factory import EngineConfig, default_kv_types
-from minibatch.engine.runner.kv_cache import KVCacheTypes, allocate_kv_cache, bytes_per_block, bytes_per_token
+from minibatch.engine.runner.kv_cache import allocate_kv_cache, bytes_per_block, bytes_per_token
+from minibatch.kernels.kv_types import KVCacheTypes
 
 
 @pytest.mark.parametrize(

@@ -125,11 +125,16 @@ def test_bench_decode_attention(env):
 
 def test_bench_long_attention(env):
     args = ["--shape", "smollm2-135m", "--contexts", "64,200", "--prefill", "48", "--repeats", "1"]
-    proc = run(env, SCRIPTS / "bench_long_attention.py", *args)
+    proc = run(env, SCRIPTS / "bench_long_attention.py", *args, "--split", "smollm2-135m-instruct")
     decode = re.findall(r"^\| (\d+) \| " + r"([\d.]+) \(([\d.]+)\) \| " * 4 + r"([\d.]+) \|$", proc.stdout, re.M)
     assert [r[0] for r in decode] == ["64", "200"] and all(float(x) > 0 for r in decode for x in r[1:]), proc.stdout
     prefill = re.findall(r"^\| 48 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", proc.stdout, re.M)
     assert len(prefill) == 1, proc.stdout
+    cell = r"([\d.]+) / ([\d.]+) \((\d+)%\)"
+    split = re.findall(r"^\| 48 \| " + r" \| ".join([cell] * 4) + r" \|$", proc.stdout, re.M)
+    assert len(split) == 1, proc.stdout
+    totals, parts = [float(x) for x in split[0][0::3]], [float(x) for x in split[0][1::3]]
+    assert all(0 < p < t for p, t in zip(parts, totals)), split  # the attention part of each real prefill
 
 
 def test_bench_quant_matmul(env):
