@@ -5,6 +5,7 @@ routes (openai.py, ollama.py, anthropic.py, responses.py), each over the one pip
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -196,6 +197,65 @@ async def put_mode(request: web.Request) -> web.Response:
     return web.json_response(body, status=202)
 
 
+def _prompt_cache(state: DaemonState):
+    """(the disk prompt cache of the daemon's folder or None when it has none, its budget, whether it is on)."""
+    from minibatch.engine.kv_offload.disk import default_folder, inspect, open_cache
+
+    base = state.check_serving().base
+    folder = base.prompt_cache_dir or default_folder()
+    on = base.prompt_cache_gb > 0 and base.enable_prefix_caching
+    budget = int(base.prompt_cache_gb * 2**30)
+    return (open_cache(folder, budget) if on else inspect(folder)), budget, on
+
+
+def _loaded_identities(state: DaemonState) -> dict[str, str]:
+    out = {}
+    for m in state.check_serving().models.values():
+        tier = m.engine.engine.tier
+        if tier is not None:
+            out[tier.identity] = m.name
+    return out
+
+
+async def prompt_cache(request: web.Request) -> web.Response:
+    """The disk prompt cache: its bytes against --prompt-cache-gb, and each model's blocks (the folder itself
+    only for the daemon's own user)."""
+    state = request.app[STATE]
+    cache, budget, on = await asyncio.to_thread(_prompt_cache, state)
+    body = {"enabled": on} | await asyncio.to_thread(summary_of, cache, budget, _loaded_identities(state))
+    if state.is_operator(request) and cache is not None:
+        body["folder"] = str(cache.root)
+    return web.json_response(body)
+
+
+def summary_of(cache, budget: int, loaded: dict[str, str]) -> dict:
+    from minibatch.engine.kv_offload.disk import summary
+
+    return summary(cache, budget, loaded)
+
+
+async def clear_prompt_cache(request: web.Request) -> web.Response:
+    """Remove the disk prompt cache's blocks: of one model (?model=, as listed) or all; the daemon's own user
+    only (over the socket, without a key)."""
+    state = request.app[STATE]
+    if not state.is_operator(request):
+        raise ApiError(
+            403, "only the daemon's own user (over its socket) may clear the prompt cache", None, "forbidden"
+        )
+    cache, budget, _ = await asyncio.to_thread(_prompt_cache, state)
+    name = model_param(request)
+    if cache is None:
+        return web.json_response({"removed_blocks": 0, "removed_bytes": 0})
+    listed = summary_of(cache, budget, _loaded_identities(state))["models"]
+    identities = [None] if name is None else [m["identity"] for m in listed if name in (m["model"], m["identity"])]
+    if not identities:
+        raise ApiError(404, f"model: the prompt cache holds no blocks of {name!r}", "model", "model_not_found")
+    removed = [await asyncio.to_thread(cache.clear, ident) for ident in identities]
+    return web.json_response(
+        {"removed_blocks": sum(r[0] for r in removed), "removed_bytes": sum(r[1] for r in removed)}
+    )
+
+
 async def openapi_json(request: web.Request) -> web.Response:
     state = request.app[STATE]
     m = state.pool.find(None) if state.pool else None
@@ -206,6 +266,14 @@ async def openapi_json(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    if state.pool is not None:
+        for m in state.pool.models.values():
+            m.monitor.sync_disk(m.engine.state)
+        if state.pool.base.prompt_cache_gb > 0:
+            with contextlib.suppress(OSError):  # (a folder it cannot make: its loads logged why)
+                cache, _, _ = _prompt_cache(state)
+                state.pool.metrics.disk_bytes.set(cache.bytes)
+                state.pool.metrics.disk_evicted.set(cache.evicted_blocks)
     body = (state.pool.metrics.prometheus() if state.pool else b"") + request.app[GUARD].prometheus()
     body += request.app[response_store.STORE].prometheus()
     return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
@@ -237,6 +305,8 @@ def create_app(state: DaemonState, guard: Guard | None = None) -> web.Applicatio
     app.router.add_get("/v1/engine/steps", engine_steps)
     app.router.add_get("/v1/engine/mode", get_mode)
     app.router.add_put("/v1/engine/mode", put_mode)
+    app.router.add_get("/v1/prompt-cache", prompt_cache)
+    app.router.add_delete("/v1/prompt-cache", clear_prompt_cache)
     app.router.add_get("/metrics", metrics)
     openai.add_routes(app)
     ollama.add_routes(app)

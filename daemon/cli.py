@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 
 from .client import request_json
@@ -124,6 +125,13 @@ def add_server_options(p: argparse.ArgumentParser, models: bool = True) -> None:
         help="do not share KV blocks between requests with a common prefix (benchmarks replaying one trace)",
     )
     p.add_argument(
+        "--prompt-cache-shared",
+        action="store_true",
+        default=os.environ.get("MINIBATCH_PROMPT_CACHE_SHARED") == "1",
+        help="let requests under different API keys hit each other's cached prefixes, in memory and on disk "
+        "(default: each key its own, so that no client can time another's prompts)",
+    )
+    p.add_argument(
         "--socket-requires-key",
         action="store_true",
         default=os.environ.get("MINIBATCH_SOCKET_REQUIRES_KEY") == "1",
@@ -162,6 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
         "models", help="list the models this machine can serve without a network (and what a running daemon loaded)"
     )
     add_common(models)
+    cache = sub.add_parser(
+        "prompt-cache",
+        help="list the disk prompt cache (each model's cached KV blocks), or clear it (a running daemon's, else "
+        "the folder's)",
+    )
+    add_common(cache)
+    cache.add_argument("--clear", action="store_true", help="remove the cached blocks (of --model only, if given)")
+    cache.add_argument("--model", default=None, help="with --clear: only this model's blocks (a name as listed)")
+    cache.add_argument(
+        "--prompt-cache-dir",
+        default=os.environ.get("MINIBATCH_PROMPT_CACHE_DIR") or None,
+        help="the folder when no daemon runs (env MINIBATCH_PROMPT_CACHE_DIR; default: the daemon's default)",
+    )
+    cache.add_argument("--json", action="store_true", help="print the listing as JSON")
     return ap
 
 
@@ -269,6 +291,7 @@ def cmd_start(args) -> int:
             models,
             preload_of(args),
             args.reasoning_format,
+            prompt_cache_shared=args.prompt_cache_shared,
         )
         return asyncio.run(serve(conf))
     return start_background(args, sock, guard.api_keys[0] if guard.api_keys else None)
@@ -451,11 +474,74 @@ def cmd_models(args) -> int:
     return 0
 
 
+def cmd_prompt_cache(args) -> int:
+    """The running daemon's prompt cache over its socket (so its index stays true), else the folder's files."""
+    import json
+
+    sock = socket_of(args)
+    key = os.environ.get("MINIBATCH_API_KEY")
+    if running_pid(sock):
+        path = "/v1/prompt-cache" + (f"?model={urllib.parse.quote(args.model)}" if args.model else "")
+        method = "DELETE" if args.clear else "GET"
+        status, body = request_json(str(sock), method, path)  # as the socket's own user: it may clear
+        if status == 401 and key:  # (--socket-requires-key)
+            status, body = request_json(str(sock), method, path, api_key=key)
+        if status != 200:
+            print(f"minibatchd: {body.get('error', {}).get('message', body)}", file=sys.stderr)
+            return 1
+    else:
+        from minibatch.engine.kv_offload.disk import default_folder, inspect, summary
+
+        folder = Path(args.prompt_cache_dir) if args.prompt_cache_dir else default_folder()
+        cache = inspect(folder)
+        body = summary(cache, 0, {}) | {"enabled": None, "folder": str(folder)}
+        if args.clear:
+            listed = [m["identity"] for m in body["models"] if args.model in (None, m["model"], m["identity"])]
+            if args.model and not listed:
+                print(f"minibatchd: the prompt cache holds no blocks of {args.model!r}", file=sys.stderr)
+                return 1
+            removed = [cache.clear(None if args.model is None else i) for i in (listed if args.model else [None])]
+            body = {"removed_blocks": sum(r[0] for r in removed), "removed_bytes": sum(r[1] for r in removed)}
+    if args.json:
+        print(json.dumps(body, indent=2))
+    elif args.clear:
+        print(f"removed {body['removed_blocks']} blocks ({body['removed_bytes'] / 2**20:.1f} MiB)")
+    else:
+        print(prompt_cache_text(body))
+    return 0
+
+
+def prompt_cache_text(body: dict) -> str:
+    """The listing as `minibatchd prompt-cache` prints it."""
+    budget = f" of {body['budget_bytes'] / 2**30:.1f} GiB" if body.get("budget_bytes") else ""
+    state = {True: "on", False: "off", None: "no daemon running"}[body.get("enabled")]
+    lines = [
+        f"prompt cache ({state}){' in ' + body['folder'] if body.get('folder') else ''}: {body['blocks']} blocks, "
+        f"{body['bytes'] / 2**20:.1f} MiB{budget}"
+    ]
+    for m in body["models"]:
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(m["last_used"])) if m["last_used"] else "-"
+        facts = f"{m['kv_cache_type'] or '?'}, blocks of {m['block_size'] or '?'}, {m['weights'] or '?'}"
+        loaded = " (loaded)" if m["loaded"] else ""
+        lines.append(
+            f"  {m['model']:<32} {m['blocks']:>7} blocks {m['bytes'] / 2**20:>9.1f} MiB  last used {used}  "
+            f"[{facts}]{loaded}"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.own_command_line = argv is None  # the process's own argv, which `ps` shows
     args.argv = sys.argv[1:] if argv is None else list(argv)
-    handler = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "logs": cmd_logs, "models": cmd_models}
+    handler = {
+        "start": cmd_start,
+        "stop": cmd_stop,
+        "status": cmd_status,
+        "logs": cmd_logs,
+        "models": cmd_models,
+        "prompt-cache": cmd_prompt_cache,
+    }
     try:
         return handler[args.command](args)
     except KeyboardInterrupt:

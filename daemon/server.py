@@ -42,6 +42,7 @@ class DaemonConfig:
     # routes a response's later requests to it), and it takes who sent a request from the ingress's
     # X-Minibatch-Identity header (its socket is private to the cluster's user)
     replica_tag: str | None = None
+    prompt_cache_shared: bool = False  # every API key's requests share cached prefixes (state.cache_salt)
 
 
 def app_runner(app: web.Application, read_timeout: float) -> web.AppRunner:
@@ -86,6 +87,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         body_timeout=config.read_timeout,
         reasoning_format=config.reasoning_format,
         replica_tag=config.replica_tag,
+        prompt_cache_shared=config.prompt_cache_shared,
     )
     guard = config.guard or Guard()
     runner = app_runner(create_app(state, guard), config.read_timeout)

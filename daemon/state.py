@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ class DaemonState:
     status: str = "loading"  # loading | ready | draining | failed
     load_error: str | None = None
     replica_tag: str | None = None  # behind a cluster's ingress (server.DaemonConfig.replica_tag)
+    prompt_cache_shared: bool = False  # --prompt-cache-shared: every key's requests share cached prefixes
 
     def identity(self, request: web.Request) -> str:
         """Who sent `request`: the name of the key it showed (guard.IDENTITY), or, behind a cluster's ingress,
@@ -33,6 +35,15 @@ class DaemonState:
         if self.replica_tag is not None:
             return request.headers.get(IDENTITY_HEADER, LOCAL)
         return request.get(IDENTITY, LOCAL)
+
+    def cache_salt(self, request: web.Request) -> int:
+        """The prefix caches' namespace of `request`'s sender (the pool's and the disk's): each API key its
+        own, so that no client can tell by its time to first token what another sent; 0 for the socket's own
+        user, and for everyone with --prompt-cache-shared."""
+        who = self.identity(request)
+        if self.prompt_cache_shared or who == LOCAL:
+            return 0
+        return int.from_bytes(hashlib.blake2b(who.encode(), digest_size=8, person=b"minibatch-salt").digest(), "little")
 
     def check_serving(self) -> ModelPool:
         if self.status == "draining":

@@ -125,6 +125,7 @@ class AsyncEngine:
 
     def detached(self) -> None:
         """Called by the loop on its thread when it stops stepping this engine."""
+        self.engine.close()  # (the disk tier's writes end before the engine is let go)
         self._detached.set()
         for fn in list(self.on_detach):
             fn()
@@ -137,9 +138,10 @@ class AsyncEngine:
         request_id: str | None = None,
         share_prompt_with: str | None = None,
         pooling: str | None = None,
+        cache_salt: int = 0,
     ) -> str:
         """Check and queue a request (from the event loop); raises RequestRejected or QueueFull at once.
-        `pooling`: an embedding request (LLMEngine.add_request)."""
+        `pooling`: an embedding request, `cache_salt`: its prefix caches' namespace (LLMEngine.add_request)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         request_id = request_id or f"req-{next(self._ids)}"
@@ -158,7 +160,13 @@ class AsyncEngine:
             self._queued -= 1
             try:
                 self.engine.add_request(
-                    request_id, prompt_token_ids, params, share_prompt_with, checked=True, pooling=pooling
+                    request_id,
+                    prompt_token_ids,
+                    params,
+                    share_prompt_with,
+                    checked=True,
+                    pooling=pooling,
+                    cache_salt=cache_salt,
                 )
             except RequestRejected as exc:
                 self._emit(RequestOutput(request_id, "", [], True, "abort", error=str(exc)))

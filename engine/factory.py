@@ -11,6 +11,7 @@ from minibatch.engine.core.engine import LLMEngine
 from minibatch.engine.core.info import WEIGHT_MODES, EngineInfo
 from minibatch.engine.core.sampling_params import SAMPLING_DEFAULT_FIELDS
 from minibatch.engine.heap import release_free_memory
+from minibatch.engine.kv_offload.disk import DEFAULT_MIN_TOKENS
 from minibatch.engine.spec_decode.config import DEFAULT_METHOD, DEFAULT_NUM_TOKENS, SpecConfig
 from minibatch.engine.store.cache import DEFAULT_MODEL, resolve_model
 from minibatch.engine.testing import faults
@@ -49,6 +50,11 @@ class EngineConfig:
     speculative: str = DEFAULT_METHOD  # one of spec_decode/config.py SPEC_METHODS
     num_speculative_tokens: int = DEFAULT_NUM_TOKENS  # draft tokens per row per step at most
     draft_model: str | None = None  # speculative draft: the smaller model of the same vocabulary
+    # The disk tier of the prefix cache (kv_offload/): off for an engine a program builds; the daemon's option
+    # turns it on (engine/options.py: DEFAULT_PROMPT_CACHE_GB)
+    prompt_cache_gb: float = 0.0
+    prompt_cache_dir: str | None = None  # None: kv_offload/disk.py's default_folder()
+    prompt_cache_min_tokens: int = DEFAULT_MIN_TOKENS  # a shorter run on disk is recomputed (the crossover)
 
     def __post_init__(self) -> None:
         self.spec_config()  # refuses a method or a draft length out of range, naming it
@@ -72,6 +78,13 @@ class EngineConfig:
             raise ValueError(f"kv_cache_gb must be positive, got {self.kv_cache_gb}")
         if self.timeline_steps < 1:
             raise ValueError(f"timeline_steps must be at least 1, got {self.timeline_steps}")
+        if self.prompt_cache_gb < 0:
+            raise ValueError(f"prompt_cache_gb must be 0 (off) or more, got {self.prompt_cache_gb}")
+        if self.prompt_cache_min_tokens < self.block_size:
+            raise ValueError(
+                f"prompt_cache_min_tokens must be at least one block ({self.block_size}), got "
+                f"{self.prompt_cache_min_tokens}"
+            )
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 0.95:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
 
@@ -254,6 +267,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
             spec, config, tokenizer, backend, ops, device, dtype, num_blocks, max_model_len, kv_types
         )
 
+    tier = None
+    if config.prompt_cache_gb > 0 and config.enable_prefix_caching:
+        tier = build_disk_tier(config, model_dir, model, device, dtype_name, ops.name, kv_types, caches)
+
     gen_eos, gen_defaults = generation_config(model_dir)
     eos = set(cfg.eos_token_ids) | gen_eos  # e.g. Llama 3's end-of-turn tokens beside end-of-text
     if tokenizer.eos_token_id is not None:
@@ -275,6 +292,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         timeline_steps=config.timeline_steps,
         speculative=spec,
         proposer=proposer,
+        tier=tier,
     )
     engine.info = EngineInfo(
         model=config.model,
@@ -308,6 +326,45 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     )
     release_free_memory()  # the load's temporaries (file reads, stacked copies) leave the heap
     return engine
+
+
+def build_disk_tier(config: EngineConfig, model_dir, model, device, dtype_name, ops_name, kv_types, caches):
+    """This model's view of the disk prompt cache (--prompt-cache-gb; shared by every model of the process),
+    or None, logged, when its folder cannot be made: the daemon serves without it."""
+    import logging
+    from pathlib import Path
+
+    from minibatch.engine.kv_offload.disk import default_folder, open_cache
+    from minibatch.engine.kv_offload.identity import block_facts, identity_of
+    from minibatch.engine.kv_offload.tier import DiskTier
+    from minibatch.engine.runner.kv_cache import KVBlockIO
+
+    cfg = model.config
+    long = model.model.rotary.long if cfg.rope.rope_type == "longrope" else None
+    facts = block_facts(
+        config.model,
+        model_dir,
+        model.weights_desc,
+        device,
+        dtype_name,
+        ops_name,
+        str(kv_types),
+        config.block_size,
+        cfg.rope,
+        None if long is None else ("long" if long else "short"),
+    )
+    folder = Path(config.prompt_cache_dir) if config.prompt_cache_dir else default_folder()
+    try:
+        cache = open_cache(folder, int(config.prompt_cache_gb * 2**30))
+    except OSError as exc:
+        logging.getLogger("minibatch.prompt_cache").warning(
+            "prompt cache off for %s: cannot use %s (%s)", config.model, folder, exc.strerror or exc
+        )
+        return None
+    identity = identity_of(facts)
+    cache.describe(identity, facts)
+    min_blocks = -(-config.prompt_cache_min_tokens // config.block_size)
+    return DiskTier(cache, identity, KVBlockIO(caches), min_blocks)
 
 
 def build_draft_proposer(

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from minibatch.engine.core.info import WEIGHT_MODES
 from minibatch.engine.factory import DTYPES, EngineConfig
+from minibatch.engine.kv_offload.disk import DEFAULT_GB
 from minibatch.engine.spec_decode.config import MAX_NUM_TOKENS, SPEC_METHODS
 from minibatch.kernels.kv_types import KV_CACHE_TYPES
 
@@ -18,6 +19,7 @@ class Option:
     field: str  # the EngineConfig field
     type: type
     help: str
+    served: float | None = None  # the servers' default where it is not the field's (None: the field's)
 
     @property
     def flag(self) -> str:
@@ -29,7 +31,7 @@ class Option:
 
     @property
     def default(self):
-        return DEFAULTS[self.field]
+        return DEFAULTS[self.field] if self.served is None else self.served
 
 
 DEFAULTS = {
@@ -100,6 +102,19 @@ ENGINE_OPTIONS = (
         "continuation is the draft",
     ),
     Option("threads", int, "PyTorch CPU threads (default: all cores)"),
+    Option(
+        "prompt_cache_gb",
+        float,
+        "disk the prompt cache may take, GiB: full KV blocks the prefix cache registers are kept on disk and read "
+        "back when a later request's prompt starts with them, after a restart or an unload too (0: off)",
+        served=DEFAULT_GB,
+    ),
+    Option("prompt_cache_dir", str, "the prompt cache's folder (default: prompt-cache/ in the user cache folder)"),
+    Option(
+        "prompt_cache_min_tokens",
+        int,
+        "a run of cached tokens on disk shorter than this is recomputed instead of read",
+    ),
 )
 
 

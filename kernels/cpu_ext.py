@@ -31,6 +31,17 @@ _ext = None
 _tried = False
 
 
+def sources_digest() -> str:
+    """A digest of every file in csrc/ (torch's build cache hashes the sources, not the headers, so it goes
+    into the flags; what the kernels compute is named by it, as the disk prompt cache's identity does)."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.is_file())).hexdigest()[:16]
+
+
+def build_name() -> str:
+    """Which build of the kernels this process runs: native, or one of OTHER_BUILDS (MINIBATCH_CPU_BUILD)."""
+    return os.environ.get(BUILD_VARIABLE, "native")
+
+
 def load_cpu_extension():
     """The compiled extension, or None when it cannot be built here (then the PyTorch twins run)."""
     global _ext, _tried
@@ -40,7 +51,7 @@ def load_cpu_extension():
     if os.environ.get("MINIBATCH_CPU_KERNELS", "1") == "0":
         log.info("CPU kernels disabled by MINIBATCH_CPU_KERNELS=0; using the PyTorch twins")
         return None
-    build = os.environ.get(BUILD_VARIABLE, "native")
+    build = build_name()
     if build != "native":
         if build not in OTHER_BUILDS:
             raise ValueError(f"{BUILD_VARIABLE}={build!r}: expected native or one of {sorted(OTHER_BUILDS)}")
@@ -48,9 +59,7 @@ def load_cpu_extension():
         _ext = load_other_build(build)
         return _ext
     started = time.perf_counter()
-    # torch's build cache hashes the sources, not the headers: the digest of every file in
-    # csrc/ goes into the flags so that any change rebuilds.
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.is_file())).hexdigest()[:16]
+    digest = sources_digest()
     _ext = _load_built(digest)
     if _ext is not None:
         return _ext
@@ -88,7 +97,7 @@ def load_other_build(kind: str):
     """The same sources built for another kind of CPU (OTHER_BUILDS), to test its paths here."""
     from torch.utils.cpp_extension import load
 
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(_CSRC.iterdir()) if p.is_file())).hexdigest()[:16]
+    digest = sources_digest()
     return load(
         name=f"minibatch_cpu_kernels_{kind}",
         sources=[str(_CSRC / s) for s in SOURCES],

@@ -12,6 +12,10 @@ from pathlib import Path
 
 import aiohttp
 
+# A daemon a script starts keeps no disk prompt cache unless the script asks for one (bench_agent.py does): each
+# run measures from the same start, never from blocks an earlier run left on disk.
+os.environ.setdefault("MINIBATCH_PROMPT_CACHE_GB", "0")
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 

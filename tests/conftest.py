@@ -15,6 +15,11 @@ import pytest
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Daemons the tests start keep no disk prompt cache (an earlier test's blocks would be hits), except where a test
+# turns it on with a folder of its own; and the folder they would list or clear is never the user's.
+os.environ["MINIBATCH_PROMPT_CACHE_GB"] = "0"
+os.environ["MINIBATCH_PROMPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="mb-test-prompt-cache-")
+
 # Triton kernels run in the interpreter on a machine without a GPU; it must be chosen
 # before any kernel is defined, so before any test module imports one.
 try:

@@ -255,7 +255,7 @@ def usage(prompt_tokens: int, output_tokens: int, metrics) -> dict:
 async def messages(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await read_body(request, state, MessagesRequest)
-    async with pipeline.generate(state, await off_loop(generation, body)) as run:
+    async with pipeline.generate(state, await off_loop(generation, body), request) as run:
         if body.stream:
             return await stream(request, run, body)
         return await whole(run, body)

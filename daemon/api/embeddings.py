@@ -105,7 +105,7 @@ def _is_token(t) -> bool:
 async def _embed(request: web.Request, gen: Generation) -> tuple[list[list[float]], int, str]:
     """(the vectors in the inputs' order, the prompt tokens computed, the model's name)."""
     state = request.app[STATE]
-    async with generate(state, gen) as running:
+    async with generate(state, gen, request) as running:
         choices = await running.whole()
         return [c.last.embedding for c in choices], running.prompt_tokens, running.model.name
 

@@ -166,7 +166,7 @@ async def respond(request: web.Request, chat: bool):
         return await load_only(request, state, body, chat, started)
     gen = generation(body, chat)
     gen.operator = state.is_operator(request)
-    async with pipeline.generate(state, gen) as run:
+    async with pipeline.generate(state, gen, request) as run:
         return await answer(request, run, body, chat, started)
 
 

@@ -130,14 +130,14 @@ def forced_call(body: ChatRequest, specs: list[dict]) -> tuple[list[dict], str |
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body: ChatRequest = await read_body(request, state, ChatRequest)
-    async with generate(state, chat_generation(body)) as run:
+    async with generate(state, chat_generation(body), request) as run:
         return await answer(request, run, body, chat=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body: CompletionRequest = await read_body(request, state, CompletionRequest)
-    async with generate(state, completion_generation(body)) as run:
+    async with generate(state, completion_generation(body), request) as run:
         return await answer(request, run, body, chat=False)
 
 

@@ -159,6 +159,29 @@ def _operations() -> list[tuple]:
             {**GUARDED, **BODY, **ENGINE, **loaded},
             [model],
         ),
+        (
+            "get",
+            "/v1/prompt-cache",
+            "the disk prompt cache: its bytes against the budget, each model's blocks",
+            None,
+            {200: {JSON: s.PromptCache}},
+            {**GUARDED, **ENGINE},
+            [],
+        ),
+        (
+            "delete",
+            "/v1/prompt-cache",
+            "clear the disk prompt cache (one model's blocks with ?model=); the daemon's own user only",
+            None,
+            {200: {JSON: s.PromptCacheCleared}},
+            {
+                **GUARDED,
+                403: "not the daemon's own user (over its socket, without a key), or a foreign Host or Origin",
+                **ENGINE,
+                404: "the cache holds no blocks of that model",
+            },  # fmt: skip
+            [_query("model", {"type": "string"}, "only this model's blocks (a name or identity as listed)")],
+        ),
         ("get", "/metrics", "Prometheus metrics", None, {200: {TEXT: {"type": "string"}}}, {**GUARDED}, []),
         (
             "post",

@@ -225,7 +225,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     earlier = (
         store.get(body.previous_response_id, owner, "previous_response_id")[1] if body.previous_response_id else []
     )
-    async with pipeline.generate(state, await off_loop(generation, body, earlier)) as run:
+    async with pipeline.generate(state, await off_loop(generation, body, earlier), request) as run:
         answer = Answer(store, run, body, owner, response_id(state.replica_tag))
         return await (stream(request, answer) if body.stream else whole(answer))
 

@@ -215,11 +215,49 @@ class Stats(_Out):
     draft_tokens: int  # over the engine's life
     accepted_tokens: int
     verify_rows: int
+    disk_cache: bool  # the disk prompt cache is on for this model (--prompt-cache-gb)
+    disk_hit_blocks: int  # over the engine's life: blocks read back from disk as prefix hits
+    disk_loading_requests: int  # now: requests waiting off the queue for their blocks from disk
+    disk_read_bytes: int
+    disk_written_blocks: int
+    disk_written_bytes: int
+    disk_bad_blocks: int  # torn, corrupt or vanished files found: misses, removed
+    disk_write_errors: int  # writes the disk refused (full, read-only): misses, logged
+    disk_skipped_blocks: int  # not written: the writer was behind
     last_error: str | None
     recent_steps: list[StepStats]
     model: str  # which loaded model this is (?model=, default the daemon's own)
     models: dict[str, ModelStats] = {}  # without ?model=: every loaded model's
     totals: dict[str, float] = {}  # without ?model=: their sums
+
+
+class PromptCacheModel(_Out):
+    identity: str  # the folder's name: a digest of what decides its blocks' contents
+    model: str
+    loaded: bool
+    blocks: int
+    bytes: int
+    last_used: float  # wall time of its newest block
+    kv_cache_type: str | None
+    block_size: int | None
+    weights: str | None
+
+
+class PromptCache(_Out):
+    """GET /v1/prompt-cache: the disk prompt cache's folder."""
+
+    enabled: bool
+    budget_bytes: int
+    bytes: int
+    blocks: int
+    evicted_blocks: int  # removed for the budget since the daemon started
+    models: list[PromptCacheModel]
+    folder: str | None = None  # to the daemon's own user only
+
+
+class PromptCacheCleared(_Out):
+    removed_blocks: int
+    removed_bytes: int
 
 
 class BlockMap(_Out):

@@ -117,6 +117,7 @@ def cluster_config(args, sock: Path):
         request_timeout=args.request_timeout,
         read_timeout=args.read_timeout,
         start_timeout=args.start_timeout,
+        prompt_cache_shared=args.prompt_cache_shared,
     )
 
 

@@ -76,6 +76,7 @@ class EngineReplica:
         shutdown_timeout: float = 30.0,
         start_timeout: float = 600.0,
         stream_interval: float = 0.0,
+        prompt_cache_shared: bool = False,
     ) -> None:
         """`stream_interval` (s): send a stream's chunks to the ingress at most this often, coalescing what
         arrives in between (0: each as it comes); every chunk relayed costs both processes Ray's per-item
@@ -98,6 +99,7 @@ class EngineReplica:
             read_timeout=read_timeout,
             models=PoolSettings(on_demand=False),  # an application serves one model (docs/daemon.md, Several models)
             replica_tag=replica_tag(self.replica_id),  # its stored responses' ids say it holds them
+            prompt_cache_shared=prompt_cache_shared,
         )
         started = threading.Event()
 

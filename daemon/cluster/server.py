@@ -51,6 +51,7 @@ class ClusterConfig:
     request_timeout: float = 600.0
     read_timeout: float = 30.0
     start_timeout: float = 600.0
+    prompt_cache_shared: bool = False  # every key's requests share cached prefixes (the replicas' state.cache_salt)
 
     @property
     def max_replicas(self) -> int:
@@ -106,6 +107,7 @@ def deployment(conf: ClusterConfig, gpus: float):
         conf.shutdown_timeout,
         conf.start_timeout,
         conf.stream_interval_ms / 1000,
+        conf.prompt_cache_shared,
     )
 
 

@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiohttp import web
+
 from minibatch.engine.core.admission import QueueFull, RequestRejected
 from minibatch.engine.core.outputs import RequestOutput
 from minibatch.engine.core.sampling_params import (
@@ -79,6 +81,7 @@ class Generation:
     keep_alive: Any = None  # the request's, as parse_keep_alive reads it; None: the model's own
     operator: bool = False  # the daemon's own user asks (state.is_operator): keep_alive may change a preloaded model's
     stream_interval: float = 0.0  # seconds between a stream's outputs (0: one per engine step)
+    cache_salt: int = 0  # the prefix caches' namespace of whoever sent it (set by generate: state.cache_salt)
     # Embeddings: each prompt computed and pooled (the model's pooling) instead of continued; no text comes
     # back, RequestOutput.embedding does. `truncate`: a prompt past the context keeps its first tokens that fit.
     embed: bool = False
@@ -187,9 +190,11 @@ class Running:
 
 
 @contextlib.asynccontextmanager
-async def generate(state: DaemonState, gen: Generation) -> AsyncIterator[Running]:
-    """Lease the model, render, admit and submit `gen`; the Running it yields is closed on the way out
-    (aborting what is unfinished, whatever the reason: done, an error, the client gone)."""
+async def generate(state: DaemonState, gen: Generation, request: web.Request) -> AsyncIterator[Running]:
+    """Lease the model, render, admit and submit `gen` (sent by `request`'s client: its prefix caches'
+    namespace); the Running it yields is closed on the way out (aborting what is unfinished, whatever the
+    reason: done, an error, the client gone)."""
+    gen.cache_salt = state.cache_salt(request)
     deadline = asyncio.get_running_loop().time() + state.request_timeout
     async with state.lease(gen.model, gen.keep_alive, gen.operator) as model:
         try:
@@ -342,7 +347,7 @@ def _submit(
     """Submit one completion; a refusal becomes the API's error, naming the field and, in a batch of prompts,
     the prompt: `prompt.1`, `prompt.0.3` (its token 3)."""
     try:
-        engine.submit(ids, params, rid, share, pooling=pooling)
+        engine.submit(ids, params, rid, share, pooling=pooling, cache_salt=gen.cache_salt)
     except QueueFull as exc:
         raise ApiError(exc.status, str(exc), exc.field, exc.code, "rate_limit_error", {"Retry-After": "1"}) from None
     except RequestRejected as exc:

@@ -4,7 +4,10 @@ Block 0 is reserved as the null block: it is never handed out, so padding in a
 block table or slot mapping can point at it without a sentinel value.
 
 Prefix caching: a block whose 16 (block_size) tokens are all computed gets a
-hash chained from its parent block's hash and its own token ids. A later
+hash chained from its parent block's hash and its own token ids (`block_hash`:
+BLAKE2b, the same in every process, so the disk tier, kv_tier.py, files blocks
+by it; a request's first block chains from its `cache_salt`, so requests of
+different salts never share a block). A later
 request whose prompt starts with the same tokens shares those blocks (the
 reference count goes up) instead of recomputing them. A freed block keeps its
 hash while it sits in the free queue, so it can still be hit until it is
@@ -23,12 +26,25 @@ the request's table; the attention paths mask those positions anyway.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+from minibatch.engine.core.kv_tier import BlockKey
 from minibatch.engine.core.request import Request, RequestStatus
 
 NULL_BLOCK = 0
+HASH_MASK = (1 << 64) - 1
+
+
+def block_hash(parent: int, tokens: tuple[int, ...]) -> int:
+    """The chained hash of a block holding `tokens` after the block hashed `parent` (the first block's
+    parent is its request's cache salt): 64 bits of BLAKE2b, the same in every process and on every machine.
+    A hit is still checked against the block's own tokens and parent, so a collision is a miss."""
+    data = parent.to_bytes(8, "little") + array("i", tokens).tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
 @dataclass(slots=True)
@@ -36,7 +52,7 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: int | None = None  # set once the block is full and registered
-    parent_hash: int | None = None
+    parent_hash: int | None = None  # (the first block's: its request's cache salt)
     token_ids: tuple[int, ...] | None = None  # kept to verify a hash hit
 
 
@@ -58,6 +74,9 @@ class BlockManager:
         self.req_num_released: dict[str, int] = {}  # leading blocks handed back as out of the window
         self.released_blocks = 0  # blocks handed back early, over the manager's life
         self.prefix_hits = 0  # blocks served from the cache, over the manager's life
+        # Blocks registered since the engine last took them (`take_registered`), for a second tier to keep;
+        # None: nobody keeps them.
+        self.registered: list[tuple[BlockKey, int]] | None = None
 
     # -- capacity ---------------------------------------------------------
     @property
@@ -111,16 +130,39 @@ class BlockManager:
         if not self.enable_prefix_caching or req.computes_every_position:
             return []
         hits: list[Block] = []
-        parent = None
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        for i in range(max_blocks):
-            tokens = tuple(req.tokens(i * self.block_size, (i + 1) * self.block_size))
-            block = self.cached.get(hash((parent, tokens)))
-            if block is None or block.token_ids != tokens or block.parent_hash != parent:
+        for key in self.chain(req):
+            block = self.cached.get(key.hash)
+            if block is None or block.token_ids != key.tokens or block.parent_hash != key.parent:
                 break
             hits.append(block)
-            parent = block.block_hash
         return hits
+
+    def chain(self, req: Request, start: int = 0, parent: int | None = None) -> Iterator[BlockKey]:
+        """The keys of the request's full blocks from block `start` (whose parent's hash is `parent`; from 0,
+        the request's salt), up to the last that leaves a token to compute."""
+        parent = req.cache_salt if parent is None else parent
+        for i in range(start, (req.num_tokens - 1) // self.block_size):
+            tokens = tuple(req.tokens(i * self.block_size, (i + 1) * self.block_size))
+            h = block_hash(parent, tokens)
+            yield BlockKey(h, parent, tokens)
+            parent = h
+
+    def register_loaded(self, req: Request, keys: list[BlockKey]) -> None:
+        """The request's blocks after its computed ones now hold these keys' contents (read from a second
+        tier): register them as if computed, so its admission finds them as prefix hits."""
+        blocks = self.req_blocks.get(req.request_id, [])
+        start = self.req_num_hashed.get(req.request_id, 0)
+        for block, key in zip(blocks[start:], keys):
+            block.block_hash, block.parent_hash, block.token_ids = key.hash, key.parent, key.tokens
+            self.cached.setdefault(key.hash, block)  # (a twin computed meanwhile stays the one found)
+        self.req_num_hashed[req.request_id] = start + len(keys)
+
+    def take_registered(self) -> list[tuple[BlockKey, int]]:
+        """The (key, block id) of every block registered since the last call (the engine saves them)."""
+        if not self.registered:
+            return []
+        out, self.registered = self.registered, []
+        return out
 
     # -- allocation -------------------------------------------------------
     def can_allocate(self, req: Request, num_new_tokens: int, computed: list[Block] = ()) -> bool:
@@ -224,14 +266,15 @@ class BlockManager:
         blocks = self.req_blocks.get(req.request_id, [])
         num_full = min(min(req.num_computed_tokens, req.num_tokens) // self.block_size, len(blocks))
         start = self.req_num_hashed.get(req.request_id, 0)
-        parent = blocks[start - 1].block_hash if start > 0 else None
+        parent = blocks[start - 1].block_hash if start > 0 else req.cache_salt
         for i in range(start, num_full):
             block = blocks[i]
             tokens = tuple(req.tokens(i * self.block_size, (i + 1) * self.block_size))
-            h = hash((parent, tokens))
+            h = block_hash(parent, tokens)
             if block.block_hash is None:
                 block.block_hash, block.parent_hash, block.token_ids = h, parent, tokens
-                self.cached.setdefault(h, block)
+                if self.cached.setdefault(h, block) is block and self.registered is not None:
+                    self.registered.append((BlockKey(h, parent, tokens), block.block_id))
             parent = h
         self.req_num_hashed[req.request_id] = max(start, num_full)
 

@@ -16,6 +16,7 @@ from minibatch.engine.core.config import SchedulerConfig
 from minibatch.engine.core.cpu_wait import RunQueueWait
 from minibatch.engine.core.detokenizer import IncrementalDetokenizer, Tokenizer
 from minibatch.engine.core.info import EngineInfo
+from minibatch.engine.core.kv_tier import BlockTier, TierCounters
 from minibatch.engine.core.outputs import EngineState, RequestOutput, RunnerOutput, StepStats
 from minibatch.engine.core.request import POOLINGS, Request, RequestStatus
 from minibatch.engine.core.sampling_params import SamplingParams
@@ -62,13 +63,17 @@ class LLMEngine:
         timeline_steps: int = 512,
         speculative: SpecConfig | None = None,
         proposer: Proposer | None = None,  # the drafts' source (default: the config's n-gram lookup)
+        tier: BlockTier | None = None,  # a second tier of prefix blocks (kv_tier.py): disk, past restarts
     ) -> None:
         self.runner, self.tokenizer, self.clock = runner, tokenizer, clock
         # proposes draft tokens for decoding rows (None: one token per row per step)
         on = speculative is not None and speculative.enabled
         self.spec = SpecDecoder(speculative, proposer) if on else None
         self.timeline = Timeline(timeline_steps)  # the last steps' rows, for the chat's timeline and the report
-        self.scheduler = Scheduler(scheduler_config, block_manager, mode, clock)
+        self.scheduler = Scheduler(scheduler_config, block_manager, mode, clock, tier)
+        self.tier = tier
+        if tier is not None:  # every block the prefix cache registers is offered to the tier
+            block_manager.registered = []
         self.eos_token_ids = frozenset(eos_token_ids)
         self.streams: dict[str, _Stream] = {}
         self.pending_outputs: list[RequestOutput] = []  # finished outside a step (aborts)
@@ -86,6 +91,7 @@ class LLMEngine:
         share_prompt_with: str | None = None,
         checked: bool = False,
         pooling: str | None = None,
+        cache_salt: int = 0,
     ) -> Request:
         """Queue a request; raises RequestRejected (or QueueFull) with the reason.
 
@@ -93,10 +99,18 @@ class LLMEngine:
         that one has computed the prompt and borrows its KV blocks instead of computing them again.
         `checked`: the caller (AsyncEngine) ran the admission checks already, counting its in-flight requests.
         `pooling` ("last", "mean" or "cls"): an embedding request, which ends with its prompt's pooled hidden
-        states (RequestOutput.embedding) once the prompt is computed, in the same batches as the others."""
+        states (RequestOutput.embedding) once the prompt is computed, in the same batches as the others.
+        `cache_salt`: the prefix caches' namespace (request.py): blocks are shared only within one salt."""
         if pooling not in (None, *POOLINGS):
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-        req = Request(request_id, list(prompt_token_ids), params, arrival_time=self.clock(), pooling=pooling)
+        req = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            arrival_time=self.clock(),
+            pooling=pooling,
+            cache_salt=cache_salt,
+        )
         leader = self.scheduler.requests.get(share_prompt_with) if share_prompt_with is not None else None
         if leader is not None and leader.prompt_token_ids == req.prompt_token_ids:
             req.prompt_leader = leader
@@ -113,6 +127,11 @@ class LLMEngine:
 
     def set_mode(self, mode: str) -> None:
         self.scheduler.set_mode(mode)
+
+    def close(self) -> None:
+        """The engine is let go (unload, shutdown): the disk tier finishes its writes and reads."""
+        if self.tier is not None:
+            self.tier.close()
 
     @property
     def mode(self) -> str:
@@ -161,6 +180,8 @@ class LLMEngine:
             out = self._final(req)
             out.embedding = vector
             outputs.append(out)
+        if self.tier is not None:  # before the next schedule could hand a registered block out again
+            self.tier.save(self.scheduler.blocks.take_registered())
         self.num_steps += 1
         step_time = time.perf_counter() - started
         spec_stats = self._observe_spec(sched, accepted_rows, step_time)
@@ -269,7 +290,8 @@ class LLMEngine:
         """End every request with an error (after a forward failed) and free their blocks."""
         outputs = self.pending_outputs
         self.pending_outputs = []
-        for req in list(self.scheduler.waiting) + list(self.scheduler.running):
+        loading = [r for r, _ in self.scheduler.loading.values()]
+        for req in list(self.scheduler.waiting) + loading + list(self.scheduler.running):
             already = req.status.finished
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             if not already and req.request_id in self.streams:
@@ -295,6 +317,7 @@ class LLMEngine:
             kv_window=bm.window,
             kv_blocks_released_out_of_window=bm.released_blocks,
             prefix_cache_hit_blocks=bm.prefix_hits,
+            **_tier_fields(self.tier, s.tier_hit_blocks, len(s.loading)),
             preemptions=s.num_preemptions,
             wasted_row_steps=s.wasted_row_steps,
             speculative=self.spec.config.method if self.spec is not None else "off",
@@ -331,6 +354,7 @@ class LLMEngine:
             kv_blocks_used=bm.num_used_blocks,
             kv_blocks_total=bm.num_usable_blocks,
             prefix_hit_blocks=sched.prefix_hit_blocks,
+            disk_hit_blocks=sched.tier_hit_blocks,
             preemptions=len(sched.preempted),
             wasted_row_steps=s.wasted_row_steps,
             total_preemptions=s.num_preemptions,
@@ -340,6 +364,22 @@ class LLMEngine:
             accepted_tokens=spec[1],
             verify_rows=spec[2],
         )
+
+
+def _tier_fields(tier: BlockTier | None, hits: int, loading: int) -> dict:
+    """EngineState's disk-tier fields (all 0 with the tier off)."""
+    c = tier.counters() if tier is not None else TierCounters()
+    return {
+        "disk_cache": tier is not None,
+        "disk_hit_blocks": hits,
+        "disk_loading_requests": loading,
+        "disk_read_bytes": c.read_bytes,
+        "disk_written_blocks": c.written_blocks,
+        "disk_written_bytes": c.written_bytes,
+        "disk_bad_blocks": c.bad_blocks,
+        "disk_write_errors": c.write_errors,
+        "disk_skipped_blocks": c.skipped_blocks,
+    }
 
 
 def _find_stop(text: str, stops: list[str], sent: int) -> int | None:

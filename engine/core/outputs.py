@@ -95,6 +95,7 @@ class StepStats:
     draft_tokens: int = field(default=0, metadata=COUNT)  # speculative tokens verified this step
     accepted_tokens: int = field(default=0, metadata=COUNT)  # of them accepted
     verify_rows: int = field(default=0, metadata=COUNT)  # rows that verified a draft
+    disk_hit_blocks: int = field(default=0, metadata=COUNT)  # blocks read back from the disk tier for this step
 
     @property
     def kv_usage(self) -> float:
@@ -125,6 +126,16 @@ class EngineState:
     draft_tokens: int = field(default=0, metadata=COUNT)  # speculative tokens verified, over the engine's life
     accepted_tokens: int = field(default=0, metadata=COUNT)  # of them accepted
     verify_rows: int = field(default=0, metadata=COUNT)  # row-steps that verified a draft, over the engine's life
+    # The disk tier of the prefix cache (--prompt-cache-gb; kv_offload/): over the engine's life
+    disk_cache: bool = False  # whether it is on for this model
+    disk_hit_blocks: int = field(default=0, metadata=COUNT)  # blocks read back intact (prefix hits from disk)
+    disk_loading_requests: int = field(default=0, metadata=COUNT)  # requests waiting for their blocks now
+    disk_read_bytes: int = field(default=0, metadata=COUNT)
+    disk_written_blocks: int = field(default=0, metadata=COUNT)
+    disk_written_bytes: int = field(default=0, metadata=COUNT)
+    disk_bad_blocks: int = field(default=0, metadata=COUNT)  # torn, corrupt or vanished files: misses, removed
+    disk_write_errors: int = field(default=0, metadata=COUNT)  # failed writes (full or read-only disk): misses
+    disk_skipped_blocks: int = field(default=0, metadata=COUNT)  # offered while the writer was behind: not kept
 
     @property
     def kv_usage(self) -> float:

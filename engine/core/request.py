@@ -40,6 +40,11 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_disk_cached_tokens: int = 0  # of them, read from the second tier (kv_tier.py) first
+    # The prefix caches' namespace: its first block's hash chains from it, so requests of different salts
+    # never share a block (the daemon gives each API key its own unless sharing is allowed)
+    cache_salt: int = 0
+    tier_checked: bool = False  # its prefix was looked up in the second tier since it was last queued
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -111,6 +116,7 @@ class RequestMetrics:
     output_tokens: int
     cached_prompt_tokens: int
     preemptions: int
+    disk_cached_prompt_tokens: int = 0  # of the cached ones, read from the disk tier for this request
     draft_tokens: int = 0  # speculative decoding: tokens proposed and verified
     accepted_tokens: int = 0  # of them accepted (each saved a step)
 
@@ -133,6 +139,7 @@ class RequestMetrics:
             output_tokens=n,
             cached_prompt_tokens=r.num_cached_tokens,
             preemptions=r.num_preemptions,
+            disk_cached_prompt_tokens=r.num_disk_cached_tokens,
             draft_tokens=r.num_draft_tokens,
             accepted_tokens=r.num_accepted_tokens,
         )

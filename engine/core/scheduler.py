@@ -18,12 +18,15 @@ from collections import deque
 from collections.abc import Callable
 
 from minibatch.engine.core.admission import RequestRejected, check_capacity, check_request
-from minibatch.engine.core.block_manager import BlockManager
+from minibatch.engine.core.block_manager import Block, BlockManager
 from minibatch.engine.core.config import MODES, SchedulerConfig
+from minibatch.engine.core.kv_tier import BlockKey, BlockTier
 from minibatch.engine.core.policies.continuous import ContinuousPolicy
 from minibatch.engine.core.policies.static import StaticPolicy
 from minibatch.engine.core.request import Request, RequestStatus
 from minibatch.engine.core.scheduler_output import SchedulerOutput
+
+LOAD_POLL_S = 0.002  # how often an otherwise idle engine looks whether the tier's reads are in
 
 
 class Scheduler:
@@ -35,6 +38,7 @@ class Scheduler:
         block_manager: BlockManager,
         mode: str = "continuous",
         clock: Callable[[], float] = time.monotonic,
+        tier: BlockTier | None = None,
     ) -> None:
 
         if mode not in MODES:
@@ -48,6 +52,9 @@ class Scheduler:
         self.pending_mode: str | None = None
         self.num_preemptions = 0
         self.wasted_row_steps = 0
+        self.tier = tier  # a second tier of prefix blocks (kv_tier.py); None: the pool's prefix cache only
+        self.loading: dict[str, tuple[Request, list[BlockKey]]] = {}  # off the queue while its blocks come in
+        self.tier_hit_blocks = 0  # blocks read back from the tier, over the scheduler's life
 
     # -- requests in ------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -74,7 +81,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._switch_if_at_boundary()
+        loaded = self._finish_loads()
         out = self.policies[self.mode].schedule(admit=self.pending_mode is None)
+        out.tier_hit_blocks = loaded
         self.num_preemptions += len(out.preempted)
         self.wasted_row_steps += len(out.padding)
         return out
@@ -108,13 +117,67 @@ class Scheduler:
             self.blocks.cache_full_blocks(req)
 
     def next_wakeup(self) -> float | None:
-        """When the scheduler wants to run again though nothing new arrives (static batch timeout)."""
-        return self.policies[self.mode].next_wakeup()
+        """When the scheduler wants to run again though nothing new arrives (static batch timeout, a load
+        from the second tier to look at)."""
+        wakeup = self.policies[self.mode].next_wakeup()
+        if self.loading:
+            soon = self.clock() + LOAD_POLL_S
+            wakeup = soon if wakeup is None else min(wakeup, soon)
+        return wakeup
+
+    # -- the second tier ----------------------------------------------------
+    def load_from_tier(self, req: Request, computed: list[Block]) -> bool:
+        """Whether the head of the queue leaves it to wait for its next blocks from the second tier.
+
+        After the pool's own hits (`computed`), the tier is asked how many of the request's next full blocks
+        it holds; a run of at least `tier.min_blocks` (that fits the free blocks) gets fresh blocks, held by
+        the request with its hits, and the tier reads into them while the engine steps the others. Asked once
+        per queueing: a request put back by a finished load, or one the tier had too little of, goes on."""
+        tier, bm = self.tier, self.blocks
+        if tier is None or req.tier_checked or req.prompt_leader is not None:
+            return False
+        req.tier_checked = True
+        if not bm.enable_prefix_caching or req.computes_every_position:
+            return False
+        keys = list(bm.chain(req, len(computed), computed[-1].block_hash if computed else None))
+        n = tier.match(keys) if keys else 0
+        n = min(n, bm.num_free_blocks - sum(1 for b in computed if b.ref_count == 0))
+        if n < max(1, tier.min_blocks) or not bm.allocate(req, n * bm.block_size, computed):
+            return False
+        tier.load(req.request_id, keys[:n], req.block_ids[len(computed) :])
+        self.waiting.remove(req)
+        self.loading[req.request_id] = (req, keys[:n])
+        return True
+
+    def _finish_loads(self) -> int:
+        """Requests whose blocks came in go back to the head of the queue: the blocks read intact are
+        registered as prefix blocks and all of them freed, so the admission that follows finds them (they are
+        the free queue's newest: the last to be handed out). Returns the blocks read."""
+        if not self.loading:
+            return 0
+        read = 0
+        for request_id, intact in self.tier.poll():
+            req, keys = self.loading.pop(request_id)
+            if not req.status.finished and intact:
+                self.blocks.register_loaded(req, keys[:intact])
+                read += intact
+                if req.first_scheduled_time is None:
+                    req.num_disk_cached_tokens = intact * self.blocks.block_size
+            self.blocks.free(req)
+            if req.status.finished:  # aborted while it waited: its blocks were held until the reads ended
+                self.requests.pop(request_id, None)
+            else:
+                self.waiting.appendleft(req)
+        self.tier_hit_blocks += read
+        return read
 
     # -- requests out -----------------------------------------------------
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End a request (stop, length or abort); the policy decides when its blocks go back."""
         if req.status.finished:
+            return
+        if req.request_id in self.loading:  # the tier is writing its blocks: they go back once it is done
+            req.status, req.finished_time = status, self.clock()
             return
         if req in self.waiting:
             self.waiting.remove(req)
@@ -153,6 +216,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.tier_checked = False
         self.waiting.appendleft(req)
 
     def admit(self, req: Request, computed_blocks: int) -> None:
@@ -173,7 +237,8 @@ class Scheduler:
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + sum(1 for r in self.running if not r.status.finished)
+        loading = sum(1 for r, _ in self.loading.values() if not r.status.finished)
+        return len(self.waiting) + loading + sum(1 for r in self.running if not r.status.finished)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)

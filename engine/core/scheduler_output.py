@@ -21,6 +21,7 @@ class SchedulerOutput:
     num_decode_tokens: int = 0  # one per request generating its next token
     num_draft_tokens: int = 0  # speculative tokens verified beside them
     prefix_hit_blocks: int = 0  # blocks admitted requests took from the prefix cache
+    tier_hit_blocks: int = 0  # blocks the second tier read back, registered before this schedule
     released_blocks: int = 0  # blocks handed back as out of every layer's sliding window
 
     @property

@@ -87,3 +87,49 @@ def allocate_kv_cache(
         v = pool[at : at + math.prod(shapes[1]) * dtypes[1].itemsize].view(dtypes[1]).view(shapes[1])
         layers.append(PagedKV(k, v))
     return layers
+
+
+class KVBlockIO:
+    """One pool block's contents as bytes, across every layer's K then V (what the disk tier files): copied
+    out of the pool for a batch of blocks at once, put back one block at a time. On the CPU through NumPy
+    views of the pool (a copy each, no tensor operations); elsewhere through the device."""
+
+    def __init__(self, caches: list[PagedKV], numpy_views: bool | None = None) -> None:
+        self.tensors = [t for kv in caches for t in (kv.k, kv.v)]
+        self.widths = [t[0].numel() * t.element_size() for t in self.tensors]
+        self.block_bytes = sum(self.widths)
+        on_cpu = self.tensors[0].device.type == "cpu"
+        self.views = None
+        if on_cpu if numpy_views is None else numpy_views:
+            self.views = [t.view(torch.uint8).view(t.shape[0], -1).numpy() for t in self.tensors]
+
+    def read(self, block_ids) -> list[bytes]:
+        import numpy as np
+
+        if not block_ids:
+            return []
+        if self.views is not None:
+            ids = np.asarray(block_ids, dtype=np.int64)
+            rows = np.concatenate([v[ids] for v in self.views], axis=1)
+        else:
+            ids = torch.as_tensor(block_ids, device=self.tensors[0].device)
+            parts = [t.index_select(0, ids).view(torch.uint8).reshape(len(block_ids), -1) for t in self.tensors]
+            rows = torch.cat(parts, dim=1).cpu().numpy()
+        return [row.tobytes() for row in rows]
+
+    def write(self, block_id: int, payload) -> None:
+        import numpy as np
+
+        data = np.frombuffer(payload, dtype=np.uint8)
+        if data.size != self.block_bytes:
+            raise ValueError(f"a block is {self.block_bytes} bytes, got {data.size}")
+        at = 0
+        if self.views is not None:
+            for view, width in zip(self.views, self.widths):
+                view[block_id] = data[at : at + width]
+                at += width
+            return
+        src = torch.from_numpy(data.copy())
+        for t, width in zip(self.tensors, self.widths):
+            t[block_id].view(torch.uint8).view(-1).copy_(src[at : at + width].to(t.device))
+            at += width

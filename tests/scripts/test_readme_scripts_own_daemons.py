@@ -168,3 +168,21 @@ def test_bench_long_context(env, tmp_path):
         assert all(row["prefill"] > 0 and row["decode"] > 0 for row in r["rows"])
         assert abs(r["rows"][1]["prompt_tokens"] - 300) <= 2  # the prompt is the length asked
     assert "| minibatchd q8_0 |" in proc.stdout
+
+
+def test_bench_agent(env, tmp_path):
+    """Its own daemons, the disk tier off and on, over the built-in model: a restart keeps the prefix only with it."""
+    out = tmp_path / "agent.json"
+    env = {k: v for k, v in env.items() if k != "LLAMA_SERVER"}
+    args = ["--system-tokens", "300", "--turns", "4", "--restart-after", "1", "--unload-after", "2", "--max-tokens",
+            "4", "--threads", "1", "--cold-prompts", "1", "--cold-tokens", "64", "--json", out]  # fmt: skip
+    proc = run(env, SCRIPTS / "bench_agent.py", *args, timeout=600)
+    results = {r["server"]: r for r in json.loads(out.read_text())["results"]}
+    off, on = results["minibatchd disk tier off"], results["minibatchd disk tier on"]
+    assert [t["event"] for t in on["turns"]] == ["", "restarted", "unloaded", ""]
+    assert off["turns"][1]["cached"] == off["turns"][2]["cached"] == 0  # nothing kept without the tier
+    assert on["turns"][1]["cached"] >= 288 and on["turns"][2]["cached"] >= 288  # the restart and the unload
+    assert on["turns"][3]["cached"] > on["turns"][2]["cached"]  # the conversation's own growth, from memory
+    assert on["disk"]["disk_hit_blocks"] > 0 and not off["disk"]["disk_cache"]
+    assert len(on["cold_ttft"]) == 1 and on["cold_ttft"][0] > 0
+    assert "first turn after the restart" in proc.stdout and "| 2 (restarted) |" in proc.stdout

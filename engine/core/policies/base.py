@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
-from minibatch.engine.core.block_manager import BlockManager
+from minibatch.engine.core.block_manager import Block, BlockManager
 from minibatch.engine.core.config import SchedulerConfig
 from minibatch.engine.core.request import Request
 from minibatch.engine.core.scheduler_output import SchedulerOutput
@@ -30,6 +30,9 @@ class SchedulerView(Protocol):
 
     def preempt(self, req: Request) -> None:
         """Free a running request's blocks and put it back at the head of the queue."""
+
+    def load_from_tier(self, req: Request, computed: list[Block]) -> bool:
+        """Whether the head of the queue left it to wait for its next blocks from the second tier."""
 
 
 class Policy(Protocol):

@@ -62,6 +62,8 @@ class ContinuousPolicy:
             if req.prompt_leader is not None and s.blocks.leader_blocks(req) is None:
                 break  # an n > 1 sibling waits (in order) until its leader has computed the shared prompt
             computed = s.blocks.get_computed_blocks(req)
+            if s.load_from_tier(req, computed):
+                continue  # it waits off the queue while its blocks come in
             n = min(req.num_tokens - len(computed) * s.blocks.block_size, budget)
             if not s.blocks.allocate(req, n, computed):
                 break

@@ -50,6 +50,8 @@ class StaticPolicy:
         while s.waiting and len(s.running) < s.config.max_num_seqs:
             req: Request = s.waiting[0]
             computed = s.blocks.get_computed_blocks(req)
+            if s.load_from_tier(req, computed):
+                continue  # it waits off the queue while its blocks come in
             reserve = req.max_total_tokens - req.num_computed_tokens - len(computed) * s.blocks.block_size
             if not s.blocks.allocate(req, reserve, computed):
                 break
