@@ -46,7 +46,7 @@ ERROR_LOG_INTERVAL = 60.0  # seconds between two log lines about failing writes
 DEFAULT_GB = 8.0  # the daemon's --prompt-cache-gb
 # A run of blocks on disk shorter than this many tokens is recomputed, not read: below it the round trip (the
 # request waits a step for its blocks) costs more than computing them (BENCHMARKS.md "The disk prompt cache")
-DEFAULT_MIN_TOKENS = 64
+DEFAULT_MIN_TOKENS = 32
 FOLDER_VARIABLE = "MINIBATCH_PROMPT_CACHE_DIR"
 UNBOUNDED = 1 << 62  # the budget of a folder only listed or cleared
 

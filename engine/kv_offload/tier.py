@@ -31,14 +31,14 @@ class BlockIO(Protocol):
 
     block_bytes: int
 
-    def read(self, block_ids: Sequence[int]) -> list[bytes]:
-        """Copies of the blocks' contents, now."""
+    def read(self, block_ids: Sequence[int]) -> list[memoryview]:
+        """Copies of the blocks' contents, now (each a buffer of its own)."""
 
     def write(self, block_id: int, payload: memoryview) -> None:
         """Put a payload `read` made back into a block."""
 
 
-WRITER_NICENESS = 10
+WRITER_NICENESS = 19
 
 
 def _lower_priority() -> None:
@@ -125,7 +125,7 @@ class DiskTier:
             self._queued.update(key.hash for key, _ in items)
         self._writer.submit(self._write, items)
 
-    def _write(self, items: list[tuple[BlockKey, bytes]]) -> None:
+    def _write(self, items: list[tuple[BlockKey, memoryview]]) -> None:
         for key, payload in items:
             try:
                 written = self.cache.write(self.identity, key, payload)

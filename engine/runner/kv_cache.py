@@ -90,24 +90,35 @@ def allocate_kv_cache(
 
 
 class KVBlockIO:
-    """One pool block's contents as bytes, across every layer's K then V (what the disk tier files): copied
-    out of the pool for a batch of blocks at once, put back one block at a time. On the CPU through NumPy
-    views of the pool (a copy each, no tensor operations); elsewhere through the device."""
+    """One pool block's contents as bytes, every layer's K then V (what the disk tier files): copied out of the
+    pool for a batch of blocks at once, put back one block at a time. On the CPU through NumPy views of the pool:
+    where every layer's K (and V) lies at one distance from the next, as allocate_kv_cache lays them out, a block
+    is two strided views, so a block goes in or out in two copies (which leave the interpreter free); elsewhere
+    through the device."""
 
     def __init__(self, caches: list[PagedKV], numpy_views: bool | None = None) -> None:
         self.tensors = [t for kv in caches for t in (kv.k, kv.v)]
         self.widths = [t[0].numel() * t.element_size() for t in self.tensors]
         self.block_bytes = sum(self.widths)
         on_cpu = self.tensors[0].device.type == "cpu"
-        self.views = None
+        self.views = self.strided = None
         if on_cpu if numpy_views is None else numpy_views:
             self.views = [t.view(torch.uint8).view(t.shape[0], -1).numpy() for t in self.tensors]
+            self.strided = _strided(caches, self.views)
 
-    def read(self, block_ids) -> list[bytes]:
+    def read(self, block_ids) -> list[memoryview]:
+        """Copies of the blocks' contents, now (each a buffer of its own)."""
         import numpy as np
 
         if not block_ids:
             return []
+        if self.strided is not None:  # one copy a block, into an array of its own the writer keeps
+            k, v = self.strided
+            rows = np.empty((len(block_ids), k.shape[1], k.shape[2] + v.shape[2]), dtype=np.uint8)
+            for row, b in zip(rows, block_ids):
+                row[:, : k.shape[2]] = k[b]
+                row[:, k.shape[2] :] = v[b]
+            return [memoryview(row.reshape(-1)) for row in rows]
         if self.views is not None:
             ids = np.asarray(block_ids, dtype=np.int64)
             rows = np.concatenate([v[ids] for v in self.views], axis=1)
@@ -115,7 +126,7 @@ class KVBlockIO:
             ids = torch.as_tensor(block_ids, device=self.tensors[0].device)
             parts = [t.index_select(0, ids).view(torch.uint8).reshape(len(block_ids), -1) for t in self.tensors]
             rows = torch.cat(parts, dim=1).cpu().numpy()
-        return [row.tobytes() for row in rows]
+        return [memoryview(row) for row in np.ascontiguousarray(rows)]
 
     def write(self, block_id: int, payload) -> None:
         import numpy as np
@@ -123,6 +134,12 @@ class KVBlockIO:
         data = np.frombuffer(payload, dtype=np.uint8)
         if data.size != self.block_bytes:
             raise ValueError(f"a block is {self.block_bytes} bytes, got {data.size}")
+        if self.strided is not None:
+            k, v = self.strided
+            layers = data.reshape(k.shape[1], -1)
+            k[block_id] = layers[:, : k.shape[2]]
+            v[block_id] = layers[:, k.shape[2] :]
+            return
         at = 0
         if self.views is not None:
             for view, width in zip(self.views, self.widths):
@@ -133,3 +150,23 @@ class KVBlockIO:
         for t, width in zip(self.tensors, self.widths):
             t[block_id].view(torch.uint8).view(-1).copy_(src[at : at + width].to(t.device))
             at += width
+
+
+def _strided(caches: list[PagedKV], views):
+    """Every layer's K as one [blocks, layers, width] view of the pool, and V's (None unless the layers lie
+    at equal distances with equal shapes: then a block's rows across the layers are one strided slice)."""
+    import numpy as np
+
+    out = []
+    for role in (0, 1):
+        arrays = views[role::2]
+        first = arrays[0]
+        if any(a.shape != first.shape or not a.flags.c_contiguous for a in arrays):
+            return None
+        starts = [a.__array_interface__["data"][0] for a in arrays]
+        step = starts[1] - starts[0] if len(starts) > 1 else first.nbytes
+        if any(b - a != step for a, b in zip(starts, starts[1:])):
+            return None
+        blocks, width = first.shape
+        out.append(np.lib.stride_tricks.as_strided(first, (blocks, len(arrays), width), (width, step, 1)))
+    return tuple(out)

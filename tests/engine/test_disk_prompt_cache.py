@@ -243,3 +243,23 @@ def test_block_io_numpy_and_torch_paths_agree():
     assert fast.read([6, 7]) == [payload, payload]
     with pytest.raises(ValueError, match="bytes"):
         fast.write(1, memoryview(payload[:-1]))
+
+
+def test_block_io_on_the_pools_layout_copies_a_block_as_two_strided_views(tiny_chat_model_dir):
+    from minibatch.engine.models.config import ModelConfig
+    from minibatch.engine.runner.kv_cache import KVBlockIO, allocate_kv_cache
+    from minibatch.kernels.kv_types import KVCacheTypes
+
+    cfg = ModelConfig.from_dir(tiny_chat_model_dir)
+    caches = allocate_kv_cache(cfg, 8, 4, KVCacheTypes("f16", "f32"))
+    torch.manual_seed(1)
+    for kv in caches:
+        kv.k.copy_(torch.randn(kv.k.shape))
+        kv.v.copy_(torch.randn(kv.v.shape))
+    fast, slow = KVBlockIO(caches), KVBlockIO(caches, numpy_views=False)
+    assert fast.strided is not None and fast.strided[0].shape[1] == cfg.num_layers
+    assert fast.read([2, 6, 1]) == slow.read([2, 6, 1])
+    payload = slow.read([5])[0]
+    fast.write(3, memoryview(payload))
+    assert slow.read([3]) == [payload]
+    assert all(torch.equal(kv.k[3], kv.k[5]) and torch.equal(kv.v[3], kv.v[5]) for kv in caches)
