@@ -9,6 +9,7 @@ replicas this process deployed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -71,7 +72,9 @@ def deployment(conf: ClusterConfig, gpus: float):
     """The replicas' Serve application: one model and one device each, routed by PrefixRouter."""
     from ray.serve.config import RequestRouterConfig
 
-    eng = conf.engine
+    # The replicas share the disk prompt cache's folder, each process bounding what it writes: a share each keeps
+    # the folder within --prompt-cache-gb (docs/cluster.md)
+    eng = dataclasses.replace(conf.engine, prompt_cache_gb=conf.engine.prompt_cache_gb / conf.max_replicas)
     options: dict = dict(
         name="engine",
         ray_actor_options={"num_cpus": eng.threads or 1, "num_gpus": gpus},
