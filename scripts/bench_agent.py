@@ -177,8 +177,13 @@ async def ask(server, prompt: str, max_tokens: int) -> dict:
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         return {"ttft": mine["ttft_ms"] / 1e3, "prompt_tokens": usage["prompt_tokens"], "cached": cached,
                 "answer_s": answer_s}  # fmt: skip
-    return {"ttft": theirs["prompt_ms"] / 1e3, "prompt_tokens": theirs["prompt_n"] + theirs.get("cache_n", 0),
-            "cached": theirs.get("cache_n", 0), "answer_s": answer_s}  # fmt: skip
+    total = (usage or {}).get("prompt_tokens") or theirs["prompt_n"] + theirs.get("cache_n", 0)
+    return {
+        "ttft": theirs["prompt_ms"] / 1e3,
+        "prompt_tokens": total,
+        "cached": total - theirs["prompt_n"],
+        "answer_s": answer_s,
+    }  # fmt: skip  (llama-server evaluates prompt_n tokens: the rest it reused)
 
 
 def run_trace(name: str, server, args, prompts: list[str], cold: list[str]) -> dict:
@@ -236,7 +241,7 @@ def crossover(args) -> list[dict]:
             for tier_on in (False, True):
                 eng = engine(1.0 if tier_on else 0.0)
                 for i, p in enumerate(busy_prompts[:busy]):
-                    eng.add_request(f"b{i}", p, SamplingParams(max_tokens=10**6, ignore_eos=True))
+                    eng.add_request(f"b{i}", p, SamplingParams(max_tokens=4000, ignore_eos=True))
                 for _ in range(3):
                     eng.step()  # the busy ones are decoding
                 for (k, r), p in prompts.items():
@@ -257,6 +262,42 @@ def crossover(args) -> list[dict]:
             off = statistics.median(x["ttft"] for x in rows if (x["k"], x["busy"], x["tier"]) == (k, busy, False))
             on = statistics.median(x["ttft"] for x in rows if (x["k"], x["busy"], x["tier"]) == (k, busy, True))
             print(f"| {k} | {busy} | {off * 1e3:.1f} | {on * 1e3:.1f} | {on / off:.2f} |")
+    return rows
+
+
+def overhead(args) -> list[dict]:
+    """In-process A/B: two engines of the model, the disk tier on and off, answer --overhead pairs of distinct
+    prompts of --cold-tokens tokens that nothing on disk matches, alternating which goes first; every block
+    the tier-on engine computes is written. The time to the first token of each, and their ratio per pair."""
+    from minibatch.engine.core.sampling_params import SamplingParams
+    from minibatch.engine.factory import EngineConfig, build_engine
+
+    model = str(args.gguf or "smollm2-135m-instruct")
+    rng = random.Random(2)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mb-overhead-", dir="/tmp") as d:
+        engines = {}
+        for on in (False, True):
+            cfg = EngineConfig(model=model, threads=args.threads, prompt_cache_gb=8.0 if on else 0.0,
+                               prompt_cache_dir=d, speculative="off", max_model_len=args.cold_tokens + 64)  # fmt: skip
+            engines[on] = build_engine(cfg)
+        for i in range(args.overhead):
+            pair = {}
+            for on in (i % 2 == 0, i % 2 == 1):
+                prompt = [rng.randrange(100, 20000) for _ in range(args.cold_tokens)]
+                req = engines[on].add_request(f"o{i}-{on}", prompt, SamplingParams(max_tokens=1))
+                while not req.status.finished:
+                    engines[on].step()
+                pair[on] = req.metrics().ttft
+            if engines[True].tier is not None:
+                engines[True].tier.flush()
+            rows.append({"off": pair[False], "on": pair[True], "ratio": pair[True] / pair[False]})
+            print(f"  pair {i}: off {pair[False]:.2f} s, on {pair[True]:.2f} s: {pair[True] / pair[False]:.3f}")
+        written = engines[True].state().disk_written_blocks
+        for e in engines.values():
+            e.close()
+    ratio = statistics.median(r["ratio"] for r in rows)
+    print(f"tier on / off, nothing to hit, median of {len(rows)} pairs: {ratio:.3f} ({written} blocks written)")
     return rows
 
 
@@ -290,11 +331,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="off,on", help="minibatchd's: off, on")
     ap.add_argument("--crossover", default=None, help="K,K,...: only the in-process read-or-recompute crossover")
     ap.add_argument("--busy", type=int, default=4, help="--crossover: requests decoding beside")
+    ap.add_argument("--overhead", type=int, default=0, help="N: only the in-process A/B of the tier's cost, N pairs")
     ap.add_argument("--repeats", type=int, default=5, help="--crossover: requests per point")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    if args.crossover:
-        rows = crossover(args)
+    if args.crossover or args.overhead:
+        rows = crossover(args) if args.crossover else overhead(args)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=1))
         return 0
@@ -318,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     results = []
-    for variant in args.variants.split(","):
+    for variant in filter(None, args.variants.split(",")):
         with tempfile.TemporaryDirectory(prefix="mb-agent-", dir="/tmp") as d:
             gb = {"off": 0.0, "on": DEFAULT_GB}[variant]
             server = Minibatchd(args, gb, Path(d) / "prompt-cache", Path(d))

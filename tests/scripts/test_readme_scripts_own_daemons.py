@@ -186,3 +186,16 @@ def test_bench_agent(env, tmp_path):
     assert on["disk"]["disk_hit_blocks"] > 0 and not off["disk"]["disk_cache"]
     assert len(on["cold_ttft"]) == 1 and on["cold_ttft"][0] > 0
     assert "first turn after the restart" in proc.stdout and "| 2 (restarted) |" in proc.stdout
+    # in-process: the read-or-recompute crossover, and the tier's cost with nothing to hit
+    cross = tmp_path / "cross.json"
+    args = ["--crossover", "1,2", "--busy", "1", "--repeats", "1", "--threads", "1", "--json", cross]
+    proc = run(env, SCRIPTS / "bench_agent.py", *args, timeout=600)
+    rows = json.loads(cross.read_text())
+    assert {(r["k"], r["busy"], r["tier"]) for r in rows} == {(k, b, t) for k in (1, 2) for b in (0, 1) for t in (0, 1)}
+    assert all(r["disk_tokens"] == 16 * r["k"] for r in rows if r["tier"])  # read back, every block
+    assert all(r["disk_tokens"] == 0 for r in rows if not r["tier"]) and "| 2 | 1 |" in proc.stdout
+    ab = tmp_path / "ab.json"
+    proc = run(
+        env, SCRIPTS / "bench_agent.py", "--overhead", "2", "--cold-tokens", "48", "--threads", "1", "--json", ab
+    )
+    assert len(json.loads(ab.read_text())) == 2 and "median of 2 pairs" in proc.stdout

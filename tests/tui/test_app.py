@@ -756,3 +756,24 @@ def test_the_block_map_is_drawn_in_the_panels_frame():
 
     empty, waiting, drawn, again = asyncio.run(go())
     assert waiting == empty and "KV block map" in drawn and "■" in drawn and again is None
+
+
+def test_the_panel_counts_prefix_hits_and_those_read_from_disk(history):
+    client = FakeClient()
+
+    async def go():
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await wait_until(pilot, lambda: client.events_queue is not None)
+            numbers = app.query_one("#engine-numbers")
+            client.events_queue.put_nowait({**event(running=1, step=2), "prefix_hit_blocks": 3})
+            await wait_until(pilot, lambda: app.panel.drawn_step == 2)
+            memory = str(numbers.render())
+            client.events_queue.put_nowait({**event(running=1, step=3), "prefix_hit_blocks": 9, "disk_hit_blocks": 9})
+            await wait_until(pilot, lambda: app.panel.drawn_step == 3)
+            return memory, str(numbers.render())
+
+    memory, disk = asyncio.run(go())
+    assert "prefix-cache hits 3 blocks" in memory and "disk" not in memory
+    assert "prefix-cache hits 12 blocks, 9 disk" in disk
+    assert memory.count("\n") == disk.count("\n")
