@@ -23,6 +23,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 from minibatch.engine.core.sampling_params import MAX_TOP_K
+from minibatch.engine.text.fim import Infill
 
 from ..generation import pipeline
 from ..generation.pipeline import Constraint, Generation, Reasoning, Running
@@ -131,6 +132,8 @@ class ChatBody(_Request):
 
 class GenerateBody(_Request):
     prompt: StrictStr = ""
+    # fill in the middle: the prompt is the code before the gap, this the code after it (a coder model's)
+    suffix: StrictStr | None = None
     system: StrictStr | None = None
     raw: StrictBool = False
 
@@ -162,7 +165,7 @@ async def respond(request: web.Request, chat: bool):
     started = time.perf_counter()
     raw = await read_raw(request, state)
     body = await off_loop(parse_body, raw, ChatBody if chat else GenerateBody)
-    if (not body.messages) if chat else (not body.prompt):
+    if (not body.messages) if chat else (not body.prompt and body.suffix is None):
         return await load_only(request, state, body, chat, started)
     gen = generation(body, chat)
     gen.operator = state.is_operator(request)
@@ -220,8 +223,11 @@ async def load_only(request: web.Request, state, body, chat: bool, started: floa
 def generation(body: ChatBody | GenerateBody, chat: bool) -> Generation:
     """An Ollama body in the pipeline's terms."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if chat and body.tools else None
+    fill = None
     if chat:
         messages, prompts = [m.for_template() for m in body.messages], None
+    elif body.suffix is not None:
+        messages, prompts, fill = None, None, Infill(body.prompt, body.suffix)
     elif body.raw:
         messages, prompts = None, [body.prompt]
     else:
@@ -233,6 +239,7 @@ def generation(body: ChatBody | GenerateBody, chat: bool) -> Generation:
         prompt_field="messages" if chat else "prompt",
         messages=messages,
         prompts=prompts,
+        fill=fill,
         tools=tools,
         # think false: a prompt that does not think where the template has the switch, else the thoughts left
         # in the answer; true: apart; unset: as --reasoning-format says

@@ -50,13 +50,15 @@ def chat_generation(body: ChatRequest) -> Generation:
 
 
 def completion_generation(body: CompletionRequest) -> Generation:
-    prompts, batch = body.prompts()
+    fill = body.fill()
+    prompts, batch = body.prompts() if fill is None else (None, False)
     given, defaults = body.sampling()
     return Generation(
         request_id=f"cmpl-{uuid.uuid4().hex}",
         model=body.model,
         prompt_field="prompt",
         prompts=prompts,
+        fill=fill,
         batch=batch,
         sampling=given,
         api_defaults=defaults,

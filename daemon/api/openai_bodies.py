@@ -16,6 +16,7 @@ from minibatch.engine.core.sampling_params import (
     MAX_LOGPROBS,
     MAX_TOP_K,
 )
+from minibatch.engine.text.fim import Infill
 from minibatch.engine.text.structured import MAX_GRAMMAR_BYTES
 
 from ..protocol import ApiError, Float, Int
@@ -174,11 +175,23 @@ PROMPT_SCHEMA = {
 class CompletionRequest(_Sampling):
     # Checked by `prompts()`, which names the element at fault (prompt.1, prompt.0.3).
     prompt: Annotated[Any, WithJsonSchema(PROMPT_SCHEMA)]
+    # fill in the middle: the prompt is the text before the gap, this the text after it (a coder model's)
+    suffix: StrictStr | None = None
     echo: Literal[False] | None = None
     logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # the legacy API: k alternatives per token
 
     def logprobs_k(self) -> int | None:
         return self.logprobs
+
+    def fill(self) -> Infill | None:
+        """With `suffix`: the text to fill in between (one text prompt, which may be empty: the gap at the start)."""
+        if self.suffix is None:
+            return None
+        if not isinstance(self.prompt, str):
+            raise ApiError(
+                400, "suffix: goes with one text prompt (the text before the gap)", "suffix", "invalid_value"
+            )
+        return Infill(self.prompt, self.suffix)
 
     def prompts(self) -> tuple[list[str | list[int]], bool]:
         """(the prompts, whether the request is a batch): a text or token list alone, or a list of them.

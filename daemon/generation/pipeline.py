@@ -28,6 +28,7 @@ from minibatch.engine.core.sampling_params import (
     InvalidParameterError,
     SamplingParams,
 )
+from minibatch.engine.text.fim import Infill, assemble
 
 from ..models.pool import LoadedModel
 from ..protocol import ApiError
@@ -69,6 +70,8 @@ class Generation:
     model: str | None  # the model's name; None: the daemon's own
     prompt_field: str  # the field a refused prompt is named by in the client's terms (messages, input, prompt)
     messages: list[dict] | None = None  # the conversation, rendered by the model's chat template
+    fill: Infill | None = None  # or code to fill in the middle of, in the model's own markers (engine/text/fim.py)
+    fill_field: str = "suffix"  # the field a model without markers is named by (suffix, input_suffix)
     prompts: list[str | list[int]] | None = None  # or prompts as they are: texts (encoded) or token ids
     batch: bool = False  # several prompts in one request: a refusal names prompt.N
     tools: list[dict] | None = None  # OpenAI-shaped tool specs the template sees
@@ -213,6 +216,8 @@ async def render(state: DaemonState, model: LoadedModel, gen: Generation) -> tup
     reasoning is split, off the event loop."""
     tok = model.tokenizer
     limit = model.info.max_model_len
+    if gen.fill is not None:
+        return [await off_loop(lambda: _fill_ids(model, gen))], None
     if gen.tools is not None:
         check_template(tok)
     if gen.messages is None:
@@ -258,6 +263,18 @@ def _check_fits(tok, text: str, limit: int | None, field: str) -> None:
         )
 
 
+def _fill_ids(model: LoadedModel, gen: Generation) -> list[int]:
+    """The fill-in-the-middle prompt in the model's markers, within its context; a 400 naming the field when
+    the model has none (a chat model)."""
+    tok = model.tokenizer
+    if tok.fim is None:
+        msg = f"model {model.name} has no fill-in-the-middle tokens: it cannot fill in between a prefix and a suffix"
+        raise ApiError(400, f"{gen.fill_field}: {msg}", gen.fill_field, "fim_unsupported")
+    limit = model.info.max_model_len
+    want = gen.sampling.get("max_tokens") or 0
+    return assemble(tok.fim, tok.encode, gen.fill, limit, min(want, limit // 4), tok.added_bos)
+
+
 def _head(tok, text: str, limit: int | None) -> str:
     """A text to be cut to the context after encoding, cut before it where it is far longer: its first
     (limit + 64) x max_token_bytes bytes hold more than `limit` tokens, whose first ones are the whole text's."""
@@ -296,6 +313,8 @@ async def _start(state: DaemonState, model: LoadedModel, gen: Generation, deadli
         p, i = divmod(k, gen.n)
         try:
             params = gen.sampling_params(limit, len(prompts[p]), model.info.generation_defaults)
+            if gen.fill is not None:  # the middle ends at the model's own end markers too
+                params.stop_token_ids = [*params.stop_token_ids, *model.tokenizer.fim.stops]
             params.grammar = gate(
                 model, grammar if k == 0 or grammar is None else grammar.copy(), thinking, gen.reasoning.budget
             )

@@ -14,6 +14,8 @@ from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
+from minibatch.engine.text.fim import FimTokens
+
 # Tokenizer classes that are exactly the `tokenizers` backend with no behaviour of their own.
 _PLAIN_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
 # The named special tokens transformers hands a chat template (its SPECIAL_TOKENS_ATTRIBUTES).
@@ -74,6 +76,17 @@ class TextTokenizer:
         else:
             texts = self.hf.batch_decode(ids, skip_special_tokens=False)
         return list(texts) + [""] * (size - len(texts))
+
+    @functools.cached_property
+    def fim(self) -> FimTokens | None:
+        """The model's fill-in-the-middle markers (engine/text/fim.py), or None when it has none."""
+        return FimTokens.of(self.vocab())
+
+    @functools.cached_property
+    def added_bos(self) -> int | None:
+        """The token the tokenizer puts before a raw prompt's text (Llama 2's BOS), or None."""
+        plain, added = self.encode("a"), self.encode_prompt("a")
+        return added[0] if len(added) == len(plain) + 1 and added[1:] == plain else None
 
     @functools.cached_property
     def max_token_bytes(self) -> int:

@@ -1,0 +1,105 @@
+"""Fill-in-the-middle: a coder model's own tokens for it, and the one assembly of its prompt.
+
+A model trained to fill in the middle reads the code before the cursor and the code after it, each behind
+a marker token of its vocabulary, then writes the middle after a third marker until it emits one of its
+end tokens. The markers are the model's own (`FimTokens.of`, from its vocabulary, as llama.cpp finds them
+when a GGUF's metadata does not name them): Qwen2.5-Coder's `<|fim_prefix|>`, StarCoder's `<fim_prefix>`,
+CodeLlama's `▁<PRE>`, DeepSeek-Coder's `<｜fim▁begin｜>`, Codestral's `[PREFIX]`, each with its suffix and
+middle markers; the repository-level ones (`<|repo_name|>`, `<|file_sep|>`) where the model has them.
+
+The layout (`assemble`) is llama-server's `/infill`'s, so that an editor plugin gets the same prompt from
+either: the other files' chunks first (repository-level: the repository marker and a name, then each chunk
+behind the file marker and its file name; else each behind a plain-text separator), then the prefix marker,
+the code before the cursor (its last tokens: at most 3/4 of the window), the suffix marker, the code after
+it (its first tokens: the rest of the window's quarter), the middle marker. The chunks fill what the context
+leaves past the window and twice the answer's length, the oldest cut first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+# (prefix, suffix, middle, end-of-text, pad, repository, file separator) as each family's vocabulary spells them
+_FAMILIES = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", None, "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>", None, "<fim_pad>", "<repo_name>", "<file_sep>"),
+    ("▁<PRE>", "▁<SUF>", "▁<MID>", "▁<EOT>", None, None, None),
+    ("<PRE>", "<SUF>", "<MID>", "<EOT>", None, None, None),
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", None, None, None, None),
+    ("[PREFIX]", "[SUFFIX]", "[MIDDLE]", None, None, None, None),
+)
+WINDOW = 2048  # tokens of prefix and suffix together at most (llama-server's default batch), 3:1
+REPO_NAME = "myproject\n"  # what the repository marker is followed by (llama-server's)
+CHUNK_SEPARATOR = "\n\n--- snippet ---\n\n"  # before each chunk, for a model without a file marker
+CURRENT_FILE = "filename\n"  # the current file's name after its file marker (llama-server's)
+
+
+@dataclass(frozen=True, slots=True)
+class FimTokens:
+    prefix: int
+    suffix: int
+    middle: int
+    end: int | None = None  # end of the middle (CodeLlama's EOT)
+    pad: int | None = None
+    repo: int | None = None
+    file_sep: int | None = None
+
+    @classmethod
+    def of(cls, vocab: dict[str, int]) -> FimTokens | None:
+        """The model's markers, by their names in its vocabulary; None when it has no complete set."""
+        for names in _FAMILIES:
+            ids = [vocab.get(n) if n is not None else None for n in names]
+            if None not in ids[:3]:
+                return cls(*ids)
+        return None
+
+    @property
+    def stops(self) -> tuple[int, ...]:
+        """Tokens that end a middle besides the model's end of text (llama.cpp counts these as end of
+        generation): its end, pad and file markers."""
+        return tuple(t for t in (self.end, self.pad, self.file_sep, self.repo) if t is not None)
+
+
+@dataclass(slots=True)
+class Infill:
+    """What a client sends to be filled in: the code before and after the cursor, text to put right after the
+    prefix (llama-server's `prompt`: the line typed so far), and other files' chunks (name, text), oldest first."""
+
+    prefix: str
+    suffix: str
+    prompt: str = ""
+    extra: Sequence[tuple[str, str]] = ()
+
+
+def assemble(
+    fim: FimTokens,
+    encode: Callable[[str], list[int]],
+    infill: Infill,
+    context: int,
+    max_tokens: int,
+    bos: int | None = None,
+    window: int = WINDOW,
+) -> list[int]:
+    """The prompt's ids (see the module's docstring); `bos` leads the prefix part when the model adds one."""
+    extra: list[int] = []
+    if fim.repo is not None and fim.file_sep is not None:
+        extra += [fim.repo, *encode(REPO_NAME)]
+    for name, text in infill.extra:
+        if fim.file_sep is not None:
+            extra += [fim.file_sep, *encode(f"{name}\n")]
+        else:
+            extra += encode(CHUNK_SEPARATOR)
+        extra += encode(text)
+    if fim.file_sep is not None:
+        extra += [fim.file_sep, *encode(CURRENT_FILE)]
+    window = min(window, context)
+    prompt = encode(infill.prompt) if infill.prompt else []
+    prefix = encode(infill.prefix)
+    suffix = encode(infill.suffix)
+    prefix = prefix[len(prefix) - min(len(prefix), 3 * (window // 4)) :]
+    suffix = suffix[: min(len(suffix), max(0, window // 4 - (2 + len(prompt))))]
+    room = max(0, context - window - 2 * max_tokens)
+    extra = extra[len(extra) - min(room, len(extra)) :]  # the oldest chunks' tokens go first
+    head = ([bos] if bos is not None else []) + [fim.prefix, *prefix, *prompt]
+    return [*extra, *head, fim.suffix, *suffix, fim.middle]

@@ -1,0 +1,95 @@
+"""Fill-in-the-middle: the markers found in each family's vocabulary, and the prompt laid out as llama-server's
+/infill lays it out (repository-level with file markers, else chunks behind a plain separator), cut to fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from minibatch.engine.text.fim import CHUNK_SEPARATOR, CURRENT_FILE, REPO_NAME, FimTokens, Infill, assemble
+
+QWEN = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+
+
+def vocab_of(names):
+    return {n: 100 + i for i, n in enumerate(names)} | {"a": 1, "b": 2}
+
+
+@pytest.mark.parametrize(
+    "names, want",
+    [
+        (QWEN, FimTokens(100, 101, 102, None, 103, 104, 105)),
+        (["<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<fim_pad>"], FimTokens(100, 101, 102, None, 103)),
+        (["▁<PRE>", "▁<SUF>", "▁<MID>", "▁<EOT>"], FimTokens(100, 101, 102, 103)),
+        (["<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"], FimTokens(100, 101, 102)),
+        (["[PREFIX]", "[SUFFIX]", "[MIDDLE]"], FimTokens(100, 101, 102)),
+        (["<fim_prefix>", "<fim_suffix>"], None),  # no middle marker: no fill-in-the-middle
+        (["<|im_start|>", "<|im_end|>"], None),  # a chat model's vocabulary
+    ],
+)
+def test_the_markers_are_the_models_own(names, want):
+    assert FimTokens.of(vocab_of(names)) == want
+
+
+def test_the_stops_are_the_end_pad_and_file_markers():
+    assert FimTokens(1, 2, 3, end=4).stops == (4,)
+    assert set(FimTokens(1, 2, 3, None, 5, 6, 7).stops) == {5, 6, 7}
+
+
+def encode(text: str) -> list[int]:
+    return [1000 + ord(c) for c in text]  # a character a token: lengths are plain to count
+
+
+def test_repository_level_layout_with_file_markers_and_a_bos():
+    fim = FimTokens(100, 101, 102, None, 103, 104, 105)
+    infill = Infill("def f(", "):\n", prompt="x", extra=[("a.py", "A"), ("b.py", "BB")])
+    got = assemble(fim, encode, infill, context=4096, max_tokens=16, bos=9)
+    want = [
+        fim.repo,
+        *encode(REPO_NAME),
+        fim.file_sep,
+        *encode("a.py\n"),
+        *encode("A"),
+        fim.file_sep,
+        *encode("b.py\n"),
+        *encode("BB"),
+        fim.file_sep,
+        *encode(CURRENT_FILE),
+        9,
+        fim.prefix,
+        *encode("def f("),
+        *encode("x"),
+        fim.suffix,
+        *encode("):\n"),
+        fim.middle,
+    ]
+    assert got == want
+
+
+def test_without_file_markers_chunks_go_behind_a_separator():
+    fim = FimTokens(100, 101, 102, end=103)
+    got = assemble(fim, encode, Infill("p", "s", extra=[("a.py", "A")]), context=4096, max_tokens=0)
+    assert got == [*encode(CHUNK_SEPARATOR), *encode("A"), fim.prefix, *encode("p"), fim.suffix, *encode("s"), 102]
+
+
+def test_the_window_keeps_the_prefix_end_and_the_suffix_start_three_to_one():
+    fim = FimTokens(100, 101, 102)
+    prefix, suffix = "".join(chr(65 + i % 26) for i in range(500)), "".join(chr(97 + i % 26) for i in range(500))
+    got = assemble(fim, encode, Infill(prefix, suffix, prompt="zz"), context=4096, max_tokens=0, window=400)
+    head = got.index(fim.prefix)
+    cut_prefix = got[head + 1 : got.index(fim.suffix) - 2]
+    cut_suffix = got[got.index(fim.suffix) + 1 : -1]
+    assert cut_prefix == encode(prefix)[-300:]  # its last 3/4 of the window
+    assert cut_suffix == encode(suffix)[: 100 - 2 - 2]  # its first quarter, less the markers and the prompt
+
+
+def test_chunks_fill_what_the_context_leaves_the_oldest_cut_first():
+    fim = FimTokens(100, 101, 102, None, 103, 104, 105)
+    extra = [("old.py", "o" * 300), ("new.py", "n" * 50)]
+    got = assemble(fim, encode, Infill("p", "s", extra=extra), context=600, max_tokens=50, window=256)
+    head = got.index(fim.prefix)
+    kept = got[:head]
+    room = 600 - 256 - 2 * 50
+    assert len(kept) == room  # every token the context leaves, and no more
+    full = [fim.repo, *encode(REPO_NAME), fim.file_sep, *encode("old.py\n"), *encode("o" * 300), fim.file_sep,
+            *encode("new.py\n"), *encode("n" * 50), fim.file_sep, *encode(CURRENT_FILE)]  # fmt: skip
+    assert kept == full[-room:]  # the newest chunk whole, the oldest's start gone
