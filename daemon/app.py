@@ -15,7 +15,7 @@ from aiohttp import web
 
 from minibatch.engine.core.timeline import STATES
 
-from .api import anthropic, embeddings, ollama, openai, openapi, response_store, responses, tokens
+from .api import anthropic, embeddings, llama, ollama, openai, openapi, response_store, responses, tokens
 from .api.schemas import ModeRequest
 from .guard import Guard, guard_middleware
 from .models.catalog import catalog
@@ -314,4 +314,5 @@ def create_app(state: DaemonState, guard: Guard | None = None) -> web.Applicatio
     responses.add_routes(app)
     tokens.add_routes(app)
     embeddings.add_routes(app)
+    llama.add_routes(app)
     return app

@@ -17,7 +17,7 @@ from pydantic.json_schema import models_json_schema
 from minibatch.engine.core.info import EngineInfo
 
 from ..protocol import MAX_BODY_BYTES
-from . import anthropic, anthropic_bodies, embeddings, ollama, response_store, responses_bodies, schemas, tokens
+from . import anthropic, anthropic_bodies, embeddings, llama, ollama, response_store, responses_bodies, schemas, tokens
 from .openai_bodies import ChatRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
@@ -244,6 +244,24 @@ def _operations() -> list[tuple]:
             tokens.DetokenizeRequest,
             {200: {JSON: s.Detokenized}},
             {**GUARDED, **BODY, **ENGINE, **MODEL},
+            [],
+        ),
+        (
+            "post",
+            "/completion",
+            "llama-server: a completion (streamed as server-sent events with stream: true)",
+            llama.CompletionBody,
+            {200: {JSON: s.LlamaCompletion, SSE: _events("a chunk of content, the last one with stop: true")}},
+            gen,
+            [],
+        ),
+        (
+            "post",
+            "/infill",
+            "llama-server: fill in the middle, between input_prefix and input_suffix, in the model's own markers",
+            llama.InfillBody,
+            {200: {JSON: s.LlamaCompletion, SSE: _events("a chunk of content, the last one with stop: true")}},
+            {**gen, 400: BODY[400] + "; a model without fill-in-the-middle tokens (naming input_suffix)"},
             [],
         ),
         (

@@ -231,6 +231,32 @@ class Stats(_Out):
     totals: dict[str, float] = {}  # without ?model=: their sums
 
 
+class LlamaTimings(_Out):
+    prompt_n: int  # prompt tokens computed (the cached ones not)
+    prompt_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_second: float
+
+
+class LlamaCompletion(_Out):
+    """llama-server's /completion and /infill answer (and a stream's last event); with response_fields, only
+    those (a path as "timings/prompt_n" under that name)."""
+
+    content: str | None = None
+    stop: bool | None = None
+    model: str | None = None
+    tokens_predicted: int | None = None
+    tokens_evaluated: int | None = None
+    tokens_cached: int | None = None
+    stop_type: Literal["eos", "limit", "word"] | None = None
+    stopping_word: str | None = None
+    truncated: bool | None = None
+    has_new_line: bool | None = None
+    timings: LlamaTimings | None = None
+
+
 class PromptCacheModel(_Out):
     identity: str  # the folder's name: a digest of what decides its blocks' contents
     model: str

@@ -154,3 +154,20 @@ def keyed_daemon(model: Path | str, key: str, prefix: str = "mbk-") -> Iterator[
     finally:
         assert daemon.stop() == 0, daemon.log_text()
         shutil.rmtree(d, ignore_errors=True)
+
+
+# StarCoder's markers, written over four unused special tokens of the built-in vocabulary (which has the
+# repository-level ones, <repo_name> and <file_sep>, already)
+RENAMED = {"<jupyter_start>": "<fim_prefix>", "<jupyter_text>": "<fim_suffix>", "<jupyter_code>": "<fim_middle>",
+           "<jupyter_output>": "<fim_pad>"}  # fmt: skip
+
+
+def with_fim_markers(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest)
+    path = dest / "tokenizer.json"
+    tok = json.loads(path.read_text())
+    for added in tok["added_tokens"]:
+        added["content"] = RENAMED.get(added["content"], added["content"])
+    tok["model"]["vocab"] = {RENAMED.get(k, k): v for k, v in tok["model"]["vocab"].items()}
+    path.write_text(json.dumps(tok))
+    return dest

@@ -4,7 +4,7 @@ model without markers is refused with a 400 naming the field, nothing submitted.
 
 from __future__ import annotations
 
-import json
+import asyncio
 import shutil
 import tempfile
 from pathlib import Path
@@ -15,23 +15,7 @@ from minibatch.daemon.client import request_json
 from minibatch.engine.text.fim import Infill, assemble
 from minibatch.engine.text.tokenizer import TextTokenizer
 
-from .helpers import Daemon
-
-# StarCoder's markers, written over four unused special tokens of the built-in vocabulary (which has the
-# repository-level ones, <repo_name> and <file_sep>, already)
-RENAMED = {"<jupyter_start>": "<fim_prefix>", "<jupyter_text>": "<fim_suffix>", "<jupyter_code>": "<fim_middle>",
-           "<jupyter_output>": "<fim_pad>"}  # fmt: skip
-
-
-def with_fim_markers(src: Path, dest: Path) -> Path:
-    shutil.copytree(src, dest)
-    path = dest / "tokenizer.json"
-    tok = json.loads(path.read_text())
-    for added in tok["added_tokens"]:
-        added["content"] = RENAMED.get(added["content"], added["content"])
-    tok["model"]["vocab"] = {RENAMED.get(k, k): v for k, v in tok["model"]["vocab"].items()}
-    path.write_text(json.dumps(tok))
-    return dest
+from .helpers import Daemon, read_sse, session, with_fim_markers
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +86,90 @@ def test_a_model_without_markers_is_refused_naming_the_field_and_nothing_runs(ti
     finally:
         assert daemon.stop() == 0, daemon.log_text()
         shutil.rmtree(d, ignore_errors=True)
+
+
+LLAMA_VSCODE = {  # the request llama.vscode sends at a pause in typing (its fields as its source sends them)
+    "input_prefix": "import os\n\ndef add(a, b):\n",
+    "input_suffix": "\n\nprint(add(1, 2))\n",
+    "input_extra": [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}, {"text": "x = 1\n"}],
+    "prompt": "    return ",
+    "n_predict": 6,
+    "n_indent": 4,
+    "top_k": 40,
+    "top_p": 0.99,
+    "stream": False,
+    "samplers": ["top_k", "top_p", "infill"],
+    "cache_prompt": True,
+    "t_max_prompt_ms": 500,
+    "t_max_predict_ms": 1000,
+}
+
+
+def test_infill_answers_llama_vscodes_request_with_the_fields_it_reads(fim_daemon):
+    tok = TextTokenizer(fim_daemon.model)
+    extra = [("util.py", LLAMA_VSCODE["input_extra"][0]["text"]), ("tmp", "x = 1\n")]
+    fill = Infill(LLAMA_VSCODE["input_prefix"], LLAMA_VSCODE["input_suffix"], LLAMA_VSCODE["prompt"], extra)
+    want = assemble(tok.fim, tok.encode, fill, 512, 6, tok.added_bos)
+    status, out = post(fim_daemon, "/infill", LLAMA_VSCODE)
+    assert status == 200, out
+    assert out["tokens_evaluated"] == len(want) and 1 <= out["tokens_predicted"] <= 6
+    assert out["stop"] is True and out["stop_type"] in ("eos", "limit") and isinstance(out["content"], str)
+    assert out["timings"]["prompt_n"] + out["tokens_cached"] == len(want) and out["timings"]["prompt_ms"] > 0
+    again = dict(LLAMA_VSCODE, response_fields=["content", "timings/prompt_n", "tokens_cached"])
+    status, cut = post(fim_daemon, "/infill", again)
+    assert status == 200 and set(cut) == {"content", "timings/prompt_n", "tokens_cached"}
+    assert cut["tokens_cached"] >= len(want) // 16 * 16 - 16  # the same prompt: its blocks are prefix hits
+
+
+def test_infill_streams_what_it_answers_whole(fim_daemon):
+    body = dict(LLAMA_VSCODE, temperature=0, n_predict=8, t_max_predict_ms=None)
+    status, whole = post(fim_daemon, "/infill", body)
+    assert status == 200, whole
+
+    async def stream():
+        async with session(fim_daemon.socket) as s:
+            async with s.post("/infill", json={**body, "stream": True}) as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                return await read_sse(r)
+
+    events, _ = asyncio.run(stream())
+    assert all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
+    assert "".join(e["content"] for e in events) == whole["content"]
+    assert events[-1]["tokens_predicted"] == whole["tokens_predicted"]
+
+
+def test_completion_takes_text_or_token_ids(fim_daemon):
+    status, out = post(fim_daemon, "/completion", {"prompt": "Once upon a time", "n_predict": 4, "temperature": 0})
+    assert status == 200 and out["tokens_predicted"] == 4 and out["stop_type"] == "limit", out
+    ids = TextTokenizer(fim_daemon.model).encode("Once upon a time")
+    status, by_ids = post(fim_daemon, "/completion", {"prompt": ids, "n_predict": 4, "temperature": 0})
+    assert status == 200 and by_ids["tokens_evaluated"] == len(ids)
+
+
+def test_t_max_predict_ms_ends_the_answer_at_a_line_break_once_past(fim_daemon):
+    newline = TextTokenizer(fim_daemon.model).encode("\n")[0]
+    body = {"prompt": "a", "n_predict": 40, "temperature": 0, "logit_bias": [[newline, 100]], "t_max_predict_ms": 0}
+    status, out = post(fim_daemon, "/completion", body)
+    assert status == 200, out
+    assert out["stop_type"] == "limit" and out["tokens_predicted"] < 40 and "\n" in out["content"]
+    fim_daemon.wait_idle()  # the request it ended left nothing running
+
+
+def test_infill_refusals_name_the_field(fim_daemon, tiny_chat_model_dir):
+    status, out = post(fim_daemon, "/infill", {"input_prefix": "a", "input_extra": [{"text": 5}]})
+    assert status == 400 and out["error"]["param"] == "input_extra.0.text"
+    status, out = post(fim_daemon, "/infill", {"input_prefix": "a", "prompt": [1, 2]})
+    assert status == 400 and out["error"]["param"] == "prompt"
+    status, out = post(fim_daemon, "/completion", {"prompt": ""})
+    assert status == 400 and out["error"]["param"] == "prompt"
+
+
+def test_an_infill_stream_the_editor_drops_is_aborted_and_frees_its_blocks(fim_daemon):
+    async def drop():
+        async with session(fim_daemon.socket) as s:
+            async with s.post("/infill", json={**LLAMA_VSCODE, "stream": True, "n_predict": 400}) as r:
+                await r.content.readline()  # the first event, then the editor moves on
+
+    asyncio.run(drop())
+    stats = fim_daemon.wait_idle()
+    assert stats["running"] == 0 and stats["kv_blocks_used"] == 0

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from minibatch.daemon.api.openapi import document
-from tests.daemon.helpers import Daemon
+from tests.daemon.helpers import Daemon, with_fim_markers
 
 from .conftest import assert_clean
 
@@ -66,13 +66,15 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def fuzz_daemon(tiny_chat_model_dir):
+def fuzz_daemon(tiny_chat_model_dir, tmp_path_factory):
     d = tempfile.mkdtemp(prefix="mbf-", dir="/tmp")
     port = free_port()
+    # fill-in-the-middle markers, so that /infill and a suffix serve too
+    model = with_fim_markers(tiny_chat_model_dir, tmp_path_factory.mktemp("fuzz") / "model")
     # A short context keeps every generated request quick: max_tokens past it is refused.
     daemon = Daemon(
         Path(d) / "d.sock",
-        tiny_chat_model_dir,
+        model,
         "--max-num-seqs",
         "4",
         "--max-queue",

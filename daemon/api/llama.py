@@ -1,0 +1,248 @@
+"""llama-server's own endpoints, for the editor plugins and scripts that speak them (llama.vscode, llama.vim,
+Continue's llama.cpp provider, Tabby, minuet...): `POST /completion` and `POST /infill`, whole or streamed as
+server-sent events, answered with the fields they read (`content`, `stop`, `stop_type`, `tokens_predicted`,
+`tokens_evaluated`, `tokens_cached`, `timings`). Fields this daemon has no use for (`cache_prompt`: the
+prefix cache is always on; `id_slot`, `samplers`, `response_fields`...) are accepted and ignored, as
+llama-server ignores what does not apply. `/infill` lays out its prompt with the model's own markers through
+the pipeline's one assembly (engine/text/fim.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+
+from minibatch.engine.core.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_K
+from minibatch.engine.text.fim import Infill
+
+from ..generation import pipeline
+from ..generation.pipeline import Generation, Running
+from ..protocol import ApiError, Float, Int, parse_body
+from ..state import STATE, off_loop, read_raw
+from .openai_bodies import Bias, TokenIdKey
+from .samplers import given_samplers, sampler_fields
+
+MAX_EXTRA = 64  # input_extra chunks at most
+MAX_STOPS = 16
+# llama-server's defaults for what a request leaves out
+API_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class _Body(sampler_fields(_Lenient, "_LlamaSamplers")):
+    model: StrictStr | None = None
+    n_predict: Int = Field(default=-1, ge=-1)  # -1: until the model stops or the context is full
+    stream: StrictBool = False
+    stop: list[StrictStr] = Field(default_factory=list, max_length=MAX_STOPS)
+    temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
+    top_k: Int | None = Field(default=None, ge=0, le=MAX_TOP_K)
+    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
+    min_p: Float | None = Field(default=None, ge=0.0, le=1.0)
+    repeat_penalty: Float | None = Field(default=None, gt=0.0, le=2.0)
+    presence_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0)
+    seed: Int | None = Field(default=None, ge=-1, le=2**63 - 1)  # -1: a random draw
+    ignore_eos: StrictBool = False
+    # token id -> bias: llama-server's [[id, bias], ...] or {"id": bias}
+    logit_bias: list[Annotated[list[Float], Field(min_length=2, max_length=2)]] | dict[TokenIdKey, Bias] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS
+    )
+    # only these fields of the answer ("timings/prompt_n" reaches into timings), as llama.vscode asks
+    response_fields: list[StrictStr] | None = Field(default=None, max_length=64)
+    # after this long generating (from the first token), the answer ends at its next line break
+    t_max_predict_ms: Int | None = Field(default=None, ge=0)
+
+    def sampling(self) -> dict:
+        given = {
+            k: v
+            for k, v in {
+                "temperature": self.temperature,
+                "top_k": self.top_k,
+                "top_p": self.top_p,
+                "min_p": self.min_p,
+                "repetition_penalty": self.repeat_penalty,
+                "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty,
+                "seed": None if self.seed == -1 else self.seed,
+            }.items()
+            if v is not None
+        }
+        if self.top_k == 0:  # llama-server's 0: off
+            given["top_k"] = -1
+        if self.n_predict >= 0:
+            given["max_tokens"] = max(1, self.n_predict)
+        if self.stop:
+            given["stop"] = self.stop
+        if self.ignore_eos:
+            given["ignore_eos"] = True
+        if self.logit_bias:
+            pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+            for i, (token, _) in enumerate(pairs):
+                if float(token) != int(float(token)) or int(float(token)) < 0:
+                    raise ApiError(400, f"logit_bias.{i}: a token id is a non-negative integer", f"logit_bias.{i}")
+            given["logit_bias"] = {int(float(k)): float(v) for k, v in pairs}
+        return given | given_samplers(self)
+
+
+class CompletionBody(_Body):
+    prompt: StrictStr | list[Int] = Field(min_length=1)  # a text, or token ids
+
+
+NAMES = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty"}
+
+
+class ExtraChunk(_Lenient):
+    filename: StrictStr = "tmp"
+    text: StrictStr = ""
+
+
+class InfillBody(_Body):
+    prompt: StrictStr = ""  # after the prefix: the line typed so far
+    input_prefix: StrictStr = ""
+    input_suffix: StrictStr = ""
+    input_extra: list[ExtraChunk] = Field(default_factory=list, max_length=MAX_EXTRA)
+
+
+def generation(body: CompletionBody | InfillBody) -> Generation:
+    gen = Generation(
+        request_id=f"llama-{uuid.uuid4().hex}",
+        model=body.model,
+        prompt_field="prompt",
+        sampling=body.sampling(),
+        api_defaults=API_DEFAULTS,
+        names=NAMES,
+    )
+    if isinstance(body, InfillBody):
+        extra = [(c.filename, c.text) for c in body.input_extra]
+        gen.fill, gen.fill_field = Infill(body.input_prefix, body.input_suffix, body.prompt, extra), "input_suffix"
+    else:
+        gen.prompts = [body.prompt]
+    return gen
+
+
+def result(model: str, content: str, run: Running, out, predicted: int, stop_type: str) -> dict:
+    """llama-server's answer fields (the last chunk's, streamed)."""
+    m = out.metrics if out is not None else None
+    prompt_n = run.prompt_tokens
+    prompt_ms = 1e3 * (m.ttft or 0.0) if m else 0.0
+    predicted_ms = 1e3 * (m.decode_time or 0.0) if m else 0.0
+    return {
+        "content": content,
+        "stop": True,
+        "model": model,
+        "tokens_predicted": predicted,
+        "tokens_evaluated": prompt_n,
+        "tokens_cached": m.cached_prompt_tokens if m else 0,
+        "stop_type": stop_type,
+        "stopping_word": "",
+        "truncated": False,
+        "has_new_line": "\n" in content,
+        "timings": {
+            "prompt_n": prompt_n - (m.cached_prompt_tokens if m else 0),
+            "prompt_ms": prompt_ms,
+            "prompt_per_second": 1e3 * prompt_n / prompt_ms if prompt_ms else 0.0,
+            "predicted_n": predicted,
+            "predicted_ms": predicted_ms,
+            "predicted_per_second": 1e3 * (predicted - 1) / predicted_ms if predicted_ms and predicted > 1 else 0.0,
+        },
+    }
+
+
+def only(fields: list[str] | None, answer: dict) -> dict:
+    """The answer cut to `response_fields` (a path as "timings/prompt_n" keeps that name), or whole."""
+    if not fields:
+        return answer
+    out = {}
+    for path in fields:
+        value = answer
+        for part in path.split("/"):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is not None:
+            out[path] = value
+    return out
+
+
+def _stop_type(out) -> str:
+    return {"stop": "eos", "length": "limit"}.get(out.finish_reason or "", "eos") if out is not None else "limit"
+
+
+async def respond(request: web.Request, fill: bool) -> web.StreamResponse:
+    state = request.app[STATE]
+    raw = await read_raw(request, state)
+    body = await off_loop(parse_body, raw, InfillBody if fill else CompletionBody)
+    gen = generation(body)
+    limit_ms = body.t_max_predict_ms
+    async with pipeline.generate(state, gen, request) as run:
+        name = run.model.name
+        if not body.stream:
+            text, last, n, first_at = [], None, 0, None
+            async with run.limit():
+                async for _, out in run.outputs():
+                    if out.error:
+                        raise ApiError(500, out.error, None, "engine_error", "server_error")
+                    text.append(out.text)
+                    n += len(out.token_ids)
+                    last = out if out.finished else last
+                    first_at = first_at or time.monotonic()
+                    if _past(limit_ms, first_at, "".join(text)) and not out.finished:
+                        break  # (leaving ends the request: its blocks go back at the next step)
+            answer = result(name, "".join(text), run, last, n, _stop_type(last))
+            return web.json_response(only(body.response_fields, answer))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+
+        async def send(payload: dict) -> None:
+            await resp.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+
+        so_far, n, first_at = "", 0, None
+        try:
+            async with run.limit():
+                async for _, out in run.outputs():
+                    if out.error:
+                        await send({"error": {"code": 500, "message": out.error, "type": "server_error"}})
+                        break
+                    n += len(out.token_ids)
+                    so_far += out.text
+                    first_at = first_at or time.monotonic()
+                    if out.finished:
+                        await send(only(body.response_fields, result(name, out.text, run, out, n, _stop_type(out))))
+                        break
+                    if out.text:
+                        await send({"content": out.text, "stop": False, "tokens_predicted": n})
+                    if _past(limit_ms, first_at, so_far):
+                        await send(only(body.response_fields, result(name, "", run, None, n, "limit")))
+                        break
+        except ApiError as exc:  # the time limit, mid-stream: its error is the last event
+            await send(exc.body())
+        await resp.write_eof()
+        return resp
+
+
+def _past(limit_ms: int | None, first_at: float | None, text: str) -> bool:
+    """llama-server's t_max_predict_ms: the time since the first token is past the limit and a line has ended."""
+    return (
+        limit_ms is not None
+        and first_at is not None
+        and (time.monotonic() - first_at) * 1e3 >= limit_ms
+        and ("\n" in text)
+    )
+
+
+async def completion(request: web.Request) -> web.StreamResponse:
+    return await respond(request, fill=False)
+
+
+async def infill(request: web.Request) -> web.StreamResponse:
+    return await respond(request, fill=True)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/completion", completion)
+    app.router.add_post("/infill", infill)
