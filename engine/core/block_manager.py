@@ -170,8 +170,9 @@ class BlockManager:
             1 for b in computed if b.ref_count == 0
         )
 
-    def allocate(self, req: Request, num_new_tokens: int, computed: list[Block] = ()) -> bool:
-        """Give the request blocks for `num_new_tokens` more tokens (after `computed` prefix hits).
+    def allocate(self, req: Request, num_new_tokens: int, computed: list[Block] = (), hits: bool = True) -> bool:
+        """Give the request blocks for `num_new_tokens` more tokens (after `computed` prefix hits; `hits`:
+        count them as prefix hits, which a request waiting for a second tier's blocks does at its admission).
 
         Returns False, changing nothing, when the free blocks are not enough.
         """
@@ -186,7 +187,7 @@ class BlockManager:
             blocks.append(block)
         if computed:
             self.req_num_hashed[req.request_id] = len(computed)
-            self.prefix_hits += len(computed)
+            self.prefix_hits += len(computed) if hits else 0
         for _ in range(num_new):
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:  # evict its cached contents

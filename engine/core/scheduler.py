@@ -142,7 +142,7 @@ class Scheduler:
         keys = list(bm.chain(req, len(computed), computed[-1].block_hash if computed else None))
         n = tier.match(keys) if keys else 0
         n = min(n, bm.num_free_blocks - sum(1 for b in computed if b.ref_count == 0))
-        if n < max(1, tier.min_blocks) or not bm.allocate(req, n * bm.block_size, computed):
+        if n < max(1, tier.min_blocks) or not bm.allocate(req, n * bm.block_size, computed, hits=False):
             return False
         tier.load(req.request_id, keys[:n], req.block_ids[len(computed) :])
         self.waiting.remove(req)

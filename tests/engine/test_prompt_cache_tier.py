@@ -219,3 +219,25 @@ def test_the_status_of_a_loading_request_is_waiting_until_it_runs():
     tier2.release("a")
     drain(engine)
     assert req.status.finished and req.num_disk_cached_tokens == 5 * BS == req.num_cached_tokens
+
+
+def test_pool_hits_and_disk_hits_make_one_prefix_and_each_block_counts_once():
+    first = FakeTier()
+    engine, _ = make(first)
+    engine.add_request("a", PROMPT, params(2))
+    drain(engine)
+    tier = FakeTier()
+    h0 = block_hash(0, tuple(PROMPT[:BS]))
+    tier.held = set(first.held) - {h0, block_hash(h0, tuple(PROMPT[BS : 2 * BS]))}  # the tier lacks the first two
+    engine, runner = make(tier)
+    engine.add_request("short", PROMPT[:9], params(1))  # computes them: they stay in the pool
+    drain(engine)
+    engine.add_request("a", PROMPT, params(2))
+    engine.step()
+    assert len(tier.loads["a"][0]) == 3  # the pool has the first two; the tier reads the next three
+    tier.release("a")
+    drain(engine)
+    st = engine.state()
+    assert st.disk_hit_blocks == 3 and st.prefix_cache_hit_blocks == 5  # each block counted once
+    first_row = next(s for s in runner.steps if any(r.request_id == "a" for r in s.requests))
+    assert first_row.num_new_tokens[[r.request_id for r in first_row.requests].index("a")] == len(PROMPT) - 5 * BS
