@@ -14,6 +14,7 @@ import time
 from aiohttp import web
 
 from minibatch.engine.core.timeline import STATES
+from minibatch.engine.kv_offload.disk import summary
 
 from .api import anthropic, embeddings, llama, ollama, openai, openapi, response_store, responses, tokens
 from .api.schemas import ModeRequest
@@ -222,16 +223,10 @@ async def prompt_cache(request: web.Request) -> web.Response:
     only for the daemon's own user)."""
     state = request.app[STATE]
     cache, budget, on = await asyncio.to_thread(_prompt_cache, state)
-    body = {"enabled": on} | await asyncio.to_thread(summary_of, cache, budget, _loaded_identities(state))
+    body = {"enabled": on} | await asyncio.to_thread(summary, cache, budget, _loaded_identities(state))
     if state.is_operator(request) and cache is not None:
         body["folder"] = str(cache.root)
     return web.json_response(body)
-
-
-def summary_of(cache, budget: int, loaded: dict[str, str]) -> dict:
-    from minibatch.engine.kv_offload.disk import summary
-
-    return summary(cache, budget, loaded)
 
 
 async def clear_prompt_cache(request: web.Request) -> web.Response:
@@ -246,7 +241,7 @@ async def clear_prompt_cache(request: web.Request) -> web.Response:
     name = model_param(request)
     if cache is None:
         return web.json_response({"removed_blocks": 0, "removed_bytes": 0})
-    listed = summary_of(cache, budget, _loaded_identities(state))["models"]
+    listed = (await asyncio.to_thread(summary, cache, budget, _loaded_identities(state)))["models"]
     identities = [None] if name is None else [m["identity"] for m in listed if name in (m["model"], m["identity"])]
     if not identities:
         raise ApiError(404, f"model: the prompt cache holds no blocks of {name!r}", "model", "model_not_found")

@@ -89,6 +89,18 @@ def drain(engine) -> dict[str, list[int]]:
 PROMPT = list(range(3, 3 + 23))  # five full blocks before the last token's
 
 
+def restarted(max_tokens: int, min_blocks: int = 1) -> tuple[FakeTier, list[int]]:
+    """PROMPT answered by a first engine: a new tier holding every block it registered (as after a restart:
+    the pool empty, the tier full), and the answer's tokens."""
+    first = FakeTier()
+    engine, _ = make(first)
+    engine.add_request("a", PROMPT, params(max_tokens))
+    want = drain(engine)["a"]
+    tier = FakeTier(min_blocks)
+    tier.held = set(first.held)
+    return tier, want
+
+
 def test_registered_blocks_are_offered_to_the_tier_with_their_chained_keys():
     tier = FakeTier()
     engine, _ = make(tier)
@@ -106,13 +118,7 @@ def test_registered_blocks_are_offered_to_the_tier_with_their_chained_keys():
 
 
 def test_a_request_waits_off_the_queue_for_its_blocks_while_another_steps_and_answers_the_same():
-    first = FakeTier()
-    engine, _ = make(first)
-    engine.add_request("a", PROMPT, params(4))
-    want = drain(engine)["a"]
-
-    tier = FakeTier()
-    tier.held = set(first.held)  # a new engine (a restart): its pool is empty, the tier has the blocks
+    tier, want = restarted(4)
     engine, runner = make(tier)
     engine.add_request("a", PROMPT, params(4))
     engine.add_request("b", [7, 8, 9], params(6))
@@ -133,12 +139,7 @@ def test_a_request_waits_off_the_queue_for_its_blocks_while_another_steps_and_an
 
 
 def test_a_torn_block_ends_the_hit_there_and_the_rest_is_recomputed():
-    tier = FakeTier()
-    engine, _ = make(tier)
-    engine.add_request("a", PROMPT, params(3))
-    want = drain(engine)["a"]
-    tier2 = FakeTier()
-    tier2.held = set(tier.held)
+    tier2, want = restarted(3)
     engine, runner = make(tier2)
     engine.add_request("a", PROMPT, params(3))
     engine.step()
@@ -151,13 +152,8 @@ def test_a_torn_block_ends_the_hit_there_and_the_rest_is_recomputed():
 
 
 def test_an_abort_while_loading_frees_the_blocks_only_once_the_reads_end():
-    tier = FakeTier()
-    engine, _ = make(tier)
-    engine.add_request("a", PROMPT, params(2))
-    drain(engine)
-    tier2 = FakeTier()
-    tier2.held = set(tier.held)
-    engine, _ = make(tier2, num_blocks=64)
+    tier2, _ = restarted(2)
+    engine, _ = make(tier2)
     engine.add_request("a", PROMPT, params(2))
     engine.step()
     bm = engine.scheduler.blocks
@@ -173,12 +169,7 @@ def test_an_abort_while_loading_frees_the_blocks_only_once_the_reads_end():
 
 
 def test_a_run_shorter_than_the_crossover_is_recomputed():
-    tier = FakeTier()
-    engine, _ = make(tier)
-    engine.add_request("a", PROMPT, params(2))
-    drain(engine)
-    tier2 = FakeTier(min_blocks=6)
-    tier2.held = set(tier.held)
+    tier2, _ = restarted(2, min_blocks=6)
     engine, _ = make(tier2)
     engine.add_request("a", PROMPT, params(2))
     engine.step()
@@ -206,12 +197,7 @@ def test_salts_keep_the_prefix_caches_apart():
 
 
 def test_the_status_of_a_loading_request_is_waiting_until_it_runs():
-    tier = FakeTier()
-    engine, _ = make(tier)
-    engine.add_request("a", PROMPT, params(2))
-    drain(engine)
-    tier2 = FakeTier()
-    tier2.held = set(tier.held)
+    tier2, _ = restarted(2)
     engine, _ = make(tier2)
     req = engine.add_request("a", PROMPT, params(2))
     engine.step()
@@ -222,13 +208,9 @@ def test_the_status_of_a_loading_request_is_waiting_until_it_runs():
 
 
 def test_pool_hits_and_disk_hits_make_one_prefix_and_each_block_counts_once():
-    first = FakeTier()
-    engine, _ = make(first)
-    engine.add_request("a", PROMPT, params(2))
-    drain(engine)
-    tier = FakeTier()
+    tier, _ = restarted(2)
     h0 = block_hash(0, tuple(PROMPT[:BS]))
-    tier.held = set(first.held) - {h0, block_hash(h0, tuple(PROMPT[BS : 2 * BS]))}  # the tier lacks the first two
+    tier.held -= {h0, block_hash(h0, tuple(PROMPT[BS : 2 * BS]))}  # the tier lacks the first two
     engine, runner = make(tier)
     engine.add_request("short", PROMPT[:9], params(1))  # computes them: they stay in the pool
     drain(engine)
