@@ -64,6 +64,12 @@ class Metrics:
         self.prefix = Counter(
             "minibatch_prefix_cache_hit_blocks", "KV blocks served from the prefix cache", m, registry=r
         )
+        self.reused = Counter(
+            "minibatch_kv_reused_tokens",
+            "Prompt positions whose K/V were taken from a recent prompt at a shifted place (--cache-reuse)",
+            m,
+            registry=r,
+        )
         self.disk_hits = Counter(
             "minibatch_prompt_cache_hit_blocks", "KV blocks read back from the disk prompt cache", m, registry=r
         )
@@ -170,6 +176,7 @@ class EngineMonitor:
         )
         self.h_ttft, self.h_tpot, self.h_e2e = (h.labels(model) for h in (metrics.ttft, metrics.tpot, metrics.e2e))
         self.c_disk_hits = metrics.disk_hits.labels(model)
+        self.c_reused = metrics.reused.labels(model)
         self._disk_seen = dict.fromkeys(DISK_COUNTS, 0)
 
     def sync_disk(self, st: EngineState) -> None:
@@ -196,6 +203,7 @@ class EngineMonitor:
         self.c_preempt.inc(s.preemptions)
         self.c_prefix.inc(s.prefix_hit_blocks)
         self.c_disk_hits.inc(s.disk_hit_blocks)
+        self.c_reused.inc(s.reused_tokens)
         self.c_wasted.inc(s.padding_rows)
         self.c_draft.inc(s.draft_tokens)
         self.c_accepted.inc(s.accepted_tokens)

@@ -139,9 +139,11 @@ class AsyncEngine:
         share_prompt_with: str | None = None,
         pooling: str | None = None,
         cache_salt: int = 0,
+        reuse_shifted: bool = False,
     ) -> str:
         """Check and queue a request (from the event loop); raises RequestRejected or QueueFull at once.
-        `pooling`: an embedding request, `cache_salt`: its prefix caches' namespace (LLMEngine.add_request)."""
+        `pooling`: an embedding request, `cache_salt`: its prefix caches' namespace, `reuse_shifted`: it may
+        start from a recent prompt's K/V at shifted positions (LLMEngine.add_request)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         request_id = request_id or f"req-{next(self._ids)}"
@@ -167,6 +169,7 @@ class AsyncEngine:
                     checked=True,
                     pooling=pooling,
                     cache_salt=cache_salt,
+                    reuse_shifted=reuse_shifted,
                 )
             except RequestRejected as exc:
                 self._emit(RequestOutput(request_id, "", [], True, "abort", error=str(exc)))

@@ -55,6 +55,7 @@ class EngineConfig:
     prompt_cache_gb: float = 0.0
     prompt_cache_dir: str | None = None  # None: kv_offload/disk.py's default_folder()
     prompt_cache_min_tokens: int = DEFAULT_MIN_TOKENS  # a shorter run on disk is recomputed (the crossover)
+    cache_reuse: int = SCHEDULER_DEFAULTS["cache_reuse"]  # shifted reuse's shortest run (core/kv_reuse.py); 0: off
 
     def __post_init__(self) -> None:
         self.spec_config()  # refuses a method or a draft length out of range, naming it
@@ -85,6 +86,8 @@ class EngineConfig:
                 f"prompt_cache_min_tokens must be at least one block ({self.block_size}), got "
                 f"{self.prompt_cache_min_tokens}"
             )
+        if self.cache_reuse < 0:
+            raise ValueError(f"cache_reuse must be 0 (off) or more, got {self.cache_reuse}")
         if self.kv_cache_fraction is not None and not 0 < self.kv_cache_fraction <= 0.95:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction}")
 
@@ -286,6 +289,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
             max_wait_ms=config.max_wait_ms,
             max_queue=config.max_queue,
             vocab_size=cfg.vocab_size,
+            cache_reuse=config.cache_reuse,
         ),
         eos_token_ids=tuple(sorted(eos)),
         mode=config.mode,

@@ -111,6 +111,13 @@ ENGINE_OPTIONS = (
     ),
     Option("prompt_cache_dir", str, "the prompt cache's folder (default: prompt-cache/ in the user cache folder)"),
     Option(
+        "cache_reuse",
+        int,
+        "fill-in-the-middle requests (/infill, a suffix) take runs of at least this many tokens of a recent prompt "
+        "at shifted positions, keys turned to them, instead of computing them again (llama-server's --cache-reuse; "
+        "0: off)",
+    ),
+    Option(
         "prompt_cache_min_tokens",
         int,
         "a run of cached tokens on disk shorter than this is recomputed instead of read",

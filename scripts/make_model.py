@@ -4,6 +4,7 @@
   .venv/bin/python scripts/make_model.py --shape qwen2.5-0.5b --out models/qwen05b.gguf \\
       --llama-quantize /path/to/llama-quantize --quantize Q4_K_M      # exactly the type mix of a real file
   .venv/bin/python scripts/make_model.py --shape qwen2.5-0.5b --out models/qwen05b-q8.gguf --quantize Q8_0
+  .venv/bin/python scripts/make_model.py --shape qwen2.5-0.5b --true-vocab --fim --out models/coder05b.gguf  # /infill
 
 Every matrix has the named model's shape (layers, heads, grouped KV heads, MLP width, biases, tied or
 separate output), drawn from a normal distribution of a trained model's scale (std 0.02, norms 1); the
@@ -64,9 +65,15 @@ FILE_TYPES = {
 }  # llama.cpp's general.file_type
 
 
-def builtin_tokenizer_fields(pad_to: int | None = None):
+FIM_NAMES = ("<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
+FIM_KEYS = ("pre", "mid", "suf", "pad", "rep", "sep")  # tokenizer.ggml.fim_<key>_token_id, in FIM_NAMES' order
+
+
+def builtin_tokenizer_fields(pad_to: int | None = None, fim: bool = False):
     """(key, value, value type, array element type) of every tokenizer field of the built-in model's GGUF;
-    with pad_to, its vocabulary grown to that many tokens by special ones (`<|extra_N|>`) no text encodes to."""
+    with pad_to, its vocabulary grown to that many tokens by special ones (`<|extra_N|>`) no text encodes to;
+    with fim, the first of them are Qwen2.5-Coder's fill-in-the-middle markers, named in the metadata too."""
+    import gguf
     from gguf import GGUFReader
 
     from minibatch.engine.store.cache import BUILTIN_MODELS, builtin_gguf_path
@@ -79,8 +86,17 @@ def builtin_tokenizer_fields(pad_to: int | None = None):
     if pad_to is not None:
         have = next(len(v) for k, v, _, _ in out if k == "tokenizer.ggml.tokens")
         extra = range(max(0, pad_to - have))
+        names = [f"<|extra_{i}|>" for i in extra]
+        if fim:
+            if len(names) < len(FIM_NAMES):
+                raise SystemExit("make_model: --fim needs a vocabulary padded past the built-in one (--true-vocab)")
+            names[: len(FIM_NAMES)] = FIM_NAMES
+            out += [
+                (f"tokenizer.ggml.fim_{key}_token_id", have + i, gguf.GGUFValueType.UINT32, None)
+                for i, key in enumerate(FIM_KEYS)
+            ]
         grown = {
-            "tokenizer.ggml.tokens": lambda v: [*v, *(f"<|extra_{i}|>" for i in extra)],
+            "tokenizer.ggml.tokens": lambda v: [*v, *names],
             "tokenizer.ggml.token_type": lambda v: [*v, *(CONTROL_TOKEN for _ in extra)],
             "tokenizer.ggml.scores": lambda v: [*v, *(0.0 for _ in extra)],
         }
@@ -119,11 +135,18 @@ def tensors(shape: Shape, vocab: int, rng: np.random.Generator, dtype):
 
 
 def write_gguf(
-    name: str, shape: Shape, out: Path, dtype: str, quant: str | None, seed: int, true_vocab: bool = False
+    name: str,
+    shape: Shape,
+    out: Path,
+    dtype: str,
+    quant: str | None,
+    seed: int,
+    true_vocab: bool = False,
+    fim: bool = False,
 ) -> None:
     import gguf
 
-    fields = builtin_tokenizer_fields(shape.vocab if true_vocab else None)
+    fields = builtin_tokenizer_fields(shape.vocab if true_vocab else None, fim)
     vocab = next(len(v) for k, v, _, _ in fields if k == "tokenizer.ggml.tokens")
     w = gguf.GGUFWriter(str(out), shape.arch)
     w.add_name(f"random {name}")
@@ -182,6 +205,12 @@ def main() -> int:
         action="store_true",
         help="the model's own vocabulary size (151,936 for Qwen2.5), the built-in one padded with special tokens",
     )
+    ap.add_argument(
+        "--fim",
+        action="store_true",
+        help="with --true-vocab: the first padding tokens are Qwen2.5-Coder's fill-in-the-middle markers "
+        "(<|fim_prefix|>...), named in the GGUF's metadata too: a coder-shaped model for /infill",
+    )
     args = ap.parse_args()
     shape = SHAPES[args.shape]
     if args.layers is not None:
@@ -194,10 +223,10 @@ def main() -> int:
                 f"make_model: --quantize {args.quantize} needs --llama-quantize; without it: "
                 + ", ".join(OWN_QUANTIZERS)
             )
-        write_gguf(args.shape, shape, args.out, args.dtype, args.quantize, args.seed, args.true_vocab)
+        write_gguf(args.shape, shape, args.out, args.dtype, args.quantize, args.seed, args.true_vocab, args.fim)
     elif args.quantize:
         base = args.out.with_name(args.out.stem + f".{args.dtype.lower()}.gguf")
-        write_gguf(args.shape, shape, base, args.dtype, None, args.seed, args.true_vocab)
+        write_gguf(args.shape, shape, base, args.dtype, None, args.seed, args.true_vocab, args.fim)
         subprocess.run(
             [args.llama_quantize, str(base), str(args.out), args.quantize, str(args.threads)],
             check=True,
@@ -205,7 +234,7 @@ def main() -> int:
         )
         base.unlink()
     else:
-        write_gguf(args.shape, shape, args.out, args.dtype, None, args.seed, args.true_vocab)
+        write_gguf(args.shape, shape, args.out, args.dtype, None, args.seed, args.true_vocab, args.fim)
     print(f"make_model: {args.out} ({args.out.stat().st_size / 1e6:.0f} MB) in {time.perf_counter() - started:.0f} s")
     return 0
 

@@ -214,8 +214,16 @@ async def respond(request: web.Request, fill: bool) -> web.StreamResponse:
                     if out.finished:
                         await send(only(body.response_fields, result(name, out.text, run, out, n, _stop_type(out))))
                         break
-                    if out.text:
-                        await send({"content": out.text, "stop": False, "tokens_predicted": n})
+                    if out.token_ids:  # a chunk per step's tokens, as llama-server's (a special token's text is empty)
+                        await send(
+                            {
+                                "content": out.text,
+                                "tokens": out.token_ids,
+                                "stop": False,
+                                "tokens_predicted": n,
+                                "tokens_evaluated": run.prompt_tokens,
+                            }
+                        )
                     if _past(limit_ms, first_at, so_far):
                         await send(only(body.response_fields, result(name, "", run, None, n, "limit")))
                         break

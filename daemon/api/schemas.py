@@ -215,6 +215,7 @@ class Stats(_Out):
     draft_tokens: int  # over the engine's life
     accepted_tokens: int
     verify_rows: int
+    reused_tokens: int  # over the engine's life: prompt positions filled by shifted reuse (--cache-reuse)
     disk_cache: bool  # the disk prompt cache is on for this model (--prompt-cache-gb)
     disk_hit_blocks: int  # over the engine's life: blocks read back from disk as prefix hits
     disk_loading_requests: int  # now: requests waiting off the queue for their blocks from disk

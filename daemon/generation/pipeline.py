@@ -366,7 +366,9 @@ def _submit(
     """Submit one completion; a refusal becomes the API's error, naming the field and, in a batch of prompts,
     the prompt: `prompt.1`, `prompt.0.3` (its token 3)."""
     try:
-        engine.submit(ids, params, rid, share, pooling=pooling, cache_salt=gen.cache_salt)
+        # a middle to fill may start from the last one's K/V at shifted positions (engine/core/kv_reuse.py)
+        reuse = gen.fill is not None
+        engine.submit(ids, params, rid, share, pooling=pooling, cache_salt=gen.cache_salt, reuse_shifted=reuse)
     except QueueFull as exc:
         raise ApiError(exc.status, str(exc), exc.field, exc.code, "rate_limit_error", {"Retry-After": "1"}) from None
     except RequestRejected as exc:

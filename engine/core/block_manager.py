@@ -22,21 +22,29 @@ positions only, a block wholly before the window of a request's next token is
 never read again. `release_out_of_window` hands it back early (it keeps its
 hash, so it can still be a prefix hit) and puts the null block in its place in
 the request's table; the attention paths mask those positions anyway.
+
+Shifted reuse (kv_reuse.py): a request that allows it may start with rows copied from a recent prompt's
+blocks, K rotated to new positions. Such a request's blocks from the first reused one on are registered under
+a chain rooted in a nonce of its own (`req_approx`), so no exact lookup ever finds them and the disk tier is
+not offered them; the finished request is kept as a `ReuseSource` for the next one of its salt. Blocks rows
+are copied from are pinned (`pin`) until the step that copies them has run.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from minibatch.engine.core.kv_reuse import ReusePlan, ReuseSource, Run, plan_runs
 from minibatch.engine.core.kv_tier import BlockKey
 from minibatch.engine.core.request import Request, RequestStatus
 
 NULL_BLOCK = 0
 HASH_MASK = (1 << 64) - 1
+REUSE_SOURCES = 8  # recent prompts of each salt kept to reuse shifted runs from
 
 
 def block_hash(parent: int, tokens: tuple[int, ...]) -> int:
@@ -77,6 +85,12 @@ class BlockManager:
         # Blocks registered since the engine last took them (`take_registered`), for a second tier to keep;
         # None: nobody keeps them.
         self.registered: list[tuple[BlockKey, int]] | None = None
+        # Shifted reuse: recent prompts per salt (newest last); per request, its first block whose contents
+        # came from (or follow) shifted rows and the nonce its chain restarts from there; pinned source blocks
+        self.reuse_sources: dict[int, deque[ReuseSource]] = {}
+        self.req_approx: dict[str, tuple[int, int]] = {}
+        self.pinned: list[Block] = []
+        self._nonce = 0
 
     # -- capacity ---------------------------------------------------------
     @property
@@ -206,11 +220,14 @@ class BlockManager:
 
     def free(self, req: Request) -> None:
         """Release the request's blocks, tail first (see the module docstring)."""
+        if req.reuse_shifted:
+            self._keep_source(req)
         for block in reversed(self.req_blocks.pop(req.request_id, [])):
             if block.block_id != NULL_BLOCK:
                 self._unref(block)
         self.req_num_hashed.pop(req.request_id, None)
         self.req_num_released.pop(req.request_id, None)
+        self.req_approx.pop(req.request_id, None)
         req.block_ids = []
 
     def _unref(self, block: Block) -> None:
@@ -268,16 +285,114 @@ class BlockManager:
         num_full = min(min(req.num_computed_tokens, req.num_tokens) // self.block_size, len(blocks))
         start = self.req_num_hashed.get(req.request_id, 0)
         parent = blocks[start - 1].block_hash if start > 0 else req.cache_salt
+        approx_from, nonce = self.req_approx.get(req.request_id, (num_full, 0))
         for i in range(start, num_full):
             block = blocks[i]
             tokens = tuple(req.tokens(i * self.block_size, (i + 1) * self.block_size))
+            if i == approx_from:  # shifted contents from here on: a chain no exact lookup computes
+                parent = block_hash(parent, (-1, nonce & 0x7FFFFFFF, nonce >> 31))
             h = block_hash(parent, tokens)
             if block.block_hash is None:
                 block.block_hash, block.parent_hash, block.token_ids = h, parent, tokens
-                if self.cached.setdefault(h, block) is block and self.registered is not None:
+                exact = i < approx_from
+                if self.cached.setdefault(h, block) is block and self.registered is not None and exact:
                     self.registered.append((BlockKey(h, parent, tokens), block.block_id))
             parent = h
         self.req_num_hashed[req.request_id] = max(start, num_full)
+
+    # -- shifted reuse (kv_reuse.py) ------------------------------------------
+    def _keep_source(self, req: Request) -> None:
+        """Keep the request's registered blocks as a source for the next request of its salt."""
+        if not self.enable_prefix_caching:
+            return
+        blocks = self.req_blocks.get(req.request_id, [])
+        n = self.req_num_hashed.get(req.request_id, 0)
+        if n == 0 or self.req_num_released.get(req.request_id) or any(b.block_hash is None for b in blocks[:n]):
+            return
+        tokens = req.tokens(0, n * self.block_size)
+        approx = self.req_approx.get(req.request_id)
+        source = ReuseSource(
+            tokens, [b.block_hash for b in blocks[:n]], approx[0] if approx and approx[0] < n else None
+        )
+        kept = self.reuse_sources.setdefault(req.cache_salt, deque(maxlen=REUSE_SOURCES))
+        for old in list(kept):  # one it extends says nothing more
+            if len(old.tokens) <= len(tokens) and tokens[: len(old.tokens)] == old.tokens:
+                kept.remove(old)
+        kept.append(source)
+
+    def _usable_blocks(self, source: ReuseSource) -> list[Block]:
+        """The source's leading blocks still cached with its contents."""
+        out = []
+        for i, h in enumerate(source.hashes):
+            block = self.cached.get(h)
+            if block is None or block.token_ids != tuple(
+                source.tokens[i * self.block_size : (i + 1) * self.block_size]
+            ):
+                break
+            out.append(block)
+        return out
+
+    def plan_reuse(self, req: Request, computed: list[Block], min_run: int) -> ReusePlan | None:
+        """The best plan over the recent prompts of the request's salt for its positions after its `computed`
+        hits (None: nothing to reuse)."""
+        if not req.reuse_shifted or not self.enable_prefix_caching or req.computes_every_position:
+            return None
+        start, limit = len(computed) * self.block_size, req.num_tokens - 1
+        tokens = req.tokens(0, req.num_tokens)
+        best = None
+        for source in reversed(self.reuse_sources.get(req.cache_salt, ())):
+            usable = len(self._usable_blocks(source)) * self.block_size
+            runs = plan_runs(source, usable, tokens, start, limit, min_run)
+            if runs and (best is None or runs[-1].dst + runs[-1].length > best.end):
+                best = ReusePlan(source, runs)
+        return best
+
+    def take_reuse(self, req: Request, plan: ReusePlan) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+        """The request was admitted with `plan` (its blocks allocated): cut the plan where a source block is no
+        longer cached (its allocation may have evicted one), pin the source blocks, mark the request's chain;
+        returns (source slot, slot, shift) per row to copy, and the request's spans those rows fill."""
+        blocks = self._usable_blocks(plan.source)
+        usable = len(blocks) * self.block_size
+        runs = []
+        for run in plan.runs:
+            n = min(run.length, usable - run.src)
+            if n > 0:
+                runs.append(Run(run.src, run.dst, n))
+            if n < run.length:
+                break
+        if not runs:
+            return [], []
+        bs, table = self.block_size, req.block_ids
+        rows = [
+            (blocks[s // bs].block_id * bs + s % bs, table[d // bs] * bs + d % bs, run.shift)
+            for run in runs
+            for s, d in zip(range(run.src, run.src + run.length), range(run.dst, run.dst + run.length))
+        ]
+        for i in sorted({s // bs for r in runs for s in range(r.src, r.src + r.length)}):
+            self.pin(blocks[i])
+        inexact = ReusePlan(plan.source, runs).first_inexact(bs)
+        if inexact is not None:
+            self._nonce += 1
+            self.req_approx[req.request_id] = (inexact // bs, self._nonce)
+        spans: list[tuple[int, int]] = []
+        for run in runs:
+            if spans and spans[-1][1] == run.dst:
+                spans[-1] = (spans[-1][0], run.dst + run.length)
+            else:
+                spans.append((run.dst, run.dst + run.length))
+        return rows, spans
+
+    def pin(self, block: Block) -> None:
+        """Hold a block (rows are copied out of it this step) as an owner would."""
+        if block.ref_count == 0:
+            del self.free_queue[block.block_id]
+        block.ref_count += 1
+        self.pinned.append(block)
+
+    def unpin_all(self) -> None:
+        for block in self.pinned:
+            self._unref(block)
+        self.pinned.clear()
 
     # -- checks -----------------------------------------------------------
     def check_integrity(self) -> None:
@@ -291,6 +406,8 @@ class BlockManager:
             )
             for b in blocks[released:]:
                 refs[b.block_id] += 1
+        for b in self.pinned:
+            refs[b.block_id] += 1
         null = self.blocks[NULL_BLOCK]
         assert null.ref_count == 0 and NULL_BLOCK not in self.free_queue and refs[NULL_BLOCK] == 0, "null block used"
         for b in self.blocks[1:]:

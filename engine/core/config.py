@@ -15,6 +15,9 @@ class SchedulerConfig:
     max_wait_ms: float = 50.0  # static mode: the longest a batch waits to fill up
     max_queue: int | None = None  # requests that may wait behind a full batch (admission.check_capacity)
     vocab_size: int | None = None  # token ids must be below it (prompts, logit_bias); None: not checked
+    # Shifted reuse for the requests that allow it (kv_reuse.py): the shortest run of a recent prompt taken at a
+    # new position (llama-server's --cache-reuse); 0: off
+    cache_reuse: int = 256
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -25,6 +28,8 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so every running request can decode each step"
             )
+        if self.cache_reuse < 0:
+            raise ValueError(f"cache_reuse must be 0 (off) or more, got {self.cache_reuse}")
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
 

@@ -92,6 +92,7 @@ class LLMEngine:
         checked: bool = False,
         pooling: str | None = None,
         cache_salt: int = 0,
+        reuse_shifted: bool = False,
     ) -> Request:
         """Queue a request; raises RequestRejected (or QueueFull) with the reason.
 
@@ -100,7 +101,9 @@ class LLMEngine:
         `checked`: the caller (AsyncEngine) ran the admission checks already, counting its in-flight requests.
         `pooling` ("last", "mean" or "cls"): an embedding request, which ends with its prompt's pooled hidden
         states (RequestOutput.embedding) once the prompt is computed, in the same batches as the others.
-        `cache_salt`: the prefix caches' namespace (request.py): blocks are shared only within one salt."""
+        `cache_salt`: the prefix caches' namespace (request.py): blocks are shared only within one salt.
+        `reuse_shifted`: it may start from a recent prompt's K/V at shifted positions (core/kv_reuse.py; not what
+        computing its prompt gives: fill-in-the-middle requests)."""
         if pooling not in (None, *POOLINGS):
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         req = Request(
@@ -110,6 +113,7 @@ class LLMEngine:
             arrival_time=self.clock(),
             pooling=pooling,
             cache_salt=cache_salt,
+            reuse_shifted=reuse_shifted,
         )
         leader = self.scheduler.requests.get(share_prompt_with) if share_prompt_with is not None else None
         if leader is not None and leader.prompt_token_ids == req.prompt_token_ids:
@@ -152,6 +156,7 @@ class LLMEngine:
         if sched.is_empty:
             return outputs, None
         result = self.runner.execute(sched)
+        self.scheduler.blocks.unpin_all()  # the rows shifted reuse copied out of them are in
         now = self.clock()
         drafted = {r.request_id for r, d in zip(sched.requests, sched.drafts) if d}
         accepted_rows: dict[str, int] = {}  # verify rows: draft tokens accepted
@@ -317,6 +322,7 @@ class LLMEngine:
             kv_window=bm.window,
             kv_blocks_released_out_of_window=bm.released_blocks,
             prefix_cache_hit_blocks=bm.prefix_hits,
+            reused_tokens=s.reused_tokens,
             **_tier_fields(self.tier, s.tier_hit_blocks, len(s.loading)),
             preemptions=s.num_preemptions,
             wasted_row_steps=s.wasted_row_steps,
@@ -355,6 +361,7 @@ class LLMEngine:
             kv_blocks_total=bm.num_usable_blocks,
             prefix_hit_blocks=sched.prefix_hit_blocks,
             disk_hit_blocks=sched.tier_hit_blocks,
+            reused_tokens=len(sched.kv_moves),
             preemptions=len(sched.preempted),
             wasted_row_steps=s.wasted_row_steps,
             total_preemptions=s.num_preemptions,

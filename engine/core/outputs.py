@@ -96,6 +96,7 @@ class StepStats:
     accepted_tokens: int = field(default=0, metadata=COUNT)  # of them accepted
     verify_rows: int = field(default=0, metadata=COUNT)  # rows that verified a draft
     disk_hit_blocks: int = field(default=0, metadata=COUNT)  # blocks read back from the disk tier for this step
+    reused_tokens: int = field(default=0, metadata=COUNT)  # rows shifted reuse copied this step (core/kv_reuse.py)
 
     @property
     def kv_usage(self) -> float:
@@ -126,6 +127,7 @@ class EngineState:
     draft_tokens: int = field(default=0, metadata=COUNT)  # speculative tokens verified, over the engine's life
     accepted_tokens: int = field(default=0, metadata=COUNT)  # of them accepted
     verify_rows: int = field(default=0, metadata=COUNT)  # row-steps that verified a draft, over the engine's life
+    reused_tokens: int = field(default=0, metadata=COUNT)  # rows shifted reuse copied, over the engine's life
     # The disk tier of the prefix cache (--prompt-cache-gb; kv_offload/): over the engine's life
     disk_cache: bool = False  # whether it is on for this model
     disk_hit_blocks: int = field(default=0, metadata=COUNT)  # blocks read back intact (prefix hits from disk)

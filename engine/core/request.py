@@ -45,6 +45,13 @@ class Request:
     # never share a block (the daemon gives each API key its own unless sharing is allowed)
     cache_salt: int = 0
     tier_checked: bool = False  # its prefix was looked up in the second tier since it was last queued
+    # It may start from a recent prompt's K/V moved to new positions (kv_reuse.py: not what computing its prompt
+    # gives; fill-in-the-middle requests); num_reused_tokens: rows it took so at its first admission
+    reuse_shifted: bool = False
+    num_reused_tokens: int = 0
+    # Spans [start, end) past num_computed_tokens whose K/V it holds already (rows shifted reuse copied, after a
+    # gap it computes first): a chunk stops at the next one, and the computed count jumps over it
+    held: list[tuple[int, int]] = field(default_factory=list)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -76,6 +83,18 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_to_compute(self) -> int:
+        """Tokens it computes before it must stop: up to its next held span, else all it has."""
+        end = self.held[0][0] if self.held else len(self.prompt_token_ids) + len(self.output_token_ids)
+        return end - self.num_computed_tokens
+
+    def advance(self, n: int) -> None:
+        """`n` more tokens are computed; a held span reached is passed over."""
+        self.num_computed_tokens += n
+        while self.held and self.held[0][0] <= self.num_computed_tokens:
+            self.num_computed_tokens = max(self.num_computed_tokens, self.held.pop(0)[1])
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)
@@ -117,6 +136,7 @@ class RequestMetrics:
     cached_prompt_tokens: int
     preemptions: int
     disk_cached_prompt_tokens: int = 0  # of the cached ones, read from the disk tier for this request
+    reused_prompt_tokens: int = 0  # of the cached ones, taken from a recent prompt at shifted positions
     draft_tokens: int = 0  # speculative decoding: tokens proposed and verified
     accepted_tokens: int = 0  # of them accepted (each saved a step)
 
@@ -140,6 +160,7 @@ class RequestMetrics:
             cached_prompt_tokens=r.num_cached_tokens,
             preemptions=r.num_preemptions,
             disk_cached_prompt_tokens=r.num_disk_cached_tokens,
+            reused_prompt_tokens=r.num_reused_tokens,
             draft_tokens=r.num_draft_tokens,
             accepted_tokens=r.num_accepted_tokens,
         )

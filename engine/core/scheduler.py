@@ -20,6 +20,7 @@ from collections.abc import Callable
 from minibatch.engine.core.admission import RequestRejected, check_capacity, check_request
 from minibatch.engine.core.block_manager import Block, BlockManager
 from minibatch.engine.core.config import MODES, SchedulerConfig
+from minibatch.engine.core.kv_reuse import ReusePlan
 from minibatch.engine.core.kv_tier import BlockKey, BlockTier
 from minibatch.engine.core.policies.continuous import ContinuousPolicy
 from minibatch.engine.core.policies.static import StaticPolicy
@@ -55,6 +56,9 @@ class Scheduler:
         self.tier = tier  # a second tier of prefix blocks (kv_tier.py); None: the pool's prefix cache only
         self.loading: dict[str, tuple[Request, list[BlockKey]]] = {}  # off the queue while its blocks come in
         self.tier_hit_blocks = 0  # blocks read back from the tier, over the scheduler's life
+        self.plans: dict[str, ReusePlan] = {}  # shifted reuse planned for the queue's head, this schedule
+        self.moves: list[tuple[int, int, int]] = []  # the rows this step copies (SchedulerOutput.kv_moves)
+        self.reused_tokens = 0  # rows taken by shifted reuse, over the scheduler's life
 
     # -- requests in ------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -81,9 +85,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._switch_if_at_boundary()
+        self.blocks.unpin_all()  # (the engine unpins after each step's copies; after a failed step, here)
+        self.plans.clear()
         loaded = self._finish_loads()
         out = self.policies[self.mode].schedule(admit=self.pending_mode is None)
         out.tier_hit_blocks = loaded
+        out.kv_moves, self.moves = self.moves, []
         self.num_preemptions += len(out.preempted)
         self.wasted_row_steps += len(out.padding)
         return out
@@ -102,7 +109,7 @@ class Scheduler:
         for req, n, draft in zip(out.requests, out.num_new_tokens, out.drafts):
             tokens = sampled.get(req.request_id)
             rejected = len(draft) - (len(tokens) - 1) if draft and tokens else len(draft)
-            req.num_computed_tokens += n - rejected
+            req.advance(n - rejected)
             if rejected and not self.policies[self.mode].reserves_blocks:
                 self.blocks.trim(req)
             if tokens is not None:
@@ -124,6 +131,19 @@ class Scheduler:
             soon = self.clock() + LOAD_POLL_S
             wakeup = soon if wakeup is None else min(wakeup, soon)
         return wakeup
+
+    # -- shifted reuse ---------------------------------------------------------
+    def reusable(self, req: Request, computed: list[Block]) -> int:
+        """The positions the head of the queue holds before computing: its `computed` prefix hits, then the
+        rows shifted reuse would copy (kv_reuse.py; its plan is taken by `admit`)."""
+        start = len(computed) * self.blocks.block_size
+        if self.config.cache_reuse <= 0 or not req.reuse_shifted:
+            return start
+        plan = self.blocks.plan_reuse(req, computed, self.config.cache_reuse)
+        if plan is None:
+            return start
+        self.plans[req.request_id] = plan
+        return plan.end
 
     # -- the second tier ----------------------------------------------------
     def load_from_tier(self, req: Request, computed: list[Block]) -> bool:
@@ -215,6 +235,7 @@ class Scheduler:
         self.blocks.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.held = []  # (its copied rows went with its blocks)
         req.num_preemptions += 1
         req.tier_checked = False
         self.waiting.appendleft(req)
@@ -224,9 +245,16 @@ class Scheduler:
         self.running.append(req)
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = computed_blocks * self.blocks.block_size
+        plan = self.plans.pop(req.request_id, None)
+        rows, spans = self.blocks.take_reuse(req, plan) if plan is not None else ([], [])
+        req.held = spans
+        req.advance(0)  # (a span that starts at its hits: held at once)
+        self.moves += rows
+        self.reused_tokens += len(rows)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = self.clock()
-            req.num_cached_tokens = req.num_computed_tokens
+            req.num_cached_tokens = computed_blocks * self.blocks.block_size + len(rows)
+            req.num_reused_tokens = len(rows)
 
     def set_mode(self, mode: str) -> None:
         """Switch at the next batch boundary; running requests are never dropped or restarted."""

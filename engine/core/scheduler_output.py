@@ -23,6 +23,8 @@ class SchedulerOutput:
     prefix_hit_blocks: int = 0  # blocks admitted requests took from the prefix cache
     tier_hit_blocks: int = 0  # blocks the second tier read back, registered before this schedule
     released_blocks: int = 0  # blocks handed back as out of every layer's sliding window
+    # Rows copied before the forward (shifted reuse, kv_reuse.py): (source slot, slot, shift of K's position)
+    kv_moves: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

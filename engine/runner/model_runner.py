@@ -11,6 +11,7 @@ from minibatch.engine.core.outputs import RunnerOutput
 from minibatch.engine.core.request import Request
 from minibatch.engine.core.scheduler_output import SchedulerOutput
 from minibatch.engine.models.llama import LlamaForCausalLM
+from minibatch.engine.runner.kv_shift import KeyShifter
 from minibatch.engine.runner.sampler import Sampler
 from minibatch.engine.runner.verify import take_tokens
 from minibatch.kernels.kv_types import PagedKV
@@ -29,12 +30,14 @@ class ModelRunner:
         self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
         self.device = next(model.parameters()).device
         self.sampler = Sampler(model.ops, token_texts=token_texts)
+        self.shifter = KeyShifter(model, kv_caches)  # rows moved by shifted reuse, before the forward
         self.graphs = None  # DecodeGraphs on CUDA: pure-decode steps replay a captured forward
         # mean pooling's running sums (cls: the first position's state), per embedding request mid-prompt
         self.pooling_sums: dict[str, tuple[torch.Tensor | float, int]] = {}
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self.shifter.apply(out.kv_moves)
         chunks, starts, tables = [], [], []
         sampling: list[tuple[Request, list[int], list[int]]] = []  # (request, its draft, its sequences' indexes)
         pooled: list[tuple[Request, int, int, int]] = []  # embedding requests: (request, sequence, start, tokens)

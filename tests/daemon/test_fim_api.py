@@ -173,3 +173,29 @@ def test_an_infill_stream_the_editor_drops_is_aborted_and_frees_its_blocks(fim_d
     asyncio.run(drop())
     stats = fim_daemon.wait_idle()
     assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
+
+
+def test_an_editor_moving_down_the_file_reuses_the_last_prompts_keys_at_their_new_places(fim_daemon):
+    lines = [f"value_{i} = compute({i})\n" for i in range(80)]
+
+    def at(line: int, typed: str) -> dict:
+        return {"input_prefix": "".join(lines[line - 36 : line]), "input_suffix": "\n" + "".join(lines[line + 1 : line + 6]),
+                "prompt": typed, "n_predict": 2, "ignore_eos": True}  # fmt: skip
+
+    before = fim_daemon.wait_idle()["reused_tokens"]
+    status, first = post(fim_daemon, "/infill", at(40, "value_"))
+    assert status == 200, first
+    status, moved = post(fim_daemon, "/infill", at(44, "value_"))  # the window slid four lines down
+    assert status == 200, moved
+    # the 32 lines both windows hold (over 256 tokens: --cache-reuse's default) are taken from the first prompt,
+    # four lines' tokens up, not computed
+    assert moved["tokens_cached"] >= 256 and moved["timings"]["prompt_n"] < moved["tokens_evaluated"] // 2
+    status, typed = post(fim_daemon, "/infill", at(44, "value_44 = "))  # a word typed at the cursor
+    assert status == 200 and typed["tokens_cached"] >= moved["tokens_cached"], typed  # all before it held
+    stats = fim_daemon.wait_idle()
+    # (the moved window's first block differs from the first one's: all it holds it took at shifted places)
+    assert stats["reused_tokens"] - before >= moved["tokens_cached"]
+    assert stats["kv_blocks_used"] == 0  # nothing held once idle: the copies' source blocks are let go
+    # a request that is not a middle to fill never takes shifted rows
+    status, plain = post(fim_daemon, "/completion", {"prompt": "".join(lines[8:44]), "n_predict": 2})
+    assert status == 200 and fim_daemon.wait_idle()["reused_tokens"] == stats["reused_tokens"]

@@ -125,6 +125,7 @@ class EnginePanel(Vertical):
         self.kv_cache = ""  # its KV cache's type, bytes per token and capacity (kv_cache_text of /health's facts)
         self.hit_blocks = 0  # prefix-cache hits seen since the panel opened
         self.disk_hit_blocks = 0  # of them, blocks read back from the disk prompt cache first
+        self.reused_tokens = 0  # prompt positions taken from a recent prompt at shifted places (--cache-reuse)
         self.redraws = 0  # redraws that changed something, over the panel's life
         self._drawn: dict | None = None  # the event the lines show (each event a new one: a cluster's merged
         # events can change, a replica joining, while their step, the busiest replica's, does not)
@@ -204,6 +205,7 @@ class EnginePanel(Vertical):
         self.connected, self.last = True, e
         self.hit_blocks += e.get("prefix_hit_blocks", 0)
         self.disk_hit_blocks += e.get("disk_hit_blocks", 0)
+        self.reused_tokens += e.get("reused_tokens", 0)
 
     def redraw(self) -> None:
         """Draw the newest event: each line only if it changed, the sparkline one sample a redraw; and the
@@ -247,7 +249,8 @@ class EnginePanel(Vertical):
             f"decode  {e.get('decode_tokens_per_s', 0):7.1f} tok/s",
             f"step {1000 * e['step_time']:5.0f} ms  preempted {e['total_preemptions']}",
             f"prefix-cache hits {self.hit_blocks} blocks"
-            + (f", {self.disk_hit_blocks} disk" if self.disk_hit_blocks else ""),
+            + (f", {self.disk_hit_blocks} disk" if self.disk_hit_blocks else "")
+            + (f", {self.reused_tokens} tok shifted" if self.reused_tokens else ""),
         ]
         # rows that say something only at times are there (blank) all the time: a line that came and went
         # laid out the whole screen each time (the contention hint does, under load) and moved the map

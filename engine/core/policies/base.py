@@ -26,10 +26,14 @@ class SchedulerView(Protocol):
     running: list[Request]
 
     def admit(self, req: Request, computed_blocks: int) -> None:
-        """Move the head of the queue into the running set, its first `computed_blocks` already cached."""
+        """Move the head of the queue into the running set, its first `computed_blocks` already cached (and the
+        rows of the reuse `reusable` planned, once its blocks are allocated)."""
 
     def preempt(self, req: Request) -> None:
         """Free a running request's blocks and put it back at the head of the queue."""
+
+    def reusable(self, req: Request, computed: list[Block]) -> int:
+        """The positions the head of the queue holds before computing: its hits, then shifted reuse's rows."""
 
     def load_from_tier(self, req: Request, computed: list[Block]) -> bool:
         """Whether the head of the queue left it to wait for its next blocks from the second tier."""

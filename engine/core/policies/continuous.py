@@ -32,7 +32,7 @@ class ContinuousPolicy:
         for req in order:
             if req not in s.running:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_to_compute, budget)
             if n <= 0:
                 continue
             # a draft takes what the budget and the free blocks leave: it is dropped before anyone is preempted
@@ -64,10 +64,12 @@ class ContinuousPolicy:
             computed = s.blocks.get_computed_blocks(req)
             if s.load_from_tier(req, computed):
                 continue  # it waits off the queue while its blocks come in
-            n = min(req.num_tokens - len(computed) * s.blocks.block_size, budget)
-            if not s.blocks.allocate(req, n, computed):
+            start = s.reusable(req, computed)
+            n = min(req.num_tokens - start, budget)
+            if not s.blocks.allocate(req, start - len(computed) * s.blocks.block_size + n, computed):
                 break
             s.admit(req, len(computed))
+            n = min(req.num_to_compute, budget)  # (up to its first held span; fewer rows copied fit too)
             out.prefix_hit_blocks += len(computed)
             out.add(req, n)
             budget -= n

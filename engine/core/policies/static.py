@@ -33,7 +33,7 @@ class StaticPolicy:
             if req.status.finished:
                 out.padding.append(req)
             else:  # its blocks were reserved for prompt + max_tokens, which a draft never passes
-                n = req.num_tokens - req.num_computed_tokens
+                n = req.num_to_compute
                 out.add(req, n, req.draft_token_ids if n == 1 else None)
         return out
 
@@ -52,12 +52,13 @@ class StaticPolicy:
             computed = s.blocks.get_computed_blocks(req)
             if s.load_from_tier(req, computed):
                 continue  # it waits off the queue while its blocks come in
+            s.reusable(req, computed)  # (its rows need the blocks reserved anyway)
             reserve = req.max_total_tokens - req.num_computed_tokens - len(computed) * s.blocks.block_size
             if not s.blocks.allocate(req, reserve, computed):
                 break
             s.admit(req, len(computed))
             out.prefix_hit_blocks += len(computed)
-            out.add(req, req.num_tokens - req.num_computed_tokens)
+            out.add(req, req.num_to_compute)
 
     def on_finish(self, req: Request) -> list[Request]:
         # It keeps its slot and blocks until the batch ends: when its last member finishes.
