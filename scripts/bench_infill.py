@@ -263,27 +263,21 @@ def plot(results: list[dict], path: Path) -> None:
 def agreement(args, lines, extra) -> list[dict]:
     """What reuse does to the answers: the session's requests (one editor), greedy, by in-process engines of the
     built-in model (real weights; it was not trained to fill in the middle, so three of its unused special tokens
-    stand for the markers), with --cache-reuse 0 (every position computed as the prompt says: the reference) and
-    with each of --agreement's minimum runs; the share of suggestions equal to the reference's, whole and in
-    their first token."""
+    stand for the markers), with --cache-reuse 0 (every position computed as the prompt says: the reference),
+    with an f16 cache instead of q8_0 (a yardstick: how far an exact computation's rounding alone moves the
+    answers), with n-gram speculation (its drafts come from the prompt, the code after the cursor included: the
+    same answers, its decode time beside the reference's) and with each of --agreement's minimum runs; the share
+    of suggestions equal to the reference's, whole and in their first token."""
     from minibatch.engine.core.sampling_params import SamplingParams
     from minibatch.engine.factory import EngineConfig, build_engine
     from minibatch.engine.text.fim import FimTokens, Infill, assemble
 
     variants = {"reference": {"cache_reuse": 0}, "f16 cache": {"cache_reuse": 0, "kv_cache_type": "f16"}}
+    variants["ngram speculation"] = {"cache_reuse": 0, "speculative": "ngram"}  # (drafts from the prompt's suffix)
     variants |= {f"--cache-reuse {m}": {"cache_reuse": int(m)} for m in args.agreement.split(",")}
-    engines = {
-        name: build_engine(
-            EngineConfig(
-                model="smollm2-135m-instruct",
-                speculative="off",
-                kv_cache_tokens=args.ctx * 4,
-                max_model_len=args.ctx,
-                **kw,
-            )
-        )  # fmt: skip
-        for name, kw in variants.items()
-    }
+    base = {"model": "smollm2-135m-instruct", "speculative": "off", "kv_cache_tokens": args.ctx * 4,
+            "max_model_len": args.ctx}  # fmt: skip
+    engines = {name: build_engine(EngineConfig(**{**base, **kw})) for name, kw in variants.items()}
     tok = engines["reference"].tokenizer
     fim = FimTokens(prefix=8, suffix=9, middle=10, repo=3, file_sep=5)  # <issue_start>, <issue_comment>, ...
     chunks = [(c["filename"], c["text"]) for c in extra]
@@ -299,30 +293,39 @@ def agreement(args, lines, extra) -> list[dict]:
         for i, prompt in enumerate(prompts):
             params = SamplingParams(temperature=0.0, max_tokens=args.n_predict, ignore_eos=True)
             engine.add_request(f"a{i}", prompt, params, reuse_shifted=True)
-            tokens, reused = [], 0
+            tokens, metrics = [], None
             while engine.has_work():
                 outs, _ = engine.step()
                 for o in outs:
                     tokens += o.token_ids
-                    reused = o.metrics.reused_prompt_tokens if o.finished else reused
-            answers[m].append((tokens, reused))
+                    metrics = o.metrics if o.finished else metrics
+            answers[m].append((tokens, metrics))
     rows = []
     for m in list(engines)[1:]:
         pairs = list(zip(answers["reference"], answers[m]))[1:]  # (the first request: nothing to reuse)
         same = sum(a == b for (a, _), (b, _) in pairs)
         first = sum(a[:1] == b[:1] for (a, _), (b, _) in pairs)
-        reused = statistics.mean(r for _, (_, r) in pairs)
+        reused = statistics.mean(m.reused_prompt_tokens for _, (_, m) in pairs)
+        decode = sum(m.decode_time or 0 for _, (_, m) in pairs) / sum(r.decode_time or 0 for (_, r), _ in pairs)
+        drafted, accepted = (sum(getattr(m, k) for _, (_, m) in pairs) for k in ("draft_tokens", "accepted_tokens"))
         rows.append({"variant": m, "requests": len(pairs), "same_suggestion": same / len(pairs),
                      "same_first_token": first / len(pairs), "reused_tokens": reused,
-                     "prompt_tokens": statistics.mean(len(p) for p in prompts)})  # fmt: skip
+                     "prompt_tokens": statistics.mean(len(p) for p in prompts), "decode_time_ratio": decode,
+                     "acceptance": accepted / drafted if drafted else None})  # fmt: skip
         print(f"  {m}: {same}/{len(pairs)} suggestions as computed, first token {first}/{len(pairs)}, "
-              f"{reused:.0f} of {rows[-1]['prompt_tokens']:.0f} prompt tokens reused", flush=True)  # fmt: skip
+              f"{reused:.0f} of {rows[-1]['prompt_tokens']:.0f} prompt tokens reused, decode time {decode:.2f}x"
+              + (f", {accepted}/{drafted} draft tokens accepted" if drafted else ""), flush=True)  # fmt: skip
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gguf", type=Path, default=None, help="a coder model with fill-in-the-middle tokens")
+    ap.add_argument(
+        "--gguf",
+        type=Path,
+        default=None,
+        help="the model: a coder GGUF with fill-in-the-middle tokens (minibatchd alone also takes a model directory)",
+    )
     ap.add_argument("--agreement", default=None, help="MIN,MIN...: only the answers' agreement with reuse off")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
     ap.add_argument("--threads", type=int, default=os.cpu_count())

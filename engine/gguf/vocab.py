@@ -20,6 +20,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from minibatch.engine.text.fim import FIM_CONFIG_KEY, GGUF_KEYS
+
 if TYPE_CHECKING:
     from minibatch.engine.gguf.reader import GGUFFile
 
@@ -116,6 +118,10 @@ def write_tokenizer(gguf: GGUFFile, tokens: list[str], out: Path) -> None:
         "clean_up_tokenization_spaces": False,
         **named,
     }
+    fim = {field: meta.get(f"tokenizer.ggml.fim_{key}_token_id") for field, key in GGUF_KEYS.items()}
+    fim = {field: i for field, i in fim.items() if isinstance(i, int) and 0 <= i < len(tokens)}
+    if {"prefix", "suffix", "middle"} <= fim.keys():  # the file names its fill-in-the-middle markers
+        config[FIM_CONFIG_KEY] = fim
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     template = meta.get("tokenizer.chat_template")
     if isinstance(template, str) and template:

@@ -29,6 +29,10 @@ _FAMILIES = (
     ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", None, None, None, None),
     ("[PREFIX]", "[SUFFIX]", "[MIDDLE]", None, None, None, None),
 )
+# FimTokens' fields and the keys a GGUF names them by (tokenizer.ggml.fim_<key>_token_id); a GGUF's preparation
+# keeps them in tokenizer_config.json as FIM_CONFIG_KEY: {field: id}
+GGUF_KEYS = {"prefix": "pre", "suffix": "suf", "middle": "mid", "pad": "pad", "repo": "rep", "file_sep": "sep"}
+FIM_CONFIG_KEY = "fim_token_ids"
 WINDOW = 2048  # tokens of prefix and suffix together at most (llama-server's default batch), 3:1
 REPO_NAME = "myproject\n"  # what the repository marker is followed by (llama-server's)
 CHUNK_SEPARATOR = "\n\n--- snippet ---\n\n"  # before each chunk, for a model without a file marker
@@ -46,8 +50,14 @@ class FimTokens:
     file_sep: int | None = None
 
     @classmethod
-    def of(cls, vocab: dict[str, int]) -> FimTokens | None:
-        """The model's markers, by their names in its vocabulary; None when it has no complete set."""
+    def of(cls, vocab: dict[str, int], named: dict[str, int] | None = None) -> FimTokens | None:
+        """The model's markers: those its GGUF's metadata named (`named`, FIM_CONFIG_KEY's), else found by their
+        names in its vocabulary; None when it has no complete set."""
+        size = len(vocab)
+        if named and all(
+            isinstance(named.get(k), int) and 0 <= named[k] < size for k in ("prefix", "suffix", "middle")
+        ):
+            return cls(**{k: v for k, v in named.items() if k in GGUF_KEYS and isinstance(v, int) and 0 <= v < size})
         for names in _FAMILIES:
             ids = [vocab.get(n) if n is not None else None for n in names]
             if None not in ids[:3]:

@@ -14,7 +14,7 @@ from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
-from minibatch.engine.text.fim import FimTokens
+from minibatch.engine.text.fim import FIM_CONFIG_KEY, FimTokens
 
 # Tokenizer classes that are exactly the `tokenizers` backend with no behaviour of their own.
 _PLAIN_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
@@ -47,6 +47,7 @@ class TextTokenizer:
             self.eos_token_id = self.hf.eos_token_id
             self.chat_template = getattr(self.hf, "chat_template", None)
         self.has_chat_template = bool(self.chat_template)
+        self._fim_named = config.get(FIM_CONFIG_KEY)  # a GGUF's own fill-in-the-middle ids (engine/text/fim.py)
         self._renders_tools: bool | None = None
 
     def encode(self, text: str) -> list[int]:
@@ -80,7 +81,7 @@ class TextTokenizer:
     @functools.cached_property
     def fim(self) -> FimTokens | None:
         """The model's fill-in-the-middle markers (engine/text/fim.py), or None when it has none."""
-        return FimTokens.of(self.vocab())
+        return FimTokens.of(self.vocab(), self._fim_named if isinstance(self._fim_named, dict) else None)
 
     @functools.cached_property
     def added_bos(self) -> int | None:

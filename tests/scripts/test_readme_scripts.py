@@ -49,6 +49,7 @@ COVERED = {
     "bench_long_attention.py": "in_process:test_bench_long_attention",
     "bench_long_context.py": "own_daemons:test_bench_long_context",
     "bench_agent.py": "own_daemons:test_bench_agent",
+    "bench_infill.py": "own_daemons:test_bench_infill",
     "bench_quant_matmul.py": "in_process:test_bench_quant_matmul",
     "make_model.py": "in_process:test_make_model",
     "perplexity.py": "in_process:test_perplexity",

@@ -199,3 +199,32 @@ def test_bench_agent(env, tmp_path):
         env, SCRIPTS / "bench_agent.py", "--overhead", "2", "--cold-tokens", "48", "--threads", "1", "--json", ab
     )
     assert len(json.loads(ab.read_text())) == 2 and "median of 2 pairs" in proc.stdout
+
+
+def test_bench_infill(env, tmp_path, tiny_chat_model_dir):
+    """Its own daemons over a tiny model with fill-in-the-middle markers: reuse on holds more of each prompt than
+    off, the burst is measured; in-process, the agreement of reused answers with computed ones."""
+    from tests.daemon.helpers import with_fim_markers
+
+    model = with_fim_markers(tiny_chat_model_dir, tmp_path / "fim")
+    out = tmp_path / "infill.json"
+    env = {k: v for k, v in env.items() if k != "LLAMA_SERVER"}
+    args = ["--gguf", model, "--editors", "1,2", "--sites", "2", "--words", "3", "--burst", "3", "--burst-places", "1",
+            "--n-predict", "2", "--threads", "1", "--variants", "reuse,noreuse", "--cache-reuse", "32", "--ctx", "1024",
+            "--pause", "0", "--json", out]  # fmt: skip
+    proc = run(env, SCRIPTS / "bench_infill.py", *args, timeout=600)
+    results = {(r["variant"], r["editors"]): r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {("reuse", 1), ("noreuse", 1), ("reuse", 2)}
+    on, off = results[("reuse", 1)], results[("noreuse", 1)]
+    assert on["requests"] == off["requests"] == 5 and results[("reuse", 2)]["requests"] == 10
+    assert all(r["ttft"] > 0 and r["total"] >= r["ttft"] for r in on["rows"] + off["rows"])
+    assert on["prompt_tokens"] == off["prompt_tokens"] and on["cached"] > off["cached"]
+    assert len(on["lone_ttft"]) == len(on["burst_last_ttft"]) == 1
+    assert "| minibatchd --cache-reuse 32 | 1 | 5 |" in proc.stdout
+    agree = tmp_path / "agree.json"
+    args = ["--agreement", "32", "--sites", "2", "--words", "2", "--n-predict", "2", "--ctx", "1024", "--json", agree]
+    run(env, SCRIPTS / "bench_infill.py", *args, timeout=600)
+    rows = {r["variant"]: r for r in json.loads(agree.read_text())["agreement"]}
+    assert set(rows) == {"f16 cache", "ngram speculation", "--cache-reuse 32"}
+    assert rows["f16 cache"]["reused_tokens"] == 0 and rows["ngram speculation"]["same_suggestion"] == 1
+    assert rows["--cache-reuse 32"]["reused_tokens"] > 0 and 0 <= rows["--cache-reuse 32"]["same_first_token"] <= 1
