@@ -199,7 +199,9 @@ class AsyncEngine:
             await stream.aclose()
 
     def abort(self, request_id: str) -> None:
-        """Thread-safe; the request's blocks are freed at the next step."""
+        """Thread-safe; the request's blocks are freed at the next step (a step computing for it alone stops at
+        its next layer)."""
+        self.engine.abort_soon(request_id)
         self._inbox.append(lambda: self.engine.abort(request_id))
         self._wake.set()
 

@@ -12,6 +12,7 @@ Cache layout per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,6 +35,9 @@ class AttentionMetadata:
     plans: dict[int, object] | None = field(default=None)  # per sliding window, when the layers' windows differ
     window: int = 0  # sliding window: a query attends to the last `window` positions only (0: all)
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2)
+    # Asked between layers: True when nobody wants this forward's result any more (every row's request was
+    # aborted meanwhile): the forward stops there (StepAbandoned)
+    abandon: Callable[[], bool] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -17,7 +17,7 @@ from minibatch.engine.core.cpu_wait import RunQueueWait
 from minibatch.engine.core.detokenizer import IncrementalDetokenizer, Tokenizer
 from minibatch.engine.core.info import EngineInfo
 from minibatch.engine.core.kv_tier import BlockTier, TierCounters
-from minibatch.engine.core.outputs import EngineState, RequestOutput, RunnerOutput, StepStats
+from minibatch.engine.core.outputs import EngineState, RequestOutput, RunnerOutput, StepAbandoned, StepStats
 from minibatch.engine.core.request import POOLINGS, Request, RequestStatus
 from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.core.scheduler import Scheduler
@@ -66,6 +66,8 @@ class LLMEngine:
         tier: BlockTier | None = None,  # a second tier of prefix blocks (kv_tier.py): disk, past restarts
     ) -> None:
         self.runner, self.tokenizer, self.clock = runner, tokenizer, clock
+        self.aborted: set[str] = set()  # aborts asked for from other threads, not applied yet (abort_soon)
+        self.abandoned_steps = 0  # forwards stopped between layers because all their requests were aborted
         # proposes draft tokens for decoding rows (None: one token per row per step)
         on = speculative is not None and speculative.enabled
         self.spec = SpecDecoder(speculative, proposer) if on else None
@@ -122,7 +124,13 @@ class LLMEngine:
         self.streams[request_id] = _Stream(IncrementalDetokenizer(self.tokenizer))
         return req
 
+    def abort_soon(self, request_id: str) -> None:
+        """From any thread, before the abort itself is queued: a forward computing for nobody else stops at its
+        next layer instead of running to its end (an editor's keystroke abandons the last one's request)."""
+        self.aborted.add(request_id)
+
     def abort(self, request_id: str) -> bool:
+        self.aborted.discard(request_id)
         req = self.scheduler.abort(request_id)
         if req is None or request_id not in self.streams:
             return False
@@ -155,8 +163,16 @@ class LLMEngine:
             req.draft_token_ids = []  # a proposal lives for one schedule
         if sched.is_empty:
             return outputs, None
-        result = self.runner.execute(sched)
-        self.scheduler.blocks.unpin_all()  # the rows shifted reuse copied out of them are in
+        ids = frozenset(r.request_id for r in sched.requests)
+        if ids and not sched.padding:  # (a step whose every row was aborted meanwhile stops between layers)
+            sched.abandon = lambda: ids <= self.aborted
+        try:
+            result = self.runner.execute(sched)
+        except StepAbandoned:  # its requests' aborts are next in the inbox; nothing they computed is kept
+            self.abandoned_steps += 1
+            return outputs, None
+        finally:
+            self.scheduler.blocks.unpin_all()  # the rows shifted reuse copied out of them are in
         now = self.clock()
         drafted = {r.request_id for r, d in zip(sched.requests, sched.drafts) if d}
         accepted_rows: dict[str, int] = {}  # verify rows: draft tokens accepted

@@ -21,6 +21,10 @@ def counts(cls) -> tuple[str, ...]:
 TokenLogprob = tuple[float, list[tuple[int, float]]]
 
 
+class StepAbandoned(Exception):
+    """A forward stopped between layers: every request it computed for was aborted while it ran."""
+
+
 @dataclass(slots=True)
 class RunnerOutput:
     """What a runner's step returns (torch-free): per request that reached its last token, the tokens it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minibatch.engine.core.request import Request
@@ -25,6 +26,9 @@ class SchedulerOutput:
     released_blocks: int = 0  # blocks handed back as out of every layer's sliding window
     # Rows copied before the forward (shifted reuse, kv_reuse.py): (source slot, slot, shift of K's position)
     kv_moves: list[tuple[int, int, int]] = field(default_factory=list)
+    # Set by the engine: whether every request this step computes for has been aborted since (the forward then
+    # stops at its next layer: outputs.StepAbandoned)
+    abandon: Callable[[], bool] | None = None
 
     @property
     def is_empty(self) -> bool:

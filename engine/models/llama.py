@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minibatch.engine.attention.metadata import AttentionBackend, AttentionMetadata
+from minibatch.engine.core.outputs import StepAbandoned
 from minibatch.engine.models.config import ModelConfig, RopeConfig
 from minibatch.engine.models.ops import TorchOps
 from minibatch.kernels.kv_types import PagedKV
@@ -203,6 +204,8 @@ class LlamaForCausalLM(nn.Module):
         h = ops.rms_norm(residual, layers[0].input_layernorm.weight, eps)
         # Each residual add is fused with the norm that follows it (the next layer's, or the final one).
         for i, (layer, cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            if meta.abandon is not None and meta.abandon():
+                raise StepAbandoned(f"abandoned at layer {i}")
             attn = layer.self_attn(positions, h, cache, meta)
             h, residual = ops.add_rms_norm(attn, residual, layer.post_attention_layernorm.weight, eps)
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
@@ -217,6 +220,8 @@ class LlamaForCausalLM(nn.Module):
         residual = residual * torch.tensor(cfg.embed_scale, dtype=residual.dtype)
         h = ops.rms_norm(residual, layers[0].input_layernorm.weight, eps)
         for i, (layer, cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            if meta.abandon is not None and meta.abandon():
+                raise StepAbandoned(f"abandoned at layer {i}")
             if cfg.layer_windows:
                 meta.window, meta.plan = layer.window, meta.plans[layer.window]
             attn = ops.rms_norm(layer.self_attn(positions, h, cache, meta), layer.post_attention_layernorm.weight, eps)

@@ -71,6 +71,7 @@ class ModelRunner:
         if not chunks:
             return RunnerOutput()
         batch = build_flat_batch(chunks, starts, tables, self.block_size, self.device)
+        batch.attn.abandon = out.abandon
         rows = [i for _, _, seqs in sampling for i in seqs]
         logits = None
         if self.graphs is not None and not pooled:

@@ -53,7 +53,7 @@ class FimTokens:
     def of(cls, vocab: dict[str, int], named: dict[str, int] | None = None) -> FimTokens | None:
         """The model's markers: those its GGUF's metadata named (`named`, FIM_CONFIG_KEY's), else found by their
         names in its vocabulary; None when it has no complete set."""
-        size = len(vocab)
+        size = max(vocab.values(), default=-1) + 1
         if named and all(
             isinstance(named.get(k), int) and 0 <= named[k] < size for k in ("prefix", "suffix", "middle")
         ):

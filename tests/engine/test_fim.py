@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from minibatch.engine.text.fim import CHUNK_SEPARATOR, CURRENT_FILE, REPO_NAME, FimTokens, Infill, assemble
@@ -93,3 +95,24 @@ def test_chunks_fill_what_the_context_leaves_the_oldest_cut_first():
     full = [fim.repo, *encode(REPO_NAME), fim.file_sep, *encode("old.py\n"), *encode("o" * 300), fim.file_sep,
             *encode("new.py\n"), *encode("n" * 50), fim.file_sep, *encode(CURRENT_FILE)]  # fmt: skip
     assert kept == full[-room:]  # the newest chunk whole, the oldest's start gone
+
+
+def test_a_ggufs_own_named_markers_come_before_the_names(tmp_path):
+    import sys
+
+    from minibatch.engine.store.cache import prepare_gguf
+    from minibatch.engine.text.tokenizer import TextTokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from make_model import Shape, write_gguf
+
+    shape = Shape("llama", 64, 128, 1, 2, 1, 32, True, False, 1e4, 1e-5, 512, 49160)  # 8 tokens past the built-in's
+    path = tmp_path / "coder.gguf"
+    write_gguf("tiny coder", shape, path, "F32", None, 0, true_vocab=True, fim=True)
+    tok = TextTokenizer(prepare_gguf(path, tmp_path / "prepared"))
+    # the file's metadata names 49152... (Qwen2.5-Coder's names, in make_model's order: prefix, middle, suffix)
+    assert tok.fim == FimTokens(prefix=49152, suffix=49154, middle=49153, pad=49155, repo=49156, file_sep=49157)
+    vocab = vocab_of(QWEN)
+    named = {"prefix": 1, "suffix": 2, "middle": 100}  # metadata wins over names; ids past the vocabulary do not
+    assert FimTokens.of(vocab, named) == FimTokens(1, 2, 100)
+    assert FimTokens.of(vocab, {"prefix": 1, "suffix": 2, "middle": 999}) == FimTokens.of(vocab)

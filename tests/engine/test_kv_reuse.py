@@ -260,3 +260,28 @@ def test_a_gap_is_computed_as_the_prompt_says_and_the_run_after_it_moved(tiny_ch
     torch.testing.assert_close(k[93:180], k0[93:180], rtol=2e-6, atol=2e-6)
     assert torch.equal(v[93:180], v0[93:180])
     free_blocks_settle(engine)
+
+
+def test_a_forward_for_requests_all_aborted_meanwhile_stops_between_layers(tiny_chat_model_dir):
+    engine = make(tiny_chat_model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("gone", seq(120, 21), params, reuse_shifted=True)
+    engine.abort_soon("gone")  # (the client closed its connection while its step was being planned)
+    outs, stats = engine.step()
+    assert stats is None and engine.abandoned_steps == 1
+    assert engine.abort("gone")
+    outs, _ = engine.step()
+    assert not engine.has_work() and engine.scheduler.blocks.num_used_blocks == 0
+    # one of two requests aborted: the forward runs to its end for the other
+    engine.add_request("stays", seq(60, 22), params)
+    engine.add_request("goes", seq(60, 23), params)
+    engine.abort_soon("goes")
+    outs, stats = engine.step()
+    assert stats is not None and engine.abandoned_steps == 1
+    engine.abort("goes")
+    tokens = [t for o in outs if o.request_id == "stays" for t in o.token_ids]
+    while engine.has_work():
+        outs, _ = engine.step()
+        tokens += [t for o in outs if o.request_id == "stays" for t in o.token_ids]
+    assert len(tokens) == 4 and tokens == run(make(tiny_chat_model_dir), seq(60, 22), reuse=False)[0]
+    free_blocks_settle(engine)
