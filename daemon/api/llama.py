@@ -58,6 +58,8 @@ class _Body(sampler_fields(_Lenient, "_LlamaSamplers")):
     response_fields: list[StrictStr] | None = Field(default=None, max_length=64)
     # after this long generating (from the first token), the answer ends at its next line break
     t_max_predict_ms: Int | None = Field(default=None, ge=0)
+    # the cursor line's indentation (llama.vscode's): the answer ends before a later line indented less
+    n_indent: Int = Field(default=0, ge=0, le=4096)
 
     def sampling(self) -> dict:
         given = {
@@ -182,24 +184,32 @@ async def respond(request: web.Request, fill: bool) -> web.StreamResponse:
     async with pipeline.generate(state, gen, request) as run:
         name = run.model.name
         if not body.stream:
-            text, last, n, first_at = [], None, 0, None
+            text, last, n, first_at, stop_type = "", None, 0, None, None
             async with run.limit():
                 async for _, out in run.outputs():
                     if out.error:
                         raise ApiError(500, out.error, None, "engine_error", "server_error")
-                    text.append(out.text)
+                    text += out.text
                     n += len(out.token_ids)
                     last = out if out.finished else last
                     first_at = first_at or time.monotonic()
-                    if _past(limit_ms, first_at, "".join(text)) and not out.finished:
+                    cut = _dedent(text, body.n_indent)
+                    if cut is not None:
+                        text, stop_type = text[:cut], "limit"
+                        break
+                    if _past(limit_ms, first_at, text) and not out.finished:
                         break  # (leaving ends the request: its blocks go back at the next step)
-            answer = result(name, "".join(text), run, last, n, _stop_type(last))
+            answer = result(name, text, run, last, n, stop_type or _stop_type(last))
             return web.json_response(only(body.response_fields, answer))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
 
         async def send(payload: dict) -> None:
             await resp.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n")
+
+        def partial(text: str, ids: list[int], n: int) -> dict:
+            return {"content": text, "tokens": ids, "stop": False, "tokens_predicted": n,
+                    "tokens_evaluated": run.prompt_tokens}  # fmt: skip
 
         so_far, n, first_at = "", 0, None
         try:
@@ -209,21 +219,19 @@ async def respond(request: web.Request, fill: bool) -> web.StreamResponse:
                         await send({"error": {"code": 500, "message": out.error, "type": "server_error"}})
                         break
                     n += len(out.token_ids)
+                    cut = _dedent(so_far + out.text, body.n_indent)
+                    if cut is not None:  # a line indented less than the cursor's: the answer ends before it
+                        if cut > len(so_far):
+                            await send(partial((so_far + out.text)[len(so_far) : cut], out.token_ids, n))
+                        await send(only(body.response_fields, result(name, "", run, None, n, "limit")))
+                        break
                     so_far += out.text
                     first_at = first_at or time.monotonic()
                     if out.finished:
                         await send(only(body.response_fields, result(name, out.text, run, out, n, _stop_type(out))))
                         break
                     if out.token_ids:  # a chunk per step's tokens, as llama-server's (a special token's text is empty)
-                        await send(
-                            {
-                                "content": out.text,
-                                "tokens": out.token_ids,
-                                "stop": False,
-                                "tokens_predicted": n,
-                                "tokens_evaluated": run.prompt_tokens,
-                            }
-                        )
+                        await send(partial(out.text, out.token_ids, n))
                     if _past(limit_ms, first_at, so_far):
                         await send(only(body.response_fields, result(name, "", run, None, n, "limit")))
                         break
@@ -231,6 +239,22 @@ async def respond(request: web.Request, fill: bool) -> web.StreamResponse:
             await send(exc.body())
         await resp.write_eof()
         return resp
+
+
+def _dedent(text: str, n_indent: int) -> int | None:
+    """llama-server's n_indent: where the answer ends when a line after its first starts with less indentation
+    than `n_indent` (after that line's spaces and tabs), or None."""
+    if n_indent <= 0:
+        return None
+    at = text.find("\n")
+    while at != -1:
+        pos = at + 1
+        while pos < len(text) and text[pos] in " \t":
+            pos += 1
+        if pos < len(text) and text[pos] != "\n" and pos - (at + 1) < n_indent:
+            return pos
+        at = text.find("\n", at + 1)
+    return None
 
 
 def _past(limit_ms: int | None, first_at: float | None, text: str) -> bool:

@@ -199,3 +199,18 @@ def test_an_editor_moving_down_the_file_reuses_the_last_prompts_keys_at_their_ne
     # a request that is not a middle to fill never takes shifted rows
     status, plain = post(fim_daemon, "/completion", {"prompt": "".join(lines[8:44]), "n_predict": 2})
     assert status == 200 and fim_daemon.wait_idle()["reused_tokens"] == stats["reused_tokens"]
+
+
+def test_n_indent_ends_the_answer_before_a_line_indented_less():
+    from minibatch.daemon.api.llama import _dedent
+
+    body = "x = 1\n        y = 2\n    return y\n"
+    assert _dedent(body, 8) == len("x = 1\n        y = 2\n    ")  # cut after the short line's spaces
+    assert _dedent(body, 4) is None and _dedent(body, 0) is None
+    assert _dedent("a\n\n        b\n", 8) is None  # an empty line is no dedent
+    assert _dedent("first line only", 8) is None  # (the first line is the cursor's own)
+
+
+def test_n_indent_out_of_range_is_refused_naming_it(fim_daemon):
+    status, out = post(fim_daemon, "/infill", {**LLAMA_VSCODE, "n_indent": -1})
+    assert status == 400 and out["error"]["param"] == "n_indent"

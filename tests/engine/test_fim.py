@@ -116,3 +116,24 @@ def test_a_ggufs_own_named_markers_come_before_the_names(tmp_path):
     named = {"prefix": 1, "suffix": 2, "middle": 100}  # metadata wins over names; ids past the vocabulary do not
     assert FimTokens.of(vocab, named) == FimTokens(1, 2, 100)
     assert FimTokens.of(vocab, {"prefix": 1, "suffix": 2, "middle": 999}) == FimTokens.of(vocab)
+
+
+def test_a_codellama_style_sentencepiece_model_has_no_repository_markers_and_a_bos(tmp_path):
+    """CodeLlama's markers are pieces of a SentencePiece vocabulary (▁<PRE>, ▁<SUF>, ▁<MID>, ▁<EOT>), with a BOS
+    the tokenizer adds and no repository or file markers: chunks go behind the separator, the prefix part after
+    the BOS, and EOT ends the middle."""
+    from minibatch.engine.text.tokenizer import TextTokenizer
+    from tests.engine.test_gguf_prepare import _ours, _sentencepiece_gguf
+
+    marks = ("▁<PRE>", "▁<SUF>", "▁<MID>", "▁<EOT>")
+    sp, gguf, _ = _sentencepiece_gguf(tmp_path, True, symbols=marks)
+    tok = TextTokenizer(_ours(gguf, tmp_path / "ours"))
+    pre, suf, mid, eot = (sp.piece_to_id(m) for m in marks)
+    assert tok.fim == FimTokens(pre, suf, mid, eot) and tok.added_bos == sp.bos_id()
+    assert tok.fim.stops == (eot,)
+    prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
+    ids = assemble(tok.fim, tok.encode, Infill(prefix, suffix, "a", [("util.py", "x = 1\n")]), 4096, 8, tok.added_bos)
+    extra = tok.encode(CHUNK_SEPARATOR) + tok.encode("x = 1\n")
+    want = extra + [sp.bos_id(), pre, *tok.encode(prefix), *tok.encode("a"), suf, *tok.encode(suffix), mid]
+    assert ids == want
+    assert tok.encode(prefix) == sp.encode(prefix)  # the tokenizer is SentencePiece's own

@@ -197,8 +197,8 @@ def test_what_it_does_not_cover_is_named(tmp_path):
         assert can_prepare(GGUFFile(path)) == why
 
 
-def _sentencepiece_gguf(tmp_path: Path, space_prefix: bool):
-    """A SentencePiece BPE vocabulary trained here (byte fallback, two user-defined tokens) and written to a
+def _sentencepiece_gguf(tmp_path: Path, space_prefix: bool, symbols=("<think>", "</think>")):
+    """A SentencePiece BPE vocabulary trained here (byte fallback, user-defined tokens: `symbols`) and written to a
     GGUF as llama.cpp's converter writes one (pieces, scores, token types; Gemma's add_space_prefix false)."""
     import io
 
@@ -220,14 +220,14 @@ def _sentencepiece_gguf(tmp_path: Path, space_prefix: bool):
         remove_extra_whitespaces=False,
         allow_whitespace_only_pieces=True,
         split_digits=True,
-        user_defined_symbols=["<think>", "</think>"],
+        user_defined_symbols=list(symbols),
         minloglevel=2,
     )
     sp = spm.SentencePieceProcessor(model_proto=proto.getvalue())
     n = sp.get_piece_size()
     types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
-    for i in (sp.piece_to_id("<think>"), sp.piece_to_id("</think>")):
-        types[i] = 4
+    for symbol in symbols:
+        types[sp.piece_to_id(symbol)] = 4
     path = tmp_path / f"spm-{space_prefix}.gguf"
     writer = GGUFWriter(str(path), "llama")
     for key, value in {

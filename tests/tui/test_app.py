@@ -771,9 +771,13 @@ def test_the_panel_counts_prefix_hits_and_those_read_from_disk(history):
             memory = str(numbers.render())
             client.events_queue.put_nowait({**event(running=1, step=3), "prefix_hit_blocks": 9, "disk_hit_blocks": 9})
             await wait_until(pilot, lambda: app.panel.drawn_step == 3)
-            return memory, str(numbers.render())
+            disk = str(numbers.render())
+            client.events_queue.put_nowait({**event(running=1, step=4), "reused_tokens": 420})
+            await wait_until(pilot, lambda: app.panel.drawn_step == 4)
+            return memory, disk, str(numbers.render())
 
-    memory, disk = asyncio.run(go())
-    assert "prefix-cache hits 3 blocks" in memory and "disk" not in memory
+    memory, disk, shifted = asyncio.run(go())
+    assert "prefix-cache hits 3 blocks" in memory and "disk" not in memory and "shifted" not in disk
     assert "prefix-cache hits 12 blocks, 9 disk" in disk
-    assert memory.count("\n") == disk.count("\n")
+    assert "prefix-cache hits 12 blocks, 9 disk, 420 tok shifted" in shifted
+    assert memory.count("\n") == disk.count("\n") == shifted.count("\n")
