@@ -179,8 +179,8 @@ def test_an_editor_moving_down_the_file_reuses_the_last_prompts_keys_at_their_ne
     lines = [f"value_{i} = compute({i})\n" for i in range(80)]
 
     def at(line: int, typed: str) -> dict:
-        return {"input_prefix": "".join(lines[line - 36 : line]), "input_suffix": "\n" + "".join(lines[line + 1 : line + 6]),
-                "prompt": typed, "n_predict": 2, "ignore_eos": True}  # fmt: skip
+        before, after = "".join(lines[line - 36 : line]), "\n" + "".join(lines[line + 1 : line + 6])
+        return {"input_prefix": before, "input_suffix": after, "prompt": typed, "n_predict": 2, "ignore_eos": True}
 
     before = fim_daemon.wait_idle()["reused_tokens"]
     status, first = post(fim_daemon, "/infill", at(40, "value_"))
