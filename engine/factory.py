@@ -56,6 +56,7 @@ class EngineConfig:
     prompt_cache_dir: str | None = None  # None: kv_offload/disk.py's default_folder()
     prompt_cache_min_tokens: int = DEFAULT_MIN_TOKENS  # a shorter run on disk is recomputed (the crossover)
     cache_reuse: int = SCHEDULER_DEFAULTS["cache_reuse"]  # shifted reuse's shortest run (core/kv_reuse.py); 0: off
+    cache_reuse_settle: int = SCHEDULER_DEFAULTS["cache_reuse_settle"]  # its runs' first tokens computed anyway
 
     def __post_init__(self) -> None:
         self.spec_config()  # refuses a method or a draft length out of range, naming it
@@ -290,6 +291,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
             max_queue=config.max_queue,
             vocab_size=cfg.vocab_size,
             cache_reuse=config.cache_reuse,
+            cache_reuse_settle=config.cache_reuse_settle,
         ),
         eos_token_ids=tuple(sorted(eos)),
         mode=config.mode,

@@ -266,15 +266,18 @@ def agreement(args, lines, extra) -> list[dict]:
     stand for the markers), with --cache-reuse 0 (every position computed as the prompt says: the reference),
     with an f16 cache instead of q8_0 (a yardstick: how far an exact computation's rounding alone moves the
     answers), with n-gram speculation (its drafts come from the prompt, the code after the cursor included: the
-    same answers, its decode time beside the reference's) and with each of --agreement's minimum runs; the share
-    of suggestions equal to the reference's, whole and in their first token."""
+    same answers, its decode time beside the reference's) and with each of --agreement's minimum runs (as the
+    engine runs them, the first 16 tokens of a run after a change computed; and "settle 0": every matched token
+    moved); the share of suggestions equal to the reference's, whole and in their first token."""
     from minibatch.engine.core.sampling_params import SamplingParams
     from minibatch.engine.factory import EngineConfig, build_engine
     from minibatch.engine.text.fim import FimTokens, Infill, assemble
 
     variants = {"reference": {"cache_reuse": 0}, "f16 cache": {"cache_reuse": 0, "kv_cache_type": "f16"}}
     variants["ngram speculation"] = {"cache_reuse": 0, "speculative": "ngram"}  # (drafts from the prompt's suffix)
-    variants |= {f"--cache-reuse {m}": {"cache_reuse": int(m)} for m in args.agreement.split(",")}
+    for m in args.agreement.split(","):  # each minimum run as it runs, and with every moved run's tokens moved
+        variants[f"--cache-reuse {m}"] = {"cache_reuse": int(m)}
+        variants[f"--cache-reuse {m}, settle 0"] = {"cache_reuse": int(m), "cache_reuse_settle": 0}
     base = {"model": "smollm2-135m-instruct", "speculative": "off", "kv_cache_tokens": args.ctx * 4,
             "max_model_len": args.ctx}  # fmt: skip
     engines = {name: build_engine(EngineConfig(**{**base, **kw})) for name, kw in variants.items()}

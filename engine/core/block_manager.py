@@ -332,7 +332,7 @@ class BlockManager:
             out.append(block)
         return out
 
-    def plan_reuse(self, req: Request, computed: list[Block], min_run: int) -> ReusePlan | None:
+    def plan_reuse(self, req: Request, computed: list[Block], min_run: int, settle: int = 0) -> ReusePlan | None:
         """The best plan over the recent prompts of the request's salt for its positions after its `computed`
         hits (None: nothing to reuse)."""
         if not req.reuse_shifted or not self.enable_prefix_caching or req.computes_every_position:
@@ -342,7 +342,7 @@ class BlockManager:
         best = None
         for source in reversed(self.reuse_sources.get(req.cache_salt, ())):
             usable = len(self._usable_blocks(source)) * self.block_size
-            runs = plan_runs(source, usable, tokens, start, limit, min_run)
+            runs = plan_runs(source, usable, tokens, start, limit, min_run, settle)
             if runs and (best is None or runs[-1].dst + runs[-1].length > best.end):
                 best = ReusePlan(source, runs)
         return best

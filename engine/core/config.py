@@ -17,7 +17,9 @@ class SchedulerConfig:
     vocab_size: int | None = None  # token ids must be below it (prompts, logit_bias); None: not checked
     # Shifted reuse for the requests that allow it (kv_reuse.py): the shortest run of a recent prompt taken at a
     # new position (llama-server's --cache-reuse); 0: off
-    cache_reuse: int = 256
+    cache_reuse: int = 64
+    # and the first tokens of each such run after a change are computed, not moved (kv_reuse.plan_runs)
+    cache_reuse_settle: int = 16
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -30,6 +32,8 @@ class SchedulerConfig:
             )
         if self.cache_reuse < 0:
             raise ValueError(f"cache_reuse must be 0 (off) or more, got {self.cache_reuse}")
+        if self.cache_reuse_settle < 0:
+            raise ValueError(f"cache_reuse_settle must be 0 or more, got {self.cache_reuse_settle}")
         if self.max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {self.max_wait_ms}")
 

@@ -84,14 +84,18 @@ class ReusePlan:
         return sum(r.length for r in self.runs)
 
 
-def plan_runs(source: ReuseSource, usable: int, tokens: list[int], start: int, limit: int, min_run: int) -> list[Run]:
+def plan_runs(
+    source: ReuseSource, usable: int, tokens: list[int], start: int, limit: int, min_run: int, settle: int = 0
+) -> list[Run]:
     """Runs of the source's first `usable` tokens (those whose blocks are still cached) to copy into a request
     of `tokens` whose first `start` positions it holds already, below `limit` (the request computes at least
     its last token). First the rest of the common prefix (any length); then, walking the request's tokens, the
     first place at or after the last run's end in the source where a run of at least `min_run` of them starts
     (llama-server's rule), extended as far as the two agree. Where no run starts, the token is the request's
     to compute (typed text, a word tokenized anew at a seam) and the walk goes on from the next one: the runs
-    may leave gaps, which the request computes in order before the run after each (Request.held)."""
+    may leave gaps, which the request computes in order before the run after each (Request.held). Each run
+    but the common prefix's starts `settle` tokens in: the tokens right after a change are computed, not moved
+    (what they attend to changed the most, and what comes after attends to them)."""
     old = source.tokens[:usable]
     common = 0
     bound = min(len(old), limit)
@@ -120,6 +124,7 @@ def plan_runs(source: ReuseSource, usable: int, tokens: list[int], start: int, l
         n = min_run
         while found + n < len(old) and head_p + n < limit and old[found + n] == tokens[head_p + n]:
             n += 1
-        runs.append(Run(found, head_p, n))
+        if n > settle:
+            runs.append(Run(found + settle, head_p + settle, n - settle))
         head_p, head_c = head_p + n, found + n
     return runs

@@ -139,7 +139,7 @@ class Scheduler:
         start = len(computed) * self.blocks.block_size
         if self.config.cache_reuse <= 0 or not req.reuse_shifted:
             return start
-        plan = self.blocks.plan_reuse(req, computed, self.config.cache_reuse)
+        plan = self.blocks.plan_reuse(req, computed, self.config.cache_reuse, self.config.cache_reuse_settle)
         if plan is None:
             return start
         self.plans[req.request_id] = plan

@@ -62,6 +62,16 @@ def test_the_plan_leaves_the_last_token_and_stays_in_the_usable_blocks():
     assert all(r.src + r.length <= 64 for r in runs) and runs[-1].src + runs[-1].length == 64
 
 
+def test_a_run_after_a_change_settles_its_first_tokens_the_common_prefix_does_not():
+    old = seq(300, 9)
+    new = old[:120] + [5, 6, 7] + old[120:200] + old[210:]
+    runs = plan_runs(src(old), len(old), new, 0, len(new) - 1, 32, settle=16)
+    # the common prefix as it is; after the word and after the 10 deleted tokens, 16 tokens computed each time
+    assert runs == [Run(0, 0, 120), Run(136, 139, 64), Run(226, 219, len(new) - 1 - 219)]
+    short = old[:50] + [5] + old[50:70] + [6] + old[70:]  # a run of 20 after the first word: under 16 + 32
+    assert [r.dst for r in plan_runs(src(old), len(old), short, 0, len(short) - 1, 32, settle=16)] == [0, 88]
+
+
 def test_llama_servers_rule_the_first_place_far_enough():
     run = seq(80, 5)
     old = seq(30, 6) + run + seq(30, 7) + run
@@ -151,9 +161,11 @@ def test_an_exact_request_never_gets_shifted_blocks_nor_does_the_disk_tier(tiny_
     saved = len(bm.take_registered())
     _, m = run(engine, new)
     assert m.reused_prompt_tokens > 0
-    assert bm.take_registered() == []  # (its first block was a hit) the shifted ones are not offered
+    # its second block (rows 16-19 copied unshifted, 20-31 computed: the run settles 16 tokens in) is exact and
+    # offered; the shifted ones are not
+    assert [key.tokens for key, _ in bm.take_registered()] == [tuple(new[16:32])]
     tokens, exact = run(engine, new, reuse=False)
-    assert exact.cached_prompt_tokens == 16 and exact.reused_prompt_tokens == 0
+    assert exact.cached_prompt_tokens == 32 and exact.reused_prompt_tokens == 0
     assert tokens == run(make(tiny_chat_model_dir), new, reuse=False)[0]
     assert saved == (len(old) - 1) // BS
     free_blocks_settle(engine)
@@ -180,7 +192,8 @@ def test_a_word_typed_in_the_middle_is_computed_and_the_rest_held(tiny_chat_mode
     run(engine, old)
     tokens, m = run(engine, new)
     held = (len(old) + 4 - 1) // BS * BS  # the source: its full blocks (prompt and answer)
-    assert m.reused_prompt_tokens == 10 + held - 90  # the common prefix's rest, then the run after the word
+    # the common prefix's rest, then the run after the word, its first 16 tokens computed (settled)
+    assert m.reused_prompt_tokens == 10 + held - 90 - 16
     assert m.cached_prompt_tokens == 80 + m.reused_prompt_tokens
     assert len(tokens) == 4
     free_blocks_settle(engine)
@@ -253,12 +266,13 @@ def test_a_gap_is_computed_as_the_prompt_says_and_the_run_after_it_moved(tiny_ch
     got, want = [], []
     _, m = run(engine, new, keep=got)
     run(fresh, new, reuse=False, keep=want)
-    assert m.reused_prompt_tokens > 100
-    for (k, v), (k0, v0) in zip(got, want):  # before the run: every layer as computed (the same bits)
-        assert torch.equal(k[:93], k0[:93]) and torch.equal(v[:93], v0[:93])
-    (k, v), (k0, v0) = got[0], want[0]  # the run after the word, three places on: layer 0 as computed there
-    torch.testing.assert_close(k[93:180], k0[93:180], rtol=2e-6, atol=2e-6)
-    assert torch.equal(v[93:180], v0[93:180])
+    assert m.reused_prompt_tokens == 10 + 192 - 90 - 16
+    # before the run (the word and the 16 tokens after it computed: settled): every layer as computed, bit for bit
+    for (k, v), (k0, v0) in zip(got, want):
+        assert torch.equal(k[:109], k0[:109]) and torch.equal(v[:109], v0[:109])
+    (k, v), (k0, v0) = got[0], want[0]  # the run after them, three places on: layer 0 as computed there
+    torch.testing.assert_close(k[109:180], k0[109:180], rtol=2e-6, atol=2e-6)
+    assert torch.equal(v[109:180], v0[109:180])
     free_blocks_settle(engine)
 
 

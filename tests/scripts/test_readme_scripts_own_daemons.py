@@ -225,6 +225,6 @@ def test_bench_infill(env, tmp_path, tiny_chat_model_dir):
     args = ["--agreement", "32", "--sites", "2", "--words", "2", "--n-predict", "2", "--ctx", "1024", "--json", agree]
     run(env, SCRIPTS / "bench_infill.py", *args, timeout=600)
     rows = {r["variant"]: r for r in json.loads(agree.read_text())["agreement"]}
-    assert set(rows) == {"f16 cache", "ngram speculation", "--cache-reuse 32"}
+    assert set(rows) == {"f16 cache", "ngram speculation", "--cache-reuse 32", "--cache-reuse 32, settle 0"}
     assert rows["f16 cache"]["reused_tokens"] == 0 and rows["ngram speculation"]["same_suggestion"] == 1
     assert rows["--cache-reuse 32"]["reused_tokens"] > 0 and 0 <= rows["--cache-reuse 32"]["same_first_token"] <= 1
