@@ -6,7 +6,9 @@ few dozen lower. The prefix cache finds only an identical start. Here a request 
 fill-in-the-middle request: `Request.reuse_shifted`) takes, after its prefix hits, runs of a recent prompt's
 tokens that appear again in its own, each at least `min_run` long, found as llama-server finds them: from
 where the two prompts part, the first later place in the old prompt where a long enough run of the new
-one's next tokens starts; the rows between are the old prompt's deleted tokens.
+one's next tokens starts (the old rows skipped are deleted tokens). Unlike llama-server, a new token that starts
+no run (a typed word) is computed and the walk goes on, so the code after it is reused too; and each run after
+a change starts a few tokens in (`settle`): the tokens right after it are computed, not moved.
 
 The engine copies those rows into the request's own blocks, K rotated by each run's shift (rotary
 embeddings compose: rotating a key made at position p by the angle of d gives the key at p + d, up to one
@@ -78,10 +80,6 @@ class ReusePlan:
             if bound is not None and r.src + r.length > bound:
                 return r.dst + max(0, bound - r.src)
         return None
-
-    @property
-    def rows(self) -> int:
-        return sum(r.length for r in self.runs)
 
 
 def plan_runs(

@@ -85,8 +85,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._switch_if_at_boundary()
-        self.blocks.unpin_all()  # (the engine unpins after each step's copies; after a failed step, here)
-        self.plans.clear()
+        self.plans.clear()  # (a plan lives for one schedule; the engine unpins its sources after the step)
         loaded = self._finish_loads()
         out = self.policies[self.mode].schedule(admit=self.pending_mode is None)
         out.tier_hit_blocks = loaded
