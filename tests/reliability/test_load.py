@@ -186,7 +186,12 @@ def test_every_face_times_out_with_one_message_and_frees_the_kv(tiny_chat_model_
                     "/v1/messages",
                     {"model": "default", "messages": ask, "max_tokens": 900, "ignore_eos": True},
                 ),
-                ("responses", "/v1/responses", {"model": "default", "input": "Hello!", "max_output_tokens": 900}),
+                (  # greedy: sampled at the face's default temperature 1.0 the answer's length was a draw, and
+                    # some ended before the limit
+                    "responses",
+                    "/v1/responses",
+                    {"model": "default", "input": "Hello!", "max_output_tokens": 900, "temperature": 0},
+                ),
             ):
                 async with s.post(url, json=body) as r:
                     out[name] = (r.status, await r.json())
@@ -199,7 +204,7 @@ def test_every_face_times_out_with_one_message_and_frees_the_kv(tiny_chat_model_
                 (
                     "responses-stream",
                     "/v1/responses",
-                    {"model": "default", "input": "Hello!", "max_output_tokens": 900, "stream": True},
+                    {"model": "default", "input": "Hello!", "max_output_tokens": 900, "temperature": 0, "stream": True},
                 ),
             ):
                 async with s.post(url, json=body) as r:
