@@ -176,18 +176,23 @@ def test_every_face_times_out_with_one_message_and_frees_the_kv(tiny_chat_model_
         out = {}
         async with session(d.socket) as s:
             for name, url, body in (
-                (
+                (  # greedy, as below: Ollama has no ignore_eos, and sampled at its default temperature 0.8 an
+                    # answer sometimes ended before the limit (greedy runs all 900 tokens on every build)
                     "ollama",
                     "/api/chat",
-                    {"model": "default", "messages": ask, "stream": False, "options": {"num_predict": 900}},
+                    {
+                        "model": "default",
+                        "messages": ask,
+                        "stream": False,
+                        "options": {"num_predict": 900, "temperature": 0},
+                    },
                 ),
                 (
                     "anthropic",
                     "/v1/messages",
                     {"model": "default", "messages": ask, "max_tokens": 900, "ignore_eos": True},
                 ),
-                (  # greedy: sampled at the face's default temperature 1.0 the answer's length was a draw, and
-                    # some ended before the limit
+                (  # greedy: sampled at the face's default temperature 1.0 the answer's length was a draw
                     "responses",
                     "/v1/responses",
                     {"model": "default", "input": "Hello!", "max_output_tokens": 900, "temperature": 0},
