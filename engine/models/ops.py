@@ -122,56 +122,6 @@ def _ln_min_p(min_p: torch.Tensor) -> torch.Tensor:
     return torch.where(min_p > 0, min_p.clamp(min=torch.finfo(min_p.dtype).tiny).log(), -math.inf)
 
 
-CANDIDATES = 1024  # the GPU sampler's candidates per row (torch.topk), before it falls back to the sort
-
-
-def _candidate_keep(logits, settings, masks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rule of kernels/csrc/sampling.cpp without sorting the vocabulary: each row's CANDIDATES highest
-    logits (torch.topk) decide its cuts when they can — top-k's k among them, top-p's mass reached within them
-    or min-p cutting inside them, no tie straddling their edge; a row with no cut keeps every token; only the
-    rows they cannot decide are sorted (_reference_cut). Returns (keep, weights, top, drawn)."""
-    rows, n = logits.shape
-    x = _masked(logits, masks)
-    temp, top_p, min_p, top_k = settings.to(x.device).unbind(1)
-    top = x.argmax(dim=-1)
-    m = x.gather(1, top[:, None])
-    drawn = torch.isfinite(m.squeeze(1)) & (temp > 0)
-    t = torch.where(drawn, temp, 1.0)[:, None]
-    weights = torch.exp((x - m) / t)
-    c = min(CANDIDATES, n)
-    vals, idx = x.topk(c, dim=-1)
-    # the order among the candidates: higher logit, then lower id (topk leaves ties in any order)
-    by_id = idx.argsort(dim=-1)
-    vals, idx = vals.gather(1, by_id), idx.gather(1, by_id)
-    order = vals.argsort(dim=-1, descending=True, stable=True)
-    vals, idx = vals.gather(1, order), idx.gather(1, order)
-    clean = (x >= vals[:, -1:]).sum(dim=-1) == c  # no tie straddles the candidates' edge
-    z = (vals - m) / t
-    w = torch.exp(z)
-    cut_k = (top_k > 0) & (top_k < n)
-    k = torch.where(cut_k, top_k, float(c)).clamp(max=c).long()
-    keep = vals >= vals.gather(1, (k - 1)[:, None])
-    wk = w * keep
-    mass_k = wk.sum(dim=-1)
-    total = torch.where(cut_k, mass_k, weights.nan_to_num(0.0).sum(dim=-1))
-    before = wk.cumsum(dim=-1) - wk
-    target = top_p * total
-    ln_min_p = _ln_min_p(min_p)
-    cut_any = cut_k | (top_p < 1) | (min_p > 0)
-    inside = (cut_k & (top_k <= c)) | ((top_p < 1) & ~cut_k & (mass_k >= target)) | (z[:, -1] < ln_min_p)
-    decided = ~drawn | ~cut_any | (clean & inside)
-    keep &= (before < target[:, None]) | (top_p >= 1)[:, None]
-    keep &= z >= ln_min_p[:, None]
-    full = torch.zeros_like(x, dtype=torch.bool).scatter(1, idx, keep)
-    full = torch.where(cut_any[:, None], full, x > float("-inf"))
-    if not bool(decided.all()):
-        rest = (~decided).nonzero().squeeze(1)
-        full[rest] = _reference_cut(
-            logits[rest], settings[rest.cpu()], None if masks is None else masks[rest.cpu()]
-        ).keep
-    return full, weights, top, drawn
-
-
 def _reference_cut(logits: torch.Tensor, settings: torch.Tensor, masks: torch.Tensor | None) -> _Cut:
     """The sampling rule by sorting, in float64 (kernels/csrc/sampling.cpp states it)."""
     rows, n = logits.shape
@@ -248,10 +198,17 @@ class TritonOps(TorchOps):
 
     @staticmethod
     def sample_tokens(logits, settings, streams, masks):
-        """The sampling rule without a sort of the vocabulary where a row's 1,024 highest logits decide it (a
-        trained model's rows nearly always); only a row they cannot decide (a flat one, a tie at their edge) is
-        sorted as the twin sorts."""
-        return _draw(*_candidate_keep(logits, settings, masks), streams)
+        """One Triton program per row (kernels/sampling.py): the rule's cuts found by searching the logits'
+        values, no sort of the vocabulary, the Philox draw on the device; one launch for the batch."""
+        from minibatch.kernels.sampling import sample_rows
+
+        return sample_rows(logits, settings, streams, masks)[0]
+
+    @staticmethod
+    def sample_cuts(logits, settings, streams, masks):
+        from minibatch.kernels.sampling import sample_rows
+
+        return sample_rows(logits, settings, streams, masks)[1]
 
     @staticmethod
     def rms_norm(x, weight, eps):

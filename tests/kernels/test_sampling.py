@@ -181,31 +181,12 @@ def test_draws_follow_the_softmax_of_the_kept_logits(setting):
     assert stat < chi2_critical(df, 4.75), (setting, stat, df)
 
 
-@pytest.mark.parametrize("vocab", [49152, 151936])
-@pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "masked"])
-def test_the_gpu_samplers_candidates_draw_what_the_sort_draws(vocab, kind):
-    """TritonOps.sample_tokens (the GPU's: each row's 1,024 highest logits, the sort only where they cannot
-    decide) takes the twin's token for the same uniform, on every setting; run here on the CPU's tensors."""
-    from minibatch.engine.models.ops import TritonOps, _candidate_keep
-
-    g = torch.Generator().manual_seed(vocab + 7 * len(kind))
-    rows = SETTINGS
-    x = logits_of(kind, len(rows), vocab, g)
-    if kind == "peaked":  # the rows the candidates decide keep exactly what the sort keeps
-        keep = _candidate_keep(x, settings_of(rows), None)[0]
-        assert torch.equal(keep, _reference_cut(x, settings_of(rows), None).keep)
-    for step in range(4):
-        streams = torch.stack([torch.arange(len(rows)) * 31, torch.full((len(rows),), step)], dim=1)
-        got = TritonOps.sample_tokens(x, settings_of(rows), streams, None)
-        assert got.tolist() == TorchOps().sample_tokens(x, settings_of(rows), streams, None).tolist()
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("vocab", [49152, 151936])
 @pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "masked"])
 def test_the_gpu_sampler_on_the_device_draws_what_the_twin_draws_on_the_cpu(vocab, kind):
-    """The same as above with the logits on the GPU (torch.topk and the sort there): its tokens are the
-    float64 twin's on the CPU for the same uniform."""
+    """The Triton sampler compiled (kernels/sampling.py; tests/kernels/test_triton_sampling.py runs it in the
+    interpreter): its tokens on the GPU are the float64 twin's on the CPU for the same uniform."""
     from minibatch.engine.models.ops import TritonOps
 
     g = torch.Generator().manual_seed(vocab + 7 * len(kind))
