@@ -19,21 +19,8 @@ import triton.language as tl
 
 from . import cpu_paged_attention
 from .kv_types import row_width
-
-
-@triton.jit
-def _load_rows(row_ptrs, offs_d, mask, Q8: tl.constexpr):
-    """[BLOCK_N, HEAD_DIM] cache rows as they are stored (f32, f16, bf16), or Q8_0 rows (uint8: each 32 values an
-    fp16 scale then 32 int8) as fp32, exactly: q * d."""
-    if Q8:
-        blk = offs_d // 32
-        q = tl.load(row_ptrs[:, None] + (blk * 34 + 2 + offs_d % 32)[None, :], mask=mask[:, None], other=0)
-        lo = tl.load(row_ptrs[:, None] + (blk * 34)[None, :], mask=mask[:, None], other=0).to(tl.uint16)
-        hi = tl.load(row_ptrs[:, None] + (blk * 34 + 1)[None, :], mask=mask[:, None], other=0).to(tl.uint16)
-        d = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-        return q.to(tl.int8, bitcast=True).to(tl.float32) * d
-    else:
-        return tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
+from .paged_decode import SPLIT, paged_decode_into
+from .paged_rows import load_rows
 
 
 # stride_bt is the block table's width, which follows the batch's longest context from
@@ -70,13 +57,15 @@ def _paged_attention_kernel(
     SOFTCAP: tl.constexpr,
     K_Q8: tl.constexpr,
     V_Q8: tl.constexpr,
+    SKIP_DECODE: tl.constexpr,  # rows of one query token are paged_decode.py's
+    SPLIT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     qblock = tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
-    if qblock * BLOCK_M < q_len:
+    if (qblock * BLOCK_M < q_len) & ((q_len > 1) | (not SKIP_DECODE)):
         ctx = tl.load(seq_lens_ptr + seq)
         kv_head = head // GROUP
         offs_m = qblock * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -88,49 +77,63 @@ def _paged_attention_kernel(
             other=0.0,
         )
         q_pos = ctx - q_len + offs_m  # absolute position of each query token
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         last = tl.minimum(ctx, ctx - q_len + (qblock + 1) * BLOCK_M)  # keys past this are masked for all rows
         # with a window, keys before the first row's window are masked for all rows: start past them
         first = tl.where(window > 0, tl.maximum(ctx - q_len + qblock * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
-        for start in range(first, last, BLOCK_N):
-            k_pos = start + tl.arange(0, BLOCK_N)
-            k_valid = k_pos < last
-            # int64: block id x block stride passes 2**31 elements in a cache of 4+ GiB per layer (bf16)
-            block = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(
-                tl.int64
-            )
-            within = k_pos % BLOCK_SIZE
-            k = _load_rows(
-                k_cache_ptr + block * stride_kb + within * stride_ks + kv_head * stride_kh, offs_d, k_valid, K_Q8
-            )
-            if FP32_DOT:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)))  # a q8_0 row's fp32 values, rounded to q's type
-            s = s * scale
-            if SOFTCAP:  # tanh written out (stable for either sign): no tanh in every Triton backend
-                e = tl.exp(-2.0 * tl.abs(s) / softcap)
-                t = (1.0 - e) / (1.0 + e)
-                s = softcap * tl.where(s < 0, -t, t)
-            allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
-            allowed = allowed & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = _load_rows(
-                v_cache_ptr + block * stride_vb + within * stride_vs + kv_head * stride_vh, offs_d, k_valid, V_Q8
-            )
-            if FP32_DOT:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-            m_i = m_new
-        acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        # The keys in splits of SPLIT from position 0, each split's softmax merged as paged_decode.py merges a
+        # decode query's: a token's row is the same bits here as when it is decoded (wholly masked tiles and
+        # splits change nothing).
+        m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_all = tl.zeros([BLOCK_M], tl.float32)
+        acc_all = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for s0 in range(first // SPLIT * SPLIT, last, SPLIT):
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+            for start in range(tl.maximum(s0, first), tl.minimum(s0 + SPLIT, last), BLOCK_N):
+                k_pos = start + tl.arange(0, BLOCK_N)
+                k_valid = k_pos < last
+                # int64: block id x block stride passes 2**31 elements in a cache of 4+ GiB per layer (bf16)
+                block = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(
+                    tl.int64
+                )
+                within = k_pos % BLOCK_SIZE
+                k = load_rows(
+                    k_cache_ptr + block * stride_kb + within * stride_ks + kv_head * stride_kh, offs_d, k_valid, K_Q8
+                )
+                if FP32_DOT:
+                    s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k.to(q.dtype)))  # a q8_0 row's fp32 values, rounded to q's type
+                s = s * scale
+                if SOFTCAP:  # tanh written out (stable for either sign): no tanh in every Triton backend
+                    e = tl.exp(-2.0 * tl.abs(s) / softcap)
+                    t = (1.0 - e) / (1.0 + e)
+                    s = softcap * tl.where(s < 0, -t, t)
+                allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+                allowed = allowed & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
+                s = tl.where(allowed, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = load_rows(
+                    v_cache_ptr + block * stride_vb + within * stride_vs + kv_head * stride_vh, offs_d, k_valid, V_Q8
+                )
+                if FP32_DOT:
+                    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+                m_i = m_new
+            m_new = tl.maximum(m_all, m_i)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            old = tl.exp(m_all - m_safe)
+            new = tl.exp(m_i - m_safe)
+            l_all = l_all * old + l_i * new
+            acc_all = acc_all * old[:, None] + acc * new[:, None]
+            m_all = m_new
+        acc = acc_all / tl.where(l_all == 0.0, 1.0, l_all)[:, None]
         tl.store(
             out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
             acc.to(out_ptr.dtype.element_ty),
@@ -148,7 +151,12 @@ def paged_attention(
     max_query_len: int,
     window: int = 0,  # sliding window (0: none)
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (None: none)
+    max_seq_len: int | None = None,  # the longest context (None: read from seq_lens, a sync)
+    min_query_len: int = 1,  # > 1: the batch has no decode row
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Rows of one query token (decode) go through paged_decode.py's split kernel, the others through this
+    module's; a row takes the same path whatever else is in the batch."""
+
     _, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -176,6 +184,15 @@ def paged_attention(
     ):
         raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype} / {v_cache.dtype}: f32 goes with f32")
     out = torch.empty_like(q)
+    decode = min_query_len == 1 and block_size <= SPLIT
+    if decode:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max()) if seq_lens.numel() else 1
+        paged_decode_into(
+            out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_seq_len, window, softcap
+        )
+        if max_query_len == 1:
+            return out
     block_m = 16
     block_n = max(16, block_size)
     grid = (seq_lens.numel(), num_heads, triton.cdiv(max_query_len, block_m))
@@ -210,6 +227,8 @@ def paged_attention(
         SOFTCAP=bool(softcap),
         K_Q8=k_cache.dtype == torch.uint8,
         V_Q8=v_cache.dtype == torch.uint8,
+        SKIP_DECODE=decode,
+        SPLIT=SPLIT,
     )
     return out
 

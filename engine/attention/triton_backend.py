@@ -15,6 +15,8 @@ class TritonPlan:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     seq_lens: torch.Tensor  # [num_seqs] int32
     max_query_len: int
+    min_query_len: int  # 1: the batch has decode rows (kernels/paged_decode.py's)
+    max_seq_len: int  # the longest context, which bounds the decode kernel's grid
 
 
 class TritonAttentionBackend:
@@ -36,7 +38,12 @@ class TritonAttentionBackend:
         if device.type == "cuda":
             host = host.pin_memory().to(device, non_blocking=True)
         meta.plan = TritonPlan(
-            host[2 * rows + 1 :].view(rows, width), host[rows : 2 * rows + 1], host[:rows], max(meta.query_lens)
+            host[2 * rows + 1 :].view(rows, width),
+            host[rows : 2 * rows + 1],
+            host[:rows],
+            max(meta.query_lens),
+            min(meta.query_lens),
+            max(meta.seq_lens),
         )
 
     def forward(self, q, k, v, kv_cache, meta, scale):
@@ -55,4 +62,6 @@ class TritonAttentionBackend:
             plan.max_query_len,
             meta.window,
             meta.softcap,
+            plan.max_seq_len,
+            plan.min_query_len,
         )

@@ -128,7 +128,10 @@ class DecodeGraphs:
 
     def _meta(self, inp: DecodeInputs, size: int) -> AttentionMetadata:
         meta = AttentionMetadata([1] * size, [1] * size, self.block_size, inp.slot_mapping, [[0]] * size)
-        meta.plan = self._plan_cls(inp.block_tables, inp.query_start_loc, inp.seq_lens, 1)
+        # the decode kernel's grid covers the longest context a graph serves (programs past a row's exit)
+        meta.plan = self._plan_cls(
+            inp.block_tables, inp.query_start_loc, inp.seq_lens, 1, 1, self.max_blocks * self.block_size
+        )
         cfg = self.model.config
         meta.window, meta.softcap = cfg.sliding_window or 0, cfg.attn_softcap
         if cfg.layer_windows:  # the Triton plan does not depend on the window: one for every layer

@@ -73,7 +73,7 @@ def test_padding_rows_are_harmless_on_the_triton_path(tiny_llama_dir):
         inp = DecodeInputs(4, max_blocks=2, device=DEVICE)
         inp.fill(step)
         meta = AttentionMetadata([1] * 4, [1] * 4, 8, inp.slot_mapping, [[0]] * 4)
-        meta.plan = TritonPlan(inp.block_tables, inp.query_start_loc, inp.seq_lens, 1)
+        meta.plan = TritonPlan(inp.block_tables, inp.query_start_loc, inp.seq_lens, 1, 1, 2 * 8)
         before_null = [t[0].clone() for t in caches[0]]  # the null block of K and V
         padded = model.compute_logits(model.forward_planned(inp.input_ids, inp.positions, caches, meta))
     torch.testing.assert_close(padded[:1], eager, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,21 @@
+"""Reading the paged cache's rows in a Triton kernel, whatever type they are kept in (kernels/kv_types.py)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_rows(row_ptrs, offs_d, mask, Q8: tl.constexpr):
+    """[BLOCK_N, HEAD_DIM] cache rows as they are stored (f32, f16, bf16), or Q8_0 rows (uint8: each 32 values an
+    fp16 scale then 32 int8) as fp32, exactly: q * d."""
+    if Q8:
+        blk = offs_d // 32
+        q = tl.load(row_ptrs[:, None] + (blk * 34 + 2 + offs_d % 32)[None, :], mask=mask[:, None], other=0)
+        lo = tl.load(row_ptrs[:, None] + (blk * 34)[None, :], mask=mask[:, None], other=0).to(tl.uint16)
+        hi = tl.load(row_ptrs[:, None] + (blk * 34 + 1)[None, :], mask=mask[:, None], other=0).to(tl.uint16)
+        d = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        return q.to(tl.int8, bitcast=True).to(tl.float32) * d
+    else:
+        return tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
