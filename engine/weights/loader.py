@@ -81,7 +81,7 @@ def load_model(
             from minibatch.engine.gguf.tensors import GGUFWeights
 
             gw = GGUFWeights(gguf_path, cfg)
-            fill_parameters(model, ((name, t.dequantized()) for name, t in gw.tensors.items()))
+            fill_parameters(model, ((name, t.dequantized_on(device)) for name, t in gw.tensors.items()))
             model.weights_desc = f"{gw.summary()} dequantised to {str(dtype).removeprefix('torch.')}"
         else:
             load_weights(model, sorted(model_dir.glob("*.safetensors")))
