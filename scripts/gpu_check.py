@@ -26,10 +26,15 @@ What it checks, in one run (under 8 minutes on an H200, Triton compiles included
    and with graphs sampled at the chat's defaults.
 6. The sampler alone (ms per step) on trained-shaped and flat rows of 49,152
    and 151,936 tokens, beside argmax.
-7. Paged attention's achieved bandwidth as a fraction of a device copy
-   measured in the same run.
+7. Paged decode attention's achieved bandwidth as a fraction of a device copy
+   measured in the same run, by context length (1k-32k), batch (1-256) and KV
+   type (bf16, q8_0).
 8. transformers' own continuous batching (`generate_batch`) on the same model
    and trace, as the GPU peer.
+9. A GGUF of a real architecture on the device: Qwen2.5-0.5B's widths and its
+   151,936-token vocabulary (fewer layers), in a Q4_K_M-like mix of block types,
+   dequantised on the GPU at load: fp32 against transformers on gguf.quants'
+   values, bf16 against fp32, and its decode tokens/s greedy and sampled.
 
 It prints one summary and writes a JSON report (--report). `--smoke-cpu` runs
 the same pipeline on the CPU with a tiny model (no kernels, no graphs), to
@@ -39,6 +44,7 @@ prove the script itself before GPU time is spent on it.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -71,9 +77,36 @@ PROMPTS = [
 ]
 GPU_TESTS = [
     "tests/kernels/test_triton_kernels.py",
+    "tests/kernels/test_paged_decode.py",
+    "tests/kernels/test_triton_sampling.py",
+    "tests/kernels/test_gguf_dequant.py",
     "tests/engine/test_cuda_graphs.py",
     "tests/kernels/test_sampling.py",
 ]
+# Qwen2.5-0.5B's widths and vocabulary (fewer layers: the GGUF is written on the device, the check is of the
+# architecture, the block types and the 151,936-token rows, not of depth)
+QWEN_SHAPE = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 4,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "hidden_act": "silu",
+    "use_sliding_window": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+}
+# llama-quantize's Q4_K_M as it mixes types: Q4_K, with V and the MLP's down projection in Q6_K (the
+# embedding, tied to the output, in Q8_0); at 896-wide rows its fallbacks (Q5_0 for Q4_K, Q8_0 for Q6_K), as
+# in Qwen2.5-0.5B's own Q4_K_M file
+GGUF_MIX = ("Q4_K", {"v_proj": "Q6_K", "down_proj": "Q6_K", "embed_tokens": "Q8_0"})
 
 
 # -- running on a bare machine ------------------------------------------------
@@ -462,41 +495,132 @@ def run_trace_hf(hf, prompts, new_tokens: int, sync, smoke: bool = False) -> dic
     return {"tokens": tokens, "seconds": round(wall, 3), "tok_s": round(tokens / wall, 1)}
 
 
-def attention_bandwidth() -> dict:
+def gguf_model(files: Path, out: Path, device: str, tiny: bool) -> Path:
+    """A random Qwen2 model (QWEN_SHAPE; --smoke-cpu: narrower) written as a GGUF in GGUF_MIX's block types,
+    and the model folder that stands for it (the K-quants' blocks are random with a trained model's scales:
+    gguf.quants cannot quantize to them). Returns that folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    sys.path.insert(0, str(ROOT))  # the tests' GGUF writer (tests/engine/gguf_models.py)
+    from tests.engine.gguf_models import write_gguf_model
+
+    shape = dict(QWEN_SHAPE)
+    if tiny:
+        shape.update(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+        shape["num_hidden_layers"] = 2
+    hf_dir = out / "qwen2-hf"
+    torch.manual_seed(1)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**shape), dtype=torch.float32)
+    model.save_pretrained(hf_dir)
+    del model
+    for name in MODEL_FILES:
+        if name != "config.json" and (files / name).exists():
+            shutil.copy2(files / name, hf_dir / name)
+    qtype, mix = GGUF_MIX
+    write_gguf_model(hf_dir, out / "qwen2-gguf", qtype, arch="qwen2", mix=mix)
+    return out / "qwen2-gguf" / f"dir-{qtype}-mixed"
+
+
+def timed_cuda(fn, repeats: int) -> float:
+    """Seconds per call, after warming up (the device's queue drained before and after)."""
     import torch
 
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(3):
+        fn()
+    sync()
+    t = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    sync()
+    return (time.perf_counter() - t) / repeats
+
+
+def random_cache(kv_type: str, blocks: int, bs: int, kv_heads: int, dim: int, device: str = "cuda"):
+    """A paged K and V cache of random rows: normal values, or q8_0's random quants under 0.01 scales."""
+    import torch
+
+    from minibatch.kernels.kv_types import PagedKV, row_width, storage_dtype
+
+    if kv_type != "q8_0":
+        dt = storage_dtype(kv_type)
+        return PagedKV(*(torch.randn(blocks, bs, kv_heads, dim, device=device, dtype=dt) for _ in "kv"))
+    rows = []
+    for _ in "kv":
+        c = torch.randint(0, 256, (blocks, bs, kv_heads, row_width(kv_type, dim)), dtype=torch.uint8, device=device)
+        scales = c.view(blocks, bs, kv_heads, -1, 34)[..., :2]
+        scales.copy_(torch.tensor([0.01], dtype=torch.float16).view(torch.uint8).to(device))
+        rows.append(c)
+    return PagedKV(*rows)
+
+
+def attention_bandwidth(
+    contexts=(1024, 8192, 32768),
+    batches=(1, 16, 64, 256),
+    kv_types=("bf16", "q8_0"),
+    budget_gb: float = 24.0,
+    device: str = "cuda",
+    shape: tuple[int, int, int] = (32, 8, 128),
+    repeats: int = 10,
+) -> dict:
+    """Decode attention (one query per sequence; `shape`: Llama-8B's 32 query heads on 8 KV heads of 128) over
+    the paged cache: the K and V bytes it must read per call over its time, against a device copy. One cache
+    per KV type, as large as the largest run needs (within budget_gb), the smaller runs reading part of it."""
+    import torch
+
+    from minibatch.kernels.kv_types import row_bytes
     from minibatch.kernels.paged_attention import paged_attention
 
-    seqs, ctx, heads, kv_heads, dim, bs = 64, 2048, 32, 8, 128, 16
-    blocks = seqs * ctx // bs + 1
-    cache = torch.randn(2, blocks, bs, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
-    tables = (torch.randperm(blocks - 1, device="cuda")[: seqs * ctx // bs] + 1).view(seqs, -1).int()
-    q = torch.randn(seqs, heads, dim, device="cuda", dtype=torch.bfloat16)
-    qsl = torch.arange(seqs + 1, device="cuda", dtype=torch.int32)
-    lens = torch.full((seqs,), ctx, device="cuda", dtype=torch.int32)
-    for _ in range(3):
-        paged_attention(q, cache, tables, qsl, lens, dim**-0.5, 1)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(20):
-        paged_attention(q, cache, tables, qsl, lens, dim**-0.5, 1)
-    torch.cuda.synchronize()
-    kernel = 20 * 2 * seqs * ctx * kv_heads * dim * 2 / (time.perf_counter() - t)
-    del cache
-    a = torch.empty(2**30 // 2, dtype=torch.bfloat16, device="cuda")
+    (heads, kv_heads, dim), bs = shape, 16
+    runs = []
+    for kv_type in kv_types:
+        fits = [
+            (b, c)
+            for b in batches
+            for c in contexts
+            if b * c * kv_heads * row_bytes(kv_type, dim) * 2 <= budget_gb * 1e9
+        ]
+        need = max(b * -(-c // bs) for b, c in fits)  # blocks the largest run reads
+        blocks = need + 1
+        cache = random_cache(kv_type, blocks, bs, kv_heads, dim, device)
+        perm = torch.randperm(blocks - 1, device=device) + 1
+        for ctx in contexts:
+            for seqs in batches:
+                if (seqs, ctx) not in fits:
+                    continue
+                tables = perm[: seqs * -(-ctx // bs)].view(seqs, -1).int()
+                q = torch.randn(
+                    seqs, heads, dim, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32
+                )
+                qsl = torch.arange(seqs + 1, device=device, dtype=torch.int32)
+                lens = torch.full((seqs,), ctx, device=device, dtype=torch.int32)
+                attend = functools.partial(paged_attention, q, cache, tables, qsl, lens, dim**-0.5, 1, max_seq_len=ctx)
+                sec = timed_cuda(attend, repeats)
+                read = 2 * seqs * ctx * kv_heads * row_bytes(kv_type, dim)
+                runs.append(
+                    {
+                        "kv_type": kv_type,
+                        "context": ctx,
+                        "batch": seqs,
+                        "us": round(sec * 1e6, 1),
+                        "gb_s": round(read / sec / 1e9, 1),
+                    }
+                )
+        cache = None
+        release()
+    a = torch.empty(2**29 if device == "cuda" else 2**22, dtype=torch.bfloat16, device=device)
     b = torch.empty_like(a)
-    b.copy_(a)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        b.copy_(a)
-    torch.cuda.synchronize()
-    copy = 10 * 2 * a.numel() * 2 / (time.perf_counter() - t)
-    return {
-        "kernel_gb_s": round(kernel / 1e9, 1),
-        "copy_gb_s": round(copy / 1e9, 1),
-        "fraction": round(kernel / copy, 3),
-    }
+    copy = 2 * a.numel() * 2 / timed_cuda(lambda: b.copy_(a), repeats)
+    for r in runs:
+        r["fraction"] = round(r["gb_s"] * 1e9 / copy, 3)
+        print(
+            f"    {r['kv_type']:>5} {r['context']:>6} keys x {r['batch']:>3}: {r['gb_s']:7.1f} GB/s "
+            f"= {r['fraction']:.2f} of a copy",
+            flush=True,
+        )
+    return {"copy_gb_s": round(copy / 1e9, 1), "shape": f"{heads} heads on {kv_heads} KV heads of {dim}", "runs": runs}
 
 
 def run_pytest(paths: list[str], pythonpath: list[str], timeout: float) -> dict:
@@ -669,12 +793,16 @@ def check(args) -> tuple[dict, bool]:
 
         step("the sampler alone, at the chat's defaults")
         if smoke:  # the pipeline, not the numbers: one vocabulary, two sizes
-            report["sampler_ms"] = sampler_cost(device, sync, repeats=3, vocabs=(49152,), sizes=(1, 16))
+            report["sampler_ms"] = sampler_cost(device, sync, repeats=1, vocabs=(49152,), sizes=(1, 2))
         else:
             report["sampler_ms"] = sampler_cost(device, sync)
 
-        if not smoke:
-            step("paged attention bandwidth")
+        step("paged decode attention bandwidth")
+        if smoke:  # the code, not the numbers: the interpreter, f32 and q8_0 caches, one context past a split
+            report["attention_bandwidth"] = attention_bandwidth(
+                (600,), (1, 2), ("f32", "q8_0"), 0.1, device, shape=(4, 2, 64), repeats=1
+            )
+        else:
             report["attention_bandwidth"] = attention_bandwidth()
 
         step("the same trace: minibatch against transformers' generate_batch")
@@ -693,11 +821,67 @@ def check(args) -> tuple[dict, bool]:
         except Exception as exc:  # noqa: BLE001 - the peer failing is reported, not ours to fail on
             peer["transformers_generate_batch"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         report["peer"] = peer
+
+        step("a GGUF of a real architecture, dequantised on the device")
+        report["gguf"], gguf_ok = gguf_check(files, work, device, sync, args, smoke)
+        ok &= gguf_ok
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report["seconds"] = round(time.monotonic() - started, 1)
     report["ok"] = bool(ok)
     return report, bool(ok)
+
+
+def gguf_check(files: Path, work: Path, device: str, sync, args, smoke: bool) -> tuple[dict, bool]:
+    """GGUF_MIX's file of a Qwen2 model on the device: fp32 against transformers holding gguf.quants' values
+    (the exact path: equal greedy tokens), bf16 against fp32 (divergences only where bf16 explains them), the
+    load time, and decode tokens/s greedy and at the chat's defaults with CUDA graphs."""
+    import torch
+
+    from minibatch.engine.weights.reference import load_hf_reference
+
+    t = time.perf_counter()
+    model_dir = gguf_model(files, work, device, tiny=smoke)
+    written = round(time.perf_counter() - t, 1)
+    hf = load_hf_reference(model_dir, torch.float32).to(device)
+    t = time.perf_counter()
+    fp32 = build(model_dir, device, "float32", 8, graphs=True, kv_gb=1)
+    loaded = round(time.perf_counter() - t, 1)
+    prompts = prompt_ids(fp32)
+    diffs = [float((engine_logits(fp32, p) - hf_logits(hf, p)).abs().max()) for p in prompts]
+    ref = hf_greedy(hf, prompts, args.tokens)
+    ours = greedy(fp32, prompts, args.tokens)
+    rows = compare_greedy("gguf fp32", ref, ours, prompts, lambda ids: hf_logits(hf, ids))
+    fp32_ok = max(diffs) < 1e-3 and all(r["agree"] == r["of"] or abs(r["margin"]) < 1e-3 for r in rows)
+    hf = None
+    release()
+    bf16 = build(model_dir, device, "bfloat16", 64 if not smoke else 16, graphs=True, kv_gb=4 if not smoke else 0.2)
+    errs = [float((engine_logits(fp32, p) - engine_logits(bf16, p)).abs().max()) for p in prompts]
+    got = greedy(bf16, prompts, args.tokens)
+    rows16 = compare_greedy("gguf bf16", ours, got, prompts, lambda ids: engine_logits(fp32, ids))
+    bad = [r for r in rows16 if r["agree"] < r["of"] and r["margin"] > max(r["spacing"], 2 * errs[r["prompt"]])]
+    fp32 = None
+    release()
+    rates = {}
+    chat = chat_sampling()
+    for b in (1, 16, 64) if not smoke else (1, 16):
+        rates[b] = {
+            "graphs": round(decode_rate(bf16, b, args.decode_steps, sync), 1),
+            "graphs_chat_sampled": round(decode_rate(bf16, b, args.decode_steps, sync, chat), 1),
+        }
+    bf16 = None
+    release()
+    out = {
+        "architecture": "qwen2" + (" (tiny widths)" if smoke else ", Qwen2.5-0.5B's widths, 4 layers"),
+        "vocab": QWEN_SHAPE["vocab_size"],
+        "types": {"matrices": GGUF_MIX[0], **GGUF_MIX[1]},
+        "write_s": written,
+        "load_s": loaded,
+        "fp32_vs_transformers": {"max_abs_logit_diff": max(diffs), "greedy": rows, "ok": fp32_ok},
+        "bf16_vs_fp32": {"greedy": rows16, "max_abs_logit_diff": errs, "unexplained_divergences": bad},
+        "decode_tok_s": rates,
+    }
+    return out, fp32_ok and not bad
 
 
 def summary(report: dict) -> str:
@@ -741,10 +925,12 @@ def summary(report: dict) -> str:
         )
     if "attention_bandwidth" in report:
         a = report["attention_bandwidth"]
-        lines.append(
-            f"  paged attention: {a['kernel_gb_s']:.0f} GB/s = {a['fraction']:.2f} of a device copy "
-            f"({a['copy_gb_s']:.0f} GB/s)"
-        )
+        lines.append(f"  paged decode attention ({a['shape']}), against a device copy of {a['copy_gb_s']:.0f} GB/s:")
+        for r in a["runs"]:
+            lines.append(
+                f"    {r['kv_type']:>5} cache, {r['context']:>6} keys x {r['batch']:>3}: {r['gb_s']:7.1f} GB/s "
+                f"= {r['fraction']:.2f}"
+            )
     peer = report["peer"]
     hf = peer["transformers_generate_batch"]
     theirs = f"{hf['tok_s']:.1f} tok/s" if "tok_s" in hf else hf["error"]
@@ -753,6 +939,20 @@ def summary(report: dict) -> str:
         f"{peer['minibatch']['tok_s']:.1f} tok/s, transformers generate_batch {theirs}"
         + (f" ({peer['ratio']:.2f}x)" if "ratio" in peer else "")
     )
+    if "gguf" in report:
+        g = report["gguf"]
+        p = g["fp32_vs_transformers"]
+        agree = ", ".join(f"{r['agree']}/{r['of']}" for r in p["greedy"])
+        agree16 = ", ".join(f"{r['agree']}/{r['of']}" for r in g["bf16_vs_fp32"]["greedy"])
+        lines.append(
+            f"  GGUF {g['architecture']} ({g['vocab']} tokens; {g['types']}): loaded in {g['load_s']} s; fp32 vs "
+            f"transformers max |logit diff| {p['max_abs_logit_diff']:.2e}, greedy {agree}; bf16 vs fp32 {agree16}"
+        )
+        for size, r in g["decode_tok_s"].items():
+            lines.append(
+                f"    decode batch {size:>3}: {r['graphs']:9.1f} tok/s greedy, {r['graphs_chat_sampled']:9.1f} sampled "
+                f"({r['graphs_chat_sampled'] / r['graphs']:.2f}x)"
+            )
     return "\n".join(lines)
 
 

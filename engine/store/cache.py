@@ -214,14 +214,23 @@ def builtin_gguf_path(model: BuiltinModel) -> Path:
 
 
 def check_model_dir(path: Path) -> Path:
+    """`path` if it holds a model: config.json and safetensors weights, or config.json and the marker of a
+    GGUF's weights (what prepare_gguf writes)."""
     missing = []
     if not (path / "config.json").is_file():
         missing.append("config.json")
-    if not any(path.glob("*.safetensors")):
+    if not any(path.glob("*.safetensors")) and not _stands_for_gguf(path):
         missing.append("*.safetensors weights")
     if missing:
         raise ModelNotFoundError(f"{path} is not a usable model directory: missing {' and '.join(missing)}")
     return path
+
+
+def _stands_for_gguf(path: Path) -> bool:
+    try:
+        return bool(json.loads((path / SOURCE_FILE).read_text()).get("weights_from_gguf"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def file_digest(path: Path) -> str:

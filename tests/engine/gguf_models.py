@@ -43,6 +43,11 @@ GEMMA_LAYER_MAP = {
 PHI3_LAYER_MAP = {**LAYER_MAP, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 
 
+# The type llama-quantize writes instead of a 256-value type when a matrix's rows are not a multiple of 256
+# (Qwen2.5-0.5B's 896-wide rows, in its Q4_K_M file)
+K_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0", "IQ4_XS": "IQ4_NL"}
+
+
 def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf == "model.embed_tokens.weight":
         return "token_embd.weight"
@@ -145,7 +150,8 @@ def write_gguf_model(
 
     Matrices are quantized by gguf's reference quantizer where it has one; K-quants (which
     gguf.quants cannot quantize) get random blocks. `mix` gives other types by name fragment
-    ({"v_proj": "Q8_0"}), as llama-quantize's presets mix them. Returns the dequantised weights by HF
+    ({"v_proj": "Q8_0"}), as llama-quantize's presets mix them, and its fallback where a 256-value type does
+    not divide a row (K_FALLBACK). Returns the dequantised weights by HF
     name: the model the GGUF holds, for the reference.
     """
     from gguf import GGMLQuantizationType, GGUFWriter
@@ -166,6 +172,8 @@ def write_gguf_model(
             raw, ref, t = stored.numpy().view(np.uint8).reshape(1, -1), w, QUANT_TYPES["F32"]
         else:
             t = next((QUANT_TYPES[v] for frag, v in (mix or {}).items() if frag in name), qtype)
+            if w.shape[1] % t.block_elems:  # llama-quantize's fallback for rows a super-block does not divide
+                t = QUANT_TYPES[K_FALLBACK[t.name]]
             if t.name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL"):
                 raw = random_blocks(t, w.shape[0], w.shape[1], seed=i).numpy()
             elif t.name == "F32":

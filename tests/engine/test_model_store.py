@@ -67,6 +67,18 @@ def test_hf_directory_resolves_to_itself(tiny_llama_dir, tmp_path):
         resolve_model(str(tmp_path))
 
 
+def test_a_prepared_gguf_folder_resolves_to_itself_by_path(fresh_cache, tmp_path):
+    """The folder prepare_gguf writes (config, tokenizer, the marker naming its GGUF; no safetensors) is a model
+    when given by path too; a marker that names no GGUF's weights is not."""
+    prepared = resolve_model("smollm2-135m-instruct", cache_dir=fresh_cache)
+    assert not any(prepared.glob("*.safetensors"))
+    assert resolve_model(str(prepared)) == prepared
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / model_store.SOURCE_FILE).write_text(json.dumps({"weights_from_gguf": False}))
+    with pytest.raises(ModelNotFoundError, match=r"missing \*\.safetensors"):
+        resolve_model(str(tmp_path))
+
+
 def _fake_converter_source(tiny_dir: Path) -> str:
     return textwrap.dedent(
         f"""

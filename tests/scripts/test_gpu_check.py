@@ -96,4 +96,10 @@ def test_the_whole_check_runs_on_the_cpu_with_a_tiny_model(tmp_path):
     peer = data["peer"]
     assert peer["minibatch"]["tokens"] == peer["requests"] * peer["new_tokens"]
     assert "tok_s" in peer["transformers_generate_batch"], peer
-    assert "gpu-check (smoke-cpu): PASS" in r.stdout
+    runs = data["attention_bandwidth"]["runs"]  # the interpreter's: the code, not the numbers
+    assert {(a["kv_type"], a["batch"]) for a in runs} == {("f32", 1), ("f32", 2), ("q8_0", 1), ("q8_0", 2)}
+    gguf = data["gguf"]  # a Qwen2 GGUF of mixed block types and a 151,936-token vocabulary
+    assert gguf["vocab"] == 151936 and gguf["types"]["matrices"] == "Q4_K"
+    assert gguf["fp32_vs_transformers"]["ok"] and not gguf["bf16_vs_fp32"]["unexplained_divergences"]
+    assert all(v["graphs"] > 0 and v["graphs_chat_sampled"] > 0 for v in gguf["decode_tok_s"].values())
+    assert "gpu-check (smoke-cpu): PASS" in r.stdout and "GGUF qwen2" in r.stdout
