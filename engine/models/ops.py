@@ -208,7 +208,7 @@ class TritonOps(TorchOps):
     def sample_cuts(logits, settings, streams, masks):
         from minibatch.kernels.sampling import sample_rows
 
-        return sample_rows(logits, settings, streams, masks)[1]
+        return sample_rows(logits, settings, streams, masks)[1][:, :2]
 
     @staticmethod
     def rms_norm(x, weight, eps):

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from minibatch.engine.models.ops import CpuOps, TorchOps  # noqa: E402
-from minibatch.kernels.sampling import sample_rows  # noqa: E402
+from minibatch.kernels.sampling import PATHS, sample_rows  # noqa: E402
 
 from .conftest import DEVICE, skip_if_gpu_unusable  # noqa: E402
 from .test_sampling import SETTINGS, logits_of, settings_of  # noqa: E402
@@ -38,9 +38,16 @@ def test_each_setting_keeps_and_draws_what_the_twin_does(vocab, kind):
         streams = torch.stack([torch.arange(len(SETTINGS)) * 31 + vocab, torch.full((len(SETTINGS),), step)], dim=1)
         tokens, cuts = triton_sample(x, settings, streams)
         want = TorchOps().sample_cuts(x, settings, streams, None)
-        for setting, a, b in zip(SETTINGS, cuts.tolist(), want.tolist()):
+        for setting, a, b in zip(SETTINGS, cuts[:, :2].tolist(), want.tolist()):
             assert a == b, f"{kind}, {setting}: the kernel keeps {a[0]} tokens to {a[1]}, the twin {b[0]} to {b[1]}"
         assert tokens.tolist() == TorchOps().sample_tokens(x, settings, streams, None).tolist()
+        # how each row was decided (both ways are held to the twin above)
+        path = dict(zip(SETTINGS, (PATHS[p] for p in cuts[:, 2].tolist())))
+        assert path[(0.0, 0.9, 0.1, 40)] == "argmax" and path[(1.0, 1.0, 0.0, -1)] == "every token"
+        if kind == "peaked":  # a trained model's rows: the chat's defaults and Ollama's decided by candidates
+            assert path[(0.7, 0.95, 0.0, -1)] == path[(0.8, 0.9, 0.0, 40)] == "candidates", path
+        if kind == "ties":  # tie groups larger than the candidates hold: searched
+            assert path[(0.7, 0.95, 0.0, -1)] == "search", path
 
 
 def test_the_same_seeded_tokens_as_the_cpus_fused_pass():
@@ -73,7 +80,7 @@ def test_a_grammars_mask_is_obeyed_and_a_single_token_is_the_only_draw():
     streams = torch.stack([torch.arange(len(SETTINGS)), torch.arange(len(SETTINGS))], dim=1)
     tokens, cuts = triton_sample(x, settings_of(SETTINGS), streams, torch.from_numpy(masks))
     assert tokens.tolist() == [12345] * len(SETTINGS)
-    assert cuts.tolist() == [[1, 12345]] * len(SETTINGS)
+    assert cuts[:, :2].tolist() == [[1, 12345]] * len(SETTINGS)
     masks[:] = 0x55555555  # the even tokens
     masks = torch.from_numpy(masks)
     for step in range(3):
@@ -81,7 +88,7 @@ def test_a_grammars_mask_is_obeyed_and_a_single_token_is_the_only_draw():
         tokens, cuts = triton_sample(x, settings_of(SETTINGS), streams, masks)
         assert all(t % 2 == 0 for t in tokens.tolist())
         assert tokens.tolist() == TorchOps().sample_tokens(x, settings_of(SETTINGS), streams, masks).tolist()
-        assert cuts.tolist() == TorchOps().sample_cuts(x, settings_of(SETTINGS), streams, masks).tolist()
+        assert cuts[:, :2].tolist() == TorchOps().sample_cuts(x, settings_of(SETTINGS), streams, masks).tolist()
 
 
 def test_a_tie_group_is_split_by_id_and_top_k_keeps_every_tie():
@@ -91,7 +98,7 @@ def test_a_tie_group_is_split_by_id_and_top_k_keeps_every_tie():
     x[:, [40, 3, 17, 9]] = 5.0
     settings = settings_of([(1.0, 0.5, 0.0, -1), (1.0, 1.0, 0.0, 2), (0.5, 1.0, 0.9, -1)])
     _, cuts = triton_sample(x, settings, torch.zeros(3, 2, dtype=torch.long))
-    assert cuts.tolist() == [[2, 9], [4, 40], [4, 40]]
+    assert cuts[:, :2].tolist() == [[2, 9], [4, 40], [4, 40]]
 
 
 def test_rows_that_take_the_argmax():
