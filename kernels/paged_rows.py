@@ -5,6 +5,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Keys per tile of both attention kernels (at least a block): one tile is 64 K rows and 64 V rows in flight,
+# and the tiling is the same in both, so a token's row is the same bits prefilled or decoded.
+KEY_TILE = 64
+
+
+def key_tile(block_size: int) -> int:
+    return max(KEY_TILE, block_size)
+
 
 @triton.jit
 def load_rows(row_ptrs, offs_d, mask, Q8: tl.constexpr):
