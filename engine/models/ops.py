@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+
+class LogitEdits(NamedTuple):
+    """What bias and penalties change in a batch's logits before sampling, as entries (row, token, value) in
+    four phases applied in this order, each token at most once per row in a phase: bias (added), repetition
+    (a positive logit divided by the value, a negative one multiplied), presence and frequency (added: the
+    amounts negated), DRY (added, negated). Host tensors; the ops move them."""
+
+    rows: torch.Tensor  # int64 [E]
+    tokens: torch.Tensor  # int64 [E]
+    values: torch.Tensor  # float32 [E]
+    phases: tuple[int, int, int, int]  # entries of each phase, in order
 
 
 class TorchOps:
@@ -51,6 +64,29 @@ class TorchOps:
     def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # [rows, vocab] -> int64 [rows]: the sampler's argmax
         """Each row's argmax, the first of ties (a NaN counts as the largest)."""
         return x.argmax(dim=-1)
+
+    @staticmethod
+    def edit_logits(logits: torch.Tensor, edits: LogitEdits) -> None:
+        """Apply `edits` to fp32 `logits` in place; after repetition, penalties or DRY every logit is kept
+        finite (an extreme penalty overflows), so the softmax stays a distribution."""
+        device = logits.device
+        bounds = [0]
+        for n in edits.phases:
+            bounds.append(bounds[-1] + n)
+        big = torch.finfo(logits.dtype).max
+        for phase in range(4):
+            lo, hi = bounds[phase], bounds[phase + 1]
+            if lo == hi:
+                continue
+            index = (edits.rows[lo:hi].to(device), edits.tokens[lo:hi].to(device))
+            values = edits.values[lo:hi].to(device, logits.dtype)
+            if phase == 1:
+                vals = logits[index]
+                logits[index] = torch.where(vals > 0, vals / values, vals * values)
+            else:
+                logits.index_put_(index, values, accumulate=True)
+            if phase == 3 or (phase == 2 or (phase == 1 and not edits.phases[2])):
+                logits.clamp_(-big, big)
 
     @staticmethod
     def sample_tokens(
@@ -195,6 +231,13 @@ class TritonOps(TorchOps):
     """The same operations as fused Triton kernels (GPU, or the interpreter in tests)."""
 
     name = "triton"
+
+    @staticmethod
+    def edit_logits(logits, edits):
+        """One launch per phase present (kernels/sampling.py), the entries sent up in two copies."""
+        from minibatch.kernels.sampling import edit_logits
+
+        edit_logits(logits, edits.rows, edits.tokens, edits.values, edits.phases)
 
     @staticmethod
     def sample_tokens(logits, settings, streams, masks):

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from minibatch.engine.core.request import Request
-from minibatch.engine.models.ops import TorchOps
+from minibatch.engine.models.ops import LogitEdits, TorchOps
 from minibatch.engine.runner.chain import pack
 from minibatch.engine.runner.dry import breaker_mask, dry_penalties
 
@@ -68,8 +68,9 @@ class SeenTokens:
 class Sampler:
     """Picks one token per row of logits.
 
-    Logit bias and penalties change the rows first (a few batched index operations over the tokens they
-    touch); then `ops.sample_tokens` takes each row's token in one pass: the grammar's mask, temperature,
+    Logit bias, penalties and DRY change the rows first: gathered per row as LogitEdits (the tokens they
+    touch, phase by phase) and applied by `ops.edit_logits` (index operations on the CPU, one Triton launch
+    per phase on a GPU); then `ops.sample_tokens` takes each row's token in one pass: the grammar's mask, temperature,
     top-k, top-p, min-p and the draw (kernels/csrc/sampling.cpp states the rule, TorchOps.sample_tokens is
     its twin). Rows that are all greedy with no grammar take the argmax directly.
 
@@ -102,18 +103,18 @@ class Sampler:
         """logits [rows, vocab], changed in place by bias and penalties; `positions`: each row's token index in
         its output (default: the next one, len(output_token_ids))."""
         logits = logits.float()
+        edits = Edits()
         biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
         if biased:
-            apply_logit_bias(logits, biased, [reqs[i] for i in biased])
+            logit_bias_edits(edits, biased, [reqs[i] for i in biased])
         penalised = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
         if penalised:
-            self._penalise(logits, penalised, [reqs[i] for i in penalised])
-            # an extreme penalty overflows: keep every logit finite, so the softmax stays a distribution
-            big = torch.finfo(logits.dtype).max
-            logits.clamp_(-big, big)
+            self._penalise(edits, penalised, [reqs[i] for i in penalised])
         dry = [i for i, r in enumerate(reqs) if r.params.needs_dry]
         if dry:
-            self._dry(logits, dry, [reqs[i] for i in dry])
+            self._dry(edits, logits.shape[1], dry, [reqs[i] for i in dry])
+        if edits.phases:
+            self.ops.edit_logits(logits, edits.pack())
         guided = [i for i, r in enumerate(reqs) if r.params.grammar is not None]
         if not guided and all(r.params.greedy for r in reqs):
             return self.ops.argmax_rows(logits).tolist()
@@ -164,40 +165,31 @@ class Sampler:
         seed = r.params.seed
         return seed if seed is not None else (self.key ^ hash(r.request_id)) & _KEY_BITS
 
-    def _dry(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
-        """Subtract each row's DRY penalties (engine/runner/dry.py) from its logits: one scatter for all rows."""
-        index, amounts = ([], []), []
+    def _dry(self, edits: Edits, vocab: int, rows: list[int], reqs: list[Request]) -> None:
+        """Each row's DRY penalties (engine/runner/dry.py), subtracted after everything else."""
         for row, r in zip(rows, reqs):
             context = np.asarray(r.prompt_token_ids + r.output_token_ids, dtype=np.int64)
             tokens, penalty = dry_penalties(
-                context, self._breaker_mask(r.params.dry_sequence_breakers, logits), r.params
+                context, self._breaker_mask(r.params.dry_sequence_breakers, vocab), r.params
             )
-            index[0].append(np.full(len(tokens), row, dtype=np.int64))
-            index[1].append(tokens)
-            amounts.append(penalty)
-        device = logits.device
-        where = tuple(torch.from_numpy(np.concatenate(a)).to(device) for a in index)
-        logits.index_put_(where, -torch.from_numpy(np.concatenate(amounts)).to(device, logits.dtype), accumulate=True)
-        big = torch.finfo(logits.dtype).max
-        logits.clamp_(-big, big)
+            edits.add(DRY, row, tokens, -penalty)
 
-    def _breaker_mask(self, breakers: list[str], logits: torch.Tensor) -> np.ndarray | None:
+    def _breaker_mask(self, breakers: list[str], vocab: int) -> np.ndarray | None:
         if self.token_texts is None or not breakers:
             return None
         key = tuple(breakers)
         mask = self._breakers.get(key)
         if mask is None:
             if self._texts is None:
-                self._texts = self.token_texts(logits.shape[1])
+                self._texts = self.token_texts(vocab)
             if len(self._breakers) >= 64:  # distinct breaker lists kept at most
                 self._breakers.clear()
             mask = self._breakers[key] = breaker_mask(self._texts, breakers)
         return mask
 
-    def _penalise(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
-        """Repetition penalty over every token seen, then presence and frequency over the output's counts:
-        one gather and scatter for all rows, from each request's SeenTokens."""
-        rep, sub = ([], [], []), ([], [], [])
+    def _penalise(self, edits: Edits, rows: list[int], reqs: list[Request]) -> None:
+        """Repetition penalty over every token seen, then presence and frequency over the output's counts,
+        from each request's SeenTokens."""
         for row, r in zip(rows, reqs):
             seen = self.seen.get(r.request_id)
             if seen is None:
@@ -206,38 +198,50 @@ class Sampler:
             p = r.params
             if p.repetition_penalty != 1.0:
                 ids = seen.seen_ids()
-                rep[0].append(np.full(len(ids), row, dtype=np.int64))
-                rep[1].append(ids)
-                rep[2].append(np.full(len(ids), p.repetition_penalty))
+                edits.add(REPETITION, row, ids, np.full(len(ids), p.repetition_penalty))
             if seen.counts and (p.presence_penalty or p.frequency_penalty):
                 ids, counts = seen.output_counts()
-                sub[0].append(np.full(len(ids), row, dtype=np.int64))
-                sub[1].append(ids)
-                sub[2].append(p.frequency_penalty * counts + p.presence_penalty)
-        device = logits.device
-        if rep[0]:
-            index = tuple(torch.from_numpy(np.concatenate(a)).to(device) for a in rep[:2])
-            penalty = torch.from_numpy(np.concatenate(rep[2])).to(device, logits.dtype)
-            vals = logits[index]
-            logits[index] = torch.where(vals > 0, vals / penalty, vals * penalty)
-        if sub[0]:
-            index = tuple(torch.from_numpy(np.concatenate(a)).to(device) for a in sub[:2])
-            logits.index_put_(
-                index, -torch.from_numpy(np.concatenate(sub[2])).to(device, logits.dtype), accumulate=True
-            )
+                edits.add(PENALTIES, row, ids, -(p.frequency_penalty * counts + p.presence_penalty))
 
 
-def apply_logit_bias(logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> None:
-    """Add each request's logit_bias to its own row, in place (grammar masks come after: a ban stays a ban)."""
-    index_rows, index_cols, values = [], [], []
+BIAS, REPETITION, PENALTIES, DRY = range(4)  # LogitEdits' phases
+
+
+class Edits:
+    """LogitEdits gathered row by row, phase by phase."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self) -> None:
+        self.parts: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[], [], [], []]
+
+    @property
+    def phases(self) -> bool:
+        return any(self.parts)
+
+    def add(self, phase: int, row: int, tokens: np.ndarray, values: np.ndarray) -> None:
+        if len(tokens):
+            self.parts[phase].append((np.full(len(tokens), row, dtype=np.int64), tokens, values))
+
+    def pack(self) -> LogitEdits:
+        rows, tokens, values, counts = [], [], [], []
+        for part in self.parts:
+            counts.append(sum(len(t) for _, t, _ in part))
+            for r, t, v in part:
+                rows.append(r)
+                tokens.append(np.asarray(t, dtype=np.int64))
+                values.append(np.asarray(v, dtype=np.float32))
+        return LogitEdits(
+            torch.from_numpy(np.concatenate(rows)),
+            torch.from_numpy(np.concatenate(tokens)),
+            torch.from_numpy(np.concatenate(values)),
+            (counts[0], counts[1], counts[2], counts[3]),
+        )
+
+
+def logit_bias_edits(edits: Edits, rows: list[int], reqs: list[Request]) -> None:
+    """Each request's logit_bias on its own row (grammar masks come after: a ban stays a ban)."""
     for row, r in zip(rows, reqs):
-        for token, bias in r.params.logit_bias.items():
-            index_rows.append(row)
-            index_cols.append(token)
-            values.append(bias)
-    device = logits.device
-    logits.index_put_(
-        (torch.tensor(index_rows, device=device), torch.tensor(index_cols, device=device)),
-        torch.tensor(values, dtype=logits.dtype, device=device),
-        accumulate=True,
-    )
+        bias = r.params.logit_bias
+        tokens = np.fromiter(bias.keys(), np.int64, len(bias))
+        edits.add(BIAS, row, tokens, np.fromiter(bias.values(), np.float64, len(bias)))

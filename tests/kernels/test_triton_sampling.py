@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from minibatch.engine.models.ops import CpuOps, TorchOps  # noqa: E402
+from minibatch.engine.models.ops import CpuOps, TorchOps, TritonOps  # noqa: E402
 from minibatch.kernels.sampling import PATHS, sample_rows  # noqa: E402
 
 from .conftest import DEVICE, skip_if_gpu_unusable  # noqa: E402
@@ -130,3 +130,29 @@ def test_bad_shapes_are_refused():
             torch.zeros(2, 2, dtype=torch.long),
             torch.zeros(2, 3, dtype=torch.int32),
         )
+
+
+def test_bias_and_penalties_edit_the_logits_as_the_twin_does():
+    """LogitEdits (bias, repetition, presence and frequency, DRY; a token in several phases; an overflowing
+    penalty) applied by the Triton kernels equal TorchOps.edit_logits' result bit for bit."""
+    from minibatch.engine.models.ops import LogitEdits
+
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(4, 3000, generator=g) * 4
+    x[2, 7] = -3e38  # a repetition penalty of 2 overflows it: kept finite
+    phases = {
+        0: ([0, 0, 3], [5, 7, 9], [2.5, -100.0, 1.0]),
+        1: ([0, 0, 1, 2, 2], [7, 11, 11, 7, 8], [1.1, 1.1, 1.3, 2.0, 2.0]),
+        2: ([0, 1, 3], [7, 11, 9], [-0.6, -1.5, -0.2]),
+        3: ([1, 3], [11, 2999], [-7.0, -3.25]),
+    }
+    rows = torch.tensor([r for p in phases.values() for r in p[0]])
+    tokens = torch.tensor([t for p in phases.values() for t in p[1]])
+    values = torch.tensor([v for p in phases.values() for v in p[2]], dtype=torch.float32)
+    edits = LogitEdits(rows, tokens, values, tuple(len(p[0]) for p in phases.values()))
+    want = x.clone()
+    TorchOps.edit_logits(want, edits)
+    got = x.clone().to(DEVICE)
+    TritonOps.edit_logits(got, edits)
+    assert torch.equal(got.cpu(), want)
+    assert want[2, 7] == -torch.finfo(torch.float32).max and not torch.equal(want, x)
