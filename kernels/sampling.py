@@ -190,9 +190,9 @@ def _candidates(
             p_key = c_low
             if p_in:
                 p_key = _search_in(key, wk, tl.maximum(c_low, k_key), m_key, target, True, NT)
-                above = tl.sum(tl.where(key > p_key, wk, 0.0), 0)
+                ahead = tl.sum(tl.where(key > p_key, wk, 0.0), 0)
                 g = tl.where(key == p_key, wk, 0.0)  # the group in id order: a token stays while the mass
-                run = above + tl.cumsum(g, 0) - g  # before it is below the target
+                run = ahead + tl.cumsum(g, 0) - g  # before it is below the target
                 p_id = tl.max(tl.where((key == p_key) & (run < target), ids, -1), 0)
             decided = k_in | ((cut_k == 0) & (p_in | minp_in))
         else:
@@ -216,6 +216,32 @@ def _search_in(key, w, lo, hi, goal, MASS: tl.constexpr, NT: tl.constexpr):
         lo = tl.max(tl.where(ok, trial, lo), 0)
         hi = tl.min(tl.where(ok, hi, trial - 1), 0)
     return lo
+
+
+@triton.jit
+def _draw_candidates(
+    logits_ptr, masks_ptr, cand_ptr, V, n, m, t, temp, ln_min_p, k_key, p_key, p_id, m_key, top, u,
+    HAS_MASK: tl.constexpr, CAP: tl.constexpr,
+):  # fmt: skip
+    """The draw among the n candidates (in id order) the cuts keep; returns (token, how many are kept, the last
+    of them in the order)."""
+    j = tl.arange(0, CAP)
+    valid = j < n
+    ids = tl.load(cand_ptr + j, mask=valid, other=0).to(tl.int64)
+    x, key = _load_row(logits_ptr, masks_ptr, ids, V, HAS_MASK)
+    keep = valid & (key >= k_key) & ((key > p_key) | ((key == p_key) & (ids <= p_id)))
+    keep = keep & ((x.to(tl.float64) - m.to(tl.float64)) / temp >= ln_min_p)
+    w = tl.where(keep, _weights(x, m, t).to(tl.float64), 0.0)
+    c = tl.cumsum(w, 0)
+    goal = u * tl.sum(w, 0)
+    hit = tl.min(tl.where(c > goal, j, CAP), 0)
+    heavy = tl.max(tl.where(w > 0, j, -1), 0)  # the last with weight, where rounding leaves the goal past all
+    at = tl.where(hit < CAP, hit, heavy)
+    token = tl.where(at >= 0, tl.sum(tl.where(j == at, ids, 0), 0), top)
+    count = tl.sum(keep.to(tl.int64), 0)
+    low_kept = tl.min(tl.where(keep, key, m_key), 0)
+    last = tl.max(tl.where(keep & (key == low_kept), ids, -1), 0)
+    return token, count, last
 
 
 @triton.jit
@@ -289,32 +315,23 @@ def _sample_kernel(
         n = tl.zeros((), tl.int64)
         lt_z = tl.maximum(tl.full((), -8.0, tl.float64), ln_min_p)
         next_z = lt_z
-        for round in tl.static_range(2):
-            if cut_any & (fast == 0) & ((round == 0) | (next_z < lt_z)):
-                lt_z = tl.minimum(lt_z, next_z)
-                fast, k_key, p_key, p_id, n, next_z = _candidates(
-                    logits_ptr, masks_ptr, cand_ptr, V, m, t, lt_z, ln_min_p, low_key, finite, top_k, top_p,
-                    HAS_MASK, BLOCK, CAP, NT,
-                )  # fmt: skip
+        if cut_any:
+            fast, k_key, p_key, p_id, n, next_z = _candidates(
+                logits_ptr, masks_ptr, cand_ptr, V, m, t, lt_z, ln_min_p, low_key, finite, top_k, top_p,
+                HAS_MASK, BLOCK, CAP, NT,
+            )  # fmt: skip
+        if cut_any & (fast == 0) & (next_z < lt_z):  # the second round, lower
+            fast, k_key, p_key, p_id, n, next_z = _candidates(
+                logits_ptr, masks_ptr, cand_ptr, V, m, t, next_z, ln_min_p, low_key, finite, top_k, top_p,
+                HAS_MASK, BLOCK, CAP, NT,
+            )  # fmt: skip
         u = _philox_uniform(tl.load(streams_ptr + row * 2), tl.load(streams_ptr + row * 2 + 1))
         if fast:
             path = tl.full((), 1, tl.int64)
-            j = tl.arange(0, CAP)
-            valid = j < n
-            ids = tl.load(cand_ptr + j, mask=valid, other=0).to(tl.int64)  # in id order
-            x, key = _load_row(logits_ptr, masks_ptr, ids, V, HAS_MASK)
-            keep = valid & (key >= k_key) & ((key > p_key) | ((key == p_key) & (ids <= p_id)))
-            keep = keep & ((x.to(tl.float64) - m64) / temp >= ln_min_p)
-            w = tl.where(keep, _weights(x, m, t).to(tl.float64), 0.0)
-            c = tl.cumsum(w, 0)
-            goal = u * tl.sum(w, 0)
-            hit = tl.min(tl.where(c > goal, j, CAP), 0)
-            heavy = tl.max(tl.where(w > 0, j, -1), 0)
-            at = tl.where(hit < CAP, hit, heavy)
-            token = tl.where(at >= 0, tl.sum(tl.where(j == at, ids, 0), 0), top)
-            count = tl.sum(keep.to(tl.int64), 0)
-            low_kept = tl.min(tl.where(keep, key, m_key), 0)
-            last = tl.max(tl.where(keep & (key == low_kept), ids, -1), 0)
+            token, count, last = _draw_candidates(
+                logits_ptr, masks_ptr, cand_ptr, V, n, m, t, temp, ln_min_p, k_key, p_key, p_id, m_key, top, u,
+                HAS_MASK, CAP,
+            )  # fmt: skip
         else:
             if cut_any:
                 path = tl.full((), 3, tl.int64)

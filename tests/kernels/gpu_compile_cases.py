@@ -1,0 +1,122 @@
+"""The Triton kernels the GPU engine launches, compiled for one NVIDIA architecture in the configurations the
+engine uses: `python -m tests.kernels.gpu_compile_cases ARCH` prints one JSON line per kernel and
+configuration. Run as its own process: Triton's interpreter (TRITON_INTERPRET, which the kernel tests set)
+must not be on when the kernels are defined."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from minibatch.kernels import paged_attention, paged_decode, sampling
+from minibatch.kernels.paged_decode import SPLIT
+
+STRIDES = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ks", "stride_kh")
+STRIDES += ("stride_vb", "stride_vs", "stride_vh", "stride_bt")
+# (query type, K cache, V cache): bf16 and f16 caches with their queries, q8_0 beside bf16, f32 with f32
+CACHES = [("bf16", "bf16", "bf16"), ("fp16", "fp16", "fp16"), ("bf16", "u8", "u8"), ("bf16", "u8", "bf16")]
+CACHES += [("fp32", "fp32", "fp32")]
+
+
+def compile_for(fn, types: dict[str, str], consts: dict, arch: int, num_warps: int = 4) -> None:
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in consts else types[n] for n in names}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    if not kernel.asm.get("cubin"):
+        raise RuntimeError("no cubin")
+
+
+def attention_types(q: str, k: str, v: str) -> dict[str, str]:
+    return {
+        "q_ptr": f"*{q}",
+        "k_cache_ptr": f"*{k}",
+        "v_cache_ptr": f"*{v}",
+        "block_tables_ptr": "*i32",
+        "query_start_ptr": "*i32",
+        "seq_lens_ptr": "*i32",
+        "scale": "fp32",
+        "window": "i32",
+        "softcap": "fp32",
+        **dict.fromkeys(STRIDES, "i32"),
+    }
+
+
+def attention_consts(q: str, k: str, v: str, softcap: bool) -> dict:
+    return {
+        "HEAD_DIM": 128,
+        "BLOCK_SIZE": 16,
+        "BLOCK_N": 64,
+        "SPLIT": SPLIT,
+        "FP32_DOT": q == "fp32",
+        "SOFTCAP": softcap,
+        "K_Q8": k == "u8",
+        "V_Q8": v == "u8",
+    }
+
+
+def cases():
+    """(name, kernel, argument types, constexprs, warps) of every configuration checked."""
+    sampler = {
+        "tokens_ptr": "*i64",
+        "cuts_ptr": "*i64",
+        "logits_ptr": "*fp32",
+        "masks_ptr": "*i32",
+        "settings_ptr": "*fp64",
+        "streams_ptr": "*i64",
+        "cand_ptr": "*i32",
+        "V": "i32",
+        "stride_l": "i32",
+        "stride_m": "i32",
+    }
+    for has_mask in (False, True):
+        consts = {"HAS_MASK": has_mask, "BLOCK": 1024, "NT": sampling.NT, "CAP": sampling.CAP}
+        yield f"sampler mask={has_mask}", sampling._sample_kernel, sampler, consts, 8
+    edits = {
+        "logits_ptr": "*fp32",
+        "stride_l": "i32",
+        "rows_ptr": "*i64",
+        "tokens_ptr": "*i64",
+        "values_ptr": "*fp32",
+        "start": "i32",
+        "n": "i32",
+    }
+    for scale in (False, True):
+        yield f"edits scale={scale}", sampling._edit_kernel, edits, {"SCALE": scale, "CLAMP": scale, "BLOCK": 256}, 4
+    merge = {
+        "part_out_ptr": "*fp32",
+        "part_ml_ptr": "*fp32",
+        "query_start_ptr": "*i32",
+        "seq_lens_ptr": "*i32",
+        "stride_ot": "i32",
+        "stride_oh": "i32",
+        "num_heads": "i32",
+        "max_splits": "i32",
+    }
+    for q, k, v in CACHES:
+        split = attention_types(q, k, v) | {"part_out_ptr": "*fp32", "part_ml_ptr": "*fp32", "max_splits": "i32"}
+        for group, softcap in ((4, False), (8, True)):
+            consts = attention_consts(q, k, v, softcap) | {"GROUP": group, "BLOCK_G": 16}
+            yield f"decode split {q}/{k}/{v} group={group}", paged_decode._decode_split_kernel, split, consts, 4
+        out = merge | {"out_ptr": f"*{q}"}
+        yield f"decode merge {q}", paged_decode._decode_merge_kernel, out, {"HEAD_DIM": 128, "SPLIT": SPLIT}, 4
+        prefill = attention_types(q, k, v) | {"out_ptr": f"*{q}"}
+        consts = attention_consts(q, k, v, softcap=q == "bf16") | {"GROUP": 4, "BLOCK_M": 16, "SKIP_DECODE": True}
+        yield f"prefill {q}/{k}/{v}", paged_attention._paged_attention_kernel, prefill, consts, 4
+
+
+def main(arch: int) -> None:
+    for name, fn, types, consts, warps in cases():
+        try:
+            compile_for(fn, types, consts, arch, warps)
+            print(json.dumps({"case": name, "ok": True}), flush=True)
+        except Exception as exc:  # noqa: BLE001 - every failure is reported, the others still compiled
+            print(json.dumps({"case": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}), flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
