@@ -398,11 +398,13 @@ def chat_sampling() -> dict:
 def sampler_cost(device: str, sync, repeats: int = 30, vocabs=(49152, 151936), sizes=(1, 64, 256)) -> list[dict]:
     """The GPU sampler alone (TritonOps.sample_tokens, the tokens back on the host as the engine takes them)
     beside argmax, ms per step: rows shaped as a trained model's (a few logits far above a long tail: the
-    1,024 candidates decide them) and flat rows (random weights' logits: the candidates cannot, the rows are
-    sorted), at the chat's defaults, 49,152 and 151,936 tokens."""
+    candidates decide them in two passes) and flat rows (random weights' logits: the candidates cannot, the
+    row's values are searched), at the chat's defaults, 49,152 and 151,936 tokens; how the rows were decided
+    (kernels/sampling.py's PATHS)."""
     import torch
 
     from minibatch.engine.models.ops import TritonOps
+    from minibatch.kernels.sampling import PATHS, sample_rows
 
     chat = chat_sampling()
     setting = (chat["temperature"], chat.get("top_p", 1.0), chat.get("min_p", 0.0), float(chat.get("top_k", -1)))
@@ -431,7 +433,12 @@ def sampler_cost(device: str, sync, repeats: int = 30, vocabs=(49152, 151936), s
                 streams = torch.stack([torch.arange(rows), torch.full((rows,), 7)], dim=1)
                 ms = timed(lambda x=x, s=settings, u=streams: TritonOps.sample_tokens(x, s, u, None).tolist())
                 greedy_ms = timed(lambda x=x: TritonOps.argmax_rows(x).tolist())
-                out.append({"vocab": vocab, "rows": rows, "logits": kind, "sampled_ms": ms, "argmax_ms": greedy_ms})
+                paths = sample_rows(x, settings, streams, None)[1][:, 2].tolist()
+                decided = {PATHS[p]: paths.count(p) for p in sorted(set(paths))}
+                out.append(
+                    {"vocab": vocab, "rows": rows, "logits": kind, "sampled_ms": ms, "argmax_ms": greedy_ms}
+                    | {"decided": decided}
+                )
                 print(
                     f"    {vocab:>6} tokens x {rows:>3} rows, {kind:>14}: {ms:7.3f} ms sampled, "
                     f"{greedy_ms:7.3f} ms argmax",
@@ -921,7 +928,7 @@ def summary(report: dict) -> str:
     for r in report.get("sampler_ms", []):
         lines.append(
             f"  sampler {r['vocab']:>6} x {r['rows']:>3} rows, {r['logits']:>14}: {r['sampled_ms']:.3f} ms "
-            f"(argmax {r['argmax_ms']:.3f} ms)"
+            f"(argmax {r['argmax_ms']:.3f} ms); decided by {r['decided']}"
         )
     if "attention_bandwidth" in report:
         a = report["attention_bandwidth"]
