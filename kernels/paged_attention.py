@@ -6,8 +6,8 @@ the paged cache through the sequence's block table. Grouped-query heads share a
 KV head. Online softmax in fp32. The cache may hold f32, f16, bf16 or q8_0 rows
 (kernels/kv_types.py), K and V each its own: q8_0 rows are read as their exact
 fp32 values (int8 times the block's fp16 scale). Any block size that is a power
-of two >= 8: keys are processed in tiles of 64 positions (or a block, if larger:
-paged_rows.key_tile), each position finding its block through the table, in
+of two >= 8: keys are processed in tiles of 64 positions (32 for heads of 256, or a
+block if larger: paged_rows.key_tile), each position finding its block through the table, in
 splits of paged_decode.SPLIT merged as the decode kernel merges them. Optional: a sliding window, and scores soft-capped
 (cap * tanh(score / cap), Gemma 2) before the softmax.
 """
@@ -21,7 +21,7 @@ import triton.language as tl
 from . import cpu_paged_attention
 from .kv_types import row_width
 from .paged_decode import SPLIT, paged_decode_into
-from .paged_rows import key_tile, load_rows
+from .paged_rows import ATTENTION_WARPS, key_tile, load_rows
 
 
 # stride_bt is the block table's width, which follows the batch's longest context from
@@ -195,7 +195,7 @@ def paged_attention(
         if max_query_len == 1:
             return out
     block_m = 16
-    block_n = key_tile(block_size)
+    block_n = key_tile(block_size, head_dim)
     grid = (seq_lens.numel(), num_heads, triton.cdiv(max_query_len, block_m))
     _paged_attention_kernel[grid](
         out,
@@ -230,6 +230,7 @@ def paged_attention(
         V_Q8=v_cache.dtype == torch.uint8,
         SKIP_DECODE=decode,
         SPLIT=SPLIT,
+        num_warps=ATTENTION_WARPS,
     )
     return out
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_rows import key_tile, load_rows
+from .paged_rows import ATTENTION_WARPS, key_tile, load_rows
 from .triton_support import next_power_of_2
 
 SPLIT = 512  # keys per split: fixed (a query's result must not depend on the batch); a multiple of every tile
@@ -205,12 +205,13 @@ def paged_decode_into(
         BLOCK_G=max(16, next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_N=key_tile(block_size),
+        BLOCK_N=key_tile(block_size, head_dim),
         SPLIT=SPLIT,
         FP32_DOT=q.dtype == torch.float32,
         SOFTCAP=bool(softcap),
         K_Q8=k_cache.dtype == torch.uint8,
         V_Q8=v_cache.dtype == torch.uint8,
+        num_warps=ATTENTION_WARPS,
     )
     _decode_merge_kernel[(num_seqs, num_heads)](
         out,

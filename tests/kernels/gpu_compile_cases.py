@@ -14,6 +14,7 @@ from triton.compiler import ASTSource
 
 from minibatch.kernels import paged_attention, paged_decode, sampling
 from minibatch.kernels.paged_decode import SPLIT
+from minibatch.kernels.paged_rows import ATTENTION_WARPS, key_tile
 
 STRIDES = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ks", "stride_kh")
 STRIDES += ("stride_vb", "stride_vs", "stride_vh", "stride_bt")
@@ -23,9 +24,13 @@ CACHES += [("fp32", "fp32", "fp32")]
 
 
 def compile_for(fn, types: dict[str, str], consts: dict, arch: int, num_warps: int = 4) -> None:
+    """As a launch specialises it: pointers and strides divisible by 16 (the block table's width is not)."""
     names = fn.arg_names
     signature = {n: "constexpr" if n in consts else types[n] for n in names}
-    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()})
+    aligned = [n for n in names if n not in consts and (types[n][0] == "*" or n.startswith("stride_"))]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n != "stride_bt"}
+    constexprs = {(names.index(k),): v for k, v in consts.items()}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
     if not kernel.asm.get("cubin"):
         raise RuntimeError("no cubin")
@@ -46,11 +51,11 @@ def attention_types(q: str, k: str, v: str) -> dict[str, str]:
     }
 
 
-def attention_consts(q: str, k: str, v: str, softcap: bool) -> dict:
+def attention_consts(q: str, k: str, v: str, softcap: bool, head_dim: int) -> dict:
     return {
-        "HEAD_DIM": 128,
+        "HEAD_DIM": head_dim,
         "BLOCK_SIZE": 16,
-        "BLOCK_N": 64,
+        "BLOCK_N": key_tile(16, head_dim),
         "SPLIT": SPLIT,
         "FP32_DOT": q == "fp32",
         "SOFTCAP": softcap,
@@ -97,16 +102,24 @@ def cases():
         "num_heads": "i32",
         "max_splits": "i32",
     }
-    for q, k, v in CACHES:
+    for (q, k, v), head_dim in [(c, 128) for c in CACHES] + [(("bf16", "bf16", "bf16"), 256)]:
         split = attention_types(q, k, v) | {"part_out_ptr": "*fp32", "part_ml_ptr": "*fp32", "max_splits": "i32"}
         for group, softcap in ((4, False), (8, True)):
-            consts = attention_consts(q, k, v, softcap) | {"GROUP": group, "BLOCK_G": 16}
-            yield f"decode split {q}/{k}/{v} group={group}", paged_decode._decode_split_kernel, split, consts, 4
+            consts = attention_consts(q, k, v, softcap, head_dim) | {"GROUP": group, "BLOCK_G": 16}
+            name = f"decode split {q}/{k}/{v} x{head_dim} group={group}"
+            yield name, paged_decode._decode_split_kernel, split, consts, ATTENTION_WARPS
         out = merge | {"out_ptr": f"*{q}"}
-        yield f"decode merge {q}", paged_decode._decode_merge_kernel, out, {"HEAD_DIM": 128, "SPLIT": SPLIT}, 4
+        consts = {"HEAD_DIM": head_dim, "SPLIT": SPLIT}
+        yield f"decode merge {q} x{head_dim}", paged_decode._decode_merge_kernel, out, consts, 4
         prefill = attention_types(q, k, v) | {"out_ptr": f"*{q}"}
-        consts = attention_consts(q, k, v, softcap=q == "bf16") | {"GROUP": 4, "BLOCK_M": 16, "SKIP_DECODE": True}
-        yield f"prefill {q}/{k}/{v}", paged_attention._paged_attention_kernel, prefill, consts, 4
+        consts = attention_consts(q, k, v, q == "bf16", head_dim) | {"GROUP": 4, "BLOCK_M": 16, "SKIP_DECODE": True}
+        yield (
+            f"prefill {q}/{k}/{v} x{head_dim}",
+            paged_attention._paged_attention_kernel,
+            prefill,
+            consts,
+            ATTENTION_WARPS,
+        )
 
 
 def main(arch: int) -> None:
