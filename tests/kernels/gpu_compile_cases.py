@@ -80,7 +80,7 @@ def cases():
     }
     for has_mask in (False, True):
         consts = {"HAS_MASK": has_mask, "BLOCK": 1024, "NT": sampling.NT, "CAP": sampling.CAP}
-        yield f"sampler mask={has_mask}", sampling._sample_kernel, sampler, consts, 8
+        yield f"sampler mask={has_mask}", sampling._sample_kernel, sampler, consts, sampling.WARPS
     edits = {
         "logits_ptr": "*fp32",
         "stride_l": "i32",
