@@ -798,19 +798,23 @@ def check(args) -> tuple[dict, bool]:
         no_graphs = None
         release()
 
+        # The measurements below depend on nothing before them: one that fails is reported, and the rest run
+        # (device time is lent by the minute).
         step("the sampler alone, at the chat's defaults")
         if smoke:  # the pipeline, not the numbers: one vocabulary, two sizes
-            report["sampler_ms"] = sampler_cost(device, sync, repeats=1, vocabs=(49152,), sizes=(1, 2))
+            sampler = functools.partial(sampler_cost, device, sync, repeats=1, vocabs=(49152,), sizes=(1, 2))
         else:
-            report["sampler_ms"] = sampler_cost(device, sync)
+            sampler = functools.partial(sampler_cost, device, sync)
+        ok &= guarded(report, "sampler_ms", sampler)
 
         step("paged decode attention bandwidth")
         if smoke:  # the code, not the numbers: the interpreter, f32 and q8_0 caches, one context past a split
-            report["attention_bandwidth"] = attention_bandwidth(
-                (600,), (1, 2), ("f32", "q8_0"), 0.1, device, shape=(4, 2, 64), repeats=1
+            bandwidth = functools.partial(
+                attention_bandwidth, (600,), (1, 2), ("f32", "q8_0"), 0.1, device, shape=(4, 2, 64), repeats=1
             )
         else:
-            report["attention_bandwidth"] = attention_bandwidth()
+            bandwidth = attention_bandwidth
+        ok &= guarded(report, "attention_bandwidth", bandwidth)
 
         step("the same trace: minibatch against transformers' generate_batch")
         n = 256 if not smoke else 8
@@ -830,13 +834,31 @@ def check(args) -> tuple[dict, bool]:
         report["peer"] = peer
 
         step("a GGUF of a real architecture, dequantised on the device")
-        report["gguf"], gguf_ok = gguf_check(files, work, device, sync, args, smoke)
-        ok &= gguf_ok
+        ok &= guarded(report, "gguf", functools.partial(gguf_check, files, work, device, sync, args, smoke))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report["seconds"] = round(time.monotonic() - started, 1)
     report["ok"] = bool(ok)
     return report, bool(ok)
+
+
+def guarded(report: dict, key: str, measure) -> bool:
+    """report[key] = measure() (a result, or (result, ok)); a failure is written there instead
+    ({"error": ...}) and the check goes on. Returns whether it passed."""
+    import traceback
+
+    try:
+        out = measure()
+    except Exception as exc:  # noqa: BLE001 - reported, and the other measurements still run
+        report[key] = {"error": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-4000:]}
+        print(f"    FAILED: {type(exc).__name__}: {exc}"[:500], flush=True)
+        release()
+        return False
+    if isinstance(out, tuple):
+        report[key], passed = out
+        return bool(passed)
+    report[key] = out
+    return True
 
 
 def gguf_check(files: Path, work: Path, device: str, sync, args, smoke: bool) -> tuple[dict, bool]:
@@ -925,12 +947,15 @@ def summary(report: dict) -> str:
             f"  decode batch {size:>3}: {r['graphs']:9.1f} tok/s with graphs, {r['eager']:9.1f} without; "
             f"sampled {r['graphs_chat_sampled']:9.1f} ({r['graphs_chat_sampled'] / r['graphs']:.2f}x greedy)"
         )
-    for r in report.get("sampler_ms", []):
+    for key in ("sampler_ms", "attention_bandwidth", "gguf"):
+        if isinstance(report.get(key), dict) and "error" in report[key]:
+            lines.append(f"  {key}: FAILED, {report[key]['error'][:300]}")
+    for r in report.get("sampler_ms", []) if isinstance(report.get("sampler_ms"), list) else []:
         lines.append(
             f"  sampler {r['vocab']:>6} x {r['rows']:>3} rows, {r['logits']:>14}: {r['sampled_ms']:.3f} ms "
             f"(argmax {r['argmax_ms']:.3f} ms); decided by {r['decided']}"
         )
-    if "attention_bandwidth" in report:
+    if "runs" in report.get("attention_bandwidth", {}):
         a = report["attention_bandwidth"]
         lines.append(f"  paged decode attention ({a['shape']}), against a device copy of {a['copy_gb_s']:.0f} GB/s:")
         for r in a["runs"]:
@@ -946,7 +971,7 @@ def summary(report: dict) -> str:
         f"{peer['minibatch']['tok_s']:.1f} tok/s, transformers generate_batch {theirs}"
         + (f" ({peer['ratio']:.2f}x)" if "ratio" in peer else "")
     )
-    if "gguf" in report:
+    if "decode_tok_s" in report.get("gguf", {}):
         g = report["gguf"]
         p = g["fp32_vs_transformers"]
         agree = ", ".join(f"{r['agree']}/{r['of']}" for r in p["greedy"])

@@ -75,6 +75,18 @@ def test_bootstrap_imports_minibatch_from_the_working_tree_without_an_install(tm
     assert str(tmp_path / "pkgroot") in r.stdout and "kernels/triton_support.py" in r.stdout
 
 
+def test_a_failing_measurement_is_reported_and_the_check_goes_on():
+    report: dict = {}
+
+    def broken():
+        raise RuntimeError("no such kernel")
+
+    assert gpu_check.guarded(report, "a", lambda: {"x": 1}) and report["a"] == {"x": 1}
+    assert not gpu_check.guarded(report, "b", lambda: ({"y": 2}, False)) and report["b"] == {"y": 2}
+    assert not gpu_check.guarded(report, "c", broken)
+    assert report["c"]["error"] == "RuntimeError: no such kernel" and "broken" in report["c"]["traceback"]
+
+
 def test_the_whole_check_runs_on_the_cpu_with_a_tiny_model(tmp_path):
     report = tmp_path / "report.json"
     r = subprocess.run(
