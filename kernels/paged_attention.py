@@ -21,7 +21,7 @@ import triton.language as tl
 from . import cpu_paged_attention
 from .kv_types import row_width
 from .paged_decode import SPLIT, paged_decode_into
-from .paged_rows import ATTENTION_WARPS, key_tile, load_rows
+from .paged_rows import ATTENTION_WARPS, attend_tile, key_tile, kv_strides
 
 
 # stride_bt is the block table's width, which follows the batch's longest context from
@@ -94,39 +94,13 @@ def _paged_attention_kernel(
             for start in range(tl.maximum(s0, first), tl.minimum(s0 + SPLIT, last), BLOCK_N):
                 k_pos = start + tl.arange(0, BLOCK_N)
                 k_valid = k_pos < last
-                # int64: block id x block stride passes 2**31 elements in a cache of 4+ GiB per layer (bf16)
-                block = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(
-                    tl.int64
-                )
-                within = k_pos % BLOCK_SIZE
-                k = load_rows(
-                    k_cache_ptr + block * stride_kb + within * stride_ks + kv_head * stride_kh, offs_d, k_valid, K_Q8
-                )
-                if FP32_DOT:
-                    s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k.to(q.dtype)))  # a q8_0 row's fp32 values, rounded to q's type
-                s = s * scale
-                if SOFTCAP:  # tanh written out (stable for either sign): no tanh in every Triton backend
-                    e = tl.exp(-2.0 * tl.abs(s) / softcap)
-                    t = (1.0 - e) / (1.0 + e)
-                    s = softcap * tl.where(s < 0, -t, t)
                 allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
                 allowed = allowed & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
-                s = tl.where(allowed, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
-                p = tl.exp(s - m_safe[:, None])
-                alpha = tl.exp(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = load_rows(
-                    v_cache_ptr + block * stride_vb + within * stride_vs + kv_head * stride_vh, offs_d, k_valid, V_Q8
-                )
-                if FP32_DOT:
-                    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-                m_i = m_new
+                m_i, l_i, acc = attend_tile(
+                    q, m_i, l_i, acc, allowed, k_pos, k_valid, seq, kv_head, block_tables_ptr, stride_bt,
+                    k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    offs_d, scale, softcap, BLOCK_SIZE, FP32_DOT, SOFTCAP, K_Q8, V_Q8,
+                )  # fmt: skip
             m_new = tl.maximum(m_all, m_i)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             old = tl.exp(m_all - m_safe)
@@ -212,12 +186,7 @@ def paged_attention(
         q.stride(1),
         out.stride(0),
         out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *kv_strides(k_cache, v_cache),
         block_tables.stride(0),
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_rows import ATTENTION_WARPS, key_tile, load_rows
+from .paged_rows import ATTENTION_WARPS, attend_tile, key_tile, kv_strides
 from .triton_support import next_power_of_2
 
 SPLIT = 512  # keys per split: fixed (a query's result must not depend on the batch); a multiple of every tile
@@ -80,37 +80,12 @@ def _decode_split_kernel(
         for start in range(first, last, BLOCK_N):
             k_pos = start + tl.arange(0, BLOCK_N)
             k_valid = k_pos < last
-            block = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(
-                tl.int64
-            )
-            within = k_pos % BLOCK_SIZE
-            k = load_rows(
-                k_cache_ptr + block * stride_kb + within * stride_ks + kv_head * stride_kh, offs_d, k_valid, K_Q8
-            )
-            if FP32_DOT:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)))
-            s = s * scale
-            if SOFTCAP:
-                e = tl.exp(-2.0 * tl.abs(s) / softcap)
-                t = (1.0 - e) / (1.0 + e)
-                s = softcap * tl.where(s < 0, -t, t)
             allowed = k_valid & ((window <= 0) | (k_pos > q_pos - window))
-            s = tl.where(allowed[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = load_rows(
-                v_cache_ptr + block * stride_vb + within * stride_vs + kv_head * stride_vh, offs_d, k_valid, V_Q8
-            )
-            if FP32_DOT:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
-            m_i = m_new
+            m_i, l_i, acc = attend_tile(
+                q, m_i, l_i, acc, allowed[None, :], k_pos, k_valid, seq, kv_head, block_tables_ptr, stride_bt,
+                k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                offs_d, scale, softcap, BLOCK_SIZE, FP32_DOT, SOFTCAP, K_Q8, V_Q8,
+            )  # fmt: skip
         row = (token.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * max_splits + split
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_valid[:, None])
         tl.store(part_ml_ptr + row * 2, m_i, mask=g_valid)
@@ -193,12 +168,7 @@ def paged_decode_into(
         float(softcap or 0.0),
         q.stride(0),
         q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *kv_strides(k_cache, v_cache),
         block_tables.stride(0),
         max_splits,
         GROUP=group,

@@ -85,7 +85,7 @@ class TorchOps:
                 logits[index] = torch.where(vals > 0, vals / values, vals * values)
             else:
                 logits.index_put_(index, values, accumulate=True)
-            if phase == 3 or (phase == 2 or (phase == 1 and not edits.phases[2])):
+            if phase == 3 or phase == (2 if edits.phases[2] else 1):  # after the penalties, after DRY
                 logits.clamp_(-big, big)
 
     @staticmethod
@@ -235,7 +235,7 @@ class TritonOps(TorchOps):
     @staticmethod
     def edit_logits(logits, edits):
         """One launch per phase present (kernels/sampling.py), the entries sent up in two copies."""
-        from minibatch.kernels.sampling import edit_logits
+        from minibatch.kernels.logit_edits import edit_logits
 
         edit_logits(logits, edits.rows, edits.tokens, edits.values, edits.phases)
 

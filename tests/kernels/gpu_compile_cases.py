@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from minibatch.kernels import paged_attention, paged_decode, sampling
+from minibatch.kernels import logit_edits, paged_attention, paged_decode, sampling
 from minibatch.kernels.paged_decode import SPLIT
 from minibatch.kernels.paged_rows import ATTENTION_WARPS, key_tile
 
@@ -91,7 +91,7 @@ def cases():
         "n": "i32",
     }
     for scale in (False, True):
-        yield f"edits scale={scale}", sampling._edit_kernel, edits, {"SCALE": scale, "CLAMP": scale, "BLOCK": 256}, 4
+        yield f"edits scale={scale}", logit_edits._edit_kernel, edits, {"SCALE": scale, "CLAMP": scale, "BLOCK": 256}, 4
     merge = {
         "part_out_ptr": "*fp32",
         "part_ml_ptr": "*fp32",
