@@ -78,7 +78,7 @@ class _Body(sampler_fields(_Lenient, "_LlamaSamplers")):
         }
         if self.top_k == 0:  # llama-server's 0: off
             given["top_k"] = -1
-        if self.n_predict >= 0:
+        if self.n_predict >= 0:  # 0: the prompt is evaluated (its first token drawn, as a prefill does) and dropped
             given["max_tokens"] = max(1, self.n_predict)
         if self.stop:
             given["stop"] = self.stop
@@ -189,6 +189,9 @@ async def respond(request: web.Request, fill: bool) -> web.StreamResponse:
                 async for _, out in run.outputs():
                     if out.error:
                         raise ApiError(500, out.error, None, "engine_error", "server_error")
+                    if body.n_predict == 0:  # the prompt into the cache, nothing answered (llama.vim's warm-up)
+                        last, stop_type = out, "limit"
+                        continue
                     text += out.text
                     n += len(out.token_ids)
                     last = out if out.finished else last
@@ -218,6 +221,10 @@ async def respond(request: web.Request, fill: bool) -> web.StreamResponse:
                     if out.error:
                         await send({"error": {"code": 500, "message": out.error, "type": "server_error"}})
                         break
+                    if body.n_predict == 0:
+                        if out.finished:
+                            await send(only(body.response_fields, result(name, "", run, out, 0, "limit")))
+                        continue
                     n += len(out.token_ids)
                     cut = _dedent(so_far + out.text, body.n_indent)
                     if cut is not None:  # a line indented less than the cursor's: the answer ends before it

@@ -17,7 +17,7 @@ import json
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
@@ -34,6 +34,9 @@ from ..state import STATE, off_loop, read_raw
 from .messages import MAX_TOOLS, Tool
 from .samplers import SAMPLER_FIELDS, given_samplers, sampler_fields
 from .schemas import OllamaShowRequest
+
+if TYPE_CHECKING:
+    from minibatch.engine.text.tokenizer import TextTokenizer
 
 VERSION = "0.6.0"  # the Ollama API version whose shapes these follow
 
@@ -398,21 +401,35 @@ async def show(request: web.Request) -> web.Response:
         raise ApiError(400, "model: the model name is required", "model", "missing")
     async with state.lease(names[0]) as m:  # the facts below are the loaded model's
         entry = model_entry(next(e for e in await catalog(state) if e["id"] == m.name))
+        template = fill_template(m.tokenizer)
     return web.json_response(
         {
             "modelfile": "",
             "parameters": "",
-            "template": "",
+            "template": template,
             "details": entry["details"],
             "model_info": {
                 "general.architecture": m.info.family,
                 "general.parameter_count": m.info.memory.num_params if m.info.memory else 0,
                 "context_length": m.info.max_model_len,
             },
-            "capabilities": ["completion"],
+            "capabilities": ["completion", "insert"] if template else ["completion"],
             "modified_at": entry["modified_at"],
         }
     )
+
+
+FILL_TEMPLATE = "{{- if .Suffix }}%s{{ .Prompt }}%s{{ .Suffix }}%s{{- else }}{{ .Prompt }}{{- end }}"
+
+
+def fill_template(tok: TextTokenizer) -> str:
+    """For a model that fills in the middle, its markers in Ollama's template words (`.Suffix` is how Ollama's
+    clients, Continue among them, tell that `suffix` is taken, as Ollama's `insert` capability); else empty.
+    The prompt itself is assembled by engine/text/fim.py, not from this text."""
+    if tok.fim is None:
+        return ""
+    marks = (tok.fim.prefix, tok.fim.suffix, tok.fim.middle)
+    return FILL_TEMPLATE % tuple(tok.decode([t], skip_special_tokens=False) for t in marks)
 
 
 async def version(request: web.Request) -> web.Response:

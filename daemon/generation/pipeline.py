@@ -138,6 +138,7 @@ class Running:
         self.streams: list = []  # one RequestStream per completion
         self.ids: list[str] = []  # their engine request ids
         self.answers: list[AnswerStream] = []  # deltas(): each completion's split so far
+        self.ended: set[int] = set()  # completions whose final output was read (and counted)
 
     @property
     def prompt_tokens(self) -> int:
@@ -158,6 +159,7 @@ class Running:
         done = self.model.monitor.on_request_done
         async for i, out in _merged(self.streams):
             if out.finished or out.error:
+                self.ended.add(i)
                 done(out.metrics, None if out.error else out.finish_reason)
             yield i, out
 
@@ -188,7 +190,11 @@ class Running:
         ]
 
     async def close(self) -> None:
-        for stream in self.streams:
+        """Abort what is unfinished (its client gone, a stop, an error elsewhere), counted as aborted."""
+        for i, stream in enumerate(self.streams):
+            if i not in self.ended:
+                self.ended.add(i)
+                self.model.monitor.on_request_done(None, "abort")
             await stream.aclose()
 
 

@@ -74,6 +74,12 @@ class Daemon:
     def stats(self) -> dict:
         return self.get("/v1/engine/stats?steps=0")[1]
 
+    def metrics(self) -> str:
+        """/metrics' text (Prometheus' exposition format)."""
+        status, out = self.get("/metrics")
+        assert status == 200, out
+        return out["raw"]
+
     def wait_idle(self, timeout: float = 30.0) -> dict:
         """Until nothing runs or waits and the KV cache is empty again."""
         deadline = time.monotonic() + timeout

@@ -15,21 +15,35 @@ import time
 
 import pytest
 
-from .helpers import running_daemon
+from .helpers import running_daemon, with_fim_markers
 
 FACES = {
     "openai": ("/v1/chat/completions", lambda m, s: {"model": m, "messages": ASK, "max_tokens": 900, "stream": s}),
     "ollama": ("/api/chat", lambda m, s: {"model": m, "messages": ASK, "stream": s, "options": {"num_predict": 900}}),
     "anthropic": ("/v1/messages", lambda m, s: {"model": m, "messages": ASK, "max_tokens": 900, "stream": s}),
     "responses": ("/v1/responses", lambda m, s: {"model": m, "input": "Hello!", "max_output_tokens": 900, "stream": s}),
+    # an editor's fill-in-the-middle, superseded by its next keystroke: llama-server's, OpenAI's and Ollama's
+    "infill": (
+        "/infill",
+        lambda m, s: {"model": m, "input_prefix": "def f(", "input_suffix": ")\n", "n_predict": 900, "stream": s},
+    ),
+    "openai-fim": (
+        "/v1/completions",
+        lambda m, s: {"model": m, "prompt": "def f(", "suffix": ")\n", "max_tokens": 900, "stream": s},
+    ),
+    "ollama-fim": (
+        "/api/generate",
+        lambda m, s: {"model": m, "prompt": "def f(", "suffix": ")\n", "stream": s, "options": {"num_predict": 900}},
+    ),
 }
 ASK = [{"role": "user", "content": "Hello!"}]
 DELAYS = (0.0, 0.003, 0.02)  # seconds between sending the request and closing the socket
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_chat_model_dir):
-    with running_daemon(tiny_chat_model_dir, "--kv-cache-gb", "0.05", prefix="mbx-") as d:
+def daemon(tiny_chat_model_dir, tmp_path_factory):
+    model = with_fim_markers(tiny_chat_model_dir, tmp_path_factory.mktemp("gone") / "model")  # a coder's markers
+    with running_daemon(model, "--kv-cache-gb", "0.05", prefix="mbx-") as d:
         yield d
 
 

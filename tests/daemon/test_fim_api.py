@@ -5,6 +5,8 @@ model without markers is refused with a 400 naming the field, nothing submitted.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,12 +19,16 @@ from minibatch.engine.text.tokenizer import TextTokenizer
 
 from .helpers import Daemon, read_sse, session, with_fim_markers
 
+CONTEXT = 4096  # the window (2,048 tokens) and other files' chunks beside it, as an editor's requests fill it
+
 
 @pytest.fixture(scope="module")
 def fim_daemon(tiny_chat_model_dir, tmp_path_factory):
     model = with_fim_markers(tiny_chat_model_dir, tmp_path_factory.mktemp("fim") / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": CONTEXT}))
     d = Path(tempfile.mkdtemp(prefix="mbfim-", dir="/tmp"))
-    daemon = Daemon(d / "d.sock", model, "--max-model-len", "512", "--speculative", "off").wait_ready()
+    daemon = Daemon(d / "d.sock", model, "--max-model-len", str(CONTEXT), "--speculative", "off").wait_ready()
     daemon.model = model
     yield daemon
     assert daemon.stop() == 0, daemon.log_text()
@@ -40,7 +46,7 @@ def post(daemon, path: str, body: dict) -> tuple[int, dict]:
 def test_openai_suffix_sends_the_models_own_fill_in_the_middle_prompt(fim_daemon):
     tok = TextTokenizer(fim_daemon.model)
     assert tok.fim is not None and tok.fim.repo == 3 and tok.fim.file_sep == 5
-    want = assemble(tok.fim, tok.encode, Infill(PREFIX, SUFFIX), 512, 8, tok.added_bos)
+    want = assemble(tok.fim, tok.encode, Infill(PREFIX, SUFFIX), CONTEXT, 8, tok.added_bos)
     status, out = post(fim_daemon, "/v1/completions", {"prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 8})
     assert status == 200, out
     assert out["usage"]["prompt_tokens"] == len(want)
@@ -59,7 +65,7 @@ def test_the_middle_ends_at_the_models_end_markers(fim_daemon):
 
 def test_ollama_generate_with_a_suffix_fills_in_the_middle_even_at_the_start_of_a_file(fim_daemon):
     tok = TextTokenizer(fim_daemon.model)
-    want = assemble(tok.fim, tok.encode, Infill("", SUFFIX), 512, 4, tok.added_bos)
+    want = assemble(tok.fim, tok.encode, Infill("", SUFFIX), CONTEXT, 4, tok.added_bos)
     body = {"prompt": "", "suffix": SUFFIX, "stream": False, "options": {"num_predict": 4}}
     status, out = post(fim_daemon, "/api/generate", body)
     assert status == 200, out
@@ -83,6 +89,9 @@ def test_a_model_without_markers_is_refused_naming_the_field_and_nothing_runs(ti
         assert status == 400 and "suffix" in out["error"] and "fill-in-the-middle" in out["error"]
         stats = daemon.wait_idle()
         assert stats["requests_finished"] == before and stats["kv_blocks_used"] == 0
+        name = daemon.get("/health")[1]["model"]
+        status, show = post(daemon, "/api/show", {"name": name})  # nothing tells a plugin it takes a suffix
+        assert status == 200 and show["template"] == "" and show["capabilities"] == ["completion"]
     finally:
         assert daemon.stop() == 0, daemon.log_text()
         shutil.rmtree(d, ignore_errors=True)
@@ -109,7 +118,7 @@ def test_infill_answers_llama_vscodes_request_with_the_fields_it_reads(fim_daemo
     tok = TextTokenizer(fim_daemon.model)
     extra = [("util.py", LLAMA_VSCODE["input_extra"][0]["text"]), ("tmp", "x = 1\n")]
     fill = Infill(LLAMA_VSCODE["input_prefix"], LLAMA_VSCODE["input_suffix"], LLAMA_VSCODE["prompt"], extra)
-    want = assemble(tok.fim, tok.encode, fill, 512, 6, tok.added_bos)
+    want = assemble(tok.fim, tok.encode, fill, CONTEXT, 6, tok.added_bos)
     status, out = post(fim_daemon, "/infill", LLAMA_VSCODE)
     assert status == 200, out
     assert out["tokens_evaluated"] == len(want) and 1 <= out["tokens_predicted"] <= 6
@@ -164,15 +173,171 @@ def test_infill_refusals_name_the_field(fim_daemon, tiny_chat_model_dir):
     assert status == 400 and out["error"]["param"] == "prompt"
 
 
+def aborted(daemon) -> int:
+    """Requests the daemon ended because their client went away (its /metrics' count)."""
+    found = re.search(r'minibatch_requests_total\{[^}]*finish_reason="abort"[^}]*\} (\S+)', daemon.metrics())
+    return int(float(found.group(1))) if found else 0
+
+
 def test_an_infill_stream_the_editor_drops_is_aborted_and_frees_its_blocks(fim_daemon):
+    before = aborted(fim_daemon)
+
     async def drop():
         async with session(fim_daemon.socket) as s:
-            async with s.post("/infill", json={**LLAMA_VSCODE, "stream": True, "n_predict": 400}) as r:
+            body = {**LLAMA_VSCODE, "stream": True, "n_predict": 900, "ignore_eos": True, "n_indent": 0}
+            async with s.post("/infill", json=body) as r:
                 await r.content.readline()  # the first event, then the editor moves on
 
     asyncio.run(drop())
-    stats = fim_daemon.wait_idle()
+    stats = fim_daemon.wait_idle(timeout=1.0)  # 900 tokens left decoding would hold the engine for seconds
     assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
+    assert aborted(fim_daemon) == before + 1
+
+
+def test_an_infill_the_editor_drops_before_its_first_token_is_aborted(fim_daemon):
+    """The next keystroke closes the request while its prompt is still being read (a whole answer, as
+    llama.vim and llama.vscode ask): aborted, nothing left running or held."""
+    before = aborted(fim_daemon)
+    long = "".join(f"value_{i} = compute({i})\n" for i in range(150))  # ~1,500 prompt tokens
+
+    async def drop():
+        async with session(fim_daemon.socket) as s:
+            body = {**LLAMA_VSCODE, "input_prefix": long, "n_predict": 900, "ignore_eos": True, "n_indent": 0}
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(s.post("/infill", json=body), timeout=0.02)
+
+    asyncio.run(drop())
+    stats = fim_daemon.wait_idle(timeout=1.0)
+    assert stats["running"] == 0 and stats["kv_blocks_used"] == 0
+    assert aborted(fim_daemon) == before + 1
+
+
+CHUNKS = [{"text": "def sub(a, b):\n    return a - b\n" * 12, "time": [1733, 52000], "filename": "util.py"}]
+LLAMA_VIM_WARM = {  # what llama.vim sends as it gathers chunks, so that they are in the cache for the next request
+    "input_prefix": "",
+    "input_suffix": "",
+    "input_extra": CHUNKS,
+    "prompt": "",
+    "n_predict": 0,
+    "temperature": 0.0,
+    "stream": False,
+    "samplers": [],
+    "cache_prompt": True,
+    "t_max_prompt_ms": 1,
+    "t_max_predict_ms": 1,
+    "response_fields": [""],
+}
+LLAMA_VIM = {  # and at a pause in typing
+    "input_prefix": "import os\n\ndef add(a, b):\n",
+    "input_suffix": "\n\nprint(add(1, 2))\n",
+    "input_extra": CHUNKS,
+    "prompt": "    return ",
+    "n_predict": 8,
+    "n_indent": 4,
+    "top_k": 40,
+    "top_p": 0.90,
+    "stream": False,
+    "samplers": ["top_k", "top_p", "infill"],
+    "cache_prompt": True,
+    "t_max_prompt_ms": 500,
+    "t_max_predict_ms": 250,
+    "response_fields": [
+        "content",
+        "timings/prompt_n",
+        "timings/prompt_ms",
+        "timings/prompt_per_token_ms",
+        "timings/prompt_per_second",
+        "timings/predicted_n",
+        "timings/predicted_ms",
+        "timings/predicted_per_token_ms",
+        "timings/predicted_per_second",
+        "truncated",
+        "tokens_cached",
+    ],
+}
+
+
+def test_llama_vims_warm_up_puts_its_chunks_in_the_cache_and_answers_nothing(fim_daemon):
+    tok = TextTokenizer(fim_daemon.model)
+    extra = [(c["filename"], c["text"]) for c in CHUNKS]
+    warm_ids = assemble(tok.fim, tok.encode, Infill("", "", "", extra), CONTEXT, 1, tok.added_bos)
+    chunk_part = warm_ids.index(tok.fim.prefix) - (tok.added_bos is not None)
+    assert chunk_part > 100  # the chunks are in the prompt (the context leaves them room)
+    status, out = post(fim_daemon, "/infill", LLAMA_VIM_WARM)
+    assert status == 200 and out == {}, out  # response_fields [""]: nothing asked for
+    status, out = post(fim_daemon, "/infill", {**LLAMA_VIM_WARM, "response_fields": None})
+    assert status == 200 and out["content"] == "" and out["tokens_predicted"] == 0, out
+    assert out["tokens_evaluated"] == len(warm_ids) and out["stop_type"] == "limit"
+
+    async def streamed():
+        async with session(fim_daemon.socket) as s:
+            async with s.post("/infill", json={**LLAMA_VIM_WARM, "stream": True, "response_fields": None}) as r:
+                return await read_sse(r)
+
+    events, _ = asyncio.run(streamed())
+    assert len(events) == 1 and events[0]["stop"] is True and events[0]["content"] == ""
+    # the completion that follows finds the chunks computed
+    status, out = post(fim_daemon, "/infill", LLAMA_VIM)
+    assert status == 200, out
+    assert set(out) <= set(LLAMA_VIM["response_fields"]) and {"content", "tokens_cached", "truncated"} <= set(out)
+    assert out["tokens_cached"] >= chunk_part // 16 * 16 and out["truncated"] is False
+    fill = Infill(LLAMA_VIM["input_prefix"], LLAMA_VIM["input_suffix"], LLAMA_VIM["prompt"], extra)
+    want = assemble(tok.fim, tok.encode, fill, CONTEXT, 8, tok.added_bos)
+    assert out["timings/prompt_n"] + out["tokens_cached"] == len(want)
+
+
+def test_continue_finds_the_suffix_in_api_show_and_streams_a_middle_over_ollama(fim_daemon):
+    """Continue's Ollama provider fills in the middle only when /api/show's template holds `.Suffix`; then it
+    streams /api/generate with `suffix` and reads each line's `response`."""
+    tok = TextTokenizer(fim_daemon.model)
+    status, show = post(fim_daemon, "/api/show", {"name": "model"})
+    assert status == 200 and ".Suffix" in show["template"] and "insert" in show["capabilities"]
+    assert "<fim_prefix>" in show["template"] and "<fim_middle>" in show["template"]  # its own markers
+    body = {  # as Continue sends it (its option fields, those it leaves unset dropped by JSON.stringify)
+        "model": "model",
+        "prompt": PREFIX,
+        "suffix": SUFFIX,
+        "options": {
+            "temperature": 0.01,
+            "top_p": 0.9,
+            "top_k": 40,
+            "num_predict": 6,
+            "stop": ["\n\n"],
+            "num_ctx": 8192,
+        },
+        "keep_alive": 1800,
+        "stream": True,
+    }
+
+    async def stream():
+        async with session(fim_daemon.socket) as s:
+            async with s.post("/api/generate", json=body) as r:
+                assert r.status == 200
+                return [json.loads(line) for line in (await r.text()).splitlines() if line.strip()]
+
+    lines = asyncio.run(stream())
+    assert all("response" in line for line in lines) and lines[-1]["done"] is True
+    want = assemble(tok.fim, tok.encode, Infill(PREFIX, SUFFIX), CONTEXT, 6, tok.added_bos)
+    assert lines[-1]["prompt_eval_count"] == len(want) and 1 <= lines[-1]["eval_count"] <= 6
+
+
+def test_minuets_openai_completion_with_a_suffix_streams_a_middle(fim_daemon):
+    """minuet's `openai_fim_compatible` provider: /v1/completions with `suffix`, streamed."""
+    tok = TextTokenizer(fim_daemon.model)
+    body = {"model": "model", "prompt": PREFIX, "suffix": SUFFIX, "max_tokens": 6, "top_p": 0.9, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+
+    async def stream():
+        async with session(fim_daemon.socket) as s:
+            async with s.post("/v1/completions", json=body) as r:
+                assert r.status == 200
+                return await read_sse(r)
+
+    events, _ = asyncio.run(stream())
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert any(c["choices"] and "text" in c["choices"][0] for c in chunks)
+    want = assemble(tok.fim, tok.encode, Infill(PREFIX, SUFFIX), CONTEXT, 6, tok.added_bos)
+    assert chunks[-1]["usage"]["prompt_tokens"] == len(want)
 
 
 def test_an_editor_moving_down_the_file_reuses_the_last_prompts_keys_at_their_new_places(fim_daemon):

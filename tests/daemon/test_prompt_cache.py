@@ -86,7 +86,7 @@ def test_a_restart_keeps_the_prefix_and_the_cli_lists_and_clears_it(place):
         stats = daemon.stats()
         assert stats["disk_hit_blocks"] == cached // 16 and stats["disk_read_bytes"] > 0
         assert complete(daemon, temperature=0.9, seed=7)["choices"][0]["text"] == seeded["choices"][0]["text"]
-        metrics = _metrics(daemon)
+        metrics = daemon.metrics()
         assert 'minibatch_prompt_cache_hit_blocks_total{model="smollm2-135m-instruct"}' in metrics
         hits = float(
             metrics.split('minibatch_prompt_cache_hit_blocks_total{model="smollm2-135m-instruct"} ')[1].split()[0]
@@ -102,19 +102,6 @@ def test_a_restart_keeps_the_prefix_and_the_cli_lists_and_clears_it(place):
 
     offline = cli(place)  # no daemon: the folder's files
     assert offline.returncode == 0 and "no daemon running" in offline.stdout
-
-
-def _metrics(daemon: Daemon) -> str:
-    import http.client
-
-    class UnixConnection(http.client.HTTPConnection):
-        def connect(self):
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.connect(str(daemon.socket))
-
-    conn = UnixConnection("localhost")
-    conn.request("GET", "/metrics")
-    return conn.getresponse().read().decode()
 
 
 def _tcp_complete(url: str, key: str) -> int:
