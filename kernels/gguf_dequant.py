@@ -1,7 +1,7 @@
 """GGUF blocks dequantised by PyTorch ops on whatever device holds them (a GPU's load of a GGUF model).
 
 Each type's values are computed in fp32 with the operations, and in the order, gguf.quants uses (the same
-order kernels/csrc/quant_matmul.cpp keeps): one rounding per multiply and per add, none fused, so the result
+order kernels/cpu/csrc/quant_matmul.cpp keeps): one rounding per multiply and per add, none fused, so the result
 is gguf.quants.dequantize's bit for bit (`quant.dequantize_ref` is the twin). Rows go in chunks, so a large
 matrix's transient integers stay within a few hundred megabytes.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant import QuantType, check_shape
+from .quant_types import QuantType, check_shape
 
 IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 CHUNK_BYTES = 1 << 26  # raw bytes dequantised at once

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from minibatch.engine.attention.metadata import AttentionMetadata
 from minibatch.engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from minibatch.kernels.cpu_paged_attention import load_extension, store_and_attention  # noqa: E402
+from minibatch.kernels.cpu.paged_attention import load_extension, store_and_attention  # noqa: E402
 
 # query heads, KV heads, head_dim
 SHAPES = {"gemma2-2b": (8, 4, 256), "smollm2-135m": (9, 3, 64), "mistral-7b": (32, 8, 128)}

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 from minibatch.engine.attention.metadata import AttentionMetadata  # noqa: E402
 from minibatch.engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from minibatch.kernels.cpu_paged_attention import load_extension, store_and_attention  # noqa: E402
+from minibatch.kernels.cpu.paged_attention import load_extension, store_and_attention  # noqa: E402
 from minibatch.kernels.kv_types import KV_CACHE_TYPES, PagedKV, row_width, storage_dtype, to_cache_ref  # noqa: E402
 
 # layers, query heads, KV heads, head_dim

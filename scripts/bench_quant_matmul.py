@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from minibatch.kernels.quant import INT_DOT_TYPES, QUANT_TYPES, quant_linear, quant_linear_q8, quantize_activations  # noqa: E402
+from minibatch.kernels.cpu.quant import quant_linear, quant_linear_q8, quantize_activations  # noqa: E402
+from minibatch.kernels.quant_types import INT_DOT_TYPES, QUANT_TYPES  # noqa: E402
 from tests.kernels.quant_blocks import random_blocks  # noqa: E402  (random blocks with model-sized scales)
 
 SHAPES = {  # (hidden, intermediate) of the MLP's up projection

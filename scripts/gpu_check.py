@@ -159,7 +159,7 @@ def gpu_state() -> tuple[str, str | None]:
     """('ok', None), ('none', why) without an NVIDIA GPU, ('unusable', why) when torch cannot use the one there is."""
     import torch
 
-    from minibatch.kernels.triton_support import cuda_device_unusable
+    from minibatch.kernels.gpu.triton_support import cuda_device_unusable
 
     if torch.cuda.is_available():
         return "ok", None
@@ -400,11 +400,11 @@ def sampler_cost(device: str, sync, repeats: int = 30, vocabs=(49152, 151936), s
     beside argmax, ms per step: rows shaped as a trained model's (a few logits far above a long tail: the
     candidates decide them in two passes) and flat rows (random weights' logits: the candidates cannot, the
     row's values are searched), at the chat's defaults, 49,152 and 151,936 tokens; how the rows were decided
-    (kernels/sampling.py's PATHS)."""
+    (kernels/gpu/sampling.py's PATHS)."""
     import torch
 
     from minibatch.engine.models.ops import TritonOps
-    from minibatch.kernels.sampling import PATHS, sample_rows
+    from minibatch.kernels.gpu.sampling import PATHS, sample_rows
 
     chat = chat_sampling()
     setting = (chat["temperature"], chat.get("top_p", 1.0), chat.get("min_p", 0.0), float(chat.get("top_k", -1)))
@@ -577,8 +577,8 @@ def attention_bandwidth(
     per KV type, as large as the largest run needs (within budget_gb), the smaller runs reading part of it."""
     import torch
 
+    from minibatch.kernels.gpu.paged_attention import paged_attention
     from minibatch.kernels.kv_types import row_bytes
-    from minibatch.kernels.paged_attention import paged_attention
 
     (heads, kv_heads, dim), bs = shape, 16
     runs = []

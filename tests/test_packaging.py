@@ -113,4 +113,4 @@ def test_the_wheel_holds_every_package_folder(tmp_path):
     }
     assert len(expected) >= 15 and "minibatch/engine/core/policies/__init__.py" in expected
     assert expected - names == set(), f"package folders missing from the wheel: {sorted(expected - names)}"
-    assert "minibatch/kernels/csrc/quant_dot.cpp" in names and "minibatch/tui/app.tcss" in names
+    assert "minibatch/kernels/cpu/csrc/quant_dot.cpp" in names and "minibatch/tui/app.tcss" in names

@@ -35,7 +35,7 @@ def select_backend(device: str, dtype: torch.dtype):
             return TorchAttentionBackend(), TorchOps()
         return TritonAttentionBackend(), TritonOps()
     if dtype == torch.float32:
-        from minibatch.kernels.cpu_paged_attention import load_extension, store_and_attention
+        from minibatch.kernels.cpu.paged_attention import load_extension, store_and_attention
 
         ext = load_extension()  # compiled on first use, then cached
         if ext is not None:

@@ -31,7 +31,7 @@ class _TorchPlan:
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
 
 
-# The CPU kernel's entry point (kernels/cpu_paged_attention.py store_and_attention): the new K/V stored, then
+# The CPU kernel's entry point (kernels/cpu/paged_attention.py store_and_attention): the new K/V stored, then
 # every query attended, by one rule whatever the query's kind (docs/internals.md).
 StoreAndAttend = Callable[..., torch.Tensor]
 
@@ -39,7 +39,7 @@ StoreAndAttend = Callable[..., torch.Tensor]
 class TorchAttentionBackend:
     """Attention on the CPU: the C++ paged kernel when it is built, else PyTorch (scaled_dot_product_attention).
 
-    With `kernel` (kernels/cpu_paged_attention.py's store_and_attention) every query — decode, prefill, a
+    With `kernel` (kernels/cpu/paged_attention.py's store_and_attention) every query — decode, prefill, a
     chunk over cached blocks, a verify row — reads K/V in place through its block table and is computed by
     one rule, so its result does not depend on the batch. Without it, PyTorch's SDPA (whose blocking
     depends on the query count: not batch-invariant) serves as the fallback and the reference.

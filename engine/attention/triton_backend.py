@@ -15,7 +15,7 @@ class TritonPlan:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     seq_lens: torch.Tensor  # [num_seqs] int32
     max_query_len: int
-    min_query_len: int  # 1: the batch has decode rows (kernels/paged_decode.py's)
+    min_query_len: int  # 1: the batch has decode rows (kernels/gpu/paged_decode.py's)
     max_seq_len: int  # the longest context, which bounds the decode kernel's grid
 
 
@@ -47,8 +47,8 @@ class TritonAttentionBackend:
         )
 
     def forward(self, q, k, v, kv_cache, meta, scale):
-        from minibatch.kernels.kv_store import store_kv
-        from minibatch.kernels.paged_attention import paged_attention
+        from minibatch.kernels.gpu.kv_store import store_kv
+        from minibatch.kernels.gpu.paged_attention import paged_attention
 
         store_kv(k.contiguous(), v.contiguous(), kv_cache, meta.slot_mapping)
         plan: TritonPlan = meta.plan

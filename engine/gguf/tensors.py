@@ -19,7 +19,8 @@ import torch
 from minibatch.engine.gguf.architectures import ARCHITECTURES
 from minibatch.engine.gguf.reader import GGUFFile, GGUFFormatError, TensorInfo
 from minibatch.engine.models.config import ModelConfig
-from minibatch.kernels.quant import QUANT_BY_ID, QUANT_TYPES, QuantType, dequantize_ref
+from minibatch.kernels.cpu.quant import dequantize_ref
+from minibatch.kernels.quant_types import QUANT_BY_ID, QUANT_TYPES, QuantType
 
 
 class GGUFError(ValueError):

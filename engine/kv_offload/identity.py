@@ -48,7 +48,7 @@ def block_facts(
     rope_factors: str | None,
 ) -> dict:
     """The facts a block's contents follow from (identity_digest of them names its folder)."""
-    from minibatch.kernels.cpu_ext import build_name, sources_digest
+    from minibatch.kernels.cpu.extension import build_name, sources_digest
 
     return {
         "format": FORMAT,

@@ -95,7 +95,7 @@ class TorchOps:
         streams: torch.Tensor,  # int64 [rows, 2]: Philox key and counter
         masks: torch.Tensor | None,  # int32 [rows, ceil(vocab / 32)]: allowed-token bits, or None
     ) -> torch.Tensor:
-        """One token per row by the rule kernels/csrc/sampling.cpp states, computed by sorting, in float64: the
+        """One token per row by the rule kernels/cpu/csrc/sampling.cpp states, computed by sorting, in float64: the
         reference its kernel is tested against (and the sampler where the kernel is not built)."""
         cut = _reference_cut(logits, settings, masks)
         return _draw(cut.keep, cut.weights, cut.top, cut.drawn, streams)
@@ -108,7 +108,7 @@ class TorchOps:
         masks: torch.Tensor | None,  # int32 [rows, ceil(vocab / 32)]: allowed-token bits, or None
     ) -> torch.Tensor:
         """fp64 [rows, 2]: each row's token and Mirostat mu by the chain of top-nσ, typical-p, XTC or Mirostat
-        (engine/runner/chain.py, in NumPy: the twin kernels/csrc/sampling_chain.cpp is tested against)."""
+        (engine/runner/chain.py, in NumPy: the twin kernels/cpu/csrc/sampling_chain.cpp is tested against)."""
         from minibatch.engine.runner.chain import sample_chain
 
         return sample_chain(logits, settings, streams, masks)
@@ -159,7 +159,7 @@ def _ln_min_p(min_p: torch.Tensor) -> torch.Tensor:
 
 
 def _reference_cut(logits: torch.Tensor, settings: torch.Tensor, masks: torch.Tensor | None) -> _Cut:
-    """The sampling rule by sorting, in float64 (kernels/csrc/sampling.cpp states it)."""
+    """The sampling rule by sorting, in float64 (kernels/cpu/csrc/sampling.cpp states it)."""
     rows, n = logits.shape
     device = logits.device
     x = _masked(logits, masks)
@@ -234,34 +234,34 @@ class TritonOps(TorchOps):
 
     @staticmethod
     def edit_logits(logits, edits):
-        """One launch per phase present (kernels/sampling.py), the entries sent up in two copies."""
-        from minibatch.kernels.logit_edits import edit_logits
+        """One launch per phase present (kernels/gpu/sampling.py), the entries sent up in two copies."""
+        from minibatch.kernels.gpu.logit_edits import edit_logits
 
         edit_logits(logits, edits.rows, edits.tokens, edits.values, edits.phases)
 
     @staticmethod
     def sample_tokens(logits, settings, streams, masks):
-        """One Triton program per row (kernels/sampling.py): the rule's cuts found by searching the logits'
+        """One Triton program per row (kernels/gpu/sampling.py): the rule's cuts found by searching the logits'
         values, no sort of the vocabulary, the Philox draw on the device; one launch for the batch."""
-        from minibatch.kernels.sampling import sample_rows
+        from minibatch.kernels.gpu.sampling import sample_rows
 
         return sample_rows(logits, settings, streams, masks)[0]
 
     @staticmethod
     def sample_cuts(logits, settings, streams, masks):
-        from minibatch.kernels.sampling import sample_rows
+        from minibatch.kernels.gpu.sampling import sample_rows
 
         return sample_rows(logits, settings, streams, masks)[1][:, :2]
 
     @staticmethod
     def rms_norm(x, weight, eps):
-        from minibatch.kernels.rmsnorm import fused_add_rmsnorm
+        from minibatch.kernels.gpu.rmsnorm import fused_add_rmsnorm
 
         return fused_add_rmsnorm(x, torch.zeros_like(x), weight, eps)
 
     @staticmethod
     def add_rms_norm(x, residual, weight, eps):
-        from minibatch.kernels.rmsnorm import fused_add_rmsnorm
+        from minibatch.kernels.gpu.rmsnorm import fused_add_rmsnorm
 
         residual = residual.contiguous()
         out = fused_add_rmsnorm(x.contiguous(), residual, weight, eps)  # residual becomes residual + x
@@ -269,13 +269,13 @@ class TritonOps(TorchOps):
 
     @staticmethod
     def rotary(positions, q, k, cos, sin):
-        from minibatch.kernels.rotary import rotary_inplace
+        from minibatch.kernels.gpu.rotary import rotary_inplace
 
         rotary_inplace(q, k, positions, cos, sin)
         return q, k
 
     @staticmethod
     def silu_mul(gate_up):
-        from minibatch.kernels.activation import silu_and_mul
+        from minibatch.kernels.gpu.activation import silu_and_mul
 
         return silu_and_mul(gate_up.contiguous())

@@ -1,6 +1,6 @@
 """The samplers the fused pass does not hold -- top-nσ, typical-p, XTC and Mirostat 2.0 -- as one chain over
 each row's likely tokens, in float64, for the rows that ask for one of them (a row without stays in the fused
-pass: they cost nothing when off). This is the twin of the CPU kernel (kernels/csrc/sampling_chain.cpp, which
+pass: they cost nothing when off). This is the twin of the CPU kernel (kernels/cpu/csrc/sampling_chain.cpp, which
 the sampler runs where it is built): the tests hold the two to the same tokens.
 
 The chain draws among the row's tokens within TAIL nats of the most likely one at the row's temperature (a
@@ -47,7 +47,7 @@ NARROW = 8.0  # nats below the top: the candidates top-p is tried on first (_nar
 
 
 class ChainSettings(NamedTuple):
-    """A row's settings as the kernel (kernels/csrc/sampling_chain.cpp) and this twin read them, in this order,
+    """A row's settings as the kernel (kernels/cpu/csrc/sampling_chain.cpp) and this twin read them, in this order,
     followed by the row's Mirostat mu."""
 
     temperature: float

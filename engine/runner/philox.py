@@ -1,4 +1,4 @@
-"""Philox4x32-10 in NumPy: the twin of kernels/csrc/philox.h, and the sampler's draws where the C++ kernels
+"""Philox4x32-10 in NumPy: the twin of kernels/cpu/csrc/philox.h, and the sampler's draws where the C++ kernels
 are not built (or on the GPU, whose twin draws with these uniforms too).
 
 A draw is a pure function of (key, counter): the key is the request's seed, or the sampler's own key mixed

@@ -71,7 +71,7 @@ class Sampler:
     Logit bias, penalties and DRY change the rows first: gathered per row as LogitEdits (the tokens they
     touch, phase by phase) and applied by `ops.edit_logits` (index operations on the CPU, one Triton launch
     per phase on a GPU); then `ops.sample_tokens` takes each row's token in one pass: the grammar's mask, temperature,
-    top-k, top-p, min-p and the draw (kernels/csrc/sampling.cpp states the rule, TorchOps.sample_tokens is
+    top-k, top-p, min-p and the draw (kernels/cpu/csrc/sampling.cpp states the rule, TorchOps.sample_tokens is
     its twin). Rows that are all greedy with no grammar take the argmax directly.
 
     Draws are counter-based (engine/runner/philox.py): a row's uniform is Philox's at (key, position), the

@@ -149,7 +149,7 @@ def _hf_repos() -> list[tuple[str, Path]]:
 def describe_gguf(path: Path) -> tuple[str, str]:
     """(architecture, the type of most of its matrices) from the header alone."""
     from minibatch.engine.gguf.reader import GGUFFile
-    from minibatch.kernels.quant import QUANT_BY_ID
+    from minibatch.kernels.quant_types import QUANT_BY_ID
 
     f = GGUFFile(path)
     kinds = Counter(t.ggml_type for t in f.tensors if len(t.dims) >= 2)

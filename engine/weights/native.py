@@ -13,7 +13,7 @@ from minibatch.engine.gguf.tensors import GGUFTensor, GGUFWeights
 from minibatch.engine.models.llama import LlamaForCausalLM
 from minibatch.engine.weights.cpu_linear import PackedLinear, packed_linear_available
 from minibatch.engine.weights.quant_linear import QuantEmbedding, QuantLinear, StackedLinear
-from minibatch.kernels.quant import QUANT_TYPES, QuantType
+from minibatch.kernels.quant_types import QUANT_TYPES, QuantType
 
 _STACKS = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

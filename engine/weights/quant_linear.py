@@ -5,14 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minibatch.kernels.quant import (
-    INT_DOT_TYPES,
-    QuantType,
-    embedding,
-    quant_linear,
-    quant_linear_q8,
-    quantize_activations,
-)
+from minibatch.kernels.cpu.quant import embedding, quant_linear, quant_linear_q8, quantize_activations
+from minibatch.kernels.quant_types import INT_DOT_TYPES, QuantType
 
 
 class QuantLinear(nn.Module):

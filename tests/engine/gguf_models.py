@@ -10,7 +10,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from minibatch.kernels.quant import QUANT_TYPES, dequantize_ref
+from minibatch.kernels.cpu.quant import dequantize_ref
+from minibatch.kernels.quant_types import QUANT_TYPES
 
 from ..kernels.quant_blocks import random_blocks
 

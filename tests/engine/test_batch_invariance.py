@@ -17,7 +17,7 @@ import transformers
 
 from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.factory import EngineConfig, build_engine
-from minibatch.kernels import cpu_ext
+from minibatch.kernels.cpu import extension as cpu_ext
 
 pytestmark = pytest.mark.model
 

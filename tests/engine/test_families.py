@@ -100,7 +100,7 @@ def hf_logits(hf, ids):
 
 
 def backends():
-    from minibatch.kernels.cpu_paged_attention import load_extension, store_and_attention
+    from minibatch.kernels.cpu.paged_attention import load_extension, store_and_attention
 
     out = [("torch", TorchAttentionBackend())]
     if load_extension() is not None:

@@ -19,7 +19,7 @@ from minibatch.engine.gguf.tensors import GGUFError
 from minibatch.engine.models.config import ModelConfig
 from minibatch.engine.runner.kv_cache import allocate_kv_cache
 from minibatch.engine.weights.loader import load_model
-from minibatch.kernels.cpu_ext import load_cpu_extension
+from minibatch.kernels.cpu.extension import load_cpu_extension
 
 from ..conftest import TINY_COMMON
 from .gguf_models import write_converter_metadata, write_gguf_model

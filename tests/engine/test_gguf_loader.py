@@ -15,8 +15,8 @@ from minibatch.engine.attention.torch_backend import TorchAttentionBackend
 from minibatch.engine.gguf.tensors import GGUFError
 from minibatch.engine.runner.kv_cache import allocate_kv_cache
 from minibatch.engine.weights.loader import load_model
-from minibatch.kernels.cpu_ext import load_cpu_extension
-from minibatch.kernels.quant import INT_DOT_TYPES
+from minibatch.kernels.cpu.extension import load_cpu_extension
+from minibatch.kernels.quant_types import INT_DOT_TYPES
 
 from ..conftest import TINY_COMMON
 from .gguf_models import write_gguf_model

@@ -78,7 +78,7 @@ def test_chunked_prefill_over_cached_context_matches_hf(tiny_llama_dir):
 
 
 def test_prefill_and_decode_with_the_cpu_kernel_match_hf(tiny_llama_dir):
-    from minibatch.kernels.cpu_paged_attention import load_extension, store_and_attention
+    from minibatch.kernels.cpu.paged_attention import load_extension, store_and_attention
 
     if load_extension() is None:
         pytest.skip("the C++ extension cannot be built here")

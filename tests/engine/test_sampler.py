@@ -150,7 +150,7 @@ def test_draws_with_bias_and_penalties_follow_the_reference():
 
 def _fast_ops():
     from minibatch.engine.models.ops import CpuOps, TorchOps
-    from minibatch.kernels.cpu_ext import load_cpu_extension
+    from minibatch.kernels.cpu.extension import load_cpu_extension
 
     ext = load_cpu_extension()
     return CpuOps(ext) if ext is not None else TorchOps()

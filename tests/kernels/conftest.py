@@ -22,7 +22,7 @@ def skip_if_gpu_unusable() -> None:
 
     The Triton tests would pass in the interpreter there and prove nothing.
     """
-    from minibatch.kernels.triton_support import cuda_device_unusable
+    from minibatch.kernels.gpu.triton_support import cuda_device_unusable
 
     why = cuda_device_unusable()
     if why:
@@ -38,7 +38,7 @@ def device() -> str:
 def any_build(request):
     """The C++ extension as built for this CPU, for AVX2 without VNNI, and for x86-64's baseline (the scalar
     loops): every path, whichever this machine would take."""
-    from minibatch.kernels.cpu_ext import load_cpu_extension, load_other_build
+    from minibatch.kernels.cpu.extension import load_cpu_extension, load_other_build
 
     ext = load_cpu_extension()
     if ext is None:

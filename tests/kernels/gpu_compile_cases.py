@@ -12,9 +12,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from minibatch.kernels import logit_edits, paged_attention, paged_decode, sampling
-from minibatch.kernels.paged_decode import SPLIT
-from minibatch.kernels.paged_rows import ATTENTION_WARPS, key_tile
+from minibatch.kernels.gpu import logit_edits, paged_attention, paged_decode, sampling
+from minibatch.kernels.gpu.paged_decode import SPLIT
+from minibatch.kernels.gpu.paged_rows import ATTENTION_WARPS, key_tile
 
 STRIDES = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ks", "stride_kh")
 STRIDES += ("stride_vb", "stride_vs", "stride_vh", "stride_bt")

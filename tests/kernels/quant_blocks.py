@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from minibatch.kernels.quant import QuantType
+from minibatch.kernels.quant_types import QuantType
 
 # Byte offsets of each block's fp16 scale fields.
 SCALE_OFFSETS = {

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minibatch.kernels.cpu_ext import load_cpu_extension
-from minibatch.kernels.quant import INT_DOT_TYPES, QUANT_TYPES
+from minibatch.kernels.cpu.extension import load_cpu_extension
+from minibatch.kernels.quant_types import INT_DOT_TYPES, QUANT_TYPES
 
 from .quant_blocks import random_blocks
 

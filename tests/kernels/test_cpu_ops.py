@@ -9,7 +9,7 @@ import torch
 from minibatch.engine.models.config import RopeConfig
 from minibatch.engine.models.llama import RotaryEmbedding
 from minibatch.engine.models.ops import CpuOps, TorchOps
-from minibatch.kernels.cpu_ext import load_cpu_extension
+from minibatch.kernels.cpu.extension import load_cpu_extension
 
 ext = load_cpu_extension()
 pytestmark = pytest.mark.skipif(ext is None, reason="the C++ extension cannot be built here")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minibatch.kernels.cpu_paged_attention import (
+from minibatch.kernels.cpu.paged_attention import (
     load_extension,
     paged_attention,
     paged_attention_ref,

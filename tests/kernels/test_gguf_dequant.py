@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from minibatch.kernels import gguf_dequant
+from minibatch.kernels.cpu.quant import dequantize_ref
 from minibatch.kernels.gguf_dequant import dequantize_torch
-from minibatch.kernels.quant import QUANT_TYPES, dequantize_ref
+from minibatch.kernels.quant_types import QUANT_TYPES
 
 from .quant_blocks import random_blocks
 

@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from minibatch.kernels.cpu_paged_attention import load_extension, paged_attention_ref
+from minibatch.kernels.cpu.paged_attention import load_extension, paged_attention_ref
 from minibatch.kernels.kv_types import (
     KV_CACHE_TYPES,
     PagedKV,

@@ -1,4 +1,4 @@
-"""The split decode attention (kernels/paged_decode.py) against the PyTorch twin: contexts around the split
+"""The split decode attention (kernels/gpu/paged_decode.py) against the PyTorch twin: contexts around the split
 size, every KV type, GQA ratios 1-8, windows and soft caps; and the batch-invariance rule: a decode query's
 result is the same bits alone, in any batch, and as the same token's row of a prefill."""
 
@@ -9,9 +9,9 @@ import torch
 
 pytest.importorskip("triton")
 
+from minibatch.kernels.gpu.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
+from minibatch.kernels.gpu.paged_decode import SPLIT  # noqa: E402
 from minibatch.kernels.kv_types import PagedKV, row_width, storage_dtype, to_cache_ref  # noqa: E402
-from minibatch.kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
-from minibatch.kernels.paged_decode import SPLIT  # noqa: E402
 
 from .conftest import DEVICE, skip_if_gpu_unusable  # noqa: E402
 from .test_triton_kernels import TOL  # noqa: E402

@@ -6,10 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minibatch.kernels.cpu_ext import load_cpu_extension
-from minibatch.kernels.quant import (
-    INT_DOT_TYPES,
-    QUANT_TYPES,
+from minibatch.kernels.cpu.extension import load_cpu_extension
+from minibatch.kernels.cpu.quant import (
     dequantize,
     dequantize_ref,
     embedding,
@@ -19,6 +17,7 @@ from minibatch.kernels.quant import (
     quantize_activations,
     quantize_activations_ref,
 )
+from minibatch.kernels.quant_types import INT_DOT_TYPES, QUANT_TYPES
 
 from .quant_blocks import random_blocks
 

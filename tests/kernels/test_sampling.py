@@ -1,4 +1,4 @@
-"""The fused sampling kernel (kernels/csrc/sampling.cpp) against its float64 twin (TorchOps.sample_tokens):
+"""The fused sampling kernel (kernels/cpu/csrc/sampling.cpp) against its float64 twin (TorchOps.sample_tokens):
 Philox's known answers, the exact set of tokens each setting keeps (ties, -inf, a grammar's single token, on
 49k and 152k vocabularies), the same draw for the same uniform, and the distribution of many draws."""
 
@@ -158,7 +158,7 @@ def test_draws_follow_the_softmax_of_the_kept_logits(setting):
     cut = _reference_cut(row, settings, None)
     p = (cut.weights * cut.keep)[0]
     p = p / p.sum()
-    ext_ops = CpuOps(__import__("minibatch.kernels.cpu_ext", fromlist=["x"]).load_cpu_extension())
+    ext_ops = CpuOps(__import__("minibatch.kernels.cpu.extension", fromlist=["x"]).load_cpu_extension())
     streams = torch.stack([torch.full((DRAWS,), 424242), torch.arange(DRAWS)], dim=1)
     draws = ext_ops.sample_tokens(
         row.expand(DRAWS, -1).contiguous(), settings.expand(DRAWS, -1).contiguous(), streams, None
@@ -185,7 +185,7 @@ def test_draws_follow_the_softmax_of_the_kept_logits(setting):
 @pytest.mark.parametrize("vocab", [49152, 151936])
 @pytest.mark.parametrize("kind", ["peaked", "flat", "ties", "masked"])
 def test_the_gpu_sampler_on_the_device_draws_what_the_twin_draws_on_the_cpu(vocab, kind):
-    """The Triton sampler compiled (kernels/sampling.py; tests/kernels/test_triton_sampling.py runs it in the
+    """The Triton sampler compiled (kernels/gpu/sampling.py; tests/kernels/test_triton_sampling.py runs it in the
     interpreter): its tokens on the GPU are the float64 twin's on the CPU for the same uniform."""
     from minibatch.engine.models.ops import TritonOps
 

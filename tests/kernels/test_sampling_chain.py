@@ -1,4 +1,4 @@
-"""The chain's kernel (kernels/csrc/sampling_chain.cpp) against its NumPy twin (engine/runner/chain.py): the same
+"""The chain's kernel (kernels/cpu/csrc/sampling_chain.cpp) against its NumPy twin (engine/runner/chain.py): the same
 token and the same Mirostat mu for every row — top-nσ, typical-p, XTC and Mirostat alone and beside top-k,
 top-p and min-p, on peaked, flat, tied and masked rows of 49k and 152k tokens, with and without a grammar's
 mask, at thousands of Philox positions. The twin's own distributions are held to float64 references of each

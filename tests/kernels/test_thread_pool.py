@@ -13,8 +13,9 @@ import threading
 import pytest
 import torch
 
-from minibatch.kernels.cpu_ext import load_cpu_extension
-from minibatch.kernels.quant import QUANT_TYPES, quant_linear, quant_linear_q8, quantize_activations
+from minibatch.kernels.cpu.extension import load_cpu_extension
+from minibatch.kernels.cpu.quant import quant_linear, quant_linear_q8, quantize_activations
+from minibatch.kernels.quant_types import QUANT_TYPES
 
 from .quant_blocks import random_blocks
 

@@ -13,11 +13,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from minibatch.kernels.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
-from minibatch.kernels.kv_store import store_kv, store_kv_ref  # noqa: E402
-from minibatch.kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
-from minibatch.kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref  # noqa: E402
-from minibatch.kernels.rotary import rotary_inplace, rotary_inplace_ref  # noqa: E402
+from minibatch.kernels.gpu.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
+from minibatch.kernels.gpu.kv_store import store_kv, store_kv_ref  # noqa: E402
+from minibatch.kernels.gpu.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
+from minibatch.kernels.gpu.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref  # noqa: E402
+from minibatch.kernels.gpu.rotary import rotary_inplace, rotary_inplace_ref  # noqa: E402
 
 from .conftest import DEVICE, skip_if_gpu_unusable  # noqa: E402
 
@@ -273,7 +273,7 @@ def test_backend_selection():
     from minibatch.engine.attention.torch_backend import TorchAttentionBackend
     from minibatch.engine.attention.triton_backend import TritonAttentionBackend
     from minibatch.engine.models.ops import CpuOps, TorchOps, TritonOps
-    from minibatch.kernels.cpu_ext import load_cpu_extension
+    from minibatch.kernels.cpu.extension import load_cpu_extension
 
     backend, ops = select_backend("cuda", torch.bfloat16)
     assert isinstance(backend, TritonAttentionBackend) and isinstance(ops, TritonOps)

@@ -1,4 +1,4 @@
-"""The Triton sampler (kernels/sampling.py; in the interpreter on CPU, compiled on a GPU) against the float64
+"""The Triton sampler (kernels/gpu/sampling.py; in the interpreter on CPU, compiled on a GPU) against the float64
 twin (TorchOps.sample_tokens / sample_cuts) and the CPU's fused pass: the exact set of tokens each setting
 keeps on 49k and 152k rows (peaked, flat, tied, masked), a grammar's mask, ties split by id, the rows that
 take the argmax, and the same seeded tokens as the CPU kernels on the same logits."""
@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from minibatch.engine.models.ops import CpuOps, TorchOps, TritonOps  # noqa: E402
-from minibatch.kernels.sampling import PATHS, sample_rows  # noqa: E402
+from minibatch.kernels.gpu.sampling import PATHS, sample_rows  # noqa: E402
 
 from .conftest import DEVICE, skip_if_gpu_unusable  # noqa: E402
 from .test_sampling import SETTINGS, logits_of, settings_of  # noqa: E402
@@ -53,7 +53,7 @@ def test_each_setting_keeps_and_draws_what_the_twin_does(vocab, kind):
 def test_the_same_seeded_tokens_as_the_cpus_fused_pass():
     """A seeded request draws the same tokens on either device when the logits agree: the Triton sampler's
     tokens are the C++ kernels' for the same (key, position), over many positions and a grammar's mask."""
-    from minibatch.kernels.cpu_ext import load_cpu_extension
+    from minibatch.kernels.cpu.extension import load_cpu_extension
 
     ext = load_cpu_extension()
     if ext is None:

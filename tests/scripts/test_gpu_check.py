@@ -68,11 +68,11 @@ def test_bootstrap_imports_minibatch_from_the_working_tree_without_an_install(tm
     code = (
         f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); import gpu_check; from pathlib import Path; "
         f"print(gpu_check.bootstrap(Path({str(tmp_path)!r}), None, needed=())); "
-        "import minibatch.kernels.triton_support as t; print(t.__file__)"
+        "import minibatch.kernels.gpu.triton_support as t; print(t.__file__)"
     )
     r = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert str(tmp_path / "pkgroot") in r.stdout and "kernels/triton_support.py" in r.stdout
+    assert str(tmp_path / "pkgroot") in r.stdout and "kernels/gpu/triton_support.py" in r.stdout
 
 
 def test_a_failing_measurement_is_reported_and_the_check_goes_on():

@@ -5,8 +5,8 @@ split) is one program: it loads each key and value tile once for every query hea
 group's heads are the rows of one tl.dot), runs the online softmax over its split, and writes the split's
 running max, sum and unnormalised output. A second kernel merges a query's splits in order. The split size is
 fixed, not chosen by the batch, so a query's result depends on its own context alone: the same bits alone or
-in a batch of 256 (the batch-invariance rule). KV types as kernels/paged_attention.py reads them (f32, f16, bf16,
-q8_0), a sliding window and soft-capped scores too; the PyTorch twin is kernels/cpu_paged_attention.py's.
+in a batch of 256 (the batch-invariance rule). KV types as kernels/gpu/paged_attention.py reads them (f32, f16, bf16,
+q8_0), a sliding window and soft-capped scores too; the PyTorch twin is kernels/cpu/paged_attention.py's.
 """
 
 from __future__ import annotations

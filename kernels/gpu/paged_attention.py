@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import cpu_paged_attention
-from .kv_types import row_width
+from ..cpu import paged_attention as cpu_paged_attention
+from ..kv_types import row_width
 from .paged_decode import SPLIT, paged_decode_into
 from .paged_rows import ATTENTION_WARPS, attend_tile, key_tile, kv_strides
 
@@ -207,7 +207,7 @@ def paged_attention(
 def paged_attention_ref(
     q, kv_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, window=0, softcap=None
 ):
-    """The PyTorch twin (kernels/cpu_paged_attention.py's, the CPU kernel's too), in this kernel's argument order."""
+    """The PyTorch twin (kernels/cpu/paged_attention.py's, the CPU kernel's too), in this kernel's argument order."""
     return cpu_paged_attention.paged_attention_ref(
         q, kv_cache, block_tables, seq_lens, query_start_loc, scale, window, softcap
     )

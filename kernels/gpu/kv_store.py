@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_types import row_width, to_cache_ref, type_of
+from ..kv_types import row_width, to_cache_ref, type_of
 from .triton_support import next_power_of_2
 
 

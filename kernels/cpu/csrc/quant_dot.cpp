@@ -7,7 +7,7 @@
 // a time with the sub-block scales, a block's products add up in int32, and one float multiply per block
 // and row applies the two scales. Minimums and offsets come from the 16-value sums. The result equals the
 // exact product of the dequantised weights and the 8-bit activations up to fp32 rounding (the twin in
-// kernels/quant.py computes exactly that).
+// kernels/cpu/quant.py computes exactly that).
 //
 // A portable path computes the same with plain loops (every CPU; tested here by building without
 // AVX2). Threads split the output columns; up to 8 rows (4 without AVX-512's registers) share every

@@ -1,4 +1,4 @@
-"""The sampling rule of kernels/csrc/sampling.cpp as one Triton program per row: a grammar's mask, temperature,
+"""The sampling rule of kernels/cpu/csrc/sampling.cpp as one Triton program per row: a grammar's mask, temperature,
 top-k, top-p, min-p and the Philox draw, with no sort of the vocabulary and nothing that needs the host (a row
 no shortcut decides is searched on the device too). TorchOps.sample_tokens / sample_cuts are the twins.
 
@@ -39,7 +39,7 @@ STEP = tl.constexpr(2.0)  # nats between the bounds a second round of candidates
 @triton.jit
 def _philox_uniform(key, counter):
     """Philox4x32-10 at counter (counter, 0, 0, 0) with the int64 key: 53 bits of its first two words in [0, 1)
-    (engine/runner/philox.py and kernels/csrc/philox.h are its twins)."""
+    (engine/runner/philox.py and kernels/cpu/csrc/philox.h are its twins)."""
     k0 = (key & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((key >> 32) & 0xFFFFFFFF).to(tl.uint32)
     c0 = (counter & 0xFFFFFFFF).to(tl.uint32)

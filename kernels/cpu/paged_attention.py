@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .cpu_ext import load_cpu_extension
-from .kv_types import from_cache_ref, to_cache_ref, type_of
+from ..kv_types import from_cache_ref, to_cache_ref, type_of
+from .extension import load_cpu_extension
 
 
 def load_extension():
@@ -107,7 +107,7 @@ def store_and_attention_ref(
 
 
 def paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start, scale, window=0, softcap=None):
-    """The PyTorch twin of this kernel and of the Triton one (kernels/paged_attention.py), in fp32: per sequence,
+    """The PyTorch twin of this kernel and of the Triton one (kernels/gpu/paged_attention.py), in fp32: per sequence,
     gather its context through its block table (as fp32, whatever the cache's type), then attend with each
     query limited to the positions up to its own (and to the last `window` of them), scores soft-capped when
     `softcap` is set."""
