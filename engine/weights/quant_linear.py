@@ -62,7 +62,7 @@ class StackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         acts: dict = {}  # the input quantized once per block size, for every part on the integer path
-        return torch.cat([p(x, acts) if getattr(p, "int8", False) else p(x) for p in self.parts], dim=-1)
+        return torch.cat([p(x, acts) if isinstance(p, QuantLinear) and p.int8 else p(x) for p in self.parts], dim=-1)
 
 
 class QuantEmbedding(nn.Module):
