@@ -369,7 +369,9 @@ class OllamaPs(_Out):
 class OllamaShow(_Out):
     details: OllamaDetails
     model_info: dict[str, Any]
-    capabilities: list[str]
+    # a coder model's fill-in-the-middle markers in Ollama's template words (`.Suffix`), else empty
+    template: str
+    capabilities: list[str]  # "completion", and "insert" where a `suffix` is taken
 
 
 class OllamaVersion(_Out):
