@@ -366,6 +366,18 @@ def compare_greedy(name: str, ref: list[list[int]], got: list[list[int]], prompt
     return rows
 
 
+def fp32_against(hf, fp32, name: str, tokens: int) -> tuple[list[list[int]], list[list[int]], dict]:
+    """An fp32 engine against transformers' model `hf` on the same prompts: the prompts, our greedy tokens, and
+    the logits' largest difference with the greedy rows. fp32 against fp32 may part only at a near-tie of the
+    reference (the summation order differs)."""
+    prompts = prompt_ids(fp32)
+    diffs = [float((engine_logits(fp32, p) - hf_logits(hf, p)).abs().max()) for p in prompts]
+    ours = greedy(fp32, prompts, tokens)
+    rows = compare_greedy(name, hf_greedy(hf, prompts, tokens), ours, prompts, lambda ids: hf_logits(hf, ids))
+    ok = max(diffs) < 1e-3 and all(r["agree"] == r["of"] or abs(r["margin"]) < 1e-3 for r in rows)
+    return prompts, ours, {"max_abs_logit_diff": max(diffs), "greedy": rows, "ok": ok}
+
+
 def decode_rate(engine, batch: int, steps: int, sync, sampling: dict | None = None) -> float:
     """Decode tokens/s at `batch` rows: greedy, or sampled with `sampling` (the chat's defaults)."""
     from minibatch.engine.core.sampling_params import SamplingParams
@@ -700,15 +712,8 @@ def check(args) -> tuple[dict, bool]:
 
         hf = load_hf_reference(model_dir, torch.float32).to(device)
         fp32 = build(model_dir, device, "float32", 8, graphs=True, kv_gb=1)
-        prompts = prompt_ids(fp32)
-        diffs = [float((engine_logits(fp32, p) - hf_logits(hf, p)).abs().max()) for p in prompts]
-        ref = hf_greedy(hf, prompts, args.tokens)
-        ours = greedy(fp32, prompts, args.tokens)
-        rows = compare_greedy("fp32", ref, ours, prompts, lambda ids: hf_logits(hf, ids))
-        # fp32 against fp32 may part only at a near-tie of the reference (summation order differs)
-        parity_ok = max(diffs) < 1e-3 and all(r["agree"] == r["of"] or abs(r["margin"]) < 1e-3 for r in rows)
-        report["fp32_parity"] = {"max_abs_logit_diff": max(diffs), "greedy": rows, "ok": parity_ok}
-        ok &= parity_ok
+        prompts, ours, report["fp32_parity"] = fp32_against(hf, fp32, "fp32", args.tokens)
+        ok &= report["fp32_parity"]["ok"]
 
         step("CUDA-graph decode against eager decode (fp32)")
         eager = build(model_dir, device, "float32", 8, graphs=False, kv_gb=1)
@@ -876,12 +881,7 @@ def gguf_check(files: Path, work: Path, device: str, sync, args, smoke: bool) ->
     t = time.perf_counter()
     fp32 = build(model_dir, device, "float32", 8, graphs=True, kv_gb=1)
     loaded = round(time.perf_counter() - t, 1)
-    prompts = prompt_ids(fp32)
-    diffs = [float((engine_logits(fp32, p) - hf_logits(hf, p)).abs().max()) for p in prompts]
-    ref = hf_greedy(hf, prompts, args.tokens)
-    ours = greedy(fp32, prompts, args.tokens)
-    rows = compare_greedy("gguf fp32", ref, ours, prompts, lambda ids: hf_logits(hf, ids))
-    fp32_ok = max(diffs) < 1e-3 and all(r["agree"] == r["of"] or abs(r["margin"]) < 1e-3 for r in rows)
+    prompts, ours, parity = fp32_against(hf, fp32, "gguf fp32", args.tokens)
     hf = None
     release()
     bf16 = build(model_dir, device, "bfloat16", 64 if not smoke else 16, graphs=True, kv_gb=4 if not smoke else 0.2)
@@ -906,11 +906,11 @@ def gguf_check(files: Path, work: Path, device: str, sync, args, smoke: bool) ->
         "types": {"matrices": GGUF_MIX[0], **GGUF_MIX[1]},
         "write_s": written,
         "load_s": loaded,
-        "fp32_vs_transformers": {"max_abs_logit_diff": max(diffs), "greedy": rows, "ok": fp32_ok},
+        "fp32_vs_transformers": parity,
         "bf16_vs_fp32": {"greedy": rows16, "max_abs_logit_diff": errs, "unexplained_divergences": bad},
         "decode_tok_s": rates,
     }
-    return out, fp32_ok and not bad
+    return out, parity["ok"] and not bad
 
 
 def summary(report: dict) -> str:
