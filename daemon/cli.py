@@ -87,7 +87,12 @@ DAEMON_OPTIONS = [
     ("--allowed-hosts", str, None, "extra Host names TCP requests may use, comma-separated ('*': any)"),
     ("--allowed-origins", str, None, "browser origins allowed over TCP, with CORS, comma-separated (default: none)"),
     ("--shutdown-timeout", float, 30.0, "seconds to drain in-flight requests on stop"),
-    ("--request-timeout", float, 600.0, "wall-clock limit per request, seconds"),
+    (
+        "--request-timeout",
+        float,
+        600.0,
+        "time limit per request, seconds, from its arrival or its prompt's last computed chunk",
+    ),
     ("--read-timeout", float, 30.0, "seconds a client may take to send its request (headers and body)"),
     ("--log-file", str, None, "log file for the background daemon (default: user state dir)"),
 ]

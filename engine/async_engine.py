@@ -263,6 +263,13 @@ class AsyncEngine:
     def in_flight(self) -> int:
         return self._inflight
 
+    def prompt_progress(self, request_id: str) -> float | None:
+        """When a chunk of the request's prompt was last computed (time.monotonic, the event loop's clock), or
+        None before its first chunk and once it has left the engine. Read from the event loop: one dict look-up
+        and one attribute, which the step thread only ever replaces whole."""
+        req = self.engine.scheduler.requests.get(request_id)
+        return req.prompt_progress_time if req is not None else None
+
     def _emit(self, out: RequestOutput) -> None:
         if out.finished:
             with self._count_lock:

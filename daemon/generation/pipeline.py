@@ -129,11 +129,13 @@ class Running:
         gen: Generation,
         prompts: list[list[int]],
         thinking: Thinking | None,
+        arrival: float,
         deadline: float,
         expired: ApiError,
     ) -> None:
         self.model, self.gen, self.prompts, self.thinking = model, gen, prompts, thinking
         self.deadline, self.expired = deadline, expired  # when, and the one error it ends with then
+        self.arrival = arrival  # when it came (the deadline is --request-timeout past it)
         self.tools = gen.tools is not None
         self.streams: list = []  # one RequestStream per completion
         self.ids: list[str] = []  # their engine request ids
@@ -144,12 +146,34 @@ class Running:
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
+    def deadline_now(self) -> float:
+        """The request's deadline as of now: --request-timeout from its arrival or from the last chunk of any of
+        its prompts computed, whichever is later (a long prompt being computed is never cut for its length)."""
+        engine, timeout = self.model.engine, self.deadline - self.arrival
+        progress = [t for t in map(engine.prompt_progress, self.ids) if t is not None]
+        return max([self.deadline, *(t + timeout for t in progress)])
+
     @contextlib.asynccontextmanager
     async def limit(self) -> AsyncIterator[None]:
-        """The request's time limit (--request-timeout, from its arrival): past it, the one timeout error."""
+        """The request's time limit (deadline_now): past it, the one timeout error. Checked when the deadline
+        comes, and moved on as long as a prompt makes progress."""
+        loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout_at(self.deadline):
-                yield
+            async with asyncio.timeout(None) as timer:
+
+                def check() -> None:
+                    nonlocal handle
+                    when = self.deadline_now()
+                    if when > loop.time():
+                        handle = loop.call_at(when, check)
+                    else:
+                        timer.reschedule(loop.time())
+
+                handle = loop.call_at(self.deadline, check)
+                try:
+                    yield
+                finally:
+                    handle.cancel()
         except TimeoutError:
             raise self.expired from None
 
@@ -309,9 +333,9 @@ async def _start(state: DaemonState, model: LoadedModel, gen: Generation, deadli
     engine = model.ready_engine()
     prompts, thinking = await render(state, model, gen)
     if gen.embed:
-        return _submit_embeddings(model, gen, prompts, deadline, timed_out(state))
+        return _submit_embeddings(model, gen, prompts, deadline - state.request_timeout, deadline, timed_out(state))
     grammar = await _grammar(model, gen)
-    running = Running(model, gen, prompts, thinking, deadline, timed_out(state))
+    running = Running(model, gen, prompts, thinking, deadline - state.request_timeout, deadline, timed_out(state))
     total = len(prompts) * gen.n
     ids = [gen.request_id] if total == 1 else [f"{gen.request_id}-{k}" for k in range(total)]
     limit = model.info.max_model_len
@@ -335,7 +359,9 @@ async def _start(state: DaemonState, model: LoadedModel, gen: Generation, deadli
     return running
 
 
-def _submit_embeddings(model: LoadedModel, gen: Generation, prompts: list[list[int]], deadline, expired) -> Running:
+def _submit_embeddings(
+    model: LoadedModel, gen: Generation, prompts: list[list[int]], arrival: float, deadline: float, expired: ApiError
+) -> Running:
     """One prefill-only request per input, pooled as the model pools (each ends with its prompt: it holds KV
     blocks only while its prompt is computed), all or none."""
     engine, limit, size = model.ready_engine(), model.info.max_model_len, model.info.embedding_size
@@ -344,7 +370,7 @@ def _submit_embeddings(model: LoadedModel, gen: Generation, prompts: list[list[i
         raise ApiError(400, f"dimensions: {msg}", "dimensions", "invalid_value")
     if gen.truncate and limit:
         prompts = [p[: limit - 1] for p in prompts]  # one position is admission's (it reserves a next token)
-    running = Running(model, gen, prompts, None, deadline, expired)
+    running = Running(model, gen, prompts, None, arrival, deadline, expired)
     params = SamplingParams(temperature=0.0, max_tokens=1)
     ids = [gen.request_id] if len(prompts) == 1 else [f"{gen.request_id}-{k}" for k in range(len(prompts))]
     try:

@@ -54,6 +54,7 @@ class Request:
     held: list[tuple[int, int]] = field(default_factory=list)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    prompt_progress_time: float | None = None  # when a chunk of its prompt was last computed (time.monotonic)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     # per output token (when params.logprobs is set): (its log-probability, [(token, log-probability)] of the top k)
@@ -92,6 +93,8 @@ class Request:
 
     def advance(self, n: int) -> None:
         """`n` more tokens are computed; a held span reached is passed over."""
+        if n > 0 and self.num_computed_tokens < len(self.prompt_token_ids):
+            self.prompt_progress_time = time.monotonic()
         self.num_computed_tokens += n
         while self.held and self.held[0][0] <= self.num_computed_tokens:
             self.num_computed_tokens = max(self.num_computed_tokens, self.held.pop(0)[1])

@@ -163,6 +163,37 @@ def test_check14_a_request_past_its_wall_clock_limit_is_aborted_and_its_kv_freed
         d.stop()
 
 
+def test_a_prompt_being_computed_is_not_cut_by_the_time_limit(tiny_chat_model_dir, short_tmp):
+    """--request-timeout counts from the last chunk of the prompt computed: a prompt computed in many chunks,
+    longer in all than the limit, gets its answer; the limit still ends what makes no progress (check 14)."""
+    limit = 0.15
+    d = Daemon(
+        short_tmp / "d.sock",
+        tiny_chat_model_dir,
+        *("--kv-cache-gb", "0.05", "--max-num-seqs", "2", "--max-num-batched-tokens", "4"),
+        *("--request-timeout", str(limit), "--prompt-cache-gb", "0"),
+    ).wait_ready()
+    prompt = [100 + (i * 7) % 5000 for i in range(1000)]  # 250 chunks of 4 tokens
+
+    async def go():
+        async with session(d.socket) as s:
+            body = {"model": "default", "prompt": prompt, "max_tokens": 2, "ignore_eos": True, "temperature": 0}
+            async with s.post("/v1/completions", json=body) as r:
+                return r.status, await r.json()
+
+    try:
+        status, body = asyncio.run(go())
+        assert status == 200, body
+        assert body["usage"] == {"prompt_tokens": 1000, "completion_tokens": 2, "total_tokens": 1002} | {
+            k: v for k, v in body["usage"].items() if k not in ("prompt_tokens", "completion_tokens", "total_tokens")
+        }
+        # the prompt took longer than the limit: without the rule above it would have been cut
+        assert body["minibatch"]["ttft_ms"] > 1000 * limit, body["minibatch"]
+        assert_clean(d)
+    finally:
+        d.stop()
+
+
 def test_every_face_times_out_with_one_message_and_frees_the_kv(tiny_chat_model_dir, short_tmp):
     """Past --request-timeout, each API face answers the same message in its own shape (504 whole; a stream
     under way ends with its error event), and the request's blocks are freed."""
