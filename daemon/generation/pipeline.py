@@ -418,6 +418,7 @@ def _submit(
             message = f"{field}.{prompt}: {message}"
         elif param is not None:
             param = gen.names.get(param, param)
+            message = exc.said_as(param)
         raise ApiError(exc.status, message, param, exc.code) from None
 
 

@@ -7,6 +7,7 @@ code, so an API maps it without reading the message. The checks run once, where 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # type names only: none of these modules imports this one
@@ -16,13 +17,25 @@ if TYPE_CHECKING:  # type names only: none of these modules imports this one
 
 
 class RequestRejected(ValueError):
-    """The request cannot enter: `field` is what it is about, `code` a stable name for the reason."""
+    """The request cannot enter: `field` is what it is about, `code` a stable name for the reason. A message
+    that names its own field is given as a function of the name (`said_as` writes it in the client's)."""
 
-    def __init__(self, message: str, field_name: str | None = "prompt", code: str = "rejected", status: int = 400):
-        super().__init__(message)
+    def __init__(
+        self,
+        message: str | Callable[[str], str],
+        field_name: str | None = "prompt",
+        code: str = "rejected",
+        status: int = 400,
+    ):
+        self._say = message if callable(message) else None
+        super().__init__(message(field_name or "") if callable(message) else message)
         self.field = field_name
         self.code = code
         self.status = status
+
+    def said_as(self, name: str) -> str:
+        """The message with its field called `name` (an API's own word for it: n_predict, num_predict)."""
+        return self._say(name) if self._say is not None else str(self)
 
 
 class QueueFull(RequestRejected):
@@ -57,16 +70,20 @@ def check_request(req: Request, config: SchedulerConfig, blocks: BlockManager) -
         )
     if req.max_total_tokens > limit:
         raise RequestRejected(
-            f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.params.max_tokens}) = "
-            f"{req.max_total_tokens} exceeds the context limit of {limit} tokens",
+            lambda name: (
+                f"prompt ({req.num_prompt_tokens} tokens) + {name} ({req.params.max_tokens}) = "
+                f"{req.max_total_tokens} exceeds the context limit of {limit} tokens"
+            ),
             "max_tokens",
             "context_length_exceeded",
         )
     need = blocks.blocks_needed(req.max_total_tokens)
     if need > blocks.num_usable_blocks:
         raise RequestRejected(
-            f"prompt + max_tokens = {req.max_total_tokens} tokens needs {need} KV blocks but the whole "
-            f"cache has {blocks.num_usable_blocks}; it could never run",
+            lambda name: (
+                f"prompt + {name} = {req.max_total_tokens} tokens needs {need} KV blocks but the whole "
+                f"cache has {blocks.num_usable_blocks}; it could never run"
+            ),
             "max_tokens",
             "kv_cache_exceeded",
         )

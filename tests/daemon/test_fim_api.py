@@ -379,3 +379,15 @@ def test_n_indent_ends_the_answer_before_a_line_indented_less():
 def test_n_indent_out_of_range_is_refused_naming_it(fim_daemon):
     status, out = post(fim_daemon, "/infill", {**LLAMA_VSCODE, "n_indent": -1})
     assert status == 400 and out["error"]["param"] == "n_indent"
+
+
+def test_too_long_an_answer_is_refused_in_the_fields_own_name(fim_daemon):
+    """The param and the message name the same field, each face's own word for the answer's length."""
+    status, out = post(fim_daemon, "/completion", {"prompt": "a", "n_predict": CONTEXT})
+    assert status == 400 and out["error"]["param"] == "n_predict", out
+    assert "n_predict (4096)" in out["error"]["message"] and "max_tokens" not in out["error"]["message"], out
+    body = {"prompt": "a", "stream": False, "raw": True, "options": {"num_predict": CONTEXT}}
+    status, out = post(fim_daemon, "/api/generate", body)
+    assert status == 400 and "num_predict (4096)" in out["error"] and "max_tokens" not in out["error"], out
+    status, out = post(fim_daemon, "/v1/completions", {"prompt": "a", "max_tokens": CONTEXT})
+    assert status == 400 and out["error"]["param"] == "max_tokens" and "max_tokens (4096)" in out["error"]["message"]
