@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from .guard import IDENTITY, IDENTITY_HEADER, LOCAL, Guard, is_tcp
-from .models.pool import LoadedModel, ModelPool, parse_keep_alive
+from .models.pool import KeepAlive, LoadedModel, ModelPool, parse_keep_alive
 from .protocol import ApiError, parse_body
 
 
@@ -52,14 +52,17 @@ class DaemonState:
             raise ApiError(503, f"the daemon cannot serve: {self.load_error}", None, "not_ready", "unavailable")
         return self.pool
 
-    def lease(self, name: str | None, keep_alive=None, operator: bool = False):
+    def lease(self, name: str | None, keep: KeepAlive | None = None):
         """The model a request names, loaded if need be and held until the request ends (`async with`);
-        `keep_alive`: the request's, as parse_keep_alive reads it, or None for the model's own; `operator`:
-        the request is the operator's own (is_operator), which may change a preloaded model's lifetime."""
-        pool = self.check_serving()
-        if keep_alive is None:
-            return pool.lease(name)
-        return pool.lease(name, parse_keep_alive(keep_alive), operator)
+        `keep`: the request's keep_alive (keep_alive_of), applied at the end once the request was taken."""
+        return self.check_serving().lease(name, keep)
+
+    @staticmethod
+    def keep_alive_of(keep_alive, operator: bool) -> KeepAlive | None:
+        """A request's keep_alive as the client sent it (None: the model's own), or a 400 naming the field;
+        `operator`: the request is the operator's own (is_operator), which may change a preloaded model's
+        lifetime."""
+        return None if keep_alive is None else KeepAlive(parse_keep_alive(keep_alive), operator)
 
     def is_operator(self, request: web.Request) -> bool:
         """The daemon's own user: a request over the Unix socket (private to that user) that showed no key.

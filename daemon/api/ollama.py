@@ -207,7 +207,10 @@ async def load_only(request: web.Request, state, body, chat: bool, started: floa
         await resp.prepare(request)
         await resp.write(json.dumps({**head, **empty, "done": False, "status": "loading"}).encode() + b"\n")
     try:
-        async with state.lease(body.model, body.keep_alive, state.is_operator(request)) as m:
+        keep = state.keep_alive_of(body.keep_alive, state.is_operator(request))
+        if keep is not None:
+            keep.taken = True  # a load is what the request asks for
+        async with state.lease(body.model, keep) as m:
             final = {**head, "model": m.name, **empty, "done": True, "done_reason": "load"}
             final["load_duration"] = ns(time.perf_counter() - started)
     except ApiError as exc:

@@ -229,12 +229,15 @@ async def generate(state: DaemonState, gen: Generation, request: web.Request) ->
     reason: done, an error, the client gone)."""
     gen.cache_salt = state.cache_salt(request)
     deadline = asyncio.get_running_loop().time() + state.request_timeout
-    async with state.lease(gen.model, gen.keep_alive, gen.operator) as model:
+    keep = state.keep_alive_of(gen.keep_alive, gen.operator)
+    async with state.lease(gen.model, keep) as model:
         try:
             async with asyncio.timeout_at(deadline):
                 running = await _start(state, model, gen, deadline)
         except TimeoutError:
             raise timed_out(state) from None
+        if keep is not None:
+            keep.taken = True  # admitted: its keep_alive applies (a refusal above changed nothing)
         try:
             yield running
         finally:

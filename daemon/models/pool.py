@@ -57,6 +57,18 @@ def parse_keep_alive(value, field_name: str = "keep_alive") -> float | None:
         raise ApiError(400, str(exc), field_name, "invalid_value") from None
 
 
+@dataclass(slots=True)
+class KeepAlive:
+    """A request's keep_alive for the model it leases (`seconds`, as parse_keep_alive reads it: None keeps the
+    model loaded); `operator`: the request is the operator's own (state.is_operator). It applies when the lease
+    ends, and only once the request was `taken` (admitted, or a load asked for): a refused request leaves the
+    model's lifetime as it was."""
+
+    seconds: float | None
+    operator: bool = False
+    taken: bool = False
+
+
 def iso(ts: float | None) -> str:
     """Ollama's way of writing a time; a model that never expires shows Go's zero time, as Ollama's do."""
     if ts is None:
@@ -155,9 +167,6 @@ class LoadedModel:
         }
 
 
-_UNSET = object()
-
-
 class ModelPool:
     """The loaded models by name, and the rules that load and unload them."""
 
@@ -246,9 +255,9 @@ class ModelPool:
                 return m
 
     @asynccontextmanager
-    async def lease(self, name: str | None, keep_alive=_UNSET, operator: bool = False) -> AsyncIterator[LoadedModel]:
+    async def lease(self, name: str | None, keep: KeepAlive | None = None) -> AsyncIterator[LoadedModel]:
         """The model, held for one request: never evicted meanwhile; its keep-alive restarts at the end
-        (`keep_alive`: the request's own, else the model's)."""
+        (`keep`: the request's own, once the request was taken; else the model's)."""
         m = await self.get(name)  # (loaded: nothing runs between its return and the lease)
         m.leases += 1
         try:
@@ -256,8 +265,8 @@ class ModelPool:
         finally:
             m.leases -= 1
             # a model the operator loaded keeps its lifetime unless the operator's own request changes it
-            own = keep_alive is _UNSET or (self.operators_model(m) and not operator)
-            m.touch(m.keep_alive if own else keep_alive)
+            own = keep is None or not keep.taken or (self.operators_model(m) and not keep.operator)
+            m.touch(m.keep_alive if own else keep.seconds)
             self._room.set()
             if m.expires_at is not None and m.expires_at <= time.time() and m.leases == 0:
                 asyncio.ensure_future(self._unload_when_idle(m, "keep_alive 0"))

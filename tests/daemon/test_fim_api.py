@@ -9,6 +9,7 @@ import json
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -92,6 +93,17 @@ def test_a_model_without_markers_is_refused_naming_the_field_and_nothing_runs(ti
         name = daemon.get("/health")[1]["model"]
         status, show = post(daemon, "/api/show", {"name": name})  # nothing tells a plugin it takes a suffix
         assert status == 200 and show["template"] == "" and show["capabilities"] == ["completion"]
+        # a refused request changes nothing: its keep_alive 0 does not unload the model
+        body = {"prompt": PREFIX, "suffix": SUFFIX, "stream": False, "keep_alive": 0}
+        status, out = post(daemon, "/api/generate", body)
+        assert status == 400 and "fill-in-the-middle" in out["error"]
+        body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "stream": False}
+        status, out = post(daemon, "/api/chat", body | {"keep_alive": "bad", "options": {"num_predict": 1}})
+        assert status == 400 and "keep_alive" in out["error"]
+        time.sleep(0.5)  # (an unload would have begun by now)
+        status, ps = daemon.get("/api/ps")
+        assert status == 200 and [m["model"] for m in ps["models"]] == [f"{name}:latest"], ps
+        assert ps["models"][0]["expires_at"].startswith("0001-01-01"), ps  # still kept loaded, as before
     finally:
         assert daemon.stop() == 0, daemon.log_text()
         shutil.rmtree(d, ignore_errors=True)
