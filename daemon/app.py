@@ -20,6 +20,7 @@ from .api import anthropic, embeddings, llama, ollama, openai, openapi, response
 from .api.schemas import ModeRequest
 from .guard import Guard, guard_middleware
 from .models.catalog import catalog
+from .models.names import cut, display_name
 from .monitor import COMPACT, STATS_SUMMED
 from .protocol import ApiError, parse_body
 from .state import GUARD, STATE, DaemonState, read_raw
@@ -218,13 +219,22 @@ def _loaded_identities(state: DaemonState) -> dict[str, str]:
     return out
 
 
+# What a client other than the daemon's own user is shown of each model with blocks on disk: no counts (the
+# folder's blocks are every key's prompts: they would tell one key another's activity) and names, not paths
+SHOWN_TO_KEYS = ("loaded", "kv_cache_type", "block_size", "weights")
+
+
 async def prompt_cache(request: web.Request) -> web.Response:
-    """The disk prompt cache: its bytes against --prompt-cache-gb, and each model's blocks (the folder itself
-    only for the daemon's own user)."""
+    """The disk prompt cache: its bytes against --prompt-cache-gb, and each model's blocks, the folder and
+    the models' paths, for the daemon's own user; for any other client whether it is on, its budget, and
+    which models have blocks there (SHOWN_TO_KEYS)."""
     state = request.app[STATE]
     cache, budget, on = await asyncio.to_thread(_prompt_cache, state)
     body = {"enabled": on} | await asyncio.to_thread(summary, cache, budget, _loaded_identities(state))
-    if state.is_operator(request) and cache is not None:
+    if not state.is_operator(request):
+        models = [{"model": cut(display_name(m["model"]))} | {k: m[k] for k in SHOWN_TO_KEYS} for m in body["models"]]
+        return web.json_response({"enabled": on, "budget_bytes": budget, "models": models})
+    if cache is not None:
         body["folder"] = str(cache.root)
     return web.json_response(body)
 
@@ -237,6 +247,8 @@ async def clear_prompt_cache(request: web.Request) -> web.Response:
         raise ApiError(
             403, "only the daemon's own user (over its socket) may clear the prompt cache", None, "forbidden"
         )
+    if request.query.get("model", None) == "":
+        raise ApiError(400, "model: empty; name a model as listed, or leave model out to clear them all", "model")
     cache, budget, _ = await asyncio.to_thread(_prompt_cache, state)
     name = model_param(request)
     if cache is None:
@@ -244,7 +256,7 @@ async def clear_prompt_cache(request: web.Request) -> web.Response:
     listed = (await asyncio.to_thread(summary, cache, budget, _loaded_identities(state)))["models"]
     identities = [None] if name is None else [m["identity"] for m in listed if name in (m["model"], m["identity"])]
     if not identities:
-        raise ApiError(404, f"model: the prompt cache holds no blocks of {name!r}", "model", "model_not_found")
+        raise ApiError(404, f"model: the prompt cache holds no blocks of {cut(name)!r}", "model", "model_not_found")
     removed = [await asyncio.to_thread(cache.clear, ident) for ident in identities]
     return web.json_response(
         {"removed_blocks": sum(r[0] for r in removed), "removed_bytes": sum(r[1] for r in removed)}

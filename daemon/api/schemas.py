@@ -259,15 +259,16 @@ class LlamaCompletion(_Out):
 
 
 class PromptCacheModel(_Out):
-    identity: str  # the folder's name: a digest of what decides its blocks' contents
-    model: str
+    model: str  # as the request names it; the daemon's own user sees the path it was loaded from
     loaded: bool
-    blocks: int
-    bytes: int
-    last_used: float  # wall time of its newest block
     kv_cache_type: str | None
     block_size: int | None
     weights: str | None
+    # to the daemon's own user only (the counts sum every key's prompts):
+    identity: str | None = None  # the folder's name: a digest of what decides its blocks' contents
+    blocks: int | None = None
+    bytes: int | None = None
+    last_used: float | None = None  # wall time of its newest block
 
 
 class PromptCache(_Out):
@@ -275,11 +276,12 @@ class PromptCache(_Out):
 
     enabled: bool
     budget_bytes: int
-    bytes: int
-    blocks: int
-    evicted_blocks: int  # removed for the budget since the daemon started
     models: list[PromptCacheModel]
-    folder: str | None = None  # to the daemon's own user only
+    # to the daemon's own user only:
+    bytes: int | None = None
+    blocks: int | None = None
+    evicted_blocks: int | None = None  # removed for the budget since the daemon started
+    folder: str | None = None
 
 
 class PromptCacheCleared(_Out):

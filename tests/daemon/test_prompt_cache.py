@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -161,5 +162,36 @@ def test_clearing_is_the_operators_alone(place):
             ).read()
         )
         assert "folder" not in listed and listed["enabled"]
+    finally:
+        assert daemon.stop() == 0, daemon.log_text()
+
+
+def test_a_key_sees_neither_counts_nor_paths_and_clearing_names_a_model(place, tiny_chat_model_dir):
+    """The folder's blocks are every key's prompts: a client with a key is told whether the cache is on, its
+    budget and which models have blocks (by name, never a server path), and no counts; the daemon's own user
+    sees all. Clearing with an empty model= clears nothing, and a long name is cut in the answer."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ("--prompt-cache-gb", "1", "--prompt-cache-dir", str(place / "cache"), "--port", str(port))
+    daemon = Daemon(place / "d.sock", tiny_chat_model_dir, *args, "--api-key", "carol=carol-secret-1").wait_ready()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _tcp_complete(url, "carol-secret-1")
+        deadline = time.monotonic() + 30
+        while (own := daemon.get("/v1/prompt-cache")[1])["blocks"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)  # (the writer's thread)
+        assert own["blocks"] > 0 and own["folder"] == str(place / "cache") and own["models"][0]["blocks"] > 0
+        req = urllib.request.Request(url + "/v1/prompt-cache", headers={"Authorization": "Bearer carol-secret-1"})
+        seen = json.loads(urllib.request.urlopen(req, timeout=30).read())
+        assert set(seen) == {"enabled", "budget_bytes", "models"} and seen["enabled"], seen
+        assert [set(m) for m in seen["models"]] == [{"model", "loaded", "kv_cache_type", "block_size", "weights"}]
+        assert seen["models"][0]["model"] == tiny_chat_model_dir.name and str(tiny_chat_model_dir) not in str(seen)
+
+        status, out = request_json(str(daemon.socket), "DELETE", "/v1/prompt-cache?model=", timeout=30)
+        assert status == 400 and out["error"]["param"] == "model", out
+        status, out = request_json(str(daemon.socket), "DELETE", "/v1/prompt-cache?model=" + "x" * 300, timeout=30)
+        assert status == 404 and "x" * 64 not in out["error"]["message"], out
+        assert daemon.get("/v1/prompt-cache")[1]["blocks"] == own["blocks"]  # nothing cleared
     finally:
         assert daemon.stop() == 0, daemon.log_text()
