@@ -212,7 +212,7 @@ def pool_settings(args):
         keep_alive=parse_duration(args.keep_alive, "--keep-alive"),
         load_wait=args.load_wait,
         engine_loop=args.engine_loop,
-        model_settings=read_model_settings(args.model_settings),
+        model_settings=read_model_settings(args.model_settings, engine_config(args)),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -60,6 +61,23 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.spec_config()  # refuses a method or a draft length out of range, naming it
+        SchedulerConfig(  # refuses a limit out of range, naming it, before anything is loaded
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len or SCHEDULER_DEFAULTS["max_model_len"],
+            max_wait_ms=self.max_wait_ms,
+            max_queue=self.max_queue,
+            cache_reuse=self.cache_reuse,
+            cache_reuse_settle=self.cache_reuse_settle,
+        )
+        for name in ("kv_cache_gb", "kv_cache_fraction", "prompt_cache_gb", "max_wait_ms"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
+        if self.max_queue is not None and self.max_queue < 0:
+            raise ValueError(f"max_queue must be 0 or more, got {self.max_queue}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -247,7 +265,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         # Never more than every running request at full context could use (+ the null block).
         num_blocks = min(num_blocks, config.max_num_seqs * -(-max_model_len // config.block_size) + 1)
     if num_blocks < 2:
-        raise ValueError(f"the KV-cache budget gives {num_blocks} blocks; need at least 2")
+        raise ValueError(
+            f"the KV-cache budget ({budget_rule}) gives {num_blocks} block(s) of {config.block_size} tokens; at "
+            "least 2 are needed: raise it"
+        )
     # LongRoPE past its original length: the long factors, for every position. No sequence outgrows the
     # pool (admission refuses one that would), so the rotary tables hold at most that many positions.
     model.use_context(max_model_len, positions=(num_blocks - 1) * config.block_size)

@@ -289,15 +289,11 @@ class ModelPool:
         """The engine options of `spec` (shown as `name`): the daemon's, with its KV rule for several models on
         a GPU, and its own settings (--model-settings, found by any of its names) on top; a value its settings
         get wrong is a ModelSettingError naming the model."""
-        from minibatch.engine.options import ENGINE_OPTIONS
-
-        types = {o.field: o.type for o in ENGINE_OPTIONS}
         own = {}
         for key, options in self.settings.model_settings.items():
             if normal_name(key) in {normal_name(n) for n in (spec, name, display_name(spec))}:
                 own = options
-        try:  # each value as its flag takes it (a JSON number for a string option, say)
-            own = {k: v if v is None else types[k](v) for k, v in own.items()}
+        try:  # (each value read as its flag takes it and checked over the daemon's at start: settings.py)
             cfg = dataclasses.replace(self.base, model=spec, **own)
         except (TypeError, ValueError) as exc:
             raise ModelSettingError(f"--model-settings for {cut(name)!r}: {exc}") from None

@@ -70,22 +70,19 @@ PER_MODEL_OPTIONS = (
 )
 
 
-def read_model_settings(path: str | None) -> dict[str, dict]:
+def read_model_settings(path: str | None, base=None) -> dict[str, dict]:
     """--model-settings: a JSON object of model names, each an object of engine options (PER_MODEL_OPTIONS,
-    named as the flags are without the dashes, or as EngineConfig's fields) for that model alone. Its shape and
-    option names are checked here (a ValueError naming the file and the key refuses the start); the values when
-    the model loads, so a bad one fails that model's load, naming it, and the daemon serves the others."""
+    named as the flags are without the dashes, or as EngineConfig's fields) for that model alone. Read and
+    checked at start: the file's text, its shape, each option's name and value as its flag takes it, and each
+    model's options together over `base` (the daemon's EngineConfig); anything wrong is a ValueError naming
+    the option, the file, the model and the setting, and the daemon does not start. What depends on the model
+    itself (a KV cache type its heads cannot hold) fails that model's load, naming it."""
     if not path:
         return {}
-    import json
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--model-settings {path}: {exc}") from None
+    where = f"--model-settings {path}"
+    data = _read_json(path, where)
     if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
-        raise ValueError(f"--model-settings {path}: an object of model names, each an object of options")
+        raise ValueError(f"{where}: an object of model names, each an object of options")
     out = {}
     for model, options in data.items():
         fields = {}
@@ -93,12 +90,75 @@ def read_model_settings(path: str | None) -> dict[str, dict]:
             field_name = key.lstrip("-").replace("-", "_")
             if field_name not in PER_MODEL_OPTIONS:
                 raise ValueError(
-                    f"--model-settings {path}: {model!r}: {key!r} is not a per-model option; they are "
+                    f"{where}: {_short(model)}: {_short(key)} is not a per-model option; they are "
                     f"{', '.join(o.replace('_', '-') for o in PER_MODEL_OPTIONS)}"
                 )
-            fields[field_name] = value
+            try:
+                fields[field_name] = setting_value(field_name, value)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {_short(model)}: {key}: {exc}") from None
+        if base is not None:
+            import dataclasses
+
+            try:
+                dataclasses.replace(base, **fields)  # each limit's range, and the options together
+            except ValueError as exc:
+                raise ValueError(f"{where}: {_short(model)}: {exc}") from None
         out[model] = fields
     return out
+
+
+def setting_value(field_name: str, value):
+    """A per-model setting's value as its flag takes it (a JSON number for a string option, a string of digits
+    for a number), or a ValueError saying what it must be; null, for an option whose default is none, that
+    default."""
+    from minibatch.engine.options import DEFAULTS, ENGINE_OPTIONS
+
+    kind = next(o.type for o in ENGINE_OPTIONS if o.field == field_name)
+    if value is None and DEFAULTS[field_name] is None:
+        return None  # the option's own default (the model's context, the budget's rule)
+    if value is None or isinstance(value, (dict, list, bool)):
+        raise ValueError(f"must be {_KINDS[kind]}, got {_short(value)}")
+    if kind is str:
+        return str(value)
+    try:
+        number = kind(value)
+    except (ValueError, OverflowError):
+        raise ValueError(f"must be {_KINDS[kind]}, got {_short(value)}") from None
+    if isinstance(number, float) and not math.isfinite(number) or kind is int and float(value) != number:
+        raise ValueError(f"must be {_KINDS[kind]}, got {_short(value)}")
+    return number
+
+
+_KINDS = {int: "an integer", float: "a finite number", str: "a string"}
+MAX_SETTINGS_BYTES = 1 << 20  # a settings file is a few lines; past this it is not one
+
+
+def _read_json(path: str, where: str):
+    """The file's JSON, or a ValueError naming `where` for whatever else it holds (not UTF-8, not JSON, nested
+    past the parser's depth, NaN and Infinity, which JSON does not have)."""
+    import json
+
+    def no_constant(name: str):
+        raise ValueError(f"{name} is not a JSON number")
+
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_SETTINGS_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"{where}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_SETTINGS_BYTES:
+        raise ValueError(f"{where}: larger than {MAX_SETTINGS_BYTES >> 20} MiB; it is not a settings file")
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=no_constant)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: not UTF-8 text (byte {exc.start} is 0x{raw[exc.start]:02x})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{where}: not JSON this daemon reads: nested too deeply") from None
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)

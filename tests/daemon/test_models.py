@@ -341,3 +341,60 @@ def test_model_settings_with_an_unknown_option_refuse_the_start(tiny_chat_model_
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 2 and "'qwen': 'threads' is not a per-model option; they are kv-cache-type" in out.stderr
+
+
+BAD_SETTINGS = [  # (the file's bytes, what the refusal names besides the option and the file)
+    (b'\xff\xfe{"m": {}}', "not UTF-8 text (byte 0 is 0xff)"),
+    (b"[" * 100_000, "nested too deeply"),
+    (b'{"m": {"max-num-seqs": "many"}}', "'m': max-num-seqs: must be an integer, got 'many'"),
+    (b'{"m": {"max-num-seqs": 1e400}}', "'m': max-num-seqs: must be an integer, got inf"),
+    (b'{"m": {"max-num-seqs": 2.5}}', "'m': max-num-seqs: must be an integer, got 2.5"),
+    (b'{"m": {"max-num-seqs": true}}', "'m': max-num-seqs: must be an integer, got True"),
+    (b'{"m": {"max-num-seqs": null}}', "'m': max-num-seqs: must be an integer, got None"),
+    (b'{"m": {"kv-cache-gb": NaN}}', "NaN is not a JSON number"),
+    (b'{"m": {"kv-cache-gb": 1e400}}', "'m': kv-cache-gb: must be a finite number, got inf"),
+    (b'{"m": {"kv-cache-gb": [1]}}', "'m': kv-cache-gb: must be a finite number, got [1]"),
+    (b'{"m": {"max-num-seqs": 0}}', "'m': max_num_seqs must be at least 1, got 0"),
+    (b'{"m": {"max-num-seqs": 600, "max-num-batched-tokens": 64}}', "max_num_batched_tokens (64) must be >="),
+    (b'{"m": {"kv-cache-gb": -1}}', "'m': kv_cache_gb must be positive, got -1.0"),
+    (b'{"m": 5}', "an object of model names, each an object of options"),
+    (b'{"m": {', "not JSON: Expecting property name"),
+]
+
+
+@pytest.mark.parametrize(("content", "said"), BAD_SETTINGS)
+def test_a_bad_model_settings_file_is_refused_naming_the_option_the_file_and_the_setting(tmp_path, content, said):
+    from minibatch.daemon.models.settings import read_model_settings
+    from minibatch.engine.factory import EngineConfig
+
+    path = tmp_path / "models.json"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as err:
+        read_model_settings(str(path), EngineConfig())
+    assert str(err.value).startswith(f"--model-settings {path}: ") and said in str(err.value), str(err.value)
+
+
+def test_model_settings_read_as_their_flags_take_them(tmp_path):
+    from minibatch.daemon.models.settings import read_model_settings
+    from minibatch.engine.factory import EngineConfig
+
+    path = tmp_path / "models.json"
+    path.write_text('{"m": {"max-model-len": null, "block-size": "32", "kv_cache_gb": 1, "kv-cache-type": "q8_0"}}')
+    assert read_model_settings(str(path), EngineConfig()) == {
+        "m": {"max_model_len": None, "block_size": 32, "kv_cache_gb": 1.0, "kv_cache_type": "q8_0"}
+    }
+
+
+def test_a_model_settings_file_nested_past_the_parser_prints_no_traceback(short_tmp):
+    import subprocess
+    import sys
+
+    settings = short_tmp / "models.json"
+    settings.write_text("[" * 100_000)
+    out = subprocess.run(
+        [sys.executable, "-m", "minibatch.daemon.cli", "start", "--socket", str(short_tmp / "d.sock"),
+         "--model-settings", str(settings)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr == f"minibatchd: --model-settings {settings}: not JSON this daemon reads: nested too deeply\n"
