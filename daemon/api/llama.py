@@ -27,6 +27,7 @@ from .openai_bodies import Bias, TokenIdKey
 from .samplers import given_samplers, sampler_fields
 
 MAX_EXTRA = 64  # input_extra chunks at most
+MAX_FILENAME = 4096  # characters of a chunk's file name at most (a path's, PATH_MAX)
 MAX_STOPS = 16
 # llama-server's defaults for what a request leaves out
 API_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
@@ -101,7 +102,7 @@ NAMES = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty"}
 
 
 class ExtraChunk(_Lenient):
-    filename: StrictStr = "tmp"
+    filename: StrictStr = Field(default="tmp", max_length=MAX_FILENAME)
     text: StrictStr = ""
 
 
@@ -123,7 +124,8 @@ def generation(body: CompletionBody | InfillBody) -> Generation:
     )
     if isinstance(body, InfillBody):
         extra = [(c.filename, c.text) for c in body.input_extra]
-        gen.fill, gen.fill_field = Infill(body.input_prefix, body.input_suffix, body.prompt, extra), "input_suffix"
+        gen.fill = Infill(body.input_prefix, body.input_suffix, body.prompt, extra)
+        gen.fill_field, gen.fill_prefix_field = "input_suffix", "input_prefix"
     else:
         gen.prompts = [body.prompt]
     return gen

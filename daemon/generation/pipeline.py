@@ -72,6 +72,7 @@ class Generation:
     messages: list[dict] | None = None  # the conversation, rendered by the model's chat template
     fill: Infill | None = None  # or code to fill in the middle of, in the model's own markers (engine/text/fim.py)
     fill_field: str = "suffix"  # the field a model without markers is named by (suffix, input_suffix)
+    fill_prefix_field: str = "prompt"  # the field of the code before the cursor (prompt, input_prefix)
     prompts: list[str | list[int]] | None = None  # or prompts as they are: texts (encoded) or token ids
     batch: bool = False  # several prompts in one request: a refusal names prompt.N
     tools: list[dict] | None = None  # OpenAI-shaped tool specs the template sees
@@ -281,16 +282,18 @@ async def render(state: DaemonState, model: LoadedModel, gen: Generation) -> tup
     return [ids], thinking
 
 
-def _check_fits(tok, text: str, limit: int | None, field: str) -> None:
+def _check_fits(tok, text: str, limit: int | None, field: str, what: str = "the prompt") -> None:
     """Refuse a text that cannot fit the context whatever it encodes to, before encoding it: the tokenizer
     holds the interpreter for as long as it encodes, which every other client (/health, other streams) waits
     out. A text within the bound is encoded and admission checks its exact length."""
+    if not limit or len(text) * 4 <= limit * tok.max_token_bytes:  # (no need to count its bytes)
+        return
     size = len(text.encode("utf-8", "surrogatepass"))
-    if limit and size > limit * tok.max_token_bytes:
+    if size > limit * tok.max_token_bytes:
         least = -(-size // tok.max_token_bytes)
         raise ApiError(
             400,
-            f"{field}: the prompt is {size} bytes, at least {least} tokens; the context limit is {limit}",
+            f"{field}: {what} is {size} bytes, at least {least} tokens; the context limit is {limit}",
             field,
             "context_length_exceeded",
         )
@@ -303,9 +306,15 @@ def _fill_ids(model: LoadedModel, gen: Generation) -> list[int]:
     if tok.fim is None:
         msg = f"model {model.name} has no fill-in-the-middle tokens: it cannot fill in between a prefix and a suffix"
         raise ApiError(400, f"{gen.fill_field}: {msg}", gen.fill_field, "fim_unsupported")
-    limit = model.info.max_model_len
+    limit, fill = model.info.max_model_len, gen.fill
+    texts = [(fill.prefix, gen.fill_prefix_field), (fill.suffix, gen.fill_field), (fill.prompt, "prompt")]
+    texts += [(text, f"input_extra.{i}.text") for i, (_, text) in enumerate(fill.extra)]
+    for text, name in texts:  # (each is cut to the window before it is encoded: fim.cut_for)
+        _check_fits(tok, text, limit, name, "the text")
     want = gen.sampling.get("max_tokens") or 0
-    return assemble(tok.fim, tok.encode, gen.fill, limit, min(want, limit // 4), tok.added_bos)
+    return assemble(
+        tok.fim, tok.encode, fill, limit, min(want, limit // 4), tok.added_bos, max_token_bytes=tok.max_token_bytes
+    )
 
 
 def _head(tok, text: str, limit: int | None) -> str:

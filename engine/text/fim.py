@@ -90,8 +90,15 @@ def assemble(
     max_tokens: int,
     bos: int | None = None,
     window: int = WINDOW,
+    max_token_bytes: int | None = None,
 ) -> list[int]:
-    """The prompt's ids (see the module's docstring); `bos` leads the prefix part when the model adds one."""
+    """The prompt's ids (see the module's docstring); `bos` leads the prefix part when the model adds one.
+    `max_token_bytes` (the most bytes one token stands for): each text is first cut to what can hold the tokens
+    the layout keeps and 64 more (`cut_for`), so that a text far longer than the window is not encoded whole."""
+    window = min(window, context)
+    room = max(0, context - window - 2 * max_tokens)
+    if max_token_bytes is not None:
+        infill = cut_for(infill, window, room, max_token_bytes)
     extra: list[int] = []
     if fim.repo is not None and fim.file_sep is not None:
         extra += [fim.repo, *encode(REPO_NAME)]
@@ -103,13 +110,49 @@ def assemble(
         extra += encode(text)
     if fim.file_sep is not None:
         extra += [fim.file_sep, *encode(CURRENT_FILE)]
-    window = min(window, context)
     prompt = encode(infill.prompt) if infill.prompt else []
     prefix = encode(infill.prefix)
     suffix = encode(infill.suffix)
     prefix = prefix[len(prefix) - min(len(prefix), 3 * (window // 4)) :]
     suffix = suffix[: min(len(suffix), max(0, window // 4 - (2 + len(prompt))))]
-    room = max(0, context - window - 2 * max_tokens)
     extra = extra[len(extra) - min(room, len(extra)) :]  # the oldest chunks' tokens go first
     head = ([bos] if bos is not None else []) + [fim.prefix, *prefix, *prompt]
     return [*extra, *head, fim.suffix, *suffix, fim.middle]
+
+
+SLACK = 64  # tokens kept past what the layout takes when a text is cut before encoding
+
+
+def cut_for(infill: Infill, window: int, room: int, max_token_bytes: int) -> Infill:
+    """`infill` with each text cut, before it is encoded, to the bytes that hold at least the tokens the layout
+    keeps of it and SLACK more (a text of B bytes has at least B / max_token_bytes tokens): the prefix's last
+    bytes, the suffix's first, the newest chunks' last within the room (older chunks left out whole). The
+    tokens kept are the whole text's: a cut changes how the few tokens at it are split, and those SLACK go."""
+    keep_prefix = (3 * (window // 4) + SLACK) * max_token_bytes
+    keep_suffix = (window // 4 + SLACK) * max_token_bytes
+    left = (room + SLACK) * max_token_bytes
+    extra: list[tuple[str, str]] = []
+    for name, text in reversed(infill.extra):
+        if left <= 0:
+            break
+        text = _tail(text, left)
+        left -= len(text.encode("utf-8", "surrogatepass"))
+        extra.append((name, text))
+    extra.reverse()
+    return Infill(_tail(infill.prefix, keep_prefix), _head(infill.suffix, keep_suffix), infill.prompt, extra)
+
+
+def _tail(text: str, size: int) -> str:
+    """The text's last `size` bytes of UTF-8 or fewer (whole characters)."""
+    if len(text) * 4 <= size:  # (cannot be longer: no need to encode it)
+        return text
+    data = text.encode("utf-8", "surrogatepass")
+    return text if len(data) <= size else data[len(data) - size :].decode("utf-8", "ignore")
+
+
+def _head(text: str, size: int) -> str:
+    """The text's first `size` bytes of UTF-8 or fewer (whole characters)."""
+    if len(text) * 4 <= size:
+        return text
+    data = text.encode("utf-8", "surrogatepass")
+    return text if len(data) <= size else data[:size].decode("utf-8", "ignore")

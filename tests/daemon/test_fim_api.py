@@ -403,3 +403,28 @@ def test_too_long_an_answer_is_refused_in_the_fields_own_name(fim_daemon):
     assert status == 400 and "num_predict (4096)" in out["error"] and "max_tokens" not in out["error"], out
     status, out = post(fim_daemon, "/v1/completions", {"prompt": "a", "max_tokens": CONTEXT})
     assert status == 400 and out["error"]["param"] == "max_tokens" and "max_tokens (4096)" in out["error"]["message"]
+
+
+def test_fill_in_the_middle_texts_are_bounded_by_bytes_naming_each_field(fim_daemon):
+    """A text that could not fit the context whatever it encodes to is refused from its bytes alone, named as
+    the client wrote it; a long one within the bound is cut to the window before it is encoded, and answered."""
+    bound = CONTEXT * TextTokenizer(fim_daemon.model).max_token_bytes
+    long = "x = 1\n" * (bound // 6 + 1)
+    for path, body, field in (
+        ("/infill", {"input_prefix": long}, "input_prefix"),
+        ("/infill", {"input_suffix": long}, "input_suffix"),
+        ("/infill", {"prompt": long}, "prompt"),
+        ("/infill", {"input_extra": [{"text": "a"}, {"text": long}]}, "input_extra.1.text"),
+        ("/v1/completions", {"prompt": long, "suffix": "b"}, "prompt"),
+        ("/v1/completions", {"prompt": "a", "suffix": long}, "suffix"),
+    ):
+        status, out = post(fim_daemon, path, {**body, "n_predict" if path == "/infill" else "max_tokens": 2})
+        assert status == 400 and out["error"]["param"] == field, (path, field, out)
+        assert out["error"]["message"].startswith(f"{field}: the text is {len(long)} bytes"), out
+    status, out = post(fim_daemon, "/api/generate", {"prompt": "a", "suffix": long, "stream": False})
+    assert status == 400 and out["error"].startswith("suffix: the text is"), out
+    within = long[: bound // 2]
+    body = {"input_prefix": within, "input_suffix": within, "input_extra": [{"text": within}], "n_predict": 2}
+    status, out = post(fim_daemon, "/infill", body)
+    assert status == 200 and out["tokens_evaluated"] < CONTEXT, out
+    fim_daemon.wait_idle()

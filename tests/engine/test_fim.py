@@ -137,3 +137,31 @@ def test_a_codellama_style_sentencepiece_model_has_no_repository_markers_and_a_b
     want = extra + [sp.bos_id(), pre, *tok.encode(prefix), *tok.encode("a"), suf, *tok.encode(suffix), mid]
     assert ids == want
     assert tok.encode(prefix) == sp.encode(prefix)  # the tokenizer is SentencePiece's own
+
+
+def test_texts_far_past_the_window_are_cut_before_encoding_and_give_the_same_prompt(builtin_model_dir):
+    """With max_token_bytes, the tokenizer sees about the bytes the layout can keep, not the texts (a 3.9 MB
+    prefix was encoded whole, holding the interpreter), and the prompt is token for token the whole texts'."""
+    from minibatch.engine.text.tokenizer import TextTokenizer
+
+    tok = TextTokenizer(builtin_model_dir)
+    fim = FimTokens(100, 101, 102, None, 103, 104, 105)
+    code = "".join(f"    value_{i} = compute({i}, 'ünïcode ✓')\n" for i in range(8000))  # 380 KB
+    chunks = [(f"f{i}.py", code[i:]) for i in range(4)]  # 1.5 MB
+    infill = Infill(code, code, "    return ", chunks)
+    given = 2 * len(code.encode()) + sum(len(t.encode()) for _, t in chunks)
+    seen = []
+
+    def encode(text: str) -> list[int]:
+        seen.append(len(text.encode()))
+        return tok.encode(text)
+
+    for context, max_tokens in ((8192, 64), (2048, 0)):
+        whole = assemble(fim, tok.encode, infill, context, max_tokens, 1)
+        seen.clear()
+        cut = assemble(fim, encode, infill, context, max_tokens, 1, max_token_bytes=tok.max_token_bytes)
+        assert cut == whole
+        window = min(2048, context)
+        room = max(0, context - window - 2 * max_tokens)
+        bound = (window + room + 3 * 64) * tok.max_token_bytes + 1000  # (+ the file names and separators)
+        assert sum(seen) <= bound < given, (seen, bound, given)
