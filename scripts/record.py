@@ -199,7 +199,9 @@ def make_shape(shape: str, run: Run) -> tuple[Path, str]:
     how = "llama-quantize" if quantize else "gguf's own quantizer (no LLAMA_QUANTIZE given)"
     if not path.exists():
         argv = ["--shape", shape, "--out", str(path), "--quantize", qtype]
-        run.script("make_model.py", *argv, *(["--llama-quantize", quantize] if quantize else []), log="make_model.log")
+        run.script(
+            "dev/make_model.py", *argv, *(["--llama-quantize", quantize] if quantize else []), log="make_model.log"
+        )
     run.note(f"{shape}: random weights in the model's shape, {qtype} by {how}: {path.name}")
     return path, f"{shape} shape {qtype}"
 
@@ -320,7 +322,7 @@ def prefill(run: Run, models: list[Model]) -> None:
         path = run.out / f"prefill-{m.key}.json"
         steps, tokens = ("2" if run.args.quick else "5"), run.args.prefill_tokens
         argv = ["--model", m.spec, "--prefill", str(tokens), "--steps", steps, "--json", str(path)]
-        run.script("profile_step.py", *argv, log=f"prefill-{m.key}.log")
+        run.script("kernels/profile_step.py", *argv, log=f"prefill-{m.key}.log")
         ms = json.loads(path.read_text())["steps"][0]["step_ms"]
         row = m.info() | {"tokens": tokens, "step_ms": ms, "tok_s": tokens / ms * 1e3, "llama_bench_tok_s": None}
         if run.args.llama["bench"] and m.file:
@@ -354,7 +356,7 @@ def spec(run: Run) -> None:
     path = run.out / "spec.json"
     argv = ["--workloads", "copy" if q else "chat,copy,forced", "--concurrency", "1" if q else "1,4,16,64"]
     argv += ["--repeats", "1" if q else "3", "--max-tokens", "32" if q else "96", "--json", str(path)]
-    run.script("bench_spec.py", *argv, log="spec.log")
+    run.script("features/bench_spec.py", *argv, log="spec.log")
     run.section("spec", {"rows": json.loads(path.read_text())})
 
 
@@ -364,7 +366,7 @@ def cluster(run: Run) -> None:
     argv = ["--out", str(path)]
     if q:
         argv += ["--conversations", "4", "--concurrency", "2", "--max-tokens", "16", "--latency-requests", "10"]
-    run.script("bench_cluster.py", *argv, log="cluster.log")
+    run.script("features/bench_cluster.py", *argv, log="cluster.log")
     report = json.loads(path.read_text())
     run.section("cluster", {"setups": report["setups"], "key_cost": report["key_cost"]})
 

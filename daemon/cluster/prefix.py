@@ -6,7 +6,7 @@ engine's own KV block hashes cover every token before them). Two requests
 whose texts start alike share their leading hashes, so the router can find the
 replica that served the longest common start — a conversation's next turn, or
 another request with the same system prompt — with dictionary lookups.
-scripts/bench_cluster.py measures this against rendering and tokenizing.
+scripts/features/bench_cluster.py measures this against rendering and tokenizing.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 llguidance (a Rust library with no other dependencies) compiles a JSON schema into a grammar over the
 model's own vocabulary and, before each token, says which tokens may come next; the sampler drops the rest.
-Chosen over xgrammar by `scripts/bench_grammar.py` (BENCHMARKS.md, *Structured output*): the same mask cost
+Chosen over xgrammar by `scripts/kernels/bench_grammar.py` (BENCHMARKS.md, *Structured output*): the same mask cost
 at one sequence, 3-10x faster compiles, and no dependency on torch, transformers and triton.
 
 The engine's core sees a `Grammar` only through three methods -- fill_mask, accept, is_done -- so it stays

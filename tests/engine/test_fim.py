@@ -103,7 +103,7 @@ def test_a_ggufs_own_named_markers_come_before_the_names(tmp_path):
     from minibatch.engine.store.cache import prepare_gguf
     from minibatch.engine.text.tokenizer import TextTokenizer
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "dev"))
     from make_model import Shape, write_gguf
 
     shape = Shape("llama", 64, 128, 1, 2, 1, 32, True, False, 1e4, 1e-5, 512, 49160)  # 8 tokens past the built-in's

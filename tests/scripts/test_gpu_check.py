@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py without a GPU: the refusal, the bare-machine bootstrap, the bf16 arithmetic, and the whole
+"""scripts/dev/gpu_check.py without a GPU: the refusal, the bare-machine bootstrap, the bf16 arithmetic, and the whole
 pipeline on the CPU with a tiny model (--smoke-cpu), so the first GPU run does not find the script's own bugs."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "gpu_check.py"
-sys.path.insert(0, str(ROOT / "scripts"))
+SCRIPT = ROOT / "scripts" / "dev" / "gpu_check.py"
+sys.path.insert(0, str(ROOT / "scripts" / "dev"))
 
 import gpu_check  # noqa: E402
 
@@ -66,7 +66,8 @@ def test_bootstrap_unpacks_only_what_is_missing_and_names_what_it_cannot_find(tm
 def test_bootstrap_imports_minibatch_from_the_working_tree_without_an_install(tmp_path):
     """-S: no site-packages, so no installed minibatch; the bootstrap links the tree's folders into a package root."""
     code = (
-        f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); import gpu_check; from pathlib import Path; "
+        f"import sys; sys.path.insert(0, {str(ROOT / 'scripts' / 'dev')!r}); import gpu_check; "
+        "from pathlib import Path; "
         f"print(gpu_check.bootstrap(Path({str(tmp_path)!r}), None, needed=())); "
         "import minibatch.kernels.gpu.triton_support as t; print(t.__file__)"
     )

@@ -31,28 +31,28 @@ pytestmark = pytest.mark.model
 # The scripts table (docs/scripts.md), script by script, and the module and test that run it.
 COVERED = {
     "fire.py": "test_fire",
-    "bench_chat.py": "test_bench_chat",
-    "bench_spec.py": "test_bench_spec",
-    "bench_models.py": "test_bench_models",
+    "features/bench_chat.py": "test_bench_chat",
+    "features/bench_spec.py": "test_bench_spec",
+    "features/bench_models.py": "test_bench_models",
     "bench.py": "test_bench_over_the_socket",
-    "bench_engine.py": "in_process:test_bench_engine_quick",
-    "bench_sampling.py": "in_process:test_bench_sampling",
-    "bench_embeddings.py": "own_daemons:test_bench_embeddings",
-    "bench_overhead.py": "in_process:test_bench_overhead",
-    "bench_cluster.py": "own_daemons:test_bench_cluster",
+    "kernels/bench_engine.py": "in_process:test_bench_engine_quick",
+    "kernels/bench_sampling.py": "in_process:test_bench_sampling",
+    "features/bench_embeddings.py": "own_daemons:test_bench_embeddings",
+    "features/bench_overhead.py": "in_process:test_bench_overhead",
+    "features/bench_cluster.py": "own_daemons:test_bench_cluster",
     "soak.py": "test_soak",
-    "bench_driver.py": "in_process:test_bench_driver",
+    "kernels/bench_driver.py": "in_process:test_bench_driver",
     "timeline.py": "test_timeline_run",
-    "profile_step.py": "in_process:test_profile_step",
-    "bench_grammar.py": "in_process:test_bench_grammar",
-    "bench_decode_attention.py": "in_process:test_bench_decode_attention",
-    "bench_long_attention.py": "in_process:test_bench_long_attention",
-    "bench_long_context.py": "own_daemons:test_bench_long_context",
-    "bench_agent.py": "own_daemons:test_bench_agent",
-    "bench_infill.py": "own_daemons:test_bench_infill",
-    "bench_quant_matmul.py": "in_process:test_bench_quant_matmul",
-    "make_model.py": "in_process:test_make_model",
-    "perplexity.py": "in_process:test_perplexity",
+    "kernels/profile_step.py": "in_process:test_profile_step",
+    "kernels/bench_grammar.py": "in_process:test_bench_grammar",
+    "kernels/bench_decode_attention.py": "in_process:test_bench_decode_attention",
+    "kernels/bench_long_attention.py": "in_process:test_bench_long_attention",
+    "features/bench_long_context.py": "own_daemons:test_bench_long_context",
+    "features/bench_agent.py": "own_daemons:test_bench_agent",
+    "features/bench_infill.py": "own_daemons:test_bench_infill",
+    "kernels/bench_quant_matmul.py": "in_process:test_bench_quant_matmul",
+    "dev/make_model.py": "in_process:test_make_model",
+    "kernels/perplexity.py": "in_process:test_perplexity",
     "fuzz.sh": "own_daemons:test_fuzz_script",
     "record.py": "own_daemons:test_record_quick",
     "tables.py": "test_tables_check",
@@ -62,7 +62,7 @@ COVERED = {
 
 def test_every_script_in_the_scripts_table_has_a_test_here():
     table = marked(ROOT / "docs" / "scripts.md", "scripts")
-    listed = set(re.findall(r"^\| `scripts/([a-z_]+\.(?:py|sh))`", table, re.M))
+    listed = set(re.findall(r"^\| `scripts/((?:[a-z_]+/)?[a-z_]+\.(?:py|sh))`", table, re.M))
     assert listed == set(COVERED), listed ^ set(COVERED)
     for where in COVERED.values():
         module, _, name = where.rpartition(":")
@@ -213,7 +213,7 @@ def test_bench_chat(daemon, env, tmp_path):
     """The real chat in a pseudo-terminal, two panes broadcasting, against the same requests without it."""
     report = tmp_path / "chat.json"
     args = ["--socket", daemon.socket, "--panes", "2", "--max-tokens", "12", "--repeats", "1", "--hog", "0.5"]
-    proc = run(env, SCRIPTS / "bench_chat.py", *args, "--size", "120x36", "--json", report)
+    proc = run(env, SCRIPTS / "features" / "bench_chat.py", *args, "--size", "120x36", "--json", report)
     (row,) = json.loads(report.read_text())["rows"]
     with_chat, without = row["with"], row["without"]
     # the chat's sampling defaults, seeded: the chat's requests and the plain client's draw the same tokens
@@ -246,12 +246,12 @@ def test_bench_models(daemon, env, tmp_path, models_folder):
     made = [models_folder / f"m{seed}.gguf" for seed in (1, 2)]
     for seed, path in zip((1, 2), made):
         shape = ["--shape", "smollm2-135m", "--layers", "2", "--quantize", "Q4_1", "--seed", str(seed)]
-        run(env, SCRIPTS / "make_model.py", *shape, "--out", path)
+        run(env, SCRIPTS / "dev" / "make_model.py", *shape, "--out", path)
     report = tmp_path / "models.json"
     args = ["--socket", daemon.socket, "--models", "m1,m2", "--concurrency", "1"]
     proc = run(
         env,
-        SCRIPTS / "bench_models.py",
+        SCRIPTS / "features" / "bench_models.py",
         *args,
         "--requests",
         "2",
@@ -284,7 +284,7 @@ def test_bench_spec(daemon, env, tmp_path):
     """Speculation on and off through one daemon: the same greedy texts, drafts only where it is on."""
     report = tmp_path / "spec.json"
     args = ["--socket", daemon.socket, "--workloads", "copy,forced", "--concurrency", "1", "--repeats", "1"]
-    proc = run(env, SCRIPTS / "bench_spec.py", *args, "--max-tokens", "16", "--json", report)
+    proc = run(env, SCRIPTS / "features" / "bench_spec.py", *args, "--max-tokens", "16", "--json", report)
     rows = json.loads(report.read_text())
     assert [(r["workload"], r["variant"]) for r in rows] == [
         ("copy", "off"),

@@ -15,11 +15,11 @@ pytestmark = pytest.mark.model
 def test_bench_spec_in_process(env, tmp_path):
     """The two in-process measurements: a forward's time by rows and draft length, and tok/s by K and n."""
     cost, sweep = tmp_path / "cost.json", tmp_path / "sweep.json"
-    run(env, SCRIPTS / "bench_spec.py", "--in-process", "verify-cost", "--repeats", "1", "--json", cost)
+    run(env, SCRIPTS / "features" / "bench_spec.py", "--in-process", "verify-cost", "--repeats", "1", "--json", cost)
     rows = json.loads(cost.read_text())
     assert [r["rows"] for r in rows] == [1, 4, 16] and all(r["k0_ms"] > 0 and r["k8_ms"] > 0 for r in rows)
     args = ["--in-process", "draft-sweep", "--workloads", "copy", "--max-tokens", "4", "--repeats", "1"]
-    run(env, SCRIPTS / "bench_spec.py", *args, "--json", sweep)
+    run(env, SCRIPTS / "features" / "bench_spec.py", *args, "--json", sweep)
     out = json.loads(sweep.read_text())
     assert out[0]["config"] == "off" and out[0]["x_off"] == 1.0 and len(out) == 7 and all(r["tok_s"] > 0 for r in out)
 
@@ -28,7 +28,7 @@ def test_bench_engine_quick(env, tmp_path):
     out = tmp_path / "engine.json"
     proc = run(
         env,
-        SCRIPTS / "bench_engine.py",
+        SCRIPTS / "kernels" / "bench_engine.py",
         "--quick",
         "--requests",
         "4",
@@ -55,7 +55,7 @@ def test_bench_sampling(env, tmp_path):
     out = tmp_path / "sampling.json"
     proc = run(
         env,
-        SCRIPTS / "bench_sampling.py",
+        SCRIPTS / "kernels" / "bench_sampling.py",
         *("--calls", "1", "--concurrency", "2", "--tokens", "4", "--repeats", "1", "--spec", "off", "--json", out),
         timeout=600,
     )
@@ -71,7 +71,7 @@ def test_bench_sampling(env, tmp_path):
 
 
 def test_bench_overhead(env):
-    proc = run(env, SCRIPTS / "bench_overhead.py", "--requests", "3", "--repeats", "1")
+    proc = run(env, SCRIPTS / "features" / "bench_overhead.py", "--requests", "3", "--repeats", "1")
     inproc = number(r"in-process: ([\d.]+) output tok/s", proc.stdout)
     socket_side = number(r"through the socket \(3 concurrent SSE streams\): ([\d.]+) output tok/s", proc.stdout)
     assert number(r"socket / in-process: ([\d.]+)", proc.stdout) == pytest.approx(socket_side / inproc, abs=0.002)
@@ -79,7 +79,16 @@ def test_bench_overhead(env):
 
 def test_bench_driver(env):
     proc = run(
-        env, SCRIPTS / "bench_driver.py", "--batches", "1,2", "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1"
+        env,
+        SCRIPTS / "kernels" / "bench_driver.py",
+        "--batches",
+        "1,2",
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "4",
+        "--repeats",
+        "1",
     )
     assert number(r"batch   1: greedy decode\s+([\d.]+) tok/s", proc.stdout) > 0
     assert number(r"batch   2: greedy decode\s+([\d.]+) tok/s", proc.stdout) > 0
@@ -89,7 +98,16 @@ def test_bench_driver(env):
 @pytest.mark.parametrize("weights", ["native", "float32"])
 def test_profile_step(env, weights):
     proc = run(
-        env, SCRIPTS / "profile_step.py", "--weights", weights, "--rows", "1,3", "--context", "16", "--steps", "2"
+        env,
+        SCRIPTS / "kernels" / "profile_step.py",
+        "--weights",
+        weights,
+        "--rows",
+        "1,3",
+        "--context",
+        "16",
+        "--steps",
+        "2",
     )
     for rows in (1, 3):
         assert number(rf"{rows} running, context ~16: step ([\d.]+) ms", proc.stdout) > 0
@@ -98,7 +116,7 @@ def test_profile_step(env, weights):
     # the same model streams 4-bit blocks natively and every matrix in fp32 dequantised
     assert (90 <= read <= 100) if weights == "native" else (500 <= read <= 560), read
     if weights == "native":  # and the prefill of one prompt in one step
-        proc = run(env, SCRIPTS / "profile_step.py", "--prefill", "64", "--steps", "2")
+        proc = run(env, SCRIPTS / "kernels" / "profile_step.py", "--prefill", "64", "--steps", "2")
         ms, rate = re.search(
             r"a 64-token prompt prefilled in one step: ([\d.]+) ms \(([\d.]+) tok/s", proc.stdout
         ).groups()
@@ -108,7 +126,7 @@ def test_profile_step(env, weights):
 
 def test_bench_grammar(env, tmp_path):
     out = tmp_path / "grammar.json"
-    proc = run(env, SCRIPTS / "bench_grammar.py", "--batch", "2", "--json", out)
+    proc = run(env, SCRIPTS / "kernels" / "bench_grammar.py", "--batch", "2", "--json", out)
     data = json.loads(out.read_text())
     assert len(data["masks"]) == 5 and all(row["llguidance"]["compile_ms"] > 0 for row in data["masks"])
     assert [s["batch"] for s in data["engine_steps"]] == [1, 2]
@@ -116,7 +134,7 @@ def test_bench_grammar(env, tmp_path):
 
 
 def test_bench_decode_attention(env):
-    proc = run(env, SCRIPTS / "bench_decode_attention.py", "--cases", "1x64,2x32", "--repeats", "1")
+    proc = run(env, SCRIPTS / "kernels" / "bench_decode_attention.py", "--cases", "1x64,2x32", "--repeats", "1")
     rows = re.findall(r"^\| (\d+ x \d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|$", proc.stdout, re.M)
     assert [r[0] for r in rows] == ["1 x 64", "2 x 32"] and all(float(r[1]) > 0 and float(r[2]) > 0 for r in rows), (
         proc.stdout
@@ -125,7 +143,7 @@ def test_bench_decode_attention(env):
 
 def test_bench_long_attention(env):
     args = ["--shape", "smollm2-135m", "--contexts", "64,200", "--prefill", "48", "--repeats", "1"]
-    proc = run(env, SCRIPTS / "bench_long_attention.py", *args, "--split", "smollm2-135m-instruct")
+    proc = run(env, SCRIPTS / "kernels" / "bench_long_attention.py", *args, "--split", "smollm2-135m-instruct")
     decode = re.findall(r"^\| (\d+) \| " + r"([\d.]+) \(([\d.]+)\) \| " * 4 + r"([\d.]+) \|$", proc.stdout, re.M)
     assert [r[0] for r in decode] == ["64", "200"] and all(float(x) > 0 for r in decode for x in r[1:]), proc.stdout
     prefill = re.findall(r"^\| 48 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", proc.stdout, re.M)
@@ -140,7 +158,7 @@ def test_bench_long_attention(env):
 def test_bench_quant_matmul(env):
     proc = run(
         env,
-        SCRIPTS / "bench_quant_matmul.py",
+        SCRIPTS / "kernels" / "bench_quant_matmul.py",
         "--shape",
         "qwen2.5-0.5b",
         "--types",
@@ -168,7 +186,7 @@ def test_make_model(env, tmp_path):
     out = tmp_path / "qwen-q5_0.gguf"
     proc = run(
         env,
-        SCRIPTS / "make_model.py",
+        SCRIPTS / "dev" / "make_model.py",
         *("--shape", "qwen2.5-0.5b", "--layers", "2", "--quantize", "Q5_0", "--true-vocab", "--out", out),
     )
     assert out.is_file() and f"make_model: {out}" in proc.stdout
@@ -192,7 +210,9 @@ def test_make_model(env, tmp_path):
 
 
 def test_perplexity(env):
-    proc = run(env, SCRIPTS / "perplexity.py", "--chunks", "2", "--ctx", "128", "--kv-cache-type", "f32,q8_0")
+    proc = run(
+        env, SCRIPTS / "kernels" / "perplexity.py", "--chunks", "2", "--ctx", "128", "--kv-cache-type", "f32,q8_0"
+    )
     rows = {
         r[0]: r[1:]
         for r in re.findall(

@@ -36,7 +36,7 @@ def test_bench_embeddings(env, tmp_path):
         "1",
     ]
     env = {k: v for k, v in env.items() if k != "LLAMA_SERVER"}
-    proc = run(env, SCRIPTS / "bench_embeddings.py", *args, "--json", out, timeout=600)
+    proc = run(env, SCRIPTS / "features" / "bench_embeddings.py", *args, "--json", out, timeout=600)
     mb = json.loads(out.read_text())["minibatch"]
     for side in ("alone", "beside_chats"):
         assert mb[side]["inputs"] == 6 and mb[side]["inputs_s"] > 0 and mb[side]["tokens_s"] > 0
@@ -59,7 +59,7 @@ def test_bench_cluster(env, tmp_path):
         "--threads",
         "1",
     )
-    proc = run(env, SCRIPTS / "bench_cluster.py", *args, "--out", out, timeout=600)
+    proc = run(env, SCRIPTS / "features" / "bench_cluster.py", *args, "--out", out, timeout=600)
     report = json.loads(out.read_text())
     setups = {r["setup"]: r for r in report["setups"]}
     assert set(setups) == {"daemon", "prefix", "least-loaded"}
@@ -160,7 +160,7 @@ def test_bench_long_context(env, tmp_path):
     out = tmp_path / "long.json"
     env = {k: v for k, v in env.items() if k != "LLAMA_SERVER"}
     args = ["--lengths", "64,300", "--types", "q8_0,f32", "--max-tokens", "6", "--threads", "1", "--json", out]
-    proc = run(env, SCRIPTS / "bench_long_context.py", *args, timeout=600)
+    proc = run(env, SCRIPTS / "features" / "bench_long_context.py", *args, timeout=600)
     results = json.loads(out.read_text())
     assert [r["server"] for r in results] == ["minibatchd q8_0", "minibatchd f32"], proc.stdout
     for r in results:
@@ -176,7 +176,7 @@ def test_bench_agent(env, tmp_path):
     env = {k: v for k, v in env.items() if k != "LLAMA_SERVER"}
     args = ["--system-tokens", "300", "--turns", "4", "--restart-after", "1", "--unload-after", "2", "--max-tokens",
             "4", "--threads", "1", "--cold-prompts", "1", "--cold-tokens", "64", "--json", out]  # fmt: skip
-    proc = run(env, SCRIPTS / "bench_agent.py", *args, timeout=600)
+    proc = run(env, SCRIPTS / "features" / "bench_agent.py", *args, timeout=600)
     results = {r["server"]: r for r in json.loads(out.read_text())["results"]}
     off, on = results["minibatchd disk tier off"], results["minibatchd disk tier on"]
     assert [t["event"] for t in on["turns"]] == ["", "restarted", "unloaded", ""]
@@ -189,14 +189,23 @@ def test_bench_agent(env, tmp_path):
     # in-process: the read-or-recompute crossover, and the tier's cost with nothing to hit
     cross = tmp_path / "cross.json"
     args = ["--crossover", "1,2", "--busy", "1", "--repeats", "1", "--threads", "1", "--json", cross]
-    proc = run(env, SCRIPTS / "bench_agent.py", *args, timeout=600)
+    proc = run(env, SCRIPTS / "features" / "bench_agent.py", *args, timeout=600)
     rows = json.loads(cross.read_text())
     assert {(r["k"], r["busy"], r["tier"]) for r in rows} == {(k, b, t) for k in (1, 2) for b in (0, 1) for t in (0, 1)}
     assert all(r["disk_tokens"] == 16 * r["k"] for r in rows if r["tier"])  # read back, every block
     assert all(r["disk_tokens"] == 0 for r in rows if not r["tier"]) and "| 2 | 1 |" in proc.stdout
     ab = tmp_path / "ab.json"
     proc = run(
-        env, SCRIPTS / "bench_agent.py", "--overhead", "2", "--cold-tokens", "48", "--threads", "1", "--json", ab
+        env,
+        SCRIPTS / "features" / "bench_agent.py",
+        "--overhead",
+        "2",
+        "--cold-tokens",
+        "48",
+        "--threads",
+        "1",
+        "--json",
+        ab,
     )
     assert len(json.loads(ab.read_text())) == 2 and "median of 2 pairs" in proc.stdout
 
@@ -212,7 +221,7 @@ def test_bench_infill(env, tmp_path, tiny_chat_model_dir):
     args = ["--gguf", model, "--editors", "1,2", "--sites", "2", "--words", "3", "--burst", "3", "--burst-places", "1",
             "--n-predict", "2", "--threads", "1", "--variants", "reuse,noreuse", "--cache-reuse", "32", "--ctx", "1024",
             "--pause", "0", "--json", out]  # fmt: skip
-    proc = run(env, SCRIPTS / "bench_infill.py", *args, timeout=600)
+    proc = run(env, SCRIPTS / "features" / "bench_infill.py", *args, timeout=600)
     results = {(r["variant"], r["editors"]): r for r in json.loads(out.read_text())["results"]}
     assert set(results) == {("reuse", 1), ("noreuse", 1), ("reuse", 2)}
     on, off = results[("reuse", 1)], results[("noreuse", 1)]
@@ -223,7 +232,7 @@ def test_bench_infill(env, tmp_path, tiny_chat_model_dir):
     assert "| minibatchd --cache-reuse 32 | 1 | 5 |" in proc.stdout
     agree = tmp_path / "agree.json"
     args = ["--agreement", "32", "--sites", "2", "--words", "2", "--n-predict", "2", "--ctx", "1024", "--json", agree]
-    run(env, SCRIPTS / "bench_infill.py", *args, timeout=600)
+    run(env, SCRIPTS / "features" / "bench_infill.py", *args, timeout=600)
     rows = {r["variant"]: r for r in json.loads(agree.read_text())["agreement"]}
     assert set(rows) == {"f16 cache", "ngram speculation", "--cache-reuse 32", "--cache-reuse 32, settle 0"}
     assert rows["f16 cache"]["reused_tokens"] == 0 and rows["ngram speculation"]["same_suggestion"] == 1

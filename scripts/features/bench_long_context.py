@@ -1,9 +1,9 @@
 """Long prompts, one request at a time: prefill and decode tokens per second and RSS, minibatchd per KV cache type
 beside llama-server with the same GGUF (its default f16 cache, and its q8_0 cache with -fa).
 
-  .venv/bin/python scripts/bench_long_context.py --gguf models/qwen05b-q4km.gguf \\
+  .venv/bin/python scripts/features/bench_long_context.py --gguf models/qwen05b-q4km.gguf \\
       --llama-server /path/to/llama-server --lengths 1024,8192,16384 --types q8_0,f16,f32
-  .venv/bin/python scripts/bench_long_context.py --lengths 1024,4096     # the built-in model, minibatchd alone
+  .venv/bin/python scripts/features/bench_long_context.py --lengths 1024,4096     # the built-in model, minibatchd alone
 
 Each server runs alone (two would share the cores), with a pool of --ctx tokens, --threads threads, no prefix
 reuse between requests: every prompt starts with a fresh random tag; minibatchd without speculation (drafts
@@ -28,11 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import aiohttp  # noqa: E402
 
-TEXT = Path(__file__).resolve().parent / "data" / "hamlet.txt"
+TEXT = Path(__file__).resolve().parents[1] / "data" / "hamlet.txt"
 
 
 def prompt_of(tokenizer, length: int, rng: random.Random) -> str:

@@ -1,6 +1,6 @@
 """What grammar-constrained decoding costs per token with the built-in vocabulary: llguidance against xgrammar.
 
-  .venv/bin/python scripts/bench_grammar.py [--json results/grammar.json]
+  .venv/bin/python scripts/kernels/bench_grammar.py [--json results/grammar.json]
 
 For each JSON schema both libraries compile it, then walk one valid instance token by token (the
 built-in tokenizer's ids of `json.dumps(instance)`; where a library refuses the next id, the lowest id it

@@ -14,9 +14,9 @@ script writes with make_model.py when missing), through the daemon's socket:
 Without --socket it starts its own daemon for each --loops rule (shared: every model's steps alternate on
 one thread; per-model: a thread each, stepping at once), with a fresh model cache.
 
-    python scripts/bench_models.py
-    python scripts/bench_models.py --models smollm2-135m-instruct,/models/qwen05b.gguf --loops shared,per-model
-    python scripts/bench_models.py --socket /tmp/d.sock --models smollm2-135m-instruct,qwen2.5:0.5b
+    python scripts/features/bench_models.py
+    python scripts/features/bench_models.py --models smollm2-135m-instruct,/models/qwen05b.gguf --loops shared,per-model
+    python scripts/features/bench_models.py --socket /tmp/d.sock --models smollm2-135m-instruct,qwen2.5:0.5b
 
 With --socket, --models are names that daemon serves (GET /v1/models); a daemon this script starts serves a
 model given by path from a models folder of its own, under the file's name.
@@ -36,13 +36,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import CHAT_SET, summarize  # noqa: E402
 from loadgen import session, stream_request  # noqa: E402
 
 from minibatch.daemon.client import request_json  # noqa: E402
 
-SCRIPTS = Path(__file__).resolve().parent
+SCRIPTS = Path(__file__).resolve().parents[1]
 
 
 def rss_mb(pid: int) -> float:
@@ -229,7 +229,7 @@ def second_model(args) -> str:
     """A random model of the built-in's exact shape (or --make-layers layers of it), made once."""
     path = Path(args.make_dir) / f"smollm2-shape-{args.make_layers or 'full'}.q4_1.gguf"
     if not path.exists():
-        cmd = [sys.executable, str(SCRIPTS / "make_model.py"), "--shape", "smollm2-135m", "--out", str(path)]
+        cmd = [sys.executable, str(SCRIPTS / "dev" / "make_model.py"), "--shape", "smollm2-135m", "--out", str(path)]
         cmd += ["--quantize", "Q4_1"] + (["--layers", str(args.make_layers)] if args.make_layers else [])
         subprocess.run(cmd, check=True)
     return str(path)

@@ -16,7 +16,7 @@ Also: batch-1 decode tokens/s (ours vs HF generate), and engine efficiency =
 time of the model's linear layers alone for a 64-row decode batch / our full
 decode step time with 64 requests running.
 
-Run: .venv/bin/python scripts/bench_engine.py [--quick] [--json results/bench_engine.json]
+Run: .venv/bin/python scripts/kernels/bench_engine.py [--quick] [--json results/bench_engine.json]
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Write a random-weight GGUF in the exact shape of a named model, to measure at realistic sizes offline.
 
-  .venv/bin/python scripts/make_model.py --shape llama-3.2-1b --out models/llama1b-f16.gguf
-  .venv/bin/python scripts/make_model.py --shape qwen2.5-0.5b --out models/qwen05b.gguf \\
+  .venv/bin/python scripts/dev/make_model.py --shape llama-3.2-1b --out models/llama1b-f16.gguf
+  .venv/bin/python scripts/dev/make_model.py --shape qwen2.5-0.5b --out models/qwen05b.gguf \\
       --llama-quantize /path/to/llama-quantize --quantize Q4_K_M      # exactly the type mix of a real file
-  .venv/bin/python scripts/make_model.py --shape qwen2.5-0.5b --out models/qwen05b-q8.gguf --quantize Q8_0
-  .venv/bin/python scripts/make_model.py --shape qwen2.5-0.5b --true-vocab --fim --out models/coder05b.gguf  # /infill
+  .venv/bin/python scripts/dev/make_model.py --shape qwen2.5-0.5b --out models/qwen05b-q8.gguf --quantize Q8_0
+  .venv/bin/python scripts/dev/make_model.py --shape qwen2.5-0.5b --true-vocab --fim --out models/coder05b.gguf
 
 Every matrix has the named model's shape (layers, heads, grouped KV heads, MLP width, biases, tied or
 separate output), drawn from a normal distribution of a trained model's scale (std 0.02, norms 1); the

@@ -2,8 +2,8 @@
 every turn of a conversation whose long prefix (a system prompt, a tool list, the files it read) is the same
 at every turn, with the server restarted and the model unloaded between turns.
 
-  .venv/bin/python scripts/bench_agent.py --gguf models/qwen05b-q4km.gguf --llama-server /path/to/llama-server
-  .venv/bin/python scripts/bench_agent.py --system-tokens 1500 --turns 5 --restart-after 2 --unload-after 3
+  .venv/bin/python scripts/features/bench_agent.py --gguf models/qwen05b-q4km.gguf --llama-server /path/to/llama-server
+  .venv/bin/python scripts/features/bench_agent.py --system-tokens 1500 --turns 5 --restart-after 2 --unload-after 3
 
 The trace is fixed and the same for every server: a system part of --system-tokens tokens (instructions, a JSON
 list of tools, then source files of this project as the files the agent read), then --turns turns; each turn
@@ -35,11 +35,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import aiohttp  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FILES = ("engine/core/scheduler.py", "engine/core/block_manager.py", "engine/core/engine.py", "daemon/app.py")
 ANSWER = "I looked at the scheduler and the block manager. The change belongs in `_admit`; I will edit it next."
 

@@ -1,7 +1,7 @@
 """Code completion as you type: an editing session replayed against minibatchd's and llama-server's /infill.
 
-  .venv/bin/python scripts/bench_infill.py --gguf models/coder05b.gguf --llama-server /path/to/llama-server
-  .venv/bin/python scripts/bench_infill.py --gguf models/coder05b.gguf --editors 1 --sites 3 --variants reuse
+  .venv/bin/python scripts/features/bench_infill.py --gguf models/coder05b.gguf --llama-server /path/to/llama-server
+  .venv/bin/python scripts/features/bench_infill.py --gguf models/coder05b.gguf --editors 1 --sites 3 --variants reuse
 
 The session is the one an editor plugin (llama.vscode) makes of a developer editing a real source file, the
 standard library's argparse.py (2,600 lines): the cursor goes down the file a few lines at a time; at each
@@ -37,8 +37,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_agent import LlamaServer, Minibatchd  # noqa: E402
 

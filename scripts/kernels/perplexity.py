@@ -1,9 +1,9 @@
 """Perplexity of a model over a text, computed as llama.cpp's `llama-perplexity` computes it, per weight path
 and KV cache type.
 
-  .venv/bin/python scripts/perplexity.py                                  # built-in model, native and native-exact
-  .venv/bin/python scripts/perplexity.py --model file.gguf --weights native,native-exact,float32 --chunks 32
-  .venv/bin/python scripts/perplexity.py --weights native --kv-cache-type f32,f16,q8_0   # llama-perplexity -ctk/-ctv
+  .venv/bin/python scripts/kernels/perplexity.py                       # built-in model, native and native-exact
+  .venv/bin/python scripts/kernels/perplexity.py --model file.gguf --weights native,native-exact,float32 --chunks 32
+  .venv/bin/python scripts/kernels/perplexity.py --weights native --kv-cache-type f32,f16,q8_0  # as -ctk/-ctv
 
 The text (default: scripts/data/hamlet.txt, public domain) is tokenized whole, as llama-perplexity does
 (a BOS first only when the model's tokenizer adds one), and cut into chunks of --ctx tokens; each chunk
@@ -32,7 +32,7 @@ from minibatch.engine.text.tokenizer import TextTokenizer
 from minibatch.engine.weights.loader import load_model
 from minibatch.kernels.kv_types import KVCacheTypes
 
-TEXT = Path(__file__).resolve().parent / "data" / "hamlet.txt"
+TEXT = Path(__file__).resolve().parents[1] / "data" / "hamlet.txt"
 
 
 @torch.inference_mode()

@@ -4,7 +4,7 @@
 It uses the python3, torch and triton it finds and installs nothing: `minibatch`
 is imported from this working tree, and pure-Python packages the machine lacks
 (platformdirs, gguf, pydantic) are unpacked from the wheel folder that
-`scripts/gpu_wheels.sh` prepares elsewhere. The model is SmolLM2-135M's
+`scripts/dev/gpu_wheels.sh` prepares elsewhere. The model is SmolLM2-135M's
 architecture with seeded random weights, built from its config and tokenizer
 files (`make gpu-prepare` puts them in build/gpu; otherwise the built-in
 model's cache), so nothing large travels.
@@ -59,7 +59,7 @@ import time
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "kernels", "daemon", "tui")
 MODEL_FILES = (
     "config.json",
@@ -132,7 +132,7 @@ def bootstrap(work: Path, wheels: Path | None, needed: tuple[str, ...] = NEEDED)
         if wheels is None or not any(wheels.glob("*.whl")):
             raise SystemExit(
                 f"gpu-check: {', '.join(missing)} cannot be imported and there is no wheel folder at {wheels}: "
-                "run scripts/gpu_wheels.sh (or make gpu-prepare) on a machine with a package registry and bring "
+                "run scripts/dev/gpu_wheels.sh (or make gpu-prepare) on a machine with a package registry and bring "
                 "its folder along"
             )
         site = work / "site"

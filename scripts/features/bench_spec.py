@@ -15,8 +15,8 @@ Workloads:
   forced random windows of Hamlet sent as completions with ignore_eos and a forced length: the model
          rambles past its text, so drafts are mostly wrong (what the adaptive rule must not lose on)
 
-    python scripts/bench_spec.py                      # starts its own daemon on the built-in model
-    python scripts/bench_spec.py --socket /tmp/d.sock # a daemon you started with --speculative ngram
+    python scripts/features/bench_spec.py                      # starts its own daemon on the built-in model
+    python scripts/features/bench_spec.py --socket /tmp/d.sock # a daemon you started with --speculative ngram
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_chat import Daemon  # noqa: E402
 from benchlib import CHAT_SET, summarize  # noqa: E402
 from loadgen import session, stream_request  # noqa: E402
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 COPY_SET = DATA / "copy_prompts.jsonl"
 HAMLET = DATA / "hamlet.txt"
 VARIANTS = {"off": False, "ngram": True}

@@ -1,6 +1,6 @@
 """The daemon's overhead: the same trace in-process (LLMEngine) and through the socket (64 streams).
 
-  .venv/bin/python scripts/bench_overhead.py [--requests 64] [--repeats 3]
+  .venv/bin/python scripts/features/bench_overhead.py [--requests 64] [--repeats 3]
 
 Both sides run continuous batching with the same engine settings; the socket
 side starts its own minibatchd on a temporary socket and streams every request
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loadgen import session, stream_request  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Attention at long contexts on the CPU, per KV cache type: decode bytes per second against a plain copy, and
 the attention part of a prefill.
 
-  .venv/bin/python scripts/bench_long_attention.py [--shape qwen2.5-0.5b] [--contexts 8192,16384,32768]
+  .venv/bin/python scripts/kernels/bench_long_attention.py [--shape qwen2.5-0.5b] [--contexts 8192,16384,32768]
 
 Decode: one sequence's decode step through every layer's attention (the C++ kernel via the CPU backend: store
 the new token, attend over the context), each layer its own cache as in the model, so the step streams the
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

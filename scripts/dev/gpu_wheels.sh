@@ -6,7 +6,7 @@
 # travels with the working tree, and gpu_check.py unpacks from it only what the
 # GPU machine's Python cannot import.
 #
-#   scripts/gpu_wheels.sh [DIR] [PYTHON_VERSION]     (default build/gpu/wheels 3.12)
+#   scripts/dev/gpu_wheels.sh [DIR] [PYTHON_VERSION]     (default build/gpu/wheels 3.12)
 set -euo pipefail
 dir=${1:-build/gpu/wheels}
 pyver=${2:-3.12}

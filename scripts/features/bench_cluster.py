@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchlib import CHAT_SET  # noqa: E402
 from loadgen import percentile, session, stream_request  # noqa: E402

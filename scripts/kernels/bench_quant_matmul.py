@@ -1,6 +1,6 @@
 """One quantized matrix multiply on the CPU: the integer path against the exact one, per type and row count.
 
-  .venv/bin/python scripts/bench_quant_matmul.py [--shape llama-3.2-1b] [--types Q4_K,Q6_K] [--rows 1,16,64,512]
+  .venv/bin/python scripts/kernels/bench_quant_matmul.py [--shape llama-3.2-1b] [--types Q4_K,Q6_K] [--rows 1,16,64,512]
 
 For each weight type, a random matrix of the shape's MLP up projection (out x in), multiplied by random
 fp32 rows: the exact path (each block dequantised for fp32 activations; torch's fp32 GEMM on dequantised
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from minibatch.kernels.cpu.quant import quant_linear, quant_linear_q8, quantize_activations  # noqa: E402
 from minibatch.kernels.quant_types import INT_DOT_TYPES, QUANT_TYPES  # noqa: E402
 from tests.kernels.quant_blocks import random_blocks  # noqa: E402  (random blocks with model-sized scales)

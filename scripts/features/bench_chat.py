@@ -1,9 +1,9 @@
 """The chat beside the engine: one broadcast with the real chat on screen, and the same requests without it.
 
-  .venv/bin/python scripts/bench_chat.py                          # 1, 4 and 6 panes, a private daemon
-  .venv/bin/python scripts/bench_chat.py --panes 4 --max-tokens 256 --repeats 3 --socket PATH
-  .venv/bin/python scripts/bench_chat.py --url http://127.0.0.1:8000 --api-key KEY   # a TCP listener
-  .venv/bin/python scripts/bench_chat.py --hog 0.25,0.5            # also the engine beside a busy loop
+  .venv/bin/python scripts/features/bench_chat.py                          # 1, 4 and 6 panes, a private daemon
+  .venv/bin/python scripts/features/bench_chat.py --panes 4 --max-tokens 256 --repeats 3 --socket PATH
+  .venv/bin/python scripts/features/bench_chat.py --url http://127.0.0.1:8000 --api-key KEY   # a TCP listener
+  .venv/bin/python scripts/features/bench_chat.py --hog 0.25,0.5            # also the engine beside a busy loop
 
 For each pane count it starts `minibatch-chat` in a pseudo-terminal of --size (a real terminal for
 it: the script answers its capability query and reads every byte it draws), types one prompt of the
@@ -46,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import CHAT_SET  # noqa: E402
 from loadgen import env_socket, session, stream_request  # noqa: E402
 

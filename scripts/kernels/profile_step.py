@@ -1,6 +1,6 @@
 """Where one engine step spends its time: a batch-1 and a batch-64 decode step, in-process.
 
-  .venv/bin/python scripts/profile_step.py [--model M] [--weights native|float32] [--rows 1,64] [--context 200]
+  .venv/bin/python scripts/kernels/profile_step.py [--model M] [--weights native|float32] [--rows 1,64] [--context 200]
 
 For each batch size it fills the engine with that many greedy requests of
 --context prompt tokens, lets them reach decode, then times --steps decode
@@ -24,7 +24,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

@@ -3,7 +3,7 @@ a chat load, with the chats' time per output token alone and beside; then the sa
 llama-server --embeddings on the same GGUF (the built-in model; last-token pooling on both), one server at a
 time, both on --threads threads.
 
-  .venv/bin/python scripts/bench_embeddings.py [--clients 16] [--inputs 96] [--chats 4] [--llama-server PATH]
+  .venv/bin/python scripts/features/bench_embeddings.py [--clients 16] [--inputs 96] [--chats 4] [--llama-server PATH]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loadgen import session  # noqa: E402
 from peers import Launch, Running, llamacpp  # noqa: E402
 from peers import minibatch as ours  # noqa: E402

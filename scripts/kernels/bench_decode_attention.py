@@ -1,6 +1,6 @@
 """One layer's decode attention on the CPU: the PyTorch path (gather, then attend) against the C++ kernel.
 
-  .venv/bin/python scripts/bench_decode_attention.py [--shape gemma2-2b] [--softcap 50] [--window 0]
+  .venv/bin/python scripts/kernels/bench_decode_attention.py [--shape gemma2-2b] [--softcap 50] [--window 0]
 
 Each row times the backend's forward for a batch of decode tokens over contexts of the given length
 (median of --repeats calls after warm-up), both paths in the same run, with the model family's
@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 

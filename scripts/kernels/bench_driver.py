@@ -2,7 +2,7 @@
 
 Reports: conversion time (from the cache's record), load time of the converted
 model, peak RSS, and greedy decode tokens/s at several batch sizes (median of
---repeats runs). Run: .venv/bin/python scripts/bench_driver.py
+--repeats runs). Run: .venv/bin/python scripts/kernels/bench_driver.py
 """
 
 from __future__ import annotations

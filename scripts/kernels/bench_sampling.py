@@ -1,8 +1,8 @@
 """What sampling costs: the sampler's own time per row, and the engine's tokens/s sampled beside greedy.
 
-  .venv/bin/python scripts/bench_sampling.py                              # both parts
-  .venv/bin/python scripts/bench_sampling.py --part sampler               # per-row cost by vocabulary and setting
-  .venv/bin/python scripts/bench_sampling.py --part engine --concurrency 1,4,16,64 --repeats 3
+  .venv/bin/python scripts/kernels/bench_sampling.py                              # both parts
+  .venv/bin/python scripts/kernels/bench_sampling.py --part sampler       # per-row cost by vocabulary and setting
+  .venv/bin/python scripts/kernels/bench_sampling.py --part engine --concurrency 1,4,16,64 --repeats 3
 
 sampler: `Sampler.__call__` on the built-in model's own next-token logits (captured while it answers chat
 prompts; 49,152 tokens), on those logits spread over 151,936 tokens (Qwen2.5's and Qwen3's vocabulary: the
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import CHAT_SET  # noqa: E402
 
 from minibatch.engine.core.request import Request  # noqa: E402
