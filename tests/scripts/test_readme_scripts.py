@@ -51,6 +51,7 @@ COVERED = {
     "features/bench_agent.py": "own_daemons:test_bench_agent",
     "features/bench_infill.py": "own_daemons:test_bench_infill",
     "kernels/bench_quant_matmul.py": "in_process:test_bench_quant_matmul",
+    "kernels/roofline.py": "in_process:test_roofline",
     "dev/make_model.py": "in_process:test_make_model",
     "kernels/perplexity.py": "in_process:test_perplexity",
     "fuzz.sh": "own_daemons:test_fuzz_script",

@@ -228,3 +228,25 @@ def test_perplexity(env):
     assert 0 < kl8 < 0.05 and 80 < same8 <= 100
     kl, same = float(rows["native-exact f32"][2]), float(rows["native-exact f32"][3].rstrip("%"))
     assert 0 < kl < 0.1 and 80 < same <= 100  # every token the same is a valid result (an AVX2-only CPU gives it)
+
+
+def test_roofline(env):
+    proc = run(
+        env,
+        SCRIPTS / "kernels" / "roofline.py",
+        *("--shape", "smollm2-135m", "--types", "Q8_0,Q4_K", "--rows", "1,4", "--repeats", "1"),
+    )
+    peaks = dict(re.findall(r"^\| (v\w+ [yz]mm \([^)]+\)|tdpbusd \(AMX-INT8\)) \| ([\d,]+) \|$", proc.stdout, re.M))
+    assert "vpmaddubsw ymm (AVX2)" in peaks, proc.stdout  # every x86-64 machine this runs on has AVX2
+    assert all(float(v.replace(",", "")) > 0 for v in peaks.values())
+    copy = float(re.search(r"^\| copy \(GB/s read\) \| ([\d.]+) \|$", proc.stdout, re.M).group(1))
+    assert copy > 0
+    rows = re.findall(r"^\| Q8_0 \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (.*) \|$", proc.stdout, re.M)
+    assert [r[0] for r in rows] == ["1", "4"], proc.stdout
+    k, n = 576, 1536
+    ref = float(re.search(r"peak \(([\d,]+) G/s\)", proc.stdout).group(1).replace(",", ""))
+    for count, ms, rate, share, gbs in rows:
+        assert float(rate) == pytest.approx(int(count) * n * k / (float(ms) / 1e3) / 1e9, rel=0.05)
+        assert float(share) == pytest.approx(float(rate) / ref, abs=0.01)
+        assert (gbs != "") == (count == "1")
+    assert "| Q4_K | - |" in proc.stdout  # 576 values per row hold no 256-value blocks
