@@ -16,6 +16,7 @@ from aiohttp import web
 from minibatch.engine.core.request import RequestMetrics
 
 from ..generation.pipeline import Constraint, Generation, Reasoning, Running, generate
+from ..models.names import cut
 from ..protocol import ApiError
 from ..state import STATE, read_body
 from .openai_bodies import ChatRequest, CompletionRequest
@@ -118,7 +119,7 @@ def forced_call(body: ChatRequest, specs: list[dict]) -> tuple[list[dict], str |
         if name not in {f["name"] for f in functions}:
             raise ApiError(
                 400,
-                f"tool_choice.function.name: no tool named {name!r} in tools",
+                f"tool_choice.function.name: no tool named {cut(name)!r} in tools",
                 "tool_choice.function.name",
                 "invalid_value",
             )

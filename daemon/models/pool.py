@@ -217,7 +217,7 @@ class ModelPool:
             return m
         loaded = ", ".join(sorted(self.models)) or "none"
         if name:
-            raise ApiError(404, f"model {name!r} is not loaded (loaded: {loaded})", "model", "model_not_loaded")
+            raise ApiError(404, f"model {cut(name)!r} is not loaded (loaded: {loaded})", "model", "model_not_loaded")
         if self.loading:
             raise ApiError(503, "the model is still loading", None, "not_ready", "unavailable", {"Retry-After": "2"})
         raise ApiError(503, "no model is loaded; a request loads one by name", None, "no_model_loaded", "unavailable")

@@ -172,3 +172,26 @@ def test_a_key_header_that_is_not_text_is_a_401(tiny_chat_model_dir):
                     reply += chunk
             assert reply.startswith(b"HTTP/1.1 401"), (header, reply[:200])
         assert d.get("/health")[0] == 200
+
+
+def test_a_long_name_is_cut_in_every_answer_that_shows_it(daemon):
+    """A name the client sent comes back at most 64 characters long, wherever an answer shows it."""
+    long = "m" * 300
+    status, body = daemon.get(f"/v1/engine/stats?model={long}")
+    assert status == 404 and len(body["error"]["message"]) < 200 and "m" * 65 not in body["error"]["message"], body
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    status, body = post(
+        daemon,
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": tools,
+            "tool_choice": {"type": "function", "function": {"name": long}},
+        },
+    )
+    assert status == 400 and body["error"]["param"] == "tool_choice.function.name", body
+    assert "m" * 65 not in body["error"]["message"], body
+    for url in ("/v1/chat/completions", "/api/chat"):
+        status, body = post(daemon, url, {"model": long, "messages": [{"role": "user", "content": "hi"}]})
+        message = body["error"]["message"] if isinstance(body["error"], dict) else body["error"]
+        assert status == 404 and "m" * 65 not in message, body
