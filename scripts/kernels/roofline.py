@@ -37,13 +37,10 @@ from minibatch.kernels.cpu.quant import quant_linear_q8, quantize_activations  #
 from minibatch.kernels.quant_types import INT_DOT_TYPES, QUANT_TYPES  # noqa: E402
 from tests.kernels.quant_blocks import random_blocks  # noqa: E402  (random blocks with model-sized scales)
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_quant_matmul import SHAPES, timed  # noqa: E402  (the MLP shapes, (in, out), and the median timer)
+
 COLD_BYTES = 256 << 20  # the weights' copies taken in turn: past any cache
-SHAPES = {  # (in, out) of the MLP's up projection
-    "smollm2-135m": (576, 1536),
-    "qwen2.5-0.5b": (896, 4864),
-    "llama-3.2-1b": (2048, 8192),
-    "qwen2.5-1.5b": (1536, 8960),
-}
 
 # Each loop returns its accumulators' sum, so that nothing can be left out; `iters` rounds of ACC instructions.
 SOURCE = r"""
@@ -190,16 +187,6 @@ def peak(fn, macs_per_round: int, threads: int, repeats: int) -> float:
         fn(iters)
         rates.append(iters * macs_per_round * threads / (time.perf_counter() - t))
     return statistics.median(rates)
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def copy_rate(repeats: int) -> float:
