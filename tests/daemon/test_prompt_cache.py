@@ -192,6 +192,7 @@ def test_a_key_sees_neither_counts_nor_paths_and_clearing_names_a_model(place, t
         assert status == 400 and out["error"]["param"] == "model", out
         status, out = request_json(str(daemon.socket), "DELETE", "/v1/prompt-cache?model=" + "x" * 300, timeout=30)
         assert status == 404 and "x" * 64 not in out["error"]["message"], out
-        assert daemon.get("/v1/prompt-cache")[1]["blocks"] == own["blocks"]  # nothing cleared
+        # nothing cleared (the writer's thread may still be adding the request's last blocks)
+        assert daemon.get("/v1/prompt-cache")[1]["blocks"] >= own["blocks"]
     finally:
         assert daemon.stop() == 0, daemon.log_text()
