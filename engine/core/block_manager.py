@@ -15,7 +15,12 @@ evicted by being handed out again.
 
 The free queue is least-recently-freed first. A request's blocks are freed in
 reverse order, so its tail blocks (least likely to be shared) are evicted
-before the head of its prompt.
+before the head of its prompt. A freed block that holds no cached contents (a
+partial block, or any block with prefix caching off) goes to the front
+instead: it is the next one handed out, so the blocks in use stay the few the
+load needs and the rest of the pool is never written (on the CPU the pool's
+pages cost memory only once written: cycling through every block put all of
+it in the daemon's resident memory), and cached blocks live longer.
 
 Sliding windows: when every layer of the model attends to the last `window`
 positions only, a block wholly before the window of a request's next token is
@@ -234,6 +239,8 @@ class BlockManager:
         block.ref_count -= 1
         if block.ref_count == 0:
             self.free_queue[block.block_id] = block
+            if block.block_hash is None:  # nothing to hit: handed out again first (the module's docstring)
+                self.free_queue.move_to_end(block.block_id, last=False)
 
     def release_out_of_window(self, req: Request) -> int:
         """Hand back the request's blocks that lie wholly before the sliding window of its next token

@@ -25,9 +25,27 @@ def test_allocation_order_and_reverse_freeing():
     assert bm.allocate(b, 5) and b.block_ids == [4, 5]
     assert bm.num_free_blocks == 2 and bm.usage == pytest.approx(5 / 7)
     bm.free(a)
-    # tail first: a's last block is evicted before its first
-    assert list(bm.free_queue) == [6, 7, 3, 2, 1]
+    # nothing of a's is cached: its blocks are handed out again first, before the pool's never-written ones
+    assert list(bm.free_queue) == [1, 2, 3, 6, 7]
     bm.check_integrity()
+
+
+def test_cached_blocks_wait_at_the_tail_and_a_reused_pool_stays_small():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = req("a", list(range(10)))
+    assert bm.allocate(a, 10) and a.block_ids == [1, 2, 3]
+    bm.cache_full_blocks(computed(a, 10))  # blocks 1 and 2 full: they can be hit
+    bm.free(a)
+    # the partial block first; the cached ones last, a's tail evicted before its head
+    assert list(bm.free_queue) == [3, 4, 5, 6, 7, 2, 1]
+    bm.check_integrity()
+    # one request after another without caching: they take the same few blocks, never the rest of the pool
+    plain = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    for i in range(20):
+        r = req(f"r{i}", list(range(6)))
+        assert plain.allocate(r, 6) and set(r.block_ids) <= {1, 2}
+        plain.free(r)
+    plain.check_integrity()
 
 
 def test_allocate_refuses_without_changing_anything():
@@ -75,12 +93,12 @@ def test_freed_cached_blocks_hit_until_evicted():
     assert bm.allocate(a, 9)  # blocks 1, 2, 3
     bm.cache_full_blocks(computed(a, 9))
     bm.free(a)
-    assert list(bm.free_queue) == [4, 3, 2, 1]
+    assert list(bm.free_queue) == [3, 4, 2, 1]  # block 3 holds a partial block: nothing to hit, first out
     again = req("again", list(range(1, 9)) + [8])
     assert [h.block_id for h in bm.get_computed_blocks(again)] == [1, 2]
-    # Take three blocks: 4, 3 and then 2, which evicts the second cached block.
+    # Take three blocks: 3, 4 and then 2, which evicts the second cached block.
     other = req("other", list(range(200, 212)))
-    assert bm.allocate(other, 12) and other.block_ids == [4, 3, 2]
+    assert bm.allocate(other, 12) and other.block_ids == [3, 4, 2]
     assert [h.block_id for h in bm.get_computed_blocks(again)] == [1]  # only the first block survives
     bm.check_integrity()
 
