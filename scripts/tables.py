@@ -39,15 +39,21 @@ def _ratio(a, b) -> str:
     return "-" if not a or not b else f"{a / b:.2f}×"
 
 
-def stamp(section: dict) -> str:
+PEER_SECTIONS = ("peers", "prefill")  # the sections that measure llama.cpp too: their stamp names its version
+
+
+def stamp(section: dict, name: str = "") -> str:
     run = section["run"]
     m = run["machine"]
     flags = ", ".join(m["flags"]) or "no AVX2"
     how = "`make bench --quick`" if run.get("quick") else "`make bench`"
     dirty = " with uncommitted changes" if run.get("dirty") else ""
+    peer = run["versions"].get("llama.cpp") if name in PEER_SECTIONS else None
     return (
         f"*{how}, {run['date']}, commit `{run['commit'][:10]}`{dirty}: {m['cpu']}, {m['cores']} cores ({flags}), "
-        f"{m['memory_gib']} GiB; torch {run['versions'].get('torch', '?')}.*"
+        f"{m['memory_gib']} GiB; torch {run['versions'].get('torch', '?')}"
+        + (f"; llama.cpp {peer.removeprefix('version: ')}" if peer else "")
+        + ".*"
     )
 
 
@@ -249,7 +255,7 @@ ALSO = {"serving": ("prefill",)}  # a block's columns from another section, whic
 def heading(record: dict, names: tuple[str, ...]) -> str:
     """The stamp of the runs behind a block: one line when one run measured all its sections, else one per section."""
     secs = [(n, record["sections"][n]) for n in names if n in record["sections"]]
-    stamps = {n: stamp(sec) for n, sec in secs}
+    stamps = {n: stamp(sec, n) for n, sec in secs}
     if len(set(stamps.values())) <= 1:
         return next(iter(stamps.values()), "")
     return "  \n".join(f"{n}: {line}" for n, line in stamps.items())
