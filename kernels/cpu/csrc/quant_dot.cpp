@@ -12,7 +12,7 @@
 // A portable path computes the same with plain loops (every CPU; tested here by building without
 // AVX2). Threads split the output columns; up to 8 rows (4 without AVX-512's registers) share every
 // unpacked weight group, and more rows pass over cache-sized tiles of columns a group at a time. Q4_0,
-// Q4_1 and Q8_0 (with VNNI) take eight columns at a time instead, one per lane (dot_cols8), which makes
+// Q4_1, Q5_0, Q5_1 and Q8_0 (with VNNI) take eight columns at a time instead, one per lane (dot_cols8), which makes
 // the rows of a few-sequence decode step or of a verify step cheap: see there.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
@@ -44,8 +44,8 @@ struct Acts {
   const float* d;
   const int16_t* bs;
   int64_t k;
-  const float* sa = nullptr;    // Q4_1: [M, K/32] d times the sum of the block's 32 quants (the minimum's factor)
-  const int32_t* so = nullptr;  // Q4_0, Q8_0: [M, K/32] the sum of the block's 32 quants times the weights' offset
+  const float* sa = nullptr;    // Q4_1, Q5_1: [M, K/32] d times the sum of the block's 32 quants (the minimum's factor)
+  const int32_t* so = nullptr;  // Q4_0, Q5_0, Q8_0: [M, K/32] the sum of the block's 32 quants times the weights' offset
 };
 
 #ifdef MBQ_AVX2
@@ -330,15 +330,16 @@ void dot_rows32_zmm(const Acts& a, const uint8_t* w, int64_t row_bytes, float* o
 }
 #endif
 
-// Q4_0, Q4_1 and Q8_0 eight columns at a time: the lanes of a register are eight weight rows (output
+// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 eight columns at a time: the lanes of a register are eight weight rows (output
 // columns), not eight stretches of one row, so no row's block sum needs a horizontal reduction. For each
 // block the columns' bytes are transposed in registers to four weights per column and lane (a nibble type's
-// 16 bytes give eight registers from four, Q8_0's 32 bytes eight from eight), and one VNNI multiply-add per
+// 16 bytes give eight registers from four, the 5-bit types' fifth bits ORed in from each column's qh, Q8_0's
+// 32 bytes eight from eight), and one VNNI multiply-add per
 // register takes four activations of a row broadcast to every lane: 8 per row and block for 256 products,
 // where the loop above spends 4 and a three-step reduction for 32 products of one column. The eight
 // columns' scales come in one vector, so a row's block then costs a conversion and two or three
-// multiply-adds. The signed types' weights go in as unsigned bytes (Q4_0's nibbles as they are, Q8_0's
-// moved up by 128) and their offset times the activations' block sum comes off in integers, as on the
+// multiply-adds. The signed types' weights go in as unsigned bytes (Q4_0's and Q5_0's values as they are,
+// offsets 8 and 16; Q8_0's moved up by 128) and their offset times the activations' block sum comes off in integers, as on the
 // 512-bit loop. Integer sums are exact whatever their order, and a row is computed alike whatever M is, so
 // its result does not depend on the rows beside it. The nibble types' lanes hold the columns in the order
 // 0 2 4 6 1 3 5 7 (a 128-bit lane each for the even and the odd ones); the store puts them back.
@@ -361,13 +362,15 @@ constexpr bool kVnni = true;
 constexpr bool kVnni = false;
 #endif
 template <int64_t T>
-constexpr bool kColumns8 = T == Q4_0 || T == Q4_1 || (T == Q8_0 && kVnni);
+constexpr bool kColumns8 = T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1 || (T == Q8_0 && kVnni);
 
 template <int64_t T, int M>
 void dot_cols8(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   using Tr = Traits<T>;
   constexpr bool NIB = T != Q8_0;
-  constexpr int64_t QS = T == Q4_1 ? 4 : 2;  // where a block's quants start
+  constexpr bool FIFTH = T == Q5_0 || T == Q5_1;                                  // a fifth bit per weight in qh
+  constexpr int64_t QH = T == Q5_0 ? 2 : 4;                                       // where a block's qh is
+  constexpr int64_t QS = T == Q4_1 ? 4 : T == Q5_0 ? 6 : T == Q5_1 ? 8 : 2;  // where a block's quants start
   constexpr int CH = M <= 4 ? 2 : 1;         // integer chains per row: a lone row's eight multiply-adds in two
   const int64_t nb = a.k / 32;
   const __m256i lo = _mm256_set1_epi8(0x0f);
@@ -402,6 +405,24 @@ void dot_cols8(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, i
         for (int t = 0; t < 4; ++t) {
           u[t] = _mm256_and_si256(z[t], lo);
           u[t + 4] = _mm256_and_si256(_mm256_srli_epi16(z[t], 4), lo);
+        }
+        if constexpr (FIFTH) {  // weight j's fifth bit is bit j of its column's qh: 16 where it is set
+          const __m256i qh = _mm256_setr_epi32(
+              load_i32(c[col[0]] + off + QH), load_i32(c[col[1]] + off + QH), load_i32(c[col[2]] + off + QH),
+              load_i32(c[col[3]] + off + QH), load_i32(c[col[4]] + off + QH), load_i32(c[col[5]] + off + QH),
+              load_i32(c[col[6]] + off + QH), load_i32(c[col[7]] + off + QH));
+          const __m256i sel = _mm256_set1_epi32(0x08040201), sixteen = _mm256_set1_epi8(0x10);
+          // every byte of a lane from the lane's byte 0 (bits 4t..4t+3 after the shift) or byte 2 (16 + 4t..)
+          const __m256i from0 = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4,
+                                                 4, 8, 8, 8, 8, 12, 12, 12, 12);
+          const __m256i from2 = _mm256_add_epi8(from0, _mm256_set1_epi8(2));
+          for (int t = 0; t < 4; ++t) {  // u[t]'s byte b is weight 4t + b; u[t + 4]'s is weight 16 + 4t + b
+            const __m256i s = _mm256_srli_epi32(qh, 4 * t);
+            const __m256i b0 = _mm256_and_si256(_mm256_shuffle_epi8(s, from0), sel);
+            const __m256i b2 = _mm256_and_si256(_mm256_shuffle_epi8(s, from2), sel);
+            u[t] = _mm256_or_si256(u[t], _mm256_and_si256(_mm256_cmpeq_epi8(b0, sel), sixteen));
+            u[t + 4] = _mm256_or_si256(u[t + 4], _mm256_and_si256(_mm256_cmpeq_epi8(b2, sel), sixteen));
+          }
         }
       } else {
         __m256i y[8], t[8], v[8];
@@ -464,8 +485,8 @@ void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, in
   using Tr = Traits<T>;
   if constexpr (Tr::ELEMS == 32) {
 #ifdef MBQ_ZMM
-    // the signed types lose their per-row sign fixes there (measured 4-12% faster at 1-512 rows); Q4_1 and
-    // Q5_1 have none to lose and ran 5-15% slower on it, so they stay on the 256-bit loop
+    // the eight-column kernel first; the other signed types (IQ4_NL) lose their per-row sign fixes on the
+    // 512-bit loop (measured 4-12% faster at 1-512 rows)
     if constexpr (kColumns8<T>) columns8<T, M>(a, w, row_bytes, out, ldo, n0, n1);
     else if constexpr (Tr::SIGNED) dot_rows32_zmm<T, M>(a, w, row_bytes, out, ldo, n0, n1);
     else dot_rows32<T, M>(a, w, row_bytes, out, ldo, n0, n1);
@@ -656,15 +677,15 @@ at::Tensor quant_linear_q8(at::Tensor q, at::Tensor d, at::Tensor bs,  // quanti
   Acts a{q.data_ptr<int8_t>(), d.data_ptr<float>(), bs.data_ptr<int16_t>(), k};
   at::Tensor sums;  // per row and block, once for every column: what the eight-column loop subtracts or adds
 #ifdef MBQ_AVX2
-  if (type == Q4_1) {
+  if (type == Q4_1 || type == Q5_1) {
     sums = mb::empty({m, k / 32}, d.scalar_type());
     float* sp = sums.data_ptr<float>();
     for (int64_t i = 0; i < m * (k / 32); ++i) sp[i] = a.d[i] * (float)(a.bs[2 * i] + a.bs[2 * i + 1]);
     a.sa = sp;
-  } else if (type == Q4_0 || (type == Q8_0 && kVnni)) {
+  } else if (type == Q4_0 || type == Q5_0 || (type == Q8_0 && kVnni)) {
     sums = mb::empty({m, k / 32}, at::kInt);
     int32_t* sp = sums.data_ptr<int32_t>();
-    const int shift = type == Q4_0 ? 3 : 7;  // offsets 8 and 128
+    const int shift = type == Q4_0 ? 3 : type == Q5_0 ? 4 : 7;  // offsets 8, 16 and 128
     for (int64_t i = 0; i < m * (k / 32); ++i) sp[i] = ((int32_t)a.bs[2 * i] + a.bs[2 * i + 1]) * (1 << shift);
     a.so = sp;
   }
