@@ -256,8 +256,8 @@ def heading(record: dict, names: tuple[str, ...]) -> str:
     """The stamp of the runs behind a block: one line when one run measured all its sections, else one per section."""
     secs = [(n, record["sections"][n]) for n in names if n in record["sections"]]
     stamps = {n: stamp(sec, n) for n, sec in secs}
-    if len(set(stamps.values())) <= 1:
-        return next(iter(stamps.values()), "")
+    if len({stamp(sec) for _, sec in secs}) <= 1:  # one run: its stamp, naming llama.cpp where a section measured it
+        return next((line for n, line in stamps.items() if n in PEER_SECTIONS), next(iter(stamps.values()), ""))
     return "  \n".join(f"{n}: {line}" for n, line in stamps.items())
 
 
