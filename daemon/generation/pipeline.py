@@ -28,7 +28,7 @@ from minibatch.engine.core.sampling_params import (
     InvalidParameterError,
     SamplingParams,
 )
-from minibatch.engine.text.fim import Infill, assemble
+from minibatch.engine.text.fim import Infill, assemble, head_bytes
 
 from ..models.pool import LoadedModel
 from ..protocol import ApiError
@@ -322,9 +322,7 @@ def _head(tok, text: str, limit: int | None) -> str:
     (limit + 64) x max_token_bytes bytes hold more than `limit` tokens, whose first ones are the whole text's."""
     if not limit:
         return text
-    keep = (limit + 64) * tok.max_token_bytes
-    data = text.encode("utf-8", "surrogatepass")
-    return text if len(data) <= keep else data[:keep].decode("utf-8", "ignore")
+    return head_bytes(text, (limit + 64) * tok.max_token_bytes)
 
 
 async def _grammar(model: LoadedModel, gen: Generation):

@@ -135,14 +135,14 @@ def cut_for(infill: Infill, window: int, room: int, max_token_bytes: int) -> Inf
     for name, text in reversed(infill.extra):
         if left <= 0:
             break
-        text = _tail(text, left)
+        text = tail_bytes(text, left)
         left -= len(text.encode("utf-8", "surrogatepass"))
         extra.append((name, text))
     extra.reverse()
-    return Infill(_tail(infill.prefix, keep_prefix), _head(infill.suffix, keep_suffix), infill.prompt, extra)
+    return Infill(tail_bytes(infill.prefix, keep_prefix), head_bytes(infill.suffix, keep_suffix), infill.prompt, extra)
 
 
-def _tail(text: str, size: int) -> str:
+def tail_bytes(text: str, size: int) -> str:
     """The text's last `size` bytes of UTF-8 or fewer (whole characters)."""
     if len(text) * 4 <= size:  # (cannot be longer: no need to encode it)
         return text
@@ -150,7 +150,7 @@ def _tail(text: str, size: int) -> str:
     return text if len(data) <= size else data[len(data) - size :].decode("utf-8", "ignore")
 
 
-def _head(text: str, size: int) -> str:
+def head_bytes(text: str, size: int) -> str:
     """The text's first `size` bytes of UTF-8 or fewer (whole characters)."""
     if len(text) * 4 <= size:
         return text
