@@ -125,6 +125,32 @@ def test_integer_linear_matches_its_twin(ext, name, rows, threads):
     assert err < 1e-5, f"{name} rows={rows}: relative error {err:.2e}"
 
 
+# Each 32-value type's largest quants against activations all +-127: where a kernel adds products in int16
+# before widening them (AVX2's maddubs sums, eight or four at a time), these are the sums nearest the limit.
+# Every byte past a block's scales set to one fill: all bits set gives the largest stored quants (15, 31:
+# the unsigned bytes a kernel multiplies), none set the most negative values (-8, -16); Q8_0's -127 and 127.
+SCALE_BYTES = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 2, "Q5_1": 4, "Q8_0": 2}
+EXTREME_FILLS = [(name, 0xFF) for name in SCALE_BYTES if name != "Q8_0"] + [
+    ("Q4_0", 0x00), ("Q5_0", 0x00), ("Q8_0", 0x81), ("Q8_0", 0x7F)]
+
+
+@pytest.mark.parametrize(("name", "fill"), EXTREME_FILLS)
+@pytest.mark.parametrize("sign", [1, -1])
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_integer_linear_is_exact_at_the_largest_products(ext, name, fill, sign, rows):
+    qtype, k, n = QUANT_TYPES[name], 256, 24
+    blocks = random_blocks(qtype, n, k, seed=3).reshape(n, k // 32, -1)
+    blocks[:, :, SCALE_BYTES[name] :] = fill
+    blocks = blocks.reshape(n, -1).contiguous()
+    x = torch.full((rows, k), float(sign))
+    acts = quantize_activations_ref(x, qtype.block_elems)
+    assert int(acts[0].abs().min()) == 127
+    ref = quant_linear_q8_ref(acts, blocks, qtype)
+    got = ext.quant_linear_q8(*acts, blocks, qtype.ggml_id)
+    err = ((got - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-6, f"{name}: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_XS"])
 def test_integer_linear_is_close_to_the_exact_path_and_batch_invariant(name):
     qtype, k = QUANT_TYPES[name], 1024

@@ -10,10 +10,11 @@
 // kernels/cpu/quant.py computes exactly that).
 //
 // A portable path computes the same with plain loops (every CPU; tested here by building without
-// AVX2). Threads split the output columns; up to 8 rows (4 without AVX-512's registers) share every
-// unpacked weight group, and more rows pass over cache-sized tiles of columns a group at a time. Q4_0,
-// Q4_1, Q5_0, Q5_1 and Q8_0 (with VNNI) take eight columns at a time instead, one per lane (dot_cols8), which makes
-// the rows of a few-sequence decode step or of a verify step cheap: see there.
+// AVX2). Threads split the output columns; up to 8 rows (4 without AVX-512's registers, except on the
+// eight-column kernel) share every unpacked weight group, and more rows pass over cache-sized tiles of
+// columns a group at a time. Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (with VNNI) take eight columns at a time
+// instead, one per lane (dot_cols8), which makes the rows of a few-sequence decode step or of a verify
+// step cheap: see there.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include "kernels.h"
@@ -364,6 +365,27 @@ constexpr bool kVnni = false;
 template <int64_t T>
 constexpr bool kColumns8 = T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1 || (T == Q8_0 && kVnni);
 
+// Without VNNI a multiply-add of bytes is maddubs (pairs into int16) and madd (pairs of those into int32),
+// both on the multiplier ports. The nibble types' products are small enough to add G maddubs results in
+// int16 first, exactly: |u| <= 15 (Q4_0, Q4_1) gives pair sums within 2 * 15 * 127 = 3,810, eight of them
+// 30,480; the 5-bit types' |u| <= 31 gives 7,874, four of them 31,496 (activations are within +-127). So a
+// block's eight multiply-adds per row take 9 or 10 multiplier instructions instead of 16, and the sums are
+// the same integers as VNNI's.
+template <int64_t T>
+constexpr int kSums16 = (T == Q5_0 || T == Q5_1) ? 4 : 8;
+
+template <int G>
+inline __m256i pair_sums16(const __m256i* u, const int8_t* x) {
+  __m256i s = _mm256_setzero_si256();
+  for (int g = 0; g < 8; g += G) {
+    __m256i p = _mm256_maddubs_epi16(u[g], _mm256_set1_epi32(load_i32(x + 4 * g)));
+    for (int t = g + 1; t < g + G; ++t)
+      p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[t], _mm256_set1_epi32(load_i32(x + 4 * t))));
+    s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  }
+  return s;
+}
+
 template <int64_t T, int M>
 void dot_cols8(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   using Tr = Traits<T>;
@@ -450,9 +472,13 @@ void dot_cols8(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, i
       for (int r = 0; r < M; ++r) {
         const int8_t* x = a.q + r * a.k + bi * 32;
         __m256i sum[CH];
-        for (int q = 0; q < CH; ++q) sum[q] = _mm256_setzero_si256();
-        for (int t = 0; t < 8; ++t) sum[t % CH] = dpbusd(sum[t % CH], u[t], _mm256_set1_epi32(load_i32(x + 4 * t)));
-        if constexpr (CH == 2) sum[0] = _mm256_add_epi32(sum[0], sum[1]);
+        if constexpr (kVnni) {
+          for (int q = 0; q < CH; ++q) sum[q] = _mm256_setzero_si256();
+          for (int t = 0; t < 8; ++t) sum[t % CH] = dpbusd(sum[t % CH], u[t], _mm256_set1_epi32(load_i32(x + 4 * t)));
+          if constexpr (CH == 2) sum[0] = _mm256_add_epi32(sum[0], sum[1]);
+        } else {
+          sum[0] = pair_sums16<kSums16<T>>(u, x);
+        }
         if constexpr (!Tr::FMIN) sum[0] = _mm256_sub_epi32(sum[0], _mm256_set1_epi32(a.so[r * nb + bi]));
         const float da = a.d[r * nb + bi];
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[0]), _mm256_mul_ps(dw, _mm256_set1_ps(da)), acc[r]);
@@ -574,22 +600,39 @@ constexpr int64_t kRowGroup = 8;
 #else
 constexpr int64_t kRowGroup = 4;
 #endif
+// The eight-column kernel keeps a row's accumulators in memory when registers run out (they are one load
+// and store per block and row beside ~30 instructions), so 8 rows share every unpacked block on AVX2 too:
+// measured on an AVX2-only EPYC (2 cores, [4864 x 896]), the int16 sums above with 8 rows run Q4_0, Q4_1,
+// Q5_0 and Q5_1 at 1.3-1.6x the rate of the old 4-row loop (a madd per maddubs) at 8-64 rows; the sums
+// alone at 4 rows gave about 1.1x.
+#ifdef MBQ_AVX2
+template <int64_t T>
+constexpr int64_t kRows = kColumns8<T> ? 8 : kRowGroup;
+#else
+template <int64_t T>
+constexpr int64_t kRows = kRowGroup;
+#endif
 template <int64_t T>
 void dot_columns(const Acts& a, int64_t m, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0,
                  int64_t n1) {
-  switch (m) {
-    case 1: return dot_rows<T, 1>(a, w, row_bytes, out, ldo, n0, n1);
-    case 2: return dot_rows<T, 2>(a, w, row_bytes, out, ldo, n0, n1);
-    case 3: return dot_rows<T, 3>(a, w, row_bytes, out, ldo, n0, n1);
-#if defined(MBQ_AVX2) && defined(__AVX512VL__)
-    case 4: return dot_rows<T, 4>(a, w, row_bytes, out, ldo, n0, n1);
-    case 5: return dot_rows<T, 5>(a, w, row_bytes, out, ldo, n0, n1);
-    case 6: return dot_rows<T, 6>(a, w, row_bytes, out, ldo, n0, n1);
-    case 7: return dot_rows<T, 7>(a, w, row_bytes, out, ldo, n0, n1);
-    default: return dot_rows<T, 8>(a, w, row_bytes, out, ldo, n0, n1);
-#else
-    default: return dot_rows<T, 4>(a, w, row_bytes, out, ldo, n0, n1);
-#endif
+  if constexpr (kRows<T> == 4) {
+    switch (m) {
+      case 1: return dot_rows<T, 1>(a, w, row_bytes, out, ldo, n0, n1);
+      case 2: return dot_rows<T, 2>(a, w, row_bytes, out, ldo, n0, n1);
+      case 3: return dot_rows<T, 3>(a, w, row_bytes, out, ldo, n0, n1);
+      default: return dot_rows<T, 4>(a, w, row_bytes, out, ldo, n0, n1);
+    }
+  } else {
+    switch (m) {
+      case 1: return dot_rows<T, 1>(a, w, row_bytes, out, ldo, n0, n1);
+      case 2: return dot_rows<T, 2>(a, w, row_bytes, out, ldo, n0, n1);
+      case 3: return dot_rows<T, 3>(a, w, row_bytes, out, ldo, n0, n1);
+      case 4: return dot_rows<T, 4>(a, w, row_bytes, out, ldo, n0, n1);
+      case 5: return dot_rows<T, 5>(a, w, row_bytes, out, ldo, n0, n1);
+      case 6: return dot_rows<T, 6>(a, w, row_bytes, out, ldo, n0, n1);
+      case 7: return dot_rows<T, 7>(a, w, row_bytes, out, ldo, n0, n1);
+      default: return dot_rows<T, 8>(a, w, row_bytes, out, ldo, n0, n1);
+    }
   }
 }
 
@@ -598,10 +641,11 @@ using ColumnsFn = void (*)(const Acts&, int64_t, const uint8_t*, int64_t, float*
 struct TypeInfo {
   ColumnsFn fn;
   int64_t elems, bytes;
+  int64_t rows;  // rows computed together (kRows)
 };
 
 template <int64_t T>
-constexpr TypeInfo info() { return {dot_columns<T>, Traits<T>::ELEMS, Traits<T>::BYTES}; }
+constexpr TypeInfo info() { return {dot_columns<T>, Traits<T>::ELEMS, Traits<T>::BYTES, kRows<T>}; }
 
 TypeInfo type_info(int64_t type) {
   switch (type) {
@@ -695,12 +739,12 @@ at::Tensor quant_linear_q8(at::Tensor q, at::Tensor d, at::Tensor bs,  // quanti
   float* op = out.data_ptr<float>();
   // Tiles of columns whose blocks stay in L2 (~128 KB) while every group of rows passes over them.
   const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(256, (131072 / std::max<int64_t>(row_bytes, 1)) / 16 * 16));
-  parallel_chunks_for_rows(m, n, m <= kRowGroup ? 64 : tile, [&](int64_t n0, int64_t n1) {
+  parallel_chunks_for_rows(m, n, m <= t.rows ? 64 : tile, [&](int64_t n0, int64_t n1) {
     for (int64_t c0 = n0; c0 < n1; c0 += tile)
-      for (int64_t r0 = 0; r0 < m; r0 += kRowGroup) {
+      for (int64_t r0 = 0; r0 < m; r0 += t.rows) {
         const Acts ar{a.q + r0 * k, a.d + r0 * nd, a.bs + r0 * (k / 16), k, a.sa ? a.sa + r0 * nd : nullptr,
                       a.so ? a.so + r0 * nd : nullptr};
-        t.fn(ar, std::min<int64_t>(kRowGroup, m - r0), wp, row_bytes, op + r0 * n, n, c0, std::min<int64_t>(c0 + tile, n1));
+        t.fn(ar, std::min<int64_t>(t.rows, m - r0), wp, row_bytes, op + r0 * n, n, c0, std::min<int64_t>(c0 + tile, n1));
       }
   });
   return out;
