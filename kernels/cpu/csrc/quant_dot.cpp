@@ -589,28 +589,21 @@ void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, in
 }
 #endif
 
-// Rows of the integer path computed together (their accumulators stay in registers); more rows run
-// in groups of this many over each tile of columns, so the tile's weights come from cache. With AVX-512's
-// 32 vector registers 8 rows' accumulators fit beside a weight group's registers, so every unpacked group
-// serves twice the rows; AVX2's 16 hold 4. Measured (scripts/bench_quant_matmul.py, 16 and 64 rows):
-// 8 rows is 15-25% faster for the 32-value types, IQ4_XS and Q3_K, even for Q8_0, and (on the 512-bit
-// loop) 20-35% faster for Q4_K, Q2_K, Q5_K and Q6_K.
-#if defined(MBQ_AVX2) && defined(__AVX512VL__)
-constexpr int64_t kRowGroup = 8;
-#else
-constexpr int64_t kRowGroup = 4;
-#endif
-// The eight-column kernel keeps a row's accumulators in memory when registers run out (they are one load
-// and store per block and row beside ~30 instructions), so 8 rows share every unpacked block on AVX2 too:
-// measured on an AVX2-only EPYC (2 cores, [4864 x 896]), the int16 sums above with 8 rows run Q4_0, Q4_1,
-// Q5_0 and Q5_1 at 1.3-1.6x the rate of the old 4-row loop (a madd per maddubs) at 8-64 rows; the sums
-// alone at 4 rows gave about 1.1x.
-#ifdef MBQ_AVX2
+// Rows of the integer path computed together: each unpacked weight group serves all of them, their
+// accumulators in registers as far as they go and in memory past that (a load and a store per block and
+// row beside the ~30 instructions of its multiply-adds). More rows run in groups of this many over each
+// tile of columns, so the tile's weights come from cache. 8 rows, on every build: with AVX-512's 32 vector
+// registers measured 15-35% faster than 4 (scripts/bench_quant_matmul.py, 16 and 64 rows); on AVX2's 16,
+// on an AVX2-only EPYC (2 cores, [4864 x 896] and [896 x 4864], 8-64 rows), 7-11% for Q8_0, 8-20%
+// IQ4_NL, 25-50% Q6_K, Q5_K, Q3_K and IQ4_XS, 4-9% Q2_K, and with the eight-column kernel's int16 sums
+// 1.3-1.6x for Q4_0, Q4_1, Q5_0 and Q5_1 (the sums alone at 4 rows: about 1.1x). Q4_K's 256-bit loop is
+// 3% slower at 8 rows there, and keeps 4.
+#if defined(MBQ_AVX2) && !defined(__AVX512VL__)
 template <int64_t T>
-constexpr int64_t kRows = kColumns8<T> ? 8 : kRowGroup;
+constexpr int64_t kRows = T == Q4_K ? 4 : 8;
 #else
 template <int64_t T>
-constexpr int64_t kRows = kRowGroup;
+constexpr int64_t kRows = 8;
 #endif
 template <int64_t T>
 void dot_columns(const Acts& a, int64_t m, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0,
