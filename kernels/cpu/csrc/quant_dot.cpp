@@ -591,16 +591,17 @@ void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, in
 
 // Rows of the integer path computed together: each unpacked weight group serves all of them, their
 // accumulators in registers as far as they go and in memory past that (a load and a store per block and
-// row beside the ~30 instructions of its multiply-adds). More rows run in groups of this many over each
-// tile of columns, so the tile's weights come from cache. 8 rows, on every build: with AVX-512's 32 vector
-// registers measured 15-35% faster than 4 (scripts/bench_quant_matmul.py, 16 and 64 rows); on AVX2's 16,
-// on an AVX2-only EPYC (2 cores, [4864 x 896] and [896 x 4864], 8-64 rows), 7-11% for Q8_0, 8-20%
-// IQ4_NL, 25-50% Q6_K, Q5_K, Q3_K and IQ4_XS, 4-9% Q2_K, and with the eight-column kernel's int16 sums
-// 1.3-1.6x for Q4_0, Q4_1, Q5_0 and Q5_1 (the sums alone at 4 rows: about 1.1x). Q4_K's 256-bit loop is
-// 3% slower at 8 rows there, and keeps 4.
+// row beside the ~30 instructions of its multiply-adds). More rows run in groups of nearly equal size over
+// each tile of columns, so the tile's weights come from cache. 8 rows on AVX-512's 32 vector registers:
+// measured 15-35% faster than 4 (scripts/bench_quant_matmul.py, 16 and 64 rows). On AVX2's 16, on an
+// AVX2-only EPYC (2 cores, [4864 x 896] and [896 x 4864], 8-64 rows, interleaved with the 4-row build),
+// 8 rows: 7-11% for Q8_0, 8-20% IQ4_NL, 25-50% Q6_K, Q5_K, Q3_K and IQ4_XS, 4-9% Q2_K; Q4_K's loop is 3%
+// slower and keeps 4. The eight-column kernel's types with its int16 sums take 16 (1.1-1.25x the 4-row
+// build from 9 to 512 rows in a quiet run, 1.3-1.6x in a run beside other work; 16 rows against 8: Q5_0
+// 40 against 47 us a row).
 #if defined(MBQ_AVX2) && !defined(__AVX512VL__)
 template <int64_t T>
-constexpr int64_t kRows = T == Q4_K ? 4 : 8;
+constexpr int64_t kRows = T == Q4_K ? 4 : kColumns8<T> ? 16 : 8;
 #else
 template <int64_t T>
 constexpr int64_t kRows = 8;
@@ -615,7 +616,7 @@ void dot_columns(const Acts& a, int64_t m, const uint8_t* w, int64_t row_bytes, 
       case 3: return dot_rows<T, 3>(a, w, row_bytes, out, ldo, n0, n1);
       default: return dot_rows<T, 4>(a, w, row_bytes, out, ldo, n0, n1);
     }
-  } else {
+  } else if constexpr (kRows<T> == 8) {
     switch (m) {
       case 1: return dot_rows<T, 1>(a, w, row_bytes, out, ldo, n0, n1);
       case 2: return dot_rows<T, 2>(a, w, row_bytes, out, ldo, n0, n1);
@@ -625,6 +626,25 @@ void dot_columns(const Acts& a, int64_t m, const uint8_t* w, int64_t row_bytes, 
       case 6: return dot_rows<T, 6>(a, w, row_bytes, out, ldo, n0, n1);
       case 7: return dot_rows<T, 7>(a, w, row_bytes, out, ldo, n0, n1);
       default: return dot_rows<T, 8>(a, w, row_bytes, out, ldo, n0, n1);
+    }
+  } else {
+    switch (m) {
+      case 1: return dot_rows<T, 1>(a, w, row_bytes, out, ldo, n0, n1);
+      case 2: return dot_rows<T, 2>(a, w, row_bytes, out, ldo, n0, n1);
+      case 3: return dot_rows<T, 3>(a, w, row_bytes, out, ldo, n0, n1);
+      case 4: return dot_rows<T, 4>(a, w, row_bytes, out, ldo, n0, n1);
+      case 5: return dot_rows<T, 5>(a, w, row_bytes, out, ldo, n0, n1);
+      case 6: return dot_rows<T, 6>(a, w, row_bytes, out, ldo, n0, n1);
+      case 7: return dot_rows<T, 7>(a, w, row_bytes, out, ldo, n0, n1);
+      case 8: return dot_rows<T, 8>(a, w, row_bytes, out, ldo, n0, n1);
+      case 9: return dot_rows<T, 9>(a, w, row_bytes, out, ldo, n0, n1);
+      case 10: return dot_rows<T, 10>(a, w, row_bytes, out, ldo, n0, n1);
+      case 11: return dot_rows<T, 11>(a, w, row_bytes, out, ldo, n0, n1);
+      case 12: return dot_rows<T, 12>(a, w, row_bytes, out, ldo, n0, n1);
+      case 13: return dot_rows<T, 13>(a, w, row_bytes, out, ldo, n0, n1);
+      case 14: return dot_rows<T, 14>(a, w, row_bytes, out, ldo, n0, n1);
+      case 15: return dot_rows<T, 15>(a, w, row_bytes, out, ldo, n0, n1);
+      default: return dot_rows<T, 16>(a, w, row_bytes, out, ldo, n0, n1);
     }
   }
 }
@@ -732,12 +752,15 @@ at::Tensor quant_linear_q8(at::Tensor q, at::Tensor d, at::Tensor bs,  // quanti
   float* op = out.data_ptr<float>();
   // Tiles of columns whose blocks stay in L2 (~128 KB) while every group of rows passes over them.
   const int64_t tile = std::max<int64_t>(16, std::min<int64_t>(256, (131072 / std::max<int64_t>(row_bytes, 1)) / 16 * 16));
+  // Rows in groups of nearly equal size (9 rows as 5 and 4, not 8 and a lone one that passes over the tile
+  // for itself): a row's result does not depend on its group's size.
+  const int64_t per = (m + (m + t.rows - 1) / t.rows - 1) / ((m + t.rows - 1) / t.rows);
   parallel_chunks_for_rows(m, n, m <= t.rows ? 64 : tile, [&](int64_t n0, int64_t n1) {
     for (int64_t c0 = n0; c0 < n1; c0 += tile)
-      for (int64_t r0 = 0; r0 < m; r0 += t.rows) {
+      for (int64_t r0 = 0; r0 < m; r0 += per) {
         const Acts ar{a.q + r0 * k, a.d + r0 * nd, a.bs + r0 * (k / 16), k, a.sa ? a.sa + r0 * nd : nullptr,
                       a.so ? a.so + r0 * nd : nullptr};
-        t.fn(ar, std::min<int64_t>(t.rows, m - r0), wp, row_bytes, op + r0 * n, n, c0, std::min<int64_t>(c0 + tile, n1));
+        t.fn(ar, std::min<int64_t>(per, m - r0), wp, row_bytes, op + r0 * n, n, c0, std::min<int64_t>(c0 + tile, n1));
       }
   });
   return out;
