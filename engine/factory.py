@@ -16,6 +16,7 @@ from minibatch.engine.kv_offload.disk import DEFAULT_MIN_TOKENS
 from minibatch.engine.spec_decode.config import DEFAULT_METHOD, DEFAULT_NUM_TOKENS, SpecConfig
 from minibatch.engine.store.cache import DEFAULT_MODEL, resolve_model
 from minibatch.engine.testing import faults
+from minibatch.kernels.cpu.extension import describe as describe_cpu_kernels
 from minibatch.kernels.kv_types import KVCacheTypes
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -330,6 +331,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         weights=model.weights_desc,
         attention=backend.name,
         ops=ops.name,
+        cpu_kernels=describe_cpu_kernels() if device == "cpu" else None,
         block_size=config.block_size,
         num_kv_blocks=num_blocks,
         kv_budget=budget_rule,

@@ -74,6 +74,8 @@ class EngineInfo:
     kv_cache_tokens: int = 0  # tokens the pool holds: its blocks (less the null block) times block_size
     embedding_size: int = 0  # an embedding's length (the hidden size)
     pooling: str = "last"  # how an embedding pools the prompt's hidden states (ModelConfig.pooling)
+    # the CPU kernels: their build and what the integer dot products run on (kernels.cpu.extension.describe)
+    cpu_kernels: str | None = None
 
     def as_dict(self, public: bool = False) -> dict:
         """JSON-ready: the fields, with `memory` nested (None fields left out); `public`: without the server's

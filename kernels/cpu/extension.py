@@ -42,6 +42,15 @@ def build_name() -> str:
     return os.environ.get(BUILD_VARIABLE, "native")
 
 
+def describe() -> str:
+    """What the CPU kernels run as, for /health: the build and the instructions of the integer dot products
+    (avx512-vnni, avx-vnni, avx2 or portable), or that the PyTorch twins run instead."""
+    ext = load_cpu_extension()
+    if ext is None:
+        return "PyTorch twins (the C++ kernels could not be built here)"
+    return f"{build_name()} build; integer dot products on {ext.int_path_kind()}"
+
+
 def load_cpu_extension():
     """The compiled extension, or None when it cannot be built here (then the PyTorch twins run)."""
     global _ext, _tried

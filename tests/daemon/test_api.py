@@ -9,6 +9,8 @@ import subprocess
 
 import pytest
 
+from minibatch.kernels.cpu import extension as cpu_kernels
+
 from .helpers import Daemon, chat_body, read_sse, session
 
 
@@ -32,6 +34,10 @@ def run(coro):
 def test_health_and_models(daemon, tiny_chat_model_dir):
     status, health = daemon.get("/health")
     assert status == 200 and health["status"] == "ok" and health["device"] == "cpu"
+    # which build of the CPU kernels serves, and what its integer dot products run on
+    assert health["cpu_kernels"] == cpu_kernels.describe(), health["cpu_kernels"]
+    if cpu_kernels.load_cpu_extension() is not None:
+        assert health["cpu_kernels"].rsplit(" ", 1)[1] in ("avx512-vnni", "avx-vnni", "avx2", "portable")
     # the operator named it by its path; the API shows its folder's name, never the server's path
     assert health["model"] == tiny_chat_model_dir.name and health["max_model_len"] == 1024
     assert str(tiny_chat_model_dir) not in str(health)

@@ -47,4 +47,5 @@ def any_build(request):
         return ext
     other = load_other_build(request.param)
     assert other.int_path_has_avx2() == (request.param == "avx2") and not other.int_path_has_vnni()
+    assert other.int_path_kind() == request.param  # avx2 or portable
     return other

@@ -3,6 +3,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_ops.h>
+#include <string>
 #include <vector>
 
 namespace mb {
@@ -31,6 +32,7 @@ std::vector<at::Tensor> quantize_activations(at::Tensor x, int64_t block);
 at::Tensor quant_linear_q8(at::Tensor q, at::Tensor d, at::Tensor bs, at::Tensor qweight, int64_t type);
 bool int_path_has_avx2();
 bool int_path_has_vnni();
+std::string int_path_kind();  // the instructions the integer dot products run on: avx512-vnni, avx-vnni, avx2 or portable
 // cpu_ops.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);

@@ -17,6 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear_q8", &quant_linear_q8, "y = x W^T in integers: quantized activations times GGUF blocks");
   m.def("int_path_has_avx2", &int_path_has_avx2, "the integer path was compiled with AVX2");
   m.def("int_path_has_vnni", &int_path_has_vnni, "the integer path's 32-value types use VNNI dot products");
+  m.def("int_path_kind", &int_path_kind, "the instructions the integer dot products run on (avx512-vnni, avx-vnni, avx2, portable)");
   m.def("rms_norm", &rms_norm, "rms_norm(x) * weight (fp32)");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; rms_norm(residual) * weight (fp32)");
   m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding of q and k, in place");

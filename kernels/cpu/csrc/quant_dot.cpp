@@ -781,3 +781,13 @@ bool int_path_has_vnni() {
   return false;
 #endif
 }
+
+std::string int_path_kind() {
+#if defined(MBQ_ZMM)
+  return "avx512-vnni";
+#elif defined(MBQ_AVX2)
+  return kVnni ? "avx-vnni" : "avx2";
+#else
+  return "portable";
+#endif
+}
