@@ -1,11 +1,13 @@
 """Where one engine step spends its time: a batch-1 and a batch-64 decode step, in-process.
 
-  .venv/bin/python scripts/kernels/profile_step.py [--model M] [--weights native|float32] [--rows 1,64] [--context 200]
+  .venv/bin/python scripts/kernels/profile_step.py [--model M] [--weights native|float32] [--rows 1,64] [--context 200] [--sampling chat]
 
-For each batch size it fills the engine with that many greedy requests of
---context prompt tokens, lets them reach decode, then times --steps decode
-steps: the whole step (schedule, forward, sample, update, detokenize) and,
-with wrappers around each part's entry point, the time of the matmuls, the
+For each batch size it fills the engine with that many requests of --context
+prompt tokens (greedy, or --sampling chat / ollama: the benchmarks' presets),
+lets them reach decode, then times --steps decode steps: the whole step
+(schedule, forward, sample, update, detokenize) and, with wrappers around each
+part's entry point, the time of the matmuls (and below it each kind of matrix
+with its storage type: q/k/v, o, gate/up, down, the output head), the
 attention, the small ops, the sampler, the scheduler and the rest.
 
 With --prefill N it times instead the step that prefills one N-token prompt
@@ -25,11 +27,17 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
 from minibatch.engine.core.sampling_params import SamplingParams  # noqa: E402
 from minibatch.engine.factory import EngineConfig, build_engine  # noqa: E402
+
+from benchlib import sampling_presets  # noqa: E402  (scripts/: the benchmarks' sampling presets)
+
+
+BY_KIND = "matmul: "  # the per-kind parts' prefix (they are within "matmul")
 
 
 class Timers:
@@ -65,6 +73,12 @@ def instrument(engine) -> Timers:
     for cls, group in ((QuantLinear, "matmul"), (PackedLinear, "matmul"), (QuantEmbedding, "embedding")):
         timers.wrap(cls, "forward", group)
     timers.wrap(torch.nn.Linear, "forward", "matmul")
+    # and each matrix by its kind and storage type (every layer's q/k/v, o, gate/up, down; the output head)
+    for name, module in engine.runner.model.named_modules():
+        if isinstance(module, (QuantLinear, PackedLinear, torch.nn.Linear)):
+            kind = next(p for p in reversed(name.split(".")) if p != "parts" and not p.isdigit())
+            qtype = getattr(module, "qtype", None)  # a float matrix (torch.nn.Linear) has none
+            timers.wrap(module, "forward", f"{BY_KIND}{kind} {qtype.name if qtype else 'float'}")
     runner = engine.runner
     timers.wrap(runner.model.backend, "forward", "attention (+KV store)")
     timers.wrap(runner.model.backend, "prepare", "attention plan")
@@ -78,10 +92,11 @@ def instrument(engine) -> Timers:
     return timers
 
 
-def fill(engine, rows: int, context: int) -> None:
+def fill(engine, rows: int, context: int, sampling: dict) -> None:
     for i in range(rows):
         prompt = [100 + (i * 37 + j) % 30000 for j in range(context)]
-        engine.add_request(f"p{i}", prompt, SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
+        params = SamplingParams(**sampling, seed=i, max_tokens=1000, ignore_eos=True)
+        engine.add_request(f"p{i}", prompt, params)
     while (
         any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting
     ):
@@ -132,9 +147,14 @@ def profile_prefill(engine, tokens: int, repeats: int) -> tuple[float, dict[str,
 
 
 def print_parts(parts: dict[str, float], total_ms: float) -> None:
-    inside = sum(v for k, v in parts.items() if k not in ("runner (all of the above)", "scheduler", "timeline record"))
+    outside = ("runner (all of the above)", "scheduler", "timeline record")
+    inside = sum(v for k, v in parts.items() if k not in outside and not k.startswith(BY_KIND))
     for group, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
-        print(f"  {group:<28} {ms:7.2f} ms")
+        if not group.startswith(BY_KIND):
+            print(f"  {group:<28} {ms:7.2f} ms")
+        if group == "matmul":  # its parts by kind and type, right below it
+            for kind, kms in sorted(((k, v) for k, v in parts.items() if k.startswith(BY_KIND)), key=lambda kv: -kv[1]):
+                print(f"    {kind[len(BY_KIND):]:<26} {kms:7.2f} ms")
     print(f"  {'rest of the runner':<28} {parts['runner (all of the above)'] - inside:7.2f} ms  (inputs, glue ops)")
     rest = total_ms - parts["runner (all of the above)"] - parts["scheduler"] - parts["timeline record"]
     print(f"  {'rest of the step':<28} {rest:7.2f} ms  (update, detokenize, stats; timed without the wrappers)")
@@ -161,6 +181,12 @@ def main() -> int:
         "--speculative",
         default="off",
         help="the engine's speculative decoding (default off: every step decodes one token per row)",
+    )
+    ap.add_argument(
+        "--sampling",
+        choices=sorted(sampling_presets()),
+        default="greedy",
+        help="what the decode rows sample with: greedy, the chat's defaults, Ollama's (scripts/benchlib.py)",
     )
     ap.add_argument("--json", type=Path, default=None, help="write the measured steps here")
     args = ap.parse_args()
@@ -197,10 +223,10 @@ def main() -> int:
                 kv_cache_gb=1.0,
             )
         )
-        fill(engine, n_rows, args.context)
+        fill(engine, n_rows, args.context, sampling_presets()[args.sampling])
         step_ms, unrecorded_ms, parts = profile(engine, args.steps)
         print(
-            f"\n{engine.info.weights}, {n_rows} running, context ~{args.context}: step {step_ms:.1f} ms "
+            f"\n{engine.info.weights}, {n_rows} running ({args.sampling}), context ~{args.context}: step {step_ms:.1f} ms "
             f"({n_rows / step_ms * 1e3:.1f} tok/s; {unrecorded_ms:.1f} ms without the timeline, interleaved); "
             "per step, instrumented:"
         )
@@ -211,7 +237,14 @@ def main() -> int:
             f"{streamed / parts.get('matmul', float('nan')) / 1e6:.1f} GB/s"
         )
         measured.append(
-            {"kind": "decode", "rows": n_rows, "context": args.context, "step_ms": step_ms, "parts_ms": parts}
+            {
+                "kind": "decode",
+                "rows": n_rows,
+                "context": args.context,
+                "sampling": args.sampling,
+                "step_ms": step_ms,
+                "parts_ms": parts,
+            }
         )
     return write_json(args.json, engine, measured)
 

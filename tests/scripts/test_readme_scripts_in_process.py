@@ -108,10 +108,22 @@ def test_profile_step(env, weights):
         "16",
         "--steps",
         "2",
+        "--sampling",
+        "chat" if weights == "native" else "greedy",
     )
+    sampling = "chat" if weights == "native" else "greedy"
     for rows in (1, 3):
-        assert number(rf"{rows} running, context ~16: step ([\d.]+) ms", proc.stdout) > 0
-    assert number(r"\n  matmul\s+([\d.]+) ms", proc.stdout) > 0
+        assert number(rf"{rows} running \({sampling}\), context ~16: step ([\d.]+) ms", proc.stdout) > 0
+    three = proc.stdout[proc.stdout.rindex("3 running") :]
+    matmul = number(r"\n  matmul\s+([\d.]+) ms", three)
+    assert matmul > 0
+    # below it each kind of matrix with its storage type, the output head's among them; together the whole
+    kinds = dict(re.findall(r"\n    (\w+ \w+)\s+([\d.]+) ms", three))
+    names = {k.split()[0] for k in kinds}
+    assert {"o_proj", "gate_up_proj", "down_proj"} <= names and len(names) >= 5, kinds
+    assert sum(map(float, kinds.values())) == pytest.approx(matmul, rel=0.1, abs=0.05), kinds
+    if weights == "native":
+        assert any(k.endswith("Q4_1") for k in kinds), kinds
     read = number(r"the matmuls read (\d+) MB of weights per step", proc.stdout)
     # the same model streams 4-bit blocks natively and every matrix in fp32 dequantised
     assert (90 <= read <= 100) if weights == "native" else (500 <= read <= 560), read
