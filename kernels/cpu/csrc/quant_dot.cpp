@@ -12,7 +12,7 @@
 // A portable path computes the same with plain loops (every CPU; tested here by building without
 // AVX2). Threads split the output columns; up to 8 rows (4 without AVX-512's registers, except on the
 // eight-column kernel) share every unpacked weight group, and more rows pass over cache-sized tiles of
-// columns a group at a time. Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 (with VNNI) take eight columns at a time
+// columns a group at a time. Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 take eight columns at a time
 // instead, one per lane (dot_cols8), which makes the rows of a few-sequence decode step or of a verify
 // step cheap: see there.
 #include <ATen/core/Tensor.h>
@@ -331,18 +331,20 @@ void dot_rows32_zmm(const Acts& a, const uint8_t* w, int64_t row_bytes, float* o
 }
 #endif
 
-// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 eight columns at a time: the lanes of a register are eight weight rows (output
-// columns), not eight stretches of one row, so no row's block sum needs a horizontal reduction. For each
-// block the columns' bytes are transposed in registers to four weights per column and lane (a nibble type's
-// 16 bytes give eight registers from four, the 5-bit types' fifth bits ORed in from each column's qh, Q8_0's
-// 32 bytes eight from eight), and one VNNI multiply-add per
-// register takes four activations of a row broadcast to every lane: 8 per row and block for 256 products,
-// where the loop above spends 4 and a three-step reduction for 32 products of one column. The eight
-// columns' scales come in one vector, so a row's block then costs a conversion and two or three
-// multiply-adds. The signed types' weights go in as unsigned bytes (Q4_0's and Q5_0's values as they are,
-// offsets 8 and 16; Q8_0's moved up by 128) and their offset times the activations' block sum comes off in integers, as on the
-// 512-bit loop. Integer sums are exact whatever their order, and a row is computed alike whatever M is, so
-// its result does not depend on the rows beside it. The nibble types' lanes hold the columns in the order
+// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 eight columns at a time: the lanes of a register are eight weight rows
+// (output columns), not eight stretches of one row, so no row's block sum needs a horizontal reduction. For
+// each block the columns' bytes are transposed in registers to four weights per column and lane (a nibble
+// type's 16 bytes give eight registers from four, the 5-bit types' fifth bits ORed in from each column's
+// qh, Q8_0's 32 bytes eight from eight), and one VNNI multiply-add per register takes four activations of
+// a row broadcast to every lane: 8 per row and block for 256 products, where the 32-value loop above
+// spends 4 and a three-step reduction for 32 products of one column. Without VNNI the nibble types' maddubs
+// sums add in int16 before one madd (pair_sums16) and Q8_0 multiplies magnitudes by signed activations
+// (signed_sums). The eight columns' scales come in one vector, so a row's block then costs a conversion
+// and two or three multiply-adds. The signed types' weights go in as unsigned bytes (Q4_0's and Q5_0's
+// values as they are, offsets 8 and 16; Q8_0's, with VNNI, moved up by 128) and their offset times the
+// activations' block sum comes off in integers, as on the 512-bit loop. Integer sums are exact whatever
+// their order, and a row is computed alike whatever M is, so its result does not depend on the rows beside
+// it; the float epilogue is the same on every build. The nibble types' lanes hold the columns in the order
 // 0 2 4 6 1 3 5 7 (a 128-bit lane each for the even and the odd ones); the store puts them back.
 inline int32_t load_i32(const void* p) {
   int32_t v;
@@ -356,14 +358,13 @@ inline int16_t load_i16(const void* p) {
   return v;
 }
 
-// Q8_0's flipped bytes reach 255: without VNNI, maddubs would saturate their pair sums, so it stays on its loop.
 #if !defined(MINIBATCH_NO_VNNI) && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
 constexpr bool kVnni = true;
 #else
 constexpr bool kVnni = false;
 #endif
 template <int64_t T>
-constexpr bool kColumns8 = T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1 || (T == Q8_0 && kVnni);
+constexpr bool kColumns8 = T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1 || T == Q8_0;
 
 // Without VNNI a multiply-add of bytes is maddubs (pairs into int16) and madd (pairs of those into int32),
 // both on the multiplier ports. The nibble types' products are small enough to add G maddubs results in
@@ -382,6 +383,20 @@ inline __m256i pair_sums16(const __m256i* u, const int8_t* x) {
     for (int t = g + 1; t < g + G; ++t)
       p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[t], _mm256_set1_epi32(load_i32(x + 4 * t))));
     s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  }
+  return s;
+}
+
+// Q8_0 without VNNI: its bytes reach -128..127, past what maddubs takes unsigned, so each multiply-add
+// is of the weights' magnitudes u and the activations with the weights' signs (sign_epi8 with the weights
+// from memory): pair sums within 2 * 128 * 127 = 32,512, one madd each. 5 instructions per 32 products
+// and row, against the 7-8 of the 32-value loop's sign fixes and horizontal sums.
+inline __m256i signed_sums(const __m256i* u, const int8_t (*signs)[32], const int8_t* x) {
+  __m256i s = _mm256_setzero_si256();
+  for (int t = 0; t < 8; ++t) {
+    const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(x + 4 * t)),
+                                        _mm256_load_si256(reinterpret_cast<const __m256i*>(signs[t])));
+    s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u[t], xs), _mm256_set1_epi16(1)));
   }
   return s;
 }
@@ -415,6 +430,7 @@ void dot_cols8(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, i
       for (int64_t l = bi * per_block; l < std::min(ahead, (bi + 1) * per_block); ++l)
         _mm_prefetch(next + 64 * l, _MM_HINT_T0);
       __m256i u[8];  // u[t]: weights 4t..4t+3 of the block, one column a lane
+      alignas(32) int8_t signs[NIB ? 1 : 8][32];  // Q8_0 without VNNI: the weights as stored, for their signs
       if constexpr (NIB) {
         __m256i y[4];  // columns 2p and 2p+1, 16 bytes each: byte i holds weights i (low nibble) and 16 + i
         for (int p = 0; p < 4; ++p)
@@ -454,10 +470,17 @@ void dot_cols8(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, i
           for (int h = 0; h < 2; ++h)
             v[g + 2 * h] = _mm256_unpacklo_epi64(t[g + h], t[g + h + 2]),
                       v[g + 2 * h + 1] = _mm256_unpackhi_epi64(t[g + h], t[g + h + 2]);
-        const __m256i flip = _mm256_set1_epi8((char)0x80);
         for (int q = 0; q < 4; ++q) {  // v[q]: dwords q and 4 + q of columns 0-3; v[4 + q]: of columns 4-7
-          u[q] = _mm256_xor_si256(_mm256_permute2x128_si256(v[q], v[4 + q], 0x20), flip);
-          u[q + 4] = _mm256_xor_si256(_mm256_permute2x128_si256(v[q], v[4 + q], 0x31), flip);
+          u[q] = _mm256_permute2x128_si256(v[q], v[4 + q], 0x20);
+          u[q + 4] = _mm256_permute2x128_si256(v[q], v[4 + q], 0x31);
+        }
+        if constexpr (kVnni) {  // moved up by 128 (its block sum times 128 comes off below)
+          for (int q = 0; q < 8; ++q) u[q] = _mm256_xor_si256(u[q], _mm256_set1_epi8((char)0x80));
+        } else {  // the signs kept aside for each row's activations, the magnitudes multiplied
+          for (int q = 0; q < 8; ++q) {
+            _mm256_store_si256(reinterpret_cast<__m256i*>(signs[q]), u[q]);
+            u[q] = _mm256_abs_epi8(u[q]);
+          }
         }
       }
       const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(
@@ -476,10 +499,13 @@ void dot_cols8(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, i
           for (int q = 0; q < CH; ++q) sum[q] = _mm256_setzero_si256();
           for (int t = 0; t < 8; ++t) sum[t % CH] = dpbusd(sum[t % CH], u[t], _mm256_set1_epi32(load_i32(x + 4 * t)));
           if constexpr (CH == 2) sum[0] = _mm256_add_epi32(sum[0], sum[1]);
-        } else {
+        } else if constexpr (NIB) {
           sum[0] = pair_sums16<kSums16<T>>(u, x);
+        } else {
+          sum[0] = signed_sums(u, signs, x);
         }
-        if constexpr (!Tr::FMIN) sum[0] = _mm256_sub_epi32(sum[0], _mm256_set1_epi32(a.so[r * nb + bi]));
+        if constexpr (!Tr::FMIN && (NIB || kVnni))
+          sum[0] = _mm256_sub_epi32(sum[0], _mm256_set1_epi32(a.so[r * nb + bi]));
         const float da = a.d[r * nb + bi];
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[0]), _mm256_mul_ps(dw, _mm256_set1_ps(da)), acc[r]);
         if constexpr (Tr::FMIN) acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.sa[r * nb + bi]), acc[r]);
