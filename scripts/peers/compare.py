@@ -118,9 +118,8 @@ def launch_for(spec: str, args, concurrency: int, workdir: Path) -> Launch:
     )
 
 
-async def measure(
-    launch: Launch, trace: list[TraceItem], concurrency: int, repeats: int, body_of, workdir: Path
-) -> dict:
+async def measure(launch: Launch, traces: list[list[TraceItem]], concurrency: int, body_of, workdir: Path) -> dict:
+    """One server at one concurrency: each trace replayed once (a run each), the median of the runs."""
     target = {"url": launch.url} if launch.url else {"socket": launch.socket}
     running = Running(launch, workdir / f"{launch.name.replace(' ', '_')}-c{concurrency}.log")
     try:
@@ -130,7 +129,7 @@ async def measure(
         warm = [TraceItem(0.0, None, None, 4, "Hello there, how are you today?")] * 2
         await replay_http(target, warm, 1, body_of, launch.model)
         runs = []
-        for _ in range(repeats):
+        for trace in traces:
             results, wall = await replay_http(target, trace, concurrency, body_of, launch.model)
             check_counts(trace, results, launch.name)
             runs.append(summarize(results, wall))
@@ -140,7 +139,7 @@ async def measure(
         return {
             "server": launch.name,
             "concurrency": concurrency,
-            "repeats": repeats,
+            "repeats": len(traces),
             "info": launch.info,
             "rss_peak_mb": sampler.peak / 2**20,
             "rss_after_mb": rss_after / 2**20,
@@ -167,17 +166,20 @@ def hf_point(args, trace: list[TraceItem], concurrency: int) -> dict:
     }
 
 
-def point_traces(args) -> dict[int, list[TraceItem]]:
-    """The trace of each concurrency point: the first max(requests, c x per_client) items of one trace,
-    so every point starts with the same requests and c clients are really in flight."""
+def point_traces(args, run: int = 0) -> dict[int, list[TraceItem]]:
+    """The trace of each concurrency point for repeat `run`: the first max(requests, c x per_client) items of
+    one trace, so every point starts with the same requests and c clients are really in flight. Each
+    repeat has prompts of its own (the seed plus the run): a server that keeps past prompts (llama-server's
+    --cache-ram, 8 GiB by default since 2025) would otherwise answer the second run from memory."""
     concurrencies = [int(c) for c in args.concurrencies.split(",")]
     sizes = {c: max(args.requests, c * getattr(args, "per_client", 0)) for c in concurrencies}
-    full = text_trace(max(sizes.values()), args.words, args.output_len, args.seed)
+    full = text_trace(max(sizes.values()), args.words, args.output_len, args.seed + run)
     return {c: full[:n] for c, n in sizes.items()}
 
 
 async def compare(args, body_of) -> list[dict]:
-    traces = point_traces(args)
+    runs = [point_traces(args, run) for run in range(max(args.repeats, 1))]
+    traces = runs[0]
     repeat_at = {int(c) for c in args.repeat_at.split(",") if c}
     rows: list[dict] = []
     out = Path(args.out)
@@ -193,7 +195,9 @@ async def compare(args, body_of) -> list[dict]:
                 if spec == "hf":
                     row = hf_point(args, trace, c)
                 else:
-                    row = await measure(launch_for(spec, args, c, workdir), trace, c, reps, body_of, workdir)
+                    row = await measure(
+                        launch_for(spec, args, c, workdir), [r[c] for r in runs[:reps]], c, body_of, workdir
+                    )
                 row["requests"] = len(trace)
                 rows.append(row)
                 (out / "peers.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2, default=str))

@@ -110,6 +110,10 @@ def test_each_point_gets_at_least_per_client_requests_per_client():
     assert traces[64][:32] == traces[1] == text_trace(32, (16, 64), (8, 128), seed=0)  # the same first requests
     args.per_client = 0
     assert {c: len(t) for c, t in point_traces(args).items()} == {1: 32, 16: 32, 64: 32}
+    # each repeat its own prompts, the same shape of work: no server answers a run from its memory of the last
+    second = point_traces(args, run=1)
+    assert {it.prompt_text for it in second[1]}.isdisjoint(it.prompt_text for it in traces[1])
+    assert second[1] == text_trace(32, (16, 64), (8, 128), seed=1) and len(second[64]) == 32
 
 
 def test_llama_server_command_line():
