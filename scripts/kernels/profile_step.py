@@ -1,6 +1,7 @@
 """Where one engine step spends its time: a batch-1 and a batch-64 decode step, in-process.
 
-  .venv/bin/python scripts/kernels/profile_step.py [--model M] [--weights native|float32] [--rows 1,64] [--context 200] [--sampling chat]
+  .venv/bin/python scripts/kernels/profile_step.py [--model M] [--weights native|float32] [--rows 1,64]
+      [--context 200] [--sampling chat]
 
 For each batch size it fills the engine with that many requests of --context
 prompt tokens (greedy, or --sampling chat / ollama: the benchmarks' presets),
@@ -30,12 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from benchlib import sampling_presets  # noqa: E402  (scripts/: the benchmarks' sampling presets)
 
 from minibatch.engine.core.sampling_params import SamplingParams  # noqa: E402
 from minibatch.engine.factory import EngineConfig, build_engine  # noqa: E402
-
-from benchlib import sampling_presets  # noqa: E402  (scripts/: the benchmarks' sampling presets)
-
 
 BY_KIND = "matmul: "  # the per-kind parts' prefix (they are within "matmul")
 
@@ -154,7 +153,7 @@ def print_parts(parts: dict[str, float], total_ms: float) -> None:
             print(f"  {group:<28} {ms:7.2f} ms")
         if group == "matmul":  # its parts by kind and type, right below it
             for kind, kms in sorted(((k, v) for k, v in parts.items() if k.startswith(BY_KIND)), key=lambda kv: -kv[1]):
-                print(f"    {kind[len(BY_KIND):]:<26} {kms:7.2f} ms")
+                print(f"    {kind[len(BY_KIND) :]:<26} {kms:7.2f} ms")
     print(f"  {'rest of the runner':<28} {parts['runner (all of the above)'] - inside:7.2f} ms  (inputs, glue ops)")
     rest = total_ms - parts["runner (all of the above)"] - parts["scheduler"] - parts["timeline record"]
     print(f"  {'rest of the step':<28} {rest:7.2f} ms  (update, detokenize, stats; timed without the wrappers)")
@@ -226,7 +225,8 @@ def main() -> int:
         fill(engine, n_rows, args.context, sampling_presets()[args.sampling])
         step_ms, unrecorded_ms, parts = profile(engine, args.steps)
         print(
-            f"\n{engine.info.weights}, {n_rows} running ({args.sampling}), context ~{args.context}: step {step_ms:.1f} ms "
+            f"\n{engine.info.weights}, {n_rows} running ({args.sampling}), context ~{args.context}: "
+            f"step {step_ms:.1f} ms "
             f"({n_rows / step_ms * 1e3:.1f} tok/s; {unrecorded_ms:.1f} ms without the timeline, interleaved); "
             "per step, instrumented:"
         )

@@ -237,6 +237,7 @@ def main() -> int:
     print()
     print("| type | rows | ms | G multiply-adds/s | share of the peak | weights GB/s (share of copy) |")
     print("|---|---:|---:|---:|---:|---|")
+    cliffs: dict[str, list[str]] = {}
     with torch.inference_mode():
         for name in args.types.split(","):
             qtype = QUANT_TYPES[name]
@@ -246,6 +247,7 @@ def main() -> int:
             blocks = random_blocks(qtype, n, k, seed=1)
             # copies past the caches, taken in turn: each call reads its weights from memory, as a model's layers do
             ring = itertools.cycle([blocks.clone() for _ in range(max(1, COLD_BYTES // blocks.numel()))])
+            times: dict[int, float] = {}
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, k)
                 took = timed(
@@ -257,7 +259,32 @@ def main() -> int:
                 print(
                     f"| {name} | {rows} | {took * 1e3:.3f} | {rate / 1e9:.1f} | {rate / ref:.2f} | {gbs} |", flush=True
                 )
+                times[rows] = took
+            cliffs[name] = find_cliffs(times)
+    print()
+    for name, found in cliffs.items():
+        print(f"cliffs, {name}: {'; '.join(found) if found else 'none'}")
     return 0
+
+
+CLIFF = 1.10  # past the noise of one median: 10% more time per row, or a batch 10% slower than its halves
+
+
+def find_cliffs(times: dict[int, float]) -> list[str]:
+    """Where a matmul's time per row rises as rows grow, or a batch takes longer than the same rows split in
+    two (of the measured row counts: r against r // 2 and the rest), each past CLIFF."""
+    found = []
+    rows = sorted(times)
+    for a, b in zip(rows, rows[1:]):
+        if times[b] / b > CLIFF * times[a] / a:
+            found.append(f"{b} rows take {times[b] / b * 1e6:.1f} us a row against {times[a] / a * 1e6:.1f} at {a}")
+    for r in rows:
+        half = r // 2
+        if half in times and r - half in times and times[r] > CLIFF * (times[half] + times[r - half]):
+            found.append(
+                f"{r} rows {times[r] * 1e3:.3f} ms against {(times[half] + times[r - half]) * 1e3:.3f} split in two"
+            )
+    return found
 
 
 if __name__ == "__main__":

@@ -130,8 +130,13 @@ def test_integer_linear_matches_its_twin(ext, name, rows, threads):
 # Every byte past a block's scales set to one fill: all bits set gives the largest stored quants (15, 31:
 # the unsigned bytes a kernel multiplies), none set the most negative values (-8, -16); Q8_0's -127 and 127.
 SCALE_BYTES = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 2, "Q5_1": 4, "Q8_0": 2}
-EXTREME_FILLS = [(name, 0xFF) for name in SCALE_BYTES if name != "Q8_0"] + [("Q8_0", 0x80),
-    ("Q4_0", 0x00), ("Q5_0", 0x00), ("Q8_0", 0x81), ("Q8_0", 0x7F)]
+EXTREME_FILLS = [(name, 0xFF) for name in SCALE_BYTES if name != "Q8_0"] + [
+    ("Q8_0", 0x80),
+    ("Q4_0", 0x00),
+    ("Q5_0", 0x00),
+    ("Q8_0", 0x81),
+    ("Q8_0", 0x7F),
+]
 
 
 @pytest.mark.parametrize(("name", "fill"), EXTREME_FILLS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 
@@ -262,3 +263,18 @@ def test_roofline(env):
         assert float(share) == pytest.approx(float(rate) / ref, abs=0.01)
         assert (gbs != "") == (count == "1")
     assert "| Q4_K | - |" in proc.stdout  # 576 values per row hold no 256-value blocks
+    assert re.search(r"^cliffs, Q8_0: ", proc.stdout, re.M), proc.stdout
+
+
+def test_roofline_finds_cliffs():
+    sys.path.insert(0, str(SCRIPTS / "kernels"))
+    try:
+        from roofline import find_cliffs
+    finally:
+        sys.path.remove(str(SCRIPTS / "kernels"))
+    assert find_cliffs({1: 1.0, 2: 1.2, 4: 2.0, 8: 3.9}) == []  # time per row falls or holds: none
+    found = find_cliffs({1: 1.0, 2: 1.2, 4: 3.0})
+    assert found == [
+        "4 rows take 750000.0 us a row against 600000.0 at 2",
+        "4 rows 3000.000 ms against 2400.000 split in two",
+    ]
