@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import tempfile
 from pathlib import Path
 
@@ -19,6 +20,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # turns it on with a folder of its own; and the folder they would list or clear is never the user's.
 os.environ["MINIBATCH_PROMPT_CACHE_GB"] = "0"
 os.environ["MINIBATCH_PROMPT_CACHE_DIR"] = tempfile.mkdtemp(prefix="mb-test-prompt-cache-")
+
+# The Triton interpreter multiplies tiles (tl.dot) with numpy's matmul on OpenBLAS, whose AVX2 kernels (its
+# Haswell and Zen ones) give a row other bits by its place in the tile; a GPU's tile multiply does not, and
+# the Triton tests hold a token's bits whatever its batch. So the tests pin OpenBLAS's SSE3 kernels
+# (Prescott's: every x86-64 CPU has them), whose rows do not depend on their place, before anything loads it:
+# tests/kernels/test_triton_kernels.py's same-bits test failed 3 of 4 on an AVX2-only EPYC with the Zen
+# kernels and passed with these (and with Sandybridge's), as it does with the AVX-512 ones.
+if platform.machine() in ("x86_64", "AMD64"):
+    os.environ.setdefault("OPENBLAS_CORETYPE", "Prescott")
 
 # Triton kernels run in the interpreter on a machine without a GPU; it must be chosen
 # before any kernel is defined, so before any test module imports one.
