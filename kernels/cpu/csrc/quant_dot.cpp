@@ -632,47 +632,20 @@ constexpr int64_t kRows = T == Q4_K ? 4 : kColumns8<T> ? 16 : 8;
 template <int64_t T>
 constexpr int64_t kRows = 8;
 #endif
+// m rows (at most kRows<T>) on the loop instantiated for exactly that many.
+template <int64_t T, int M>
+void dot_columns_upto(const Acts& a, int64_t m, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo,
+                      int64_t n0, int64_t n1) {
+  if constexpr (M > 1) {
+    if (m < M) return dot_columns_upto<T, M - 1>(a, m, w, row_bytes, out, ldo, n0, n1);
+  }
+  dot_rows<T, M>(a, w, row_bytes, out, ldo, n0, n1);
+}
+
 template <int64_t T>
 void dot_columns(const Acts& a, int64_t m, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0,
                  int64_t n1) {
-  if constexpr (kRows<T> == 4) {
-    switch (m) {
-      case 1: return dot_rows<T, 1>(a, w, row_bytes, out, ldo, n0, n1);
-      case 2: return dot_rows<T, 2>(a, w, row_bytes, out, ldo, n0, n1);
-      case 3: return dot_rows<T, 3>(a, w, row_bytes, out, ldo, n0, n1);
-      default: return dot_rows<T, 4>(a, w, row_bytes, out, ldo, n0, n1);
-    }
-  } else if constexpr (kRows<T> == 8) {
-    switch (m) {
-      case 1: return dot_rows<T, 1>(a, w, row_bytes, out, ldo, n0, n1);
-      case 2: return dot_rows<T, 2>(a, w, row_bytes, out, ldo, n0, n1);
-      case 3: return dot_rows<T, 3>(a, w, row_bytes, out, ldo, n0, n1);
-      case 4: return dot_rows<T, 4>(a, w, row_bytes, out, ldo, n0, n1);
-      case 5: return dot_rows<T, 5>(a, w, row_bytes, out, ldo, n0, n1);
-      case 6: return dot_rows<T, 6>(a, w, row_bytes, out, ldo, n0, n1);
-      case 7: return dot_rows<T, 7>(a, w, row_bytes, out, ldo, n0, n1);
-      default: return dot_rows<T, 8>(a, w, row_bytes, out, ldo, n0, n1);
-    }
-  } else {
-    switch (m) {
-      case 1: return dot_rows<T, 1>(a, w, row_bytes, out, ldo, n0, n1);
-      case 2: return dot_rows<T, 2>(a, w, row_bytes, out, ldo, n0, n1);
-      case 3: return dot_rows<T, 3>(a, w, row_bytes, out, ldo, n0, n1);
-      case 4: return dot_rows<T, 4>(a, w, row_bytes, out, ldo, n0, n1);
-      case 5: return dot_rows<T, 5>(a, w, row_bytes, out, ldo, n0, n1);
-      case 6: return dot_rows<T, 6>(a, w, row_bytes, out, ldo, n0, n1);
-      case 7: return dot_rows<T, 7>(a, w, row_bytes, out, ldo, n0, n1);
-      case 8: return dot_rows<T, 8>(a, w, row_bytes, out, ldo, n0, n1);
-      case 9: return dot_rows<T, 9>(a, w, row_bytes, out, ldo, n0, n1);
-      case 10: return dot_rows<T, 10>(a, w, row_bytes, out, ldo, n0, n1);
-      case 11: return dot_rows<T, 11>(a, w, row_bytes, out, ldo, n0, n1);
-      case 12: return dot_rows<T, 12>(a, w, row_bytes, out, ldo, n0, n1);
-      case 13: return dot_rows<T, 13>(a, w, row_bytes, out, ldo, n0, n1);
-      case 14: return dot_rows<T, 14>(a, w, row_bytes, out, ldo, n0, n1);
-      case 15: return dot_rows<T, 15>(a, w, row_bytes, out, ldo, n0, n1);
-      default: return dot_rows<T, 16>(a, w, row_bytes, out, ldo, n0, n1);
-    }
-  }
+  dot_columns_upto<T, kRows<T>>(a, m, w, row_bytes, out, ldo, n0, n1);
 }
 
 using ColumnsFn = void (*)(const Acts&, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t, int64_t);
