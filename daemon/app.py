@@ -16,7 +16,7 @@ from aiohttp import web
 from minibatch.engine.core.timeline import STATES
 from minibatch.engine.kv_offload.disk import summary
 
-from .api import anthropic, embeddings, llama, ollama, openai, openapi, response_store, responses, tokens
+from .api import anthropic, embeddings, llama, ollama, openai, openapi, rerank, response_store, responses, tokens
 from .api.schemas import ModeRequest
 from .guard import Guard, guard_middleware
 from .models.catalog import catalog
@@ -321,5 +321,6 @@ def create_app(state: DaemonState, guard: Guard | None = None) -> web.Applicatio
     responses.add_routes(app)
     tokens.add_routes(app)
     embeddings.add_routes(app)
+    rerank.add_routes(app)
     llama.add_routes(app)
     return app

@@ -11,6 +11,7 @@ from minibatch.engine.core.config import MODES, SCHEDULER_DEFAULTS, SchedulerCon
 from minibatch.engine.core.engine import LLMEngine
 from minibatch.engine.core.info import WEIGHT_MODES, EngineInfo
 from minibatch.engine.core.sampling_params import SAMPLING_DEFAULT_FIELDS
+from minibatch.engine.encoders.config import is_encoder_dir
 from minibatch.engine.heap import release_free_memory
 from minibatch.engine.kv_offload.disk import DEFAULT_MIN_TOKENS
 from minibatch.engine.spec_decode.config import DEFAULT_METHOD, DEFAULT_NUM_TOKENS, SpecConfig
@@ -235,6 +236,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         torch.set_num_threads(config.threads)
 
     model_dir = resolve_model(config.model)
+    if is_encoder_dir(model_dir):
+        return build_encoder_engine(config, model_dir, device, dtype_name)
     backend, ops = select_backend(device, dtype)
     if backend.name == "triton":  # refuse what the GPU kernels cannot run before loading anything
         from minibatch.engine.attention.select import gpu_shape_problems
@@ -354,6 +357,72 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         else f"{spec.method}{' ' + spec.draft_model if spec.draft_model else ''} (up to {spec.num_tokens} tokens)",
     )
     release_free_memory()  # the load's temporaries (file reads, stacked copies) leave the heap
+    return engine
+
+
+def build_encoder_engine(config: EngineConfig, model_dir, device: str, dtype_name: str) -> LLMEngine:
+    """An encoder's engine (BERT, XLM-RoBERTa: embeddings, or a cross-encoder's rerank scores): the same
+    scheduler and step, with no KV cache (an input attends within itself, computed whole in one step: the
+    token budget is raised to the longest input) and so no prefix cache, no speculation, no disk tier. Its
+    block pool still counts each input's tokens, holding no tensors."""
+    import torch
+
+    from minibatch.engine.encoders.loader import load_encoder
+    from minibatch.engine.models.ops import TorchOps
+    from minibatch.engine.runner.model_runner import ModelRunner
+    from minibatch.engine.text.tokenizer import TextTokenizer
+    from minibatch.engine.weights.facts import weight_facts
+
+    model = load_encoder(model_dir, device=device, dtype=getattr(torch, dtype_name), ops=TorchOps())
+    cfg = model.config
+    tokenizer = TextTokenizer(model_dir)
+    max_model_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
+    budget = max(config.max_num_batched_tokens, max_model_len)
+    num_blocks = config.max_num_seqs * -(-max_model_len // config.block_size) + 1
+    runner = faults.wrap_from_env(ModelRunner(model, [], config.block_size))
+    engine = LLMEngine(
+        runner,
+        tokenizer,
+        BlockManager(num_blocks, config.block_size, enable_prefix_caching=False),
+        SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            max_wait_ms=config.max_wait_ms,
+            max_queue=config.max_queue,
+            vocab_size=cfg.vocab_size,
+            cache_reuse=0,
+            whole_prompts=True,
+        ),
+        eos_token_ids=(),
+        mode=config.mode,
+        timeline_steps=config.timeline_steps,
+    )
+    engine.info = EngineInfo(
+        model=config.model,
+        model_dir=str(model_dir),
+        family=cfg.model_type,
+        device=device,
+        dtype=dtype_name,
+        weights=model.weights_desc,
+        attention="bidirectional",
+        ops="torch",
+        cpu_kernels=None,
+        block_size=config.block_size,
+        num_kv_blocks=num_blocks,
+        kv_budget="none (an encoder keeps no KV cache)",
+        max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        vocab_size=cfg.vocab_size,
+        eos_token_ids=(),
+        memory=weight_facts(model),
+        kv_cache_type="none",
+        kv_cache_tokens=(num_blocks - 1) * config.block_size,
+        embedding_size=cfg.num_labels if cfg.pooling == "rank" else cfg.hidden_size,
+        pooling=cfg.pooling,
+        tasks=cfg.tasks,
+    )
+    release_free_memory()
     return engine
 
 

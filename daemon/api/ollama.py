@@ -416,10 +416,18 @@ async def show(request: web.Request) -> web.Response:
                 "general.parameter_count": m.info.memory.num_params if m.info.memory else 0,
                 "context_length": m.info.max_model_len,
             },
-            "capabilities": ["completion", "insert"] if template else ["completion"],
+            "capabilities": capabilities(m.info.tasks, bool(template)),
             "modified_at": entry["modified_at"],
         }
     )
+
+
+def capabilities(tasks: tuple[str, ...], fills: bool) -> list[str]:
+    """Ollama's capability words for what the model does: a decoder completes (and inserts, with
+    fill-in-the-middle tokens); an encoder embeds, or reranks (no Ollama word: ours)."""
+    if "generate" in tasks:
+        return ["completion", "insert"] if fills else ["completion"]
+    return ["embedding" if t == "embed" else t for t in tasks]
 
 
 FILL_TEMPLATE = "{{- if .Suffix }}%s{{ .Prompt }}%s{{ .Suffix }}%s{{- else }}{{ .Prompt }}{{- end }}"

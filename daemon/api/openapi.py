@@ -17,7 +17,18 @@ from pydantic.json_schema import models_json_schema
 from minibatch.engine.core.info import EngineInfo
 
 from ..protocol import MAX_BODY_BYTES
-from . import anthropic, anthropic_bodies, embeddings, llama, ollama, response_store, responses_bodies, schemas, tokens
+from . import (
+    anthropic,
+    anthropic_bodies,
+    embeddings,
+    llama,
+    ollama,
+    rerank,
+    response_store,
+    responses_bodies,
+    schemas,
+    tokens,
+)
 from .openai_bodies import ChatRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
@@ -290,6 +301,19 @@ def _operations() -> list[tuple]:
             {200: {JSON: s.OllamaEmbeddingAnswer}},
             olla_gen,
             [],
+        ),
+        *(
+            (
+                "post",
+                path,
+                "documents ranked against a query by a reranker (a cross-encoder), best first"
+                + (" (TEI's form and answer with `texts`)" if path == "/rerank" else ""),
+                rerank.RerankRequest,
+                {200: {JSON: s.RerankOrTei if path == "/rerank" else s.RerankAnswer}},
+                {**gen, 400: BODY[400] + "; a model that is not a reranker (naming it and what it does)"},
+                [],
+            )
+            for path in rerank.PATHS
         ),
         (
             "post",

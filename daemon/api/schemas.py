@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, RootModel
 
 from minibatch.engine.core.outputs import StepStats
 
@@ -464,6 +464,36 @@ class EmbeddingList(_Out):
     data: list[EmbeddingItem]
     model: str
     usage: EmbeddingUsage
+
+
+class RerankDocument(_Out):
+    text: str
+
+
+class RerankResult(_Out):
+    index: int  # the document's place in the request
+    relevance_score: float  # the reranker's logit for the pair (higher: more relevant)
+    document: RerankDocument | None = None  # with return_documents
+
+
+class RerankAnswer(_Out):
+    """POST /v1/rerank's answer (Jina's and Cohere's shape): the documents best first, top_n of them."""
+
+    id: str
+    object: Literal["list"]
+    model: str
+    results: list[RerankResult]
+    usage: EmbeddingUsage
+
+
+class TeiRank(_Out):
+    index: int
+    score: float  # the sigmoid of the logit, or the logit with raw_scores
+    text: str | None = None  # with return_text
+
+
+class RerankOrTei(RootModel[RerankAnswer | list[TeiRank]]):
+    """POST /rerank's answer: Jina's and Cohere's shape, or TEI's list when the documents came as `texts`."""
 
 
 class OllamaEmbedAnswer(_Out):

@@ -91,6 +91,13 @@ class Generation:
     embed: bool = False
     truncate: bool = False
     dimensions: int | None = None  # an embedding's length the client asked for (only the model's own can be)
+    # Reranking: (query, document) pairs, each one input of a cross-encoder (with `embed`: scored, not continued)
+    pairs: list[tuple[str, str]] | None = None
+
+    @property
+    def task(self) -> str:
+        """What it asks of the model, in EngineInfo.tasks' names."""
+        return "rerank" if self.pairs is not None else "embed" if self.embed else "generate"
 
     def sampling_params(self, max_model_len: int, prompt_len: int, model_defaults: dict) -> SamplingParams:
         """The request's sampling: what it set, else the model's default (generation_config), else the
@@ -252,6 +259,8 @@ async def render(state: DaemonState, model: LoadedModel, gen: Generation) -> tup
     limit = model.info.max_model_len
     if gen.fill is not None:
         return [await off_loop(lambda: _fill_ids(model, gen))], None
+    if gen.pairs is not None:
+        return await off_loop(lambda: _pair_ids(model, gen)), None
     if gen.tools is not None:
         check_template(tok)
     if gen.messages is None:
@@ -317,6 +326,21 @@ def _fill_ids(model: LoadedModel, gen: Generation) -> list[int]:
     )
 
 
+def _pair_ids(model: LoadedModel, gen: Generation) -> list[list[int]]:
+    """Each (query, document) pair as one input; a text that cannot fit is refused before it is encoded
+    (a document is cut instead where the request truncates)."""
+    tok, limit = model.tokenizer, model.info.max_model_len
+    pairs = list(gen.pairs or [])
+    for i, (query, doc) in enumerate(pairs):
+        if i == 0:
+            _check_fits(tok, query, limit, "query", "the query")
+        if gen.truncate:
+            pairs[i] = (query, _head(tok, doc, limit))
+        else:
+            _check_fits(tok, doc, limit, f"{gen.prompt_field}.{i}", "the document")
+    return [tok.encode_pair(query, doc) for query, doc in pairs]
+
+
 def _head(tok, text: str, limit: int | None) -> str:
     """A text to be cut to the context after encoding, cut before it where it is far longer: its first
     (limit + 64) x max_token_bytes bytes hold more than `limit` tokens, whose first ones are the whole text's."""
@@ -339,7 +363,27 @@ async def _grammar(model: LoadedModel, gen: Generation):
     return await response_grammar(model, c.fmt, c.param)
 
 
+# What each task is called in a refusal, and where a client asks for it.
+_TASKS = {
+    "generate": ("generate text", "/v1/chat/completions"),
+    "embed": ("embed", "/v1/embeddings"),
+    "rerank": ("rerank", "/v1/rerank"),
+}
+
+
+def check_task(model: LoadedModel, gen: Generation) -> None:
+    """A request the model cannot serve (a chat to an encoder, an embedding of a reranker, a rerank of a model
+    without a classification head) is a 400 naming the model and what it does."""
+    tasks = model.info.tasks
+    if gen.task in tasks:
+        return
+    does = " and ".join(f"{_TASKS[t][0]} ({_TASKS[t][1]})" for t in tasks)
+    msg = f"model {model.name} cannot {_TASKS[gen.task][0]}: it can {does}"
+    raise ApiError(400, msg, "model", "model_not_supported")
+
+
 async def _start(state: DaemonState, model: LoadedModel, gen: Generation, deadline: float) -> Running:
+    check_task(model, gen)
     engine = model.ready_engine()
     prompts, thinking = await render(state, model, gen)
     if gen.embed:
@@ -379,7 +423,9 @@ def _submit_embeddings(
         msg = f"this model's embeddings have {size} dimensions (it cannot shorten them), got {gen.dimensions}"
         raise ApiError(400, f"dimensions: {msg}", "dimensions", "invalid_value")
     if gen.truncate and limit:
-        prompts = [p[: limit - 1] for p in prompts]  # one position is admission's (it reserves a next token)
+        # one position is admission's (it reserves a next token); an encoder's input keeps its closing separator
+        keep = 1 if "generate" not in model.info.tasks else 0
+        prompts = [p if len(p) < limit else p[: limit - 1 - keep] + p[len(p) - keep :] for p in prompts]
     running = Running(model, gen, prompts, None, arrival, deadline, expired)
     params = SamplingParams(temperature=0.0, max_tokens=1)
     ids = [gen.request_id] if len(prompts) == 1 else [f"{gen.request_id}-{k}" for k in range(len(prompts))]

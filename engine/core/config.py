@@ -20,6 +20,9 @@ class SchedulerConfig:
     cache_reuse: int = 64
     # and the first tokens of each such run after a change are computed, not moved (kv_reuse.plan_runs)
     cache_reuse_settle: int = 16
+    # An encoder's inputs attend both ways: each is computed whole in one step, never in chunks (the token budget
+    # then holds the longest input: the factory raises it to max_model_len)
+    whole_prompts: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -102,7 +102,8 @@ class LLMEngine:
         that one has computed the prompt and borrows its KV blocks instead of computing them again.
         `checked`: the caller (AsyncEngine) ran the admission checks already, counting its in-flight requests.
         `pooling` ("last", "mean" or "cls"): an embedding request, which ends with its prompt's pooled hidden
-        states (RequestOutput.embedding) once the prompt is computed, in the same batches as the others.
+        states (RequestOutput.embedding) once the prompt is computed, in the same batches as the others; "rank":
+        a cross-encoder's scores of the pair its prompt holds, in the same place.
         `cache_salt`: the prefix caches' namespace (request.py): blocks are shared only within one salt.
         `reuse_shifted`: it may start from a recent prompt's K/V at shifted positions (core/kv_reuse.py; not what
         computing its prompt gives: fill-in-the-middle requests)."""

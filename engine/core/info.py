@@ -74,6 +74,9 @@ class EngineInfo:
     kv_cache_tokens: int = 0  # tokens the pool holds: its blocks (less the null block) times block_size
     embedding_size: int = 0  # an embedding's length (the hidden size)
     pooling: str = "last"  # how an embedding pools the prompt's hidden states (ModelConfig.pooling)
+    # what the model does (engine/encoders/config.py TASKS): a decoder generates and embeds; an encoder embeds,
+    # or, with a classification head, reranks
+    tasks: tuple[str, ...] = ("generate", "embed")
     # the CPU kernels: their build and what the integer dot products run on (kernels.cpu.extension.describe)
     cpu_kernels: str | None = None
 
@@ -84,4 +87,5 @@ class EngineInfo:
         if public:  # the spec may be the operator's path: the API shows the model's name beside these
             del out["model_dir"], out["model"]
         out["eos_token_ids"] = list(self.eos_token_ids)
+        out["tasks"] = list(self.tasks)
         return {k: v for k, v in out.items() if v is not None}

@@ -8,8 +8,9 @@ from enum import IntEnum
 
 from minibatch.engine.core.sampling_params import SamplingParams
 
-# How an embedding request pools its prompt's hidden states: the last position's, their mean, the first's.
-POOLINGS = ("last", "mean", "cls")
+# How an embedding request pools its prompt's hidden states: the last position's, their mean, the first's; or
+# "rank": a cross-encoder's classification head over the first (a query and document pair's relevance).
+POOLINGS = ("last", "mean", "cls", "rank")
 
 
 class RequestStatus(IntEnum):
@@ -75,7 +76,7 @@ class Request:
     @property
     def computes_every_position(self) -> bool:
         """Its pooling reads hidden states before the last position: no prefix-cache hit may skip one."""
-        return self.pooling in ("mean", "cls")
+        return self.pooling in ("mean", "cls", "rank")
 
     @property
     def num_prompt_tokens(self) -> int:

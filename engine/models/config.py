@@ -162,8 +162,9 @@ class ModelConfig:
         pooling = cfg.get("pooling")
         if pooling is None:
             return config
-        if pooling not in POOLINGS:
-            raise UnsupportedModelError(f"pooling {pooling!r} is not supported ({', '.join(POOLINGS)})")
+        decoder_poolings = [p for p in POOLINGS if p != "rank"]  # (rank is a cross-encoder's head)
+        if pooling not in decoder_poolings:
+            raise UnsupportedModelError(f"pooling {pooling!r} is not supported ({', '.join(decoder_poolings)})")
         return dataclasses.replace(config, pooling=pooling)
 
 

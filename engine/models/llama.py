@@ -257,6 +257,9 @@ class LlamaForCausalLM(nn.Module):
             yield "mlp", layer.mlp.down_proj
         yield "output", self.logits_proj if self.logits_proj is not None else (self.lm_head or self.model.embed_tokens)
 
+    def embedding_tables(self) -> list[nn.Module]:
+        return [self.model.embed_tokens]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
         if self.logits_proj is not None:
             logits = self.logits_proj(hidden)

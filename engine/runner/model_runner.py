@@ -10,6 +10,7 @@ from minibatch.engine.attention.metadata import build_flat_batch
 from minibatch.engine.core.outputs import RunnerOutput
 from minibatch.engine.core.request import Request
 from minibatch.engine.core.scheduler_output import SchedulerOutput
+from minibatch.engine.encoders.model import EncoderModel
 from minibatch.engine.models.llama import LlamaForCausalLM
 from minibatch.engine.runner.kv_shift import KeyShifter
 from minibatch.engine.runner.sampler import Sampler
@@ -22,8 +23,9 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
-        kv_caches: list[PagedKV],  # per layer: K and V, each [num_blocks, block_size, num_kv_heads, row]
+        model: LlamaForCausalLM | EncoderModel,
+        kv_caches: list[PagedKV],  # per layer: K and V, each [num_blocks, block_size, num_kv_heads, row]; an
+        #                            encoder's: none (it attends within the step's inputs, caching nothing)
         block_size: int,
         token_texts: Callable[[int], list[str]] | None = None,  # the tokenizer's, for DRY's breakers
     ) -> None:
@@ -32,7 +34,7 @@ class ModelRunner:
         self.sampler = Sampler(model.ops, token_texts=token_texts)
         self.shifter = KeyShifter(model, kv_caches)  # rows moved by shifted reuse, before the forward
         self.graphs = None  # DecodeGraphs on CUDA: pure-decode steps replay a captured forward
-        # mean pooling's running sums (cls: the first position's state), per embedding request mid-prompt
+        # mean pooling's running sums (cls, rank: the first position's state), per embedding request mid-prompt
         self.pooling_sums: dict[str, tuple[torch.Tensor | float, int]] = {}
 
     @torch.inference_mode()
@@ -113,10 +115,12 @@ class ModelRunner:
                 total, count = total + rows.sum(dim=0, dtype=torch.float64), count + n
                 self.pooling_sums[req.request_id] = (total, count)
                 vector = total / count
-            elif req.pooling == "cls":
+            elif req.pooling in ("cls", "rank"):
                 if start == 0:
                     self.pooling_sums[req.request_id] = (rows[0], 1)
                 vector = self.pooling_sums[req.request_id][0]
+                if req.pooling == "rank":  # a cross-encoder's scores of the pair: its head over the first token
+                    vector = self.model.classify(vector[None])[0]
             else:  # last
                 vector = rows[-1]
             if start + n == req.num_prompt_tokens:

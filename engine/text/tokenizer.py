@@ -62,6 +62,13 @@ class TextTokenizer:
             return list(self.hf.encode(text, add_special_tokens=True))
         return self._tok.encode(text, add_special_tokens=True).ids
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Two texts as one input with the special tokens the tokenizer puts around and between a pair (a
+        cross-encoder's query and document: BERT's [CLS] q [SEP] d [SEP], XLM-R's <s> q </s></s> d </s>)."""
+        if self._tok is None:
+            return list(self.hf.encode(first, second, add_special_tokens=True))
+        return self._tok.encode(first, second, add_special_tokens=True).ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._tok is None:
             return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

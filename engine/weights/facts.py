@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from minibatch.engine.core.info import WeightFacts, WeightGroup
+from minibatch.engine.encoders.model import EncoderModel
 from minibatch.engine.models.llama import LlamaForCausalLM, RMSNorm
 from minibatch.engine.weights.cpu_linear import PackedLinear
 from minibatch.engine.weights.quant_linear import QuantEmbedding, QuantLinear, StackedLinear
@@ -48,7 +49,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def weight_facts(model: LlamaForCausalLM) -> WeightFacts:
+def weight_facts(model: LlamaForCausalLM | EncoderModel) -> WeightFacts:
     """Count what `model` holds and what one decode step's matmuls stream."""
     groups: dict[str, dict] = defaultdict(lambda: {"params": 0, "bytes": 0, "types": defaultdict(int)})
     seen: set[int] = set()
@@ -66,15 +67,17 @@ def weight_facts(model: LlamaForCausalLM) -> WeightFacts:
                 num_params += params
                 loaded += _nbytes(t)
 
-    add("embedding", _stored(model.model.embed_tokens))
+    for table in model.embedding_tables():
+        add("embedding", _stored(table))
     streamed = matmul_params = 0
     for group, module in model.projections():
         tensors = _stored(module)
         add(group, tensors)
         streamed += sum(_nbytes(t) for _, t, _ in tensors)
         matmul_params += sum(p for _, t, p in tensors if t.dim() == 2 or t.is_mkldnn)
-    norms = [m.weight for m in model.modules() if isinstance(m, RMSNorm) and m.weight is not None]
-    add("norms", [(_DTYPE_NAMES.get(w.dtype, str(w.dtype)), w, w.numel()) for w in norms])
+    norms = [m for m in model.modules() if isinstance(m, (RMSNorm, nn.LayerNorm))]
+    tensors = [t for m in norms for t in (m.weight, m.bias if isinstance(m, nn.LayerNorm) else None) if t is not None]
+    add("norms", [(_DTYPE_NAMES.get(t.dtype, str(t.dtype)), t, t.numel()) for t in tensors])
     return WeightFacts(
         num_params=num_params,
         loaded_bytes=loaded,

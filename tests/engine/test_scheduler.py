@@ -85,6 +85,27 @@ def test_chunked_prefill_splits_by_token_budget():
     assert steps == [([8], 8, 0), ([8], 8, 0), ([4], 4, 0), ([1], 0, 1)]
 
 
+def test_whole_prompts_are_never_chunked_and_wait_for_a_step_with_room():
+    """An encoder's inputs (whole_prompts): 12 + 12 tokens in a 20-token budget go in two steps, whole."""
+    clock = Clock()
+    runner = FakeRunner(4)
+    engine = LLMEngine(
+        runner,
+        CharTokenizer(),
+        BlockManager(64, 4, enable_prefix_caching=False),
+        SchedulerConfig(4, 20, 256, whole_prompts=True),
+        mode="continuous",
+        clock=clock,
+    )
+    for rid in "ab":
+        engine.add_request(rid, list(range(3, 15)), params(1), pooling="mean")
+    run(engine)
+    assert [(s.num_new_tokens, [r.request_id for r in s.requests]) for s in runner.steps] == [
+        ([12], ["a"]),
+        ([12], ["b"]),
+    ]
+
+
 def test_decodes_go_first_and_prefill_chunks_fill_the_rest():
     engine, runner, _ = make(budget=8)
     engine.add_request("a", list(range(3, 8)), params(4))  # 5 tokens: prefilled in step 1

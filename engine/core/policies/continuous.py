@@ -66,6 +66,8 @@ class ContinuousPolicy:
                 continue  # it waits off the queue while its blocks come in
             start = s.reusable(req, computed)
             n = min(req.num_tokens - start, budget)
+            if s.config.whole_prompts and n < req.num_tokens - start:
+                break  # an encoder's input waits for a step with room for all of it
             if not s.blocks.allocate(req, start - len(computed) * s.blocks.block_size + n, computed):
                 break
             s.admit(req, len(computed))
