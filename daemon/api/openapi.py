@@ -222,6 +222,21 @@ def _operations() -> list[tuple]:
             [],
         ),
         (
+            "post",
+            "/v1/responses/input_tokens",
+            "OpenAI Responses: the prompt tokens a response request would take",
+            responses_bodies.ResponsesRequest,
+            {200: {JSON: s.TokenCount}},
+            {
+                **GUARDED,
+                **BODY,
+                **ENGINE,
+                **MODEL,
+                404: "a model name this machine lacks, or a previous_response_id not stored",
+            },
+            [],
+        ),
+        (
             "get",
             "/v1/responses/{response_id}",
             "OpenAI Responses: a stored response",

@@ -379,8 +379,25 @@ async def delete_response(request: web.Request) -> web.Response:
     return web.json_response({"id": rid, "object": "response.deleted", "deleted": True})
 
 
+async def input_tokens(request: web.Request) -> web.Response:
+    """POST /v1/responses/input_tokens: the prompt tokens the same body's response would compute (its stored
+    conversation, instructions and tools rendered by the template), without running it."""
+    state, store = request.app[STATE], request.app[STORE]
+    body = await read_body(request, state, ResponsesRequest)
+    earlier = (
+        store.get(body.previous_response_id, state.identity(request), "previous_response_id")[1]
+        if body.previous_response_id
+        else []
+    )
+    gen = await off_loop(generation, body, earlier)
+    async with state.lease(body.model) as model:
+        prompts, _ = await pipeline.render(state, model, gen)
+    return web.json_response({"object": "response.input_tokens", "input_tokens": len(prompts[0])})
+
+
 def add_routes(app: web.Application) -> None:
     app[STORE] = ResponseStore()
     app.router.add_post("/v1/responses", create)
+    app.router.add_post("/v1/responses/input_tokens", input_tokens)
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)

@@ -143,3 +143,18 @@ def test_the_store_and_its_errors(daemon):
         openai.OpenAI(base_url=daemon.url + "/v1", api_key="wrong", max_retries=0).responses.create(
             model="default", input="Hi"
         )
+
+
+def test_input_tokens_count_the_prompt_a_response_computes(daemon):
+    """The SDK's responses.input_tokens.count equals the usage of the same body's response: instructions,
+    tools and a stored conversation (previous_response_id) rendered by the template alike."""
+    client = over_socket(daemon)
+    body = dict(model="default", input="What is the weather in Paris?", instructions="Be brief.")
+    first = client.responses.create(**body, tools=[FUNCTION], max_output_tokens=8, temperature=0)
+    counted = client.responses.input_tokens.count(**body, tools=[FUNCTION])
+    assert counted.object == "response.input_tokens" and counted.input_tokens == first.usage.input_tokens > 10
+    follow = dict(model="default", input="And in Rome?", previous_response_id=first.id)
+    second = client.responses.create(**follow, max_output_tokens=4, temperature=0)
+    assert client.responses.input_tokens.count(**follow).input_tokens == second.usage.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_tokens.count(model="default", input="x", previous_response_id="resp_0")
