@@ -107,3 +107,86 @@ def save_xlmr_reranker(path: Path, seed: int = 1) -> Path:
     _spread_head(model, model.classifier.dense, model.classifier.out_proj)
     model.save_pretrained(path)
     return path
+
+
+# Hugging Face name pieces -> GGUF's, as llama.cpp's converter writes an encoder (its `bert` architecture)
+GGUF_TOP = {
+    "embeddings.word_embeddings": "token_embd",
+    "embeddings.position_embeddings": "position_embd",
+    "embeddings.token_type_embeddings": "token_types",
+    "embeddings.LayerNorm": "token_embd_norm",
+    "classifier.dense": "cls",
+    "classifier.out_proj": "cls.output",
+}
+GGUF_LAYER = {
+    "attention.self.query": "attn_q",
+    "attention.self.key": "attn_k",
+    "attention.self.value": "attn_v",
+    "attention.output.dense": "attn_output",
+    "attention.output.LayerNorm": "attn_output_norm",
+    "intermediate.dense": "ffn_up",
+    "output.dense": "ffn_down",
+    "output.LayerNorm": "layer_output_norm",
+}
+
+
+def write_encoder_gguf(hf_dir: Path, out: Path, pooling: int, dtype: str = "F32") -> Path:
+    """An encoder GGUF as llama.cpp's converter lays one out: `bert` architecture, BERT's WordPiece pieces as
+    phantom-space pieces ("▁" word starts, bare continuations) or XLM-R's Unigram pieces and scores (its
+    position rows past the padding offset only), every tensor F32 or F16, pooling_type 1 mean / 2 cls /
+    4 rank (XLM-R's classifier as cls and cls.output)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    xlmr = cfg["model_type"] == "xlm-roberta"
+    offset = cfg["pad_token_id"] + 1 if xlmr else 0
+    w = gguf.GGUFWriter(str(out), "bert")
+    w.add_context_length(cfg["max_position_embeddings"] - offset)
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_layer_norm_eps(cfg["layer_norm_eps"])
+    w.add_causal_attention(False)
+    w.add_pooling_type(gguf.PoolingType(pooling))
+    w.add_token_type_count(cfg.get("type_vocab_size", 1))
+    control = {t["content"] for t in tok["added_tokens"] if t.get("special")}
+    if xlmr:
+        pieces = tok["model"]["vocab"]
+        tokens, scores = [p for p, _ in pieces], [float(s) for _, s in pieces]
+        w.add_tokenizer_model("t5")
+        w.add_token_scores(scores)
+        ids = {"bos": 0, "pad": 1, "eos": 2, "unk": 3, "sep": 2, "cls": 0, "mask": len(tokens) - 1}
+    else:
+        vocab = tok["model"]["vocab"]
+        ordered = sorted(vocab, key=vocab.get)
+        tokens = [t if t in control else t[2:] if t.startswith("##") else "\u2581" + t for t in ordered]
+        w.add_tokenizer_model("bert")
+        ids = {"unk": vocab["[UNK]"], "sep": vocab["[SEP]"], "cls": vocab["[CLS]"], "pad": vocab["[PAD]"]}
+        ids["mask"], ids["bos"], ids["eos"] = vocab["[MASK]"], vocab["[CLS]"], vocab["[SEP]"]
+    w.add_token_list(tokens)
+    w.add_token_types([3 if (t in control) else 1 for t in tokens])
+    keys = {"bos": "bos", "eos": "eos", "unk": "unknown", "sep": "seperator", "pad": "padding", "cls": "cls"}
+    for name, i in ids.items():  # (llama.cpp spells the separator's key "seperator")
+        w.add_uint32(f"tokenizer.ggml.{keys.get(name, name)}_token_id", i)
+    for key, tensor in load_file(hf_dir / "model.safetensors").items():
+        key = key.removeprefix("bert.").removeprefix("roberta.")
+        module, _, leaf = key.rpartition(".")
+        if module.startswith("encoder.layer."):
+            _, _, n, rest = module.split(".", 3)
+            name = f"blk.{n}.{GGUF_LAYER[rest]}.{leaf}"
+        elif module in GGUF_TOP:
+            name = f"{GGUF_TOP[module]}.{leaf}"
+        else:
+            continue  # position_ids buffers, BERT's pooler (the converter drops it)
+        if module == "embeddings.position_embeddings":
+            tensor = tensor[offset:]
+        array = tensor.float().numpy()
+        w.add_tensor(name, array.astype("float16") if dtype == "F16" and array.ndim == 2 else array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

@@ -78,6 +78,8 @@ class EncoderConfig:
                 f"position_embedding_type {cfg['position_embedding_type']!r} is not supported (absolute)"
             )
         classifier = any(a.endswith("ForSequenceClassification") for a in cfg.get("architectures") or ())
+        if cfg.get("pooling", "mean") not in ("mean", "cls", "rank"):  # a GGUF's, as engine/encoders/gguf.py writes it
+            raise UnsupportedModelError(f"pooling {cfg['pooling']!r} is not supported (mean, cls, rank)")
         if classifier and _num_labels(cfg) != 1:
             raise UnsupportedModelError(
                 f"num_labels {_num_labels(cfg)}: a reranker scores a pair with one output; this classifier has "
@@ -100,7 +102,7 @@ class EncoderConfig:
             type_vocab_size=cfg.get("type_vocab_size", 2),
             position_offset=offset,
             gelu_tanh=act != "gelu",
-            pooling="rank" if classifier else _st_pooling(model_dir),
+            pooling="rank" if classifier else cfg.get("pooling") or _st_pooling(model_dir),
             num_labels=_num_labels(cfg) if classifier else 0,
             sep_token_id=_sep_token_id(model_dir),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ from minibatch.engine.encoders.config import EncoderConfig
 from minibatch.engine.encoders.model import EncoderModel
 from minibatch.engine.models.ops import TorchOps
 from minibatch.engine.weights.cpu_linear import pack_linears, packed_linear_available
-from minibatch.engine.weights.loader import WeightLoadError
+from minibatch.engine.weights.loader import WeightLoadError, gguf_source
 
 _PREFIXES = ("bert.", "roberta.", "model.")
 _QKV = {"query": 0, "key": 1, "value": 2}
@@ -55,16 +56,29 @@ def _target(key: str, head: str) -> tuple[str, int] | None:
     return (f"{heads[module]}.{leaf}", 0) if module in heads else None
 
 
+def _safetensors(files: list[Path]) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    if not files:
+        raise WeightLoadError("no *.safetensors files found")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                yield key, lambda f=f, key=key: f.get_tensor(key)
+
+
 def load_encoder(
     model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32, ops: TorchOps | None = None
 ) -> EncoderModel:
-    """The encoder of `model_dir` (config.json and *.safetensors); a tensor missing, unexpected or of another
-    shape is a WeightLoadError naming it."""
+    """The encoder of `model_dir` (config.json and *.safetensors, or the GGUF file it stands for); a tensor
+    missing, unexpected or of another shape is a WeightLoadError naming it."""
     model_dir = Path(model_dir)
     cfg = EncoderConfig.from_dir(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise WeightLoadError("no *.safetensors files found")
+    gguf = gguf_source(model_dir)
+    if gguf is not None:
+        from minibatch.engine.encoders.gguf import tensors
+
+        found = tensors(gguf)
+    else:
+        found = _safetensors(sorted(model_dir.glob("*.safetensors")))
     with torch.device("meta"):
         model = EncoderModel(cfg, ops)
     model = model.to_empty(device=device).to(dtype)
@@ -73,30 +87,30 @@ def load_encoder(
     unexpected: list[str] = []
     h = cfg.hidden_size
     with torch.no_grad():
-        for path in files:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    found = _target(key, cfg.head)
-                    if found is None or found[0] not in params:
-                        if not _IGNORED.search(key) and not (model.head is None and "pooler." in key):
-                            unexpected.append(key)
-                        continue
-                    name, shard = found
-                    dest = params[name]
-                    if ".qkv." in name:
-                        dest = dest[shard * h : (shard + 1) * h]
-                    tensor = f.get_tensor(key)
-                    if tuple(dest.shape) != tuple(tensor.shape):
-                        raise WeightLoadError(
-                            f"tensor {key} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
-                        )
-                    dest.copy_(tensor.to(dtype))
-                    pending[name].discard(shard)
+        for key, read in found:
+            target = _target(key, cfg.head)
+            if target is None or target[0] not in params:
+                if not _IGNORED.search(key) and not (model.head is None and "pooler." in key):
+                    unexpected.append(key)
+                continue
+            name, shard = target
+            dest = params[name]
+            if ".qkv." in name:
+                dest = dest[shard * h : (shard + 1) * h]
+            tensor = read()
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise WeightLoadError(f"tensor {key} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+            dest.copy_(tensor.to(dtype))
+            pending[name].discard(shard)
     missing = sorted(n for n, shards in pending.items() if shards)
     if missing or unexpected:
         msg = [f"missing tensors: {', '.join(missing)}"] if missing else []
         msg += [f"unexpected tensors: {', '.join(sorted(unexpected))}"] if unexpected else []
         raise WeightLoadError("; ".join(msg))
+    if gguf is not None:
+        from minibatch.engine.encoders.gguf import summary
+
+        model.weights_desc = f"{summary(gguf)} dequantised to {str(dtype).removeprefix('torch.')}"
     model = model.eval().requires_grad_(False)
     if torch.device(device).type == "cpu" and dtype == torch.float32 and packed_linear_available():
         pack_linears(model)  # oneDNN's packed layout: a row's result whatever else is in the call

@@ -8,8 +8,9 @@ chat_template.jinja -- in well under a second, where transformers' GGUF reader t
 built-in model (it materialises every metadata value first).
 
 Covered: the architectures our forward runs (ARCHITECTURES) with a byte-level BPE or SentencePiece
-vocabulary. Anything else (can_prepare says what) is read by transformers' GGUF reader instead:
-write_config_and_tokenizer chooses.
+vocabulary, and encoders (`bert`, with WordPiece or Unigram vocabularies: engine/encoders/gguf.py).
+Anything else (can_prepare says what) is read by transformers' GGUF reader instead: write_config_and_tokenizer
+chooses.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from minibatch.engine.encoders import gguf as encoder_files
 from minibatch.engine.gguf.architectures import ARCHITECTURES
 from minibatch.engine.gguf.vocab import NAMED, can_write, write_tokenizer
 
@@ -59,6 +61,8 @@ POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
 
 def can_prepare(gguf: GGUFFile) -> str | None:
     """None when write_model_files can do this file, else why not."""
+    if gguf.architecture == encoder_files.ARCHITECTURE:  # an encoder (BERT, XLM-RoBERTa): engine/encoders/gguf.py
+        return encoder_files.can_prepare(gguf)
     if gguf.architecture not in ARCHITECTURES:
         return f"architecture {gguf.architecture!r}"
     return can_write(gguf.metadata)
@@ -66,6 +70,9 @@ def can_prepare(gguf: GGUFFile) -> str | None:
 
 def write_model_files(gguf: GGUFFile, out: Path) -> None:
     """config.json, generation_config.json and the tokenizer files for `gguf` (can_prepare must be None)."""
+    if gguf.architecture == encoder_files.ARCHITECTURE:
+        encoder_files.write_model_files(gguf, out)
+        return
     tokens = gguf.array("tokenizer.ggml.tokens")
     config = model_config(gguf, len(tokens))
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -14,7 +14,7 @@ from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.encoders.config import EncoderConfig, is_encoder_dir
 from minibatch.engine.factory import EngineConfig, build_engine
 from minibatch.engine.models.config import UnsupportedModelError
-from tests.encoder_models import save_bert, save_xlmr_reranker
+from tests.encoder_models import save_bert, save_xlmr_reranker, write_encoder_gguf
 
 TEXTS = [
     "the cat sat on the mat.",
@@ -97,6 +97,31 @@ def test_cross_encoder_scores_equal_transformers_and_order_the_documents(models,
     assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
     assert sorted(range(4), key=lambda i: -got[i]) == sorted(range(4), key=lambda i: -want[i])
     assert max(want) - min(want) > 0.1  # the scores differ enough for the order to be a check
+
+
+@pytest.mark.parametrize("name,pooling,dtype", [("bert-cls", 2, "F16"), ("xlmr-rerank", 4, "F32")])
+def test_gguf_files_as_llama_cpp_writes_them_tokenize_and_compute_as_their_folders(
+    models, tmp_path, name, pooling, dtype
+):
+    """The converter's layout (phantom-space WordPiece, or Unigram pieces with XLM-R's position rows cut at the
+    offset): the same token ids as the folder's tokenizer, alone and in pairs, and the same vectors and scores
+    as transformers on the folder (F16 matrices: their rounding is the allowance)."""
+    path = write_encoder_gguf(models[name], tmp_path / f"{name}.gguf", pooling, dtype)
+    e = engine(path)
+    folder = engine(models[name]).tokenizer
+    assert e.info.weights == f"{dtype} dequantised to float32"
+    mode = "rank" if pooling == 4 else "cls"
+    if mode == "rank":
+        inputs = [e.tokenizer.encode_pair(QUERY, t) for t in TEXTS]
+        assert inputs == [folder.encode_pair(QUERY, t) for t in TEXTS]
+        got = [s[0] for s in run(e, inputs, mode)]
+        want = [float(w[0]) for w in reference(models[name], inputs, mode)]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    else:
+        inputs = [e.tokenizer.encode_prompt(t) for t in TEXTS]
+        assert inputs == [folder.encode_prompt(t) for t in TEXTS]
+        for vector, want in zip(run(e, inputs, mode), reference(models[name], inputs, mode)):
+            assert torch.nn.functional.cosine_similarity(torch.tensor(vector), want, dim=0) > 0.9999
 
 
 def test_an_input_gets_the_same_bits_alone_and_in_a_batch_in_either_mode(models):
