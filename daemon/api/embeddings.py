@@ -44,7 +44,9 @@ class EmbeddingRequest(Body):
     model: StrictStr | None = None
     input: Annotated[Any, WithJsonSchema(INPUT_SCHEMA)]  # checked by inputs(), which names the element at fault
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Int | None = Field(default=None, ge=1)  # only the model's own size: no model here is Matryoshka
+    # the first this-many values of each vector, normalised again (a Matryoshka model's shorter embedding:
+    # nomic-embed-text v1.5, mxbai-embed-large), as OpenAI's and Ollama's `dimensions`
+    dimensions: Int | None = Field(default=None, ge=1)
     user: StrictStr | None = None
 
 
@@ -131,7 +133,7 @@ async def openai_embeddings(request: web.Request) -> web.Response:
     vectors, tokens, name = await _embed(request, gen)
     data = []
     for i, v in enumerate(vectors):
-        v = _unit(v)
+        v = _unit(v[: body.dimensions])
         value: Any = v if body.encoding_format == "float" else base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode()
         data.append({"object": "embedding", "index": i, "embedding": value})
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
@@ -165,7 +167,7 @@ async def ollama_embed(request: web.Request) -> web.Response:
     return web.json_response(
         {
             "model": name,
-            "embeddings": [_unit(v) for v in vectors],
+            "embeddings": [_unit(v[: body.dimensions]) for v in vectors],
             "total_duration": int((time.perf_counter() - started) * 1e9),
             "load_duration": 0,
             "prompt_eval_count": tokens,

@@ -90,7 +90,7 @@ class Generation:
     # back, RequestOutput.embedding does. `truncate`: a prompt past the context keeps its first tokens that fit.
     embed: bool = False
     truncate: bool = False
-    dimensions: int | None = None  # an embedding's length the client asked for (only the model's own can be)
+    dimensions: int | None = None  # an embedding's first this-many values, normalised again (Matryoshka models)
     # Reranking: (query, document) pairs, each one input of a cross-encoder (with `embed`: scored, not continued)
     pairs: list[tuple[str, str]] | None = None
 
@@ -419,8 +419,8 @@ def _submit_embeddings(
     """One prefill-only request per input, pooled as the model pools (each ends with its prompt: it holds KV
     blocks only while its prompt is computed), all or none."""
     engine, limit, size = model.ready_engine(), model.info.max_model_len, model.info.embedding_size
-    if gen.dimensions is not None and gen.dimensions != size:
-        msg = f"this model's embeddings have {size} dimensions (it cannot shorten them), got {gen.dimensions}"
+    if gen.dimensions is not None and gen.dimensions > size:
+        msg = f"this model's embeddings have {size} dimensions; at most that many can be kept, got {gen.dimensions}"
         raise ApiError(400, f"dimensions: {msg}", "dimensions", "invalid_value")
     if gen.truncate and limit:
         # one position is admission's (it reserves a next token); an encoder's input keeps its closing separator

@@ -128,7 +128,7 @@ def test_bad_input_is_a_400_naming_the_field_and_nothing_runs(daemon):
         ("/v1/embeddings", {"input": ["fine", ""]}, "input.1", "the input is empty"),
         ("/v1/embeddings", {"input": ["x"] * 513}, "input", "at most 512 inputs"),
         ("/v1/embeddings", {"input": ["fine", long]}, "input.1", "context limit"),
-        ("/v1/embeddings", {"input": "fine", "dimensions": 256}, "dimensions", "have 576 dimensions"),
+        ("/v1/embeddings", {"input": "fine", "dimensions": 577}, "dimensions", "have 576 dimensions"),
         ("/v1/embeddings", {"input": [[1, 2], [49152]]}, "input.1.0", "49152"),
         ("/v1/embeddings", {"input": [{"text": "x"}]}, "input.0", "must be a string"),
         ("/api/embed", {"input": long, "truncate": False}, "input", "context limit"),

@@ -100,6 +100,14 @@ def test_chat_embed_and_rerank_from_one_daemon_at_once(daemon, folder, tiny_chat
     olla = ollama.Client(host="http://localhost", transport=transport).embed(model="minilm", input=DOCS[1])
     assert np.abs(np.asarray(olla.embeddings[0]) - np.asarray(sdk)).max() < 1e-6
     assert ollama.Client(host="http://localhost", transport=transport).show("minilm").capabilities == ["embedding"]
+    # `dimensions` keeps a vector's first values, normalised again (OpenAI's and Ollama's Matryoshka cut)
+    short = client.embeddings.create(model="minilm", input=DOCS[1], encoding_format="float", dimensions=16)
+    head = np.asarray(sdk[:16])
+    assert np.abs(np.asarray(short.data[0].embedding) - head / np.linalg.norm(head)).max() < 1e-6
+    cut = ollama.Client(host="http://localhost", transport=transport).embed(
+        model="minilm", input=DOCS[1], dimensions=16
+    )
+    assert np.abs(np.asarray(cut.embeddings[0]) - np.asarray(short.data[0].embedding)).max() < 1e-6
 
 
 def test_top_n_documents_and_the_tei_form(daemon):
