@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 WORDS = (
     "the a of to and in is it that for on with as was at by be this an are or from not but have they which one "
@@ -185,6 +189,149 @@ def write_encoder_gguf(hf_dir: Path, out: Path, pooling: int, dtype: str = "F32"
             tensor = tensor[offset:]
         array = tensor.float().numpy()
         w.add_tensor(name, array.astype("float16") if dtype == "F16" and array.ndim == 2 else array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+NOMIC_LAYER = {  # NomicBERT's names -> GGUF's (the converter's tensor map)
+    "attn.Wqkv": "attn_qkv",
+    "attn.out_proj": "attn_output",
+    "norm1": "attn_output_norm",
+    "mlp.fc11": "ffn_up",
+    "mlp.fc12": "ffn_gate",
+    "mlp.fc2": "ffn_down",
+    "norm2": "layer_output_norm",
+}
+
+
+def save_nomic(path: Path, seed: int = 4, theta: float = 1000.0) -> dict:
+    """A NomicBERT folder as nomic-embed-text's is laid out (its config's GPT-2-style keys, Wqkv stacked, fc11 the
+    up projection and fc12 the gate, no biases in the matrices) with a BERT tokenizer; returns its tensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    vocab = _bert_tokenizer(path)
+    h, ff, layers = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_hidden_layers"]
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, std=0.2):
+        return torch.randn(*shape, generator=g) * std
+
+    t = {
+        "embeddings.word_embeddings.weight": rand(vocab, h, std=1.0),
+        "embeddings.token_type_embeddings.weight": rand(2, h, std=1.0),
+        "emb_ln.weight": 1 + rand(h, std=0.1),
+        "emb_ln.bias": rand(h, std=0.1),
+    }
+    for i in range(layers):
+        p = f"encoder.layers.{i}."
+        t |= {p + "attn.Wqkv.weight": rand(3 * h, h), p + "attn.out_proj.weight": rand(h, h)}
+        t |= {p + "mlp.fc11.weight": rand(ff, h), p + "mlp.fc12.weight": rand(ff, h), p + "mlp.fc2.weight": rand(h, ff)}
+        for norm in ("norm1", "norm2"):
+            t |= {f"{p}{norm}.weight": 1 + rand(h, std=0.1), f"{p}{norm}.bias": rand(h, std=0.1)}
+    save_file(t, path / "model.safetensors")
+    cfg = {
+        "model_type": "nomic_bert",
+        "architectures": ["NomicBertModel"],
+        "vocab_size": vocab,
+        "n_embd": h,
+        "n_inner": ff,
+        "n_layer": layers,
+        "n_head": SHAPE["num_attention_heads"],
+        "n_positions": 128,
+        "layer_norm_epsilon": 1e-12,
+        "rotary_emb_base": theta,
+        "rotary_emb_fraction": 1.0,
+        "rotary_emb_interleaved": False,
+        "activation_function": "swiglu",
+        "qkv_proj_bias": False,
+        "mlp_fc1_bias": False,
+        "mlp_fc2_bias": False,
+        "prenorm": False,
+        "causal": False,
+        "type_vocab_size": 2,
+    }
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    return t
+
+
+def nomic_reference(t: dict, ids: list[int], theta: float = 1000.0, heads: int = 4) -> torch.Tensor:
+    """NomicBERT's last hidden states for one input, in float64, written from its definition (the reference
+    the tests hold our forward to)."""
+    import torch
+    import torch.nn.functional as F
+
+    d64 = {k: v.double() for k, v in t.items()}
+    n = len(ids)
+    x = d64["embeddings.word_embeddings.weight"][ids] + d64["embeddings.token_type_embeddings.weight"][0]
+    x = F.layer_norm(x, x.shape[-1:], d64["emb_ln.weight"], d64["emb_ln.bias"], 1e-12)
+    h = x.shape[-1]
+    d = h // heads
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(n, dtype=torch.float64)[:, None] * inv[None, :]
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[:, None], torch.cat([ang.sin()] * 2, -1)[:, None]
+
+    def rotate(v):
+        a, b = v.chunk(2, dim=-1)
+        return v * cos + torch.cat([-b, a], -1) * sin
+
+    layers = len([k for k in t if k.endswith("attn.Wqkv.weight")])
+    for i in range(layers):
+        p = f"encoder.layers.{i}."
+        q, k, v = (x @ d64[p + "attn.Wqkv.weight"].T).view(n, 3, heads, d).unbind(1)
+        q, k = rotate(q), rotate(k)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
+        att = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, h)
+        x = F.layer_norm(
+            x + att @ d64[p + "attn.out_proj.weight"].T, (h,), d64[p + "norm1.weight"], d64[p + "norm1.bias"], 1e-12
+        )
+        mlp = (F.silu(x @ d64[p + "mlp.fc12.weight"].T) * (x @ d64[p + "mlp.fc11.weight"].T)) @ d64[
+            p + "mlp.fc2.weight"
+        ].T
+        x = F.layer_norm(x + mlp, (h,), d64[p + "norm2.weight"], d64[p + "norm2.bias"], 1e-12)
+    return x
+
+
+def write_nomic_gguf(folder: Path, tensors: dict, out: Path, theta: float = 1000.0) -> Path:
+    """The NomicBERT folder as llama.cpp's converter writes it (`nomic-bert`, F32, mean pooling)."""
+    import gguf
+
+    cfg = json.loads((folder / "config.json").read_text())
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]
+    control = {"[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"}
+    ordered = sorted(vocab, key=vocab.get)
+    tokens = [t if t in control else t[2:] if t.startswith("##") else "\u2581" + t for t in ordered]
+    w = gguf.GGUFWriter(str(out), "nomic-bert")
+    w.add_context_length(cfg["n_positions"])
+    w.add_embedding_length(cfg["n_embd"])
+    w.add_feed_forward_length(cfg["n_inner"])
+    w.add_block_count(cfg["n_layer"])
+    w.add_head_count(cfg["n_head"])
+    w.add_layer_norm_eps(cfg["layer_norm_epsilon"])
+    w.add_causal_attention(False)
+    w.add_rope_freq_base(theta)
+    w.add_pooling_type(gguf.PoolingType.MEAN)
+    w.add_token_type_count(2)
+    w.add_tokenizer_model("bert")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in control else 1 for t in tokens])
+    for key, name in (("unknown", "[UNK]"), ("seperator", "[SEP]"), ("cls", "[CLS]"), ("padding", "[PAD]")):
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", vocab[name])
+    w.add_uint32("tokenizer.ggml.bos_token_id", vocab["[CLS]"])
+    w.add_uint32("tokenizer.ggml.eos_token_id", vocab["[SEP]"])
+    top = {"embeddings.word_embeddings": "token_embd", "embeddings.token_type_embeddings": "token_types"}
+    top["emb_ln"] = "token_embd_norm"
+    for key, tensor in tensors.items():
+        module, _, leaf = key.rpartition(".")
+        if module.startswith("encoder.layers."):
+            _, _, n, rest = module.split(".", 3)
+            name = f"blk.{n}.{NOMIC_LAYER[rest]}.{leaf}"
+        else:
+            name = f"{top[module]}.{leaf}"
+        w.add_tensor(name, tensor.float().numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,4 +1,8 @@
-"""An encoder model's hyper-parameters (BERT, RoBERTa, XLM-RoBERTa), read from its Hugging Face folder.
+"""An encoder model's hyper-parameters (BERT, RoBERTa, XLM-RoBERTa, NomicBERT), read from its Hugging Face folder
+(or the folder a GGUF file is prepared into: engine/encoders/gguf.py).
+
+NomicBERT (nomic-embed-text) is BERT with rotary positions (rotate-half, over the whole head) in place of
+learned ones, a SwiGLU MLP and no biases in its matrices; its folder spells the sizes GPT-2's way (`n_embd`).
 
 An encoder attends both ways over its whole input, keeps no KV cache, and ends in a vector: an embedding pooled
 as its sentence-transformers files say (`modules.json` -> the Pooling module's `config.json`; mean without one,
@@ -14,12 +18,22 @@ from pathlib import Path
 
 from minibatch.engine.models.config import UnsupportedModelError
 
-ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta")
+ENCODER_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "nomic_bert")
 # what a task of the engine is called where it is shown (/health, /api/show's capabilities derive from it)
 TASKS = ("generate", "embed", "rerank")
 # a head per family: BERT's pooler (tanh of a dense layer over the first token) then a linear classifier;
 # RoBERTa's classifier: a dense layer, tanh, an output projection
-HEADS = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta"}
+HEADS = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "nomic_bert": "bert"}
+# NomicBERT's config keys -> BERT's
+_NOMIC_KEYS = {
+    "n_embd": "hidden_size",
+    "n_inner": "intermediate_size",
+    "n_layer": "num_hidden_layers",
+    "n_head": "num_attention_heads",
+    "layer_norm_epsilon": "layer_norm_eps",
+    "n_positions": "max_position_embeddings",
+    "rotary_emb_base": "rope_theta",
+}
 _ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh")
 
 
@@ -48,6 +62,9 @@ class EncoderConfig:
     pooling: str  # "mean" or "cls" (embedding models), "rank" (a classification head scores the first token)
     num_labels: int  # the classification head's outputs (rank: 1, a relevance logit)
     sep_token_id: int | None  # where a pair's second text starts (its token type turns 1 after the first)
+    rope_theta: float | None = None  # rotary positions (NomicBERT) instead of learned ones
+    gated_mlp: bool = False  # SwiGLU: down(silu(gate(x)) * up(x)) (NomicBERT) instead of down(gelu(up(x)))
+    bias: bool = True  # the attention's and the MLP's matrices have biases (NomicBERT's do not)
 
     @property
     def head(self) -> str:
@@ -66,12 +83,15 @@ class EncoderConfig:
         model_dir = Path(model_dir)
         cfg = json.loads((model_dir / "config.json").read_text())
         model_type = cfg.get("model_type")
+        if model_type == "nomic_bert":
+            cfg = _nomic(cfg)
         if model_type not in ENCODER_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not an encoder we run ({', '.join(ENCODER_MODEL_TYPES)})"
             )
         act = cfg.get("hidden_act", "gelu")
-        if act not in _ACTIVATIONS:
+        nomic = model_type == "nomic_bert"
+        if act not in _ACTIVATIONS and not nomic:
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported ({', '.join(_ACTIVATIONS)})")
         if cfg.get("position_embedding_type", "absolute") != "absolute":
             raise UnsupportedModelError(
@@ -85,7 +105,7 @@ class EncoderConfig:
                 f"num_labels {_num_labels(cfg)}: a reranker scores a pair with one output; this classifier has "
                 f"{_num_labels(cfg)} labels"
             )
-        roberta = model_type != "bert"
+        roberta = model_type in ("roberta", "xlm-roberta")
         offset = cfg.get("pad_token_id", 1) + 1 if roberta else 0
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
         if hidden % heads:
@@ -101,11 +121,37 @@ class EncoderConfig:
             max_position=cfg["max_position_embeddings"] - offset,
             type_vocab_size=cfg.get("type_vocab_size", 2),
             position_offset=offset,
-            gelu_tanh=act != "gelu",
+            gelu_tanh=act in ("gelu_new", "gelu_pytorch_tanh"),
             pooling="rank" if classifier else cfg.get("pooling") or _st_pooling(model_dir),
             num_labels=_num_labels(cfg) if classifier else 0,
             sep_token_id=_sep_token_id(model_dir),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)) if nomic else None,
+            gated_mlp=nomic,
+            bias=not nomic,
         )
+
+
+def _nomic(cfg: dict) -> dict:
+    """NomicBERT's config in BERT's keys; what our forward does not run (a bias, partial or interleaved rotary,
+    pre-norm layers, another activation, its mixture-of-experts variant) refused by name."""
+    out = {_NOMIC_KEYS.get(k, k): v for k, v in cfg.items()}
+    expect = {
+        "activation_function": "swiglu",
+        "qkv_proj_bias": False,
+        "mlp_fc1_bias": False,
+        "mlp_fc2_bias": False,
+        "prenorm": False,
+        "rotary_emb_fraction": 1.0,
+        "rotary_emb_interleaved": False,
+        "causal": False,
+    }
+    for key, want in expect.items():
+        if key in cfg and cfg[key] != want:
+            raise UnsupportedModelError(f"nomic_bert with {key} {cfg[key]!r} is not supported ({want!r})")
+    if cfg.get("moe_every_n_layers"):
+        raise UnsupportedModelError("nomic_bert's mixture-of-experts layers (moe_every_n_layers) are not supported")
+    out.setdefault("hidden_act", "swiglu")
+    return out
 
 
 def _num_labels(cfg: dict) -> int:

@@ -1,5 +1,6 @@
 """Encoder GGUF files (llama.cpp's `bert` architecture: all-MiniLM, bge, mxbai-embed-large; XLM-RoBERTa's
-bge-m3 and bge-reranker, which its converter writes as `bert` too) as a model folder, and their tensors.
+bge-m3 and bge-reranker, which its converter writes as `bert` too; `nomic-bert`: nomic-embed-text) as a model
+folder, and their tensors.
 
 The folder is what an encoder's Hugging Face folder holds: config.json (positions from 0: the converter cut
 RoBERTa's offset rows; the pooling and, for `pooling_type` rank, the classifier, from the metadata) and a
@@ -27,7 +28,7 @@ import torch
 
 from minibatch.engine.gguf.reader import GGUFFile
 
-ARCHITECTURE = "bert"
+ARCHITECTURES = ("bert", "nomic-bert")
 VOCABULARIES = ("bert", "t5")
 # llama.cpp's pooling_type: 1 mean, 2 cls, 4 rank (a classifier over the first token)
 _POOLING = {1: "mean", 2: "cls", 4: "rank"}
@@ -42,6 +43,8 @@ _TOP = {
     "cls.output": "classifier",
 }
 _LAYER = {
+    "attn_qkv": "attention.self.qkv",  # stacked (NomicBERT)
+    "ffn_gate": "intermediate.gate",
     "attn_q": "attention.self.query",
     "attn_k": "attention.self.key",
     "attn_v": "attention.self.value",
@@ -58,7 +61,7 @@ def can_prepare(gguf: GGUFFile) -> str | None:
     vocab = gguf.metadata.get("tokenizer.ggml.model")
     if vocab not in VOCABULARIES:
         return f"an encoder's tokenizer model {vocab!r} ({', '.join(VOCABULARIES)} are covered)"
-    pooling = gguf.metadata.get(f"{ARCHITECTURE}.pooling_type", 1)
+    pooling = gguf.metadata.get(f"{gguf.architecture}.pooling_type", 1)
     if pooling not in _POOLING:
         return f"pooling_type {pooling} (mean, cls and rank are covered)"
     return None
@@ -66,16 +69,16 @@ def can_prepare(gguf: GGUFFile) -> str | None:
 
 def write_model_files(gguf: GGUFFile, out: Path) -> None:
     """config.json and the tokenizer files of an encoder GGUF (can_prepare must be None)."""
-    meta = gguf.metadata
+    meta, arch = gguf.metadata, gguf.architecture
 
     def get(key, default=None):
-        return meta.get(f"{ARCHITECTURE}.{key}", default)
+        return meta.get(f"{arch}.{key}", default)
 
     shapes = {t.name: tuple(reversed(t.dims)) for t in gguf.tensors}
     pooling = _POOLING[get("pooling_type", 1)]
     tokens = gguf.array("tokenizer.ggml.tokens")
     config = {
-        "model_type": "bert",
+        "model_type": "nomic_bert" if arch == "nomic-bert" else "bert",
         "architectures": ["BertForSequenceClassification" if pooling == "rank" else "BertModel"],
         "vocab_size": len(tokens),
         "hidden_size": get("embedding_length"),
@@ -83,11 +86,16 @@ def write_model_files(gguf: GGUFFile, out: Path) -> None:
         "num_hidden_layers": get("block_count"),
         "num_attention_heads": get("attention.head_count"),
         "layer_norm_eps": float(str(np.float32(get("attention.layer_norm_epsilon", 1e-12)))),
-        "max_position_embeddings": shapes["position_embd.weight"][0],
+        "max_position_embeddings": shapes["position_embd.weight"][0]
+        if "position_embd.weight" in shapes
+        else get("context_length"),
         "type_vocab_size": shapes["token_types.weight"][0] if "token_types.weight" in shapes else 1,
         "hidden_act": "gelu",
         "pooling": pooling,
     }
+    if arch == "nomic-bert":  # rotary positions, SwiGLU, no biases
+        config["rope_theta"] = float(str(np.float32(get("rope.freq_base", 10000.0))))
+        config["hidden_act"] = "swiglu"
     if pooling == "rank":
         config["num_labels"] = shapes["cls.output.weight"][0] if "cls.output.weight" in shapes else 1
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -17,16 +17,28 @@ from minibatch.engine.weights.loader import WeightLoadError, gguf_source
 
 _PREFIXES = ("bert.", "roberta.", "model.")
 _QKV = {"query": 0, "key": 1, "value": 2}
+WHOLE = -1  # a stacked q/k/v tensor: every shard at once
 # checkpoint tensors the forward does not use: buffers, a masked-LM head, a pooler an embedding model skips
 _IGNORED = re.compile(r"(position_ids|token_type_ids)$|^(cls|lm_head)\.")
 _LAYER = {
+    "intermediate.gate": "gate",  # (a GGUF's NomicBERT, engine/encoders/gguf.py)
     "attention.output.dense": "out",
     "attention.output.LayerNorm": "attn_norm",
     "intermediate.dense": "up",
     "output.dense": "down",
     "output.LayerNorm": "mlp_norm",
 }
+# NomicBERT's layer names (its folder's and, renamed by engine/encoders/gguf.py, its GGUF's); Wqkv is stacked
+_NOMIC_LAYER = {
+    "attn.out_proj": "out",
+    "norm1": "attn_norm",
+    "mlp.fc11": "up",
+    "mlp.fc12": "gate",
+    "mlp.fc2": "down",
+    "norm2": "mlp_norm",
+}
 _TOP = {
+    "emb_ln": "embed_norm",
     "embeddings.word_embeddings": "word_embeddings",
     "embeddings.position_embeddings": "position_embeddings",
     "embeddings.token_type_embeddings": "token_type_embeddings",
@@ -35,18 +47,27 @@ _TOP = {
 
 
 def _target(key: str, head: str) -> tuple[str, int] | None:
-    """(our parameter, its shard: q/k/v's place in the stacked qkv, else 0); None: not one of ours."""
+    """(our parameter, its shard: q/k/v's place in the stacked qkv, WHOLE for all three at once, else 0); None:
+    not one of ours."""
     for prefix in _PREFIXES:
         key = key.removeprefix(prefix)
     module, _, leaf = key.rpartition(".")
     leaf = {"gamma": "weight", "beta": "bias"}.get(leaf, leaf)  # older LayerNorm names
     if module in _TOP:
         return f"{_TOP[module]}.{leaf}", 0
+    m = re.fullmatch(r"encoder\.layers\.(\d+)\.(.+)", module)  # NomicBERT's
+    if m:
+        layer, rest = m.groups()
+        if rest == "attn.Wqkv":
+            return f"layers.{layer}.qkv.{leaf}", WHOLE
+        return (f"layers.{layer}.{_NOMIC_LAYER[rest]}.{leaf}", 0) if rest in _NOMIC_LAYER else None
     m = re.fullmatch(r"encoder\.layer\.(\d+)\.(.+)", module)
     if m:
         layer, rest = m.groups()
         if rest.startswith("attention.self."):
             part = rest.removeprefix("attention.self.")
+            if part == "qkv":
+                return f"layers.{layer}.qkv.{leaf}", WHOLE
             return (f"layers.{layer}.qkv.{leaf}", _QKV[part]) if part in _QKV else None
         return (f"layers.{layer}.{_LAYER[rest]}.{leaf}", 0) if rest in _LAYER else None
     heads = {
@@ -95,13 +116,13 @@ def load_encoder(
                 continue
             name, shard = target
             dest = params[name]
-            if ".qkv." in name:
+            if ".qkv." in name and shard != WHOLE:
                 dest = dest[shard * h : (shard + 1) * h]
             tensor = read()
             if tuple(dest.shape) != tuple(tensor.shape):
                 raise WeightLoadError(f"tensor {key} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             dest.copy_(tensor.to(dtype))
-            pending[name].discard(shard)
+            pending[name] -= {0, 1, 2} if shard == WHOLE else {shard}
     missing = sorted(n for n, shards in pending.items() if shards)
     if missing or unexpected:
         msg = [f"missing tensors: {', '.join(missing)}"] if missing else []
@@ -111,6 +132,7 @@ def load_encoder(
         from minibatch.engine.encoders.gguf import summary
 
         model.weights_desc = f"{summary(gguf)} dequantised to {str(dtype).removeprefix('torch.')}"
+    model.build_rotary(device)
     model = model.eval().requires_grad_(False)
     if torch.device(device).type == "cpu" and dtype == torch.float32 and packed_linear_available():
         pack_linears(model)  # oneDNN's packed layout: a row's result whatever else is in the call

@@ -61,7 +61,7 @@ POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
 
 def can_prepare(gguf: GGUFFile) -> str | None:
     """None when write_model_files can do this file, else why not."""
-    if gguf.architecture == encoder_files.ARCHITECTURE:  # an encoder (BERT, XLM-RoBERTa): engine/encoders/gguf.py
+    if gguf.architecture in encoder_files.ARCHITECTURES:  # an encoder (BERT, NomicBERT): engine/encoders/gguf.py
         return encoder_files.can_prepare(gguf)
     if gguf.architecture not in ARCHITECTURES:
         return f"architecture {gguf.architecture!r}"
@@ -70,7 +70,7 @@ def can_prepare(gguf: GGUFFile) -> str | None:
 
 def write_model_files(gguf: GGUFFile, out: Path) -> None:
     """config.json, generation_config.json and the tokenizer files for `gguf` (can_prepare must be None)."""
-    if gguf.architecture == encoder_files.ARCHITECTURE:
+    if gguf.architecture in encoder_files.ARCHITECTURES:
         encoder_files.write_model_files(gguf, out)
         return
     tokens = gguf.array("tokenizer.ggml.tokens")

@@ -352,14 +352,14 @@ def list_models(cache_dir: Path | None = None) -> list[ModelEntry]:
             continue  # listed under its own name
         entries.append(ModelEntry(source.get("gguf", name), "converted", p, True, f"cached as {name}"))
     from minibatch.engine.encoders.config import ENCODER_MODEL_TYPES
-    from minibatch.engine.encoders.gguf import ARCHITECTURE as ENCODER_ARCHITECTURE
+    from minibatch.engine.encoders.gguf import ARCHITECTURES as ENCODER_ARCHITECTURES
     from minibatch.engine.gguf.architectures import ARCHITECTURES
     from minibatch.engine.models.config import SUPPORTED_MODEL_TYPES
 
     for m in found:
         size = f"{m.size / 2**20:.0f} MB" if m.size else "?"
         is_gguf = m.path is not None and m.path.is_file()  # Ollama blobs and .gguf files; the rest are directories
-        gguf_families = (*ARCHITECTURES, ENCODER_ARCHITECTURE)
+        gguf_families = (*ARCHITECTURES, *ENCODER_ARCHITECTURES)
         supported = m.family in (gguf_families if is_gguf else SUPPORTED_MODEL_TYPES + ENCODER_MODEL_TYPES)
         usable = supported and not m.quantization.startswith("unusable")
         note = f"{m.family}{'' if supported else ' (family not supported)'} · {m.quantization} · {size} · {m.path}"

@@ -148,3 +148,24 @@ def test_encoder_configs_are_read_and_refused_by_name(models, tmp_path):
         (folder / "config.json").write_text(json.dumps({**cfg, **change}))
         with pytest.raises(UnsupportedModelError, match=words):
             EncoderConfig.from_dir(folder)
+
+
+def test_nomic_bert_folder_and_gguf_equal_its_reference(tmp_path):
+    """NomicBERT (rotary positions, SwiGLU, no biases) from its folder and from the GGUF llama.cpp's converter
+    would write: mean-pooled vectors equal to the float64 reference within float32's rounding, the same
+    tokens from either, each input alone as in the batch."""
+    from tests.encoder_models import nomic_reference, save_nomic, write_nomic_gguf
+
+    folder = tmp_path / "nomic"
+    folder.mkdir()
+    tensors = save_nomic(folder)
+    gguf = write_nomic_gguf(folder, tensors, tmp_path / "nomic.gguf")
+    for path in (folder, gguf):
+        e = engine(path)
+        assert e.info.family == "nomic_bert" and e.info.pooling == "mean"
+        inputs = [e.tokenizer.encode_prompt(t) for t in TEXTS]
+        got = run(e, inputs, "mean")
+        for ids, vector in zip(inputs, got):
+            want = nomic_reference(tensors, ids).mean(0)
+            assert (torch.tensor(vector, dtype=torch.float64) - want).abs().max() < 1e-5
+        assert run(engine(path, seqs=1), inputs[3:], "mean")[0] == got[3]
