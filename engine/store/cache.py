@@ -245,11 +245,17 @@ def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
     """Write `gguf`'s config and tokenizer under cache_dir once; later calls return the cached copy."""
     key = f"{gguf.stem}-{file_digest(gguf)[:16]}"
     dest = cache_dir / key
-    if _prepared(dest):
+    if _prepared(dest) and _points_at(dest, gguf):
         return dest
     cache_dir.mkdir(parents=True, exist_ok=True)
     with _file_lock(cache_dir / f".{key}.lock"):
-        if _prepared(dest):  # another process finished it while we waited
+        if _prepared(dest):  # another process finished it while we waited, or the same bytes moved
+            if not _points_at(dest, gguf):  # the preparation holds for the same bytes wherever they are
+                marker = dest / SOURCE_FILE
+                source = json.loads(marker.read_text()) | {"gguf": str(gguf.resolve())}
+                tmp = marker.with_suffix(".tmp")
+                tmp.write_text(json.dumps(source, indent=2))
+                os.replace(tmp, marker)
             return dest
         for stale in cache_dir.glob(f".{key}.tmp-*"):  # left by a preparation that died
             shutil.rmtree(stale, ignore_errors=True)
@@ -273,6 +279,12 @@ def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return dest
+
+
+def _points_at(dest: Path, gguf: Path) -> bool:
+    """Whether the preparation's weights are read from `gguf` itself (not from a copy of it elsewhere, which
+    may since have gone)."""
+    return json.loads((dest / SOURCE_FILE).read_text()).get("gguf") == str(gguf.resolve())
 
 
 def _prepared(dest: Path) -> bool:

@@ -60,6 +60,23 @@ def test_gguf_path_is_prepared_and_cached_by_content(fresh_cache, tmp_path):
     assert model.config.vocab_size == 49152 and model.weights_desc == "Q4_1 (+Q8_0 embedding) native"
 
 
+def test_the_same_bytes_at_a_new_path_read_from_there(tmp_path):
+    """A file prepared once, then gone, its bytes again under another folder (a test's temporary folder, a
+    moved download): the preparation is reused and reads its weights from where the file is now."""
+    from tests.encoder_models import save_bert, write_encoder_gguf
+
+    cache, first, second = tmp_path / "cache", tmp_path / "a", tmp_path / "b"
+    for folder in (first, second):
+        folder.mkdir()
+    hf = save_bert(tmp_path / "bert")
+    gguf = write_encoder_gguf(hf, first / "m.gguf", 1)
+    prepared = resolve_model(str(gguf), cache_dir=cache)
+    shutil.move(gguf, second / "m.gguf")
+    assert resolve_model(str(second / "m.gguf"), cache_dir=cache) == prepared
+    source = json.loads((prepared / model_store.SOURCE_FILE).read_text())
+    assert source["gguf"] == str((second / "m.gguf").resolve())
+
+
 def test_hf_directory_resolves_to_itself(tiny_llama_dir, tmp_path):
     assert resolve_model(str(tiny_llama_dir)) == tiny_llama_dir
     (tmp_path / "config.json").write_text("{}")
