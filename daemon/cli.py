@@ -74,6 +74,13 @@ DAEMON_OPTIONS = [
         "auto",
         "a thinking model's reasoning: auto (apart, in reasoning_content / thinking) or none (left in the content)",
     ),
+    (
+        "--reasoning-budget",
+        int,
+        -1,
+        "thinking tokens a thinking model may spend before its end-of-thinking marker is put in and the answer "
+        "begins, where a request sets no budget: -1 no bound, 0 the answer at once",
+    ),
     ("--host", str, None, "also listen on TCP at this host (default 127.0.0.1 when --port is set)"),
     ("--port", int, None, "also listen on TCP at this port (off by default)"),
     (
@@ -267,6 +274,8 @@ def cmd_start(args) -> int:
         models = pool_settings(args)
         if args.reasoning_format not in ("auto", "none"):
             raise ValueError(f"--reasoning-format: must be auto or none, got {args.reasoning_format!r}")
+        if args.reasoning_budget < -1:
+            raise ValueError(f"--reasoning-budget: must be -1 (no bound), 0 or more, got {args.reasoning_budget}")
         guard = guard_of(args)  # a refused bind is reported here, before anything listens
     except (LifecycleError, ValueError) as exc:
         print(f"minibatchd: {exc}", file=sys.stderr)
@@ -296,6 +305,7 @@ def cmd_start(args) -> int:
             models,
             preload_of(args),
             args.reasoning_format,
+            reasoning_budget=args.reasoning_budget,
             prompt_cache_shared=args.prompt_cache_shared,
         )
         return asyncio.run(serve(conf))

@@ -38,6 +38,7 @@ class DaemonConfig:
     models: PoolSettings = field(default_factory=PoolSettings)
     preload: tuple[str, ...] = ()  # more models to load at start, after the daemon's own
     reasoning_format: str = "auto"  # a thinking model's reasoning apart (auto) or in the content (none)
+    reasoning_budget: int = -1  # thinking tokens at most where a request sets none (-1: no bound)
     # a cluster replica behind the ingress: its tag starts the ids of the responses it stores (so the ingress
     # routes a response's later requests to it), and it takes who sent a request from the ingress's
     # X-Minibatch-Identity header (its socket is private to the cluster's user)
@@ -86,6 +87,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         request_timeout=config.request_timeout,
         body_timeout=config.read_timeout,
         reasoning_format=config.reasoning_format,
+        reasoning_budget=None if config.reasoning_budget < 0 else config.reasoning_budget,
         replica_tag=config.replica_tag,
         prompt_cache_shared=config.prompt_cache_shared,
     )

@@ -22,6 +22,7 @@ class DaemonState:
     request_timeout: float = 600.0  # wall-clock limit per request, seconds
     body_timeout: float = 30.0  # seconds to receive a request body
     reasoning_format: str = "auto"  # --reasoning-format: a thinking model's reasoning apart (auto) or not (none)
+    reasoning_budget: int | None = None  # --reasoning-budget: thinking tokens at most where a request sets none
     pool: ModelPool | None = None  # the loaded models
     started_at: float = field(default_factory=time.time)
     status: str = "loading"  # loading | ready | draining | failed

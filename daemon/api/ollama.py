@@ -92,8 +92,9 @@ class _Request(_Lenient):
     # how long the model stays loaded after this request: seconds or a duration ("5m"); 0 unloads it, -1 keeps it
     keep_alive: StrictStr | Int | Float | None = None
     # a thinking model: true, its reasoning apart in `thinking`; false, a prompt that does not think where the
-    # template has the switch (enable_thinking); unset: apart, as --reasoning-format says
-    think: StrictBool | None = None
+    # template has the switch (enable_thinking); a level (gpt-oss's): apart, within that level's thinking budget
+    # (generation/reasoning.py); unset: apart, as --reasoning-format says
+    think: StrictBool | Literal["low", "medium", "high"] | None = None
     options: Options = Field(default_factory=Options)
     format: Literal["json", ""] | dict[str, Any] | None = None  # any JSON, or a JSON schema
 
@@ -249,7 +250,10 @@ def generation(body: ChatBody | GenerateBody, chat: bool) -> Generation:
         tools=tools,
         # think false: a prompt that does not think where the template has the switch, else the thoughts left
         # in the answer; true: apart; unset: as --reasoning-format says
-        reasoning=Reasoning(off=body.think is False, apart=None if body.think is None else body.think),
+        reasoning=Reasoning.asked(
+            "none" if body.think is False else body.think if isinstance(body.think, str) else None,
+            apart=None if body.think is None else body.think is not False,
+        ),
         sampling=body.sampling(),
         api_defaults=API_DEFAULTS,
         names={k: f"options.{v}" for k, v in OPTION_NAMES.items()}

@@ -38,8 +38,11 @@ def chat_generation(body: ChatRequest) -> Generation:
         prompt_field="messages",
         messages=[m.for_template() for m in body.messages],
         tools=specs,
-        reasoning=Reasoning(
-            apart={"auto": True, "none": False}.get(body.reasoning_format or ""), budget=body.max_reasoning_tokens
+        reasoning=Reasoning.asked(
+            body.reasoning_effort,
+            body.max_reasoning_tokens,
+            {"auto": True, "none": False}.get(body.reasoning_format or ""),
+            body.chat_template_kwargs,
         ),
         sampling=given,
         api_defaults=defaults,

@@ -19,6 +19,7 @@ from minibatch.engine.core.sampling_params import (
 from minibatch.engine.text.fim import Infill
 from minibatch.engine.text.structured import MAX_GRAMMAR_BYTES
 
+from ..generation.reasoning import EFFORTS
 from ..protocol import ApiError, Float, Int
 from .messages import MAX_TOOLS, Body, Message, NamedToolChoice, Tool
 from .samplers import given_samplers, sampler_fields
@@ -150,9 +151,13 @@ class ChatRequest(_Sampling):
     top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # a thinking model's reasoning: apart in message.reasoning_content (auto), or left in the content (none)
     reasoning_format: Literal["auto", "none"] | None = None
-    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # accepted: no knob here
+    # a thinking model's level: a budget of thinking tokens (generation/reasoning.py's EFFORT_BUDGETS), "none"
+    # no thinking; a template that reads reasoning_effort (gpt-oss) is handed it
+    reasoning_effort: Literal[EFFORTS] | None = None
     # thinking tokens at most, then the thinking is closed and the answer (its format or tool call) follows
     max_reasoning_tokens: Int | None = Field(default=None, ge=0)
+    # the chat template's own switches (vLLM's and llama-server's): enable_thinking false turns thinking off
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
 
     def logprobs_k(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

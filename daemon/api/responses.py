@@ -18,7 +18,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from ..generation import pipeline
-from ..generation.pipeline import Constraint, Generation, Running
+from ..generation.pipeline import Constraint, Generation, Reasoning, Running
 from ..protocol import ApiError
 from ..state import STATE, off_loop, read_body
 from .response_store import STORE, ResponseStore, response_id
@@ -116,6 +116,7 @@ def generation(body: ResponsesRequest, earlier: list[dict]) -> Generation:
         api_defaults=API_DEFAULTS,
         names=NAMES,
         constraint=constraint(body, specs),
+        reasoning=Reasoning.asked(body.reasoning.effort if body.reasoning else None),
     )
 
 

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag
 
+from ..generation.reasoning import EFFORTS
 from ..protocol import Float, Int
 from .messages import FUNCTION_NAME, MAX_TOOLS
 
@@ -95,7 +96,7 @@ class TextOptions(_Body):
 
 
 class Reasoning(_Body):
-    effort: Literal["minimal", "low", "medium", "high"] | None = None
+    effort: Literal[EFFORTS] | None = None  # a thinking budget (generation/reasoning.py); "none": no thinking
     summary: StrictStr | None = None
 
 

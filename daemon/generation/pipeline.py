@@ -35,7 +35,7 @@ from ..protocol import ApiError
 from ..state import DaemonState, off_loop, timed_out
 from .answer import AnswerStream, Parts, split_answer
 from .grammars import check_tool_schemas, response_grammar, text_grammar, tool_call_grammar
-from .reasoning import Thinking, gate
+from .reasoning import EFFORT_BUDGETS, Thinking, gate
 from .tools import check_template
 
 
@@ -43,11 +43,49 @@ from .tools import check_template
 class Reasoning:
     """How a thinking model's reasoning is asked for. `off`: the template's switch turns the thinking off
     where it has one (enable_thinking); `apart`: the thoughts come back apart from the answer (True), left in
-    it (False), or as the daemon's --reasoning-format says (None); `budget`: thinking tokens at most."""
+    it (False), or as the daemon's --reasoning-format says (None); `budget`: thinking tokens at most (None: the
+    daemon's --reasoning-budget); `effort`: the level asked for (reasoning.py's EFFORT_BUDGETS), handed to a
+    template that reads `reasoning_effort`; `template_args`: the client's own switches for the template
+    (chat_template_kwargs)."""
 
     off: bool = False
     apart: bool | None = None
     budget: int | None = None
+    effort: str | None = None
+    template_args: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def asked(
+        cls,
+        effort: str | None = None,
+        budget: int | None = None,
+        apart: bool | None = None,
+        template_args: dict[str, Any] | None = None,
+        field_name: str = "chat_template_kwargs",
+    ) -> Reasoning:
+        """A request's reasoning from what its API names: a level (EFFORT_BUDGETS: its budget unless one is
+        given; "none" off), a budget, where the thoughts go, the template's switches (enable_thinking false is
+        off too). A switch the template is already handed (messages, tools, a special token) is a 400 naming
+        it."""
+        args = dict(template_args or {})
+        for key, value in args.items():
+            if key in RESERVED_TEMPLATE_ARGS:
+                msg = f"{field_name}.{key}: the template is handed {key} by the daemon; it cannot be set here"
+                raise ApiError(400, msg, f"{field_name}.{key}", "invalid_value")
+            if key == "enable_thinking" and not isinstance(value, bool):
+                msg = f"{field_name}.enable_thinking: must be true or false, got {value!r}"
+                raise ApiError(400, msg, f"{field_name}.enable_thinking", "invalid_type")
+        off = effort == "none" or args.get("enable_thinking") is False
+        if budget is None and effort is not None:
+            budget = EFFORT_BUDGETS[effort]
+        return cls(off=off, apart=apart, budget=budget, effort=effort, template_args=args)
+
+
+# What render_chat hands every template itself (tokenizer.render_chat and transformers' apply_chat_template)
+RESERVED_TEMPLATE_ARGS = frozenset(
+    ("messages", "tools", "documents", "add_generation_prompt", "bos_token", "eos_token", "unk_token", "sep_token")
+    + ("pad_token", "cls_token", "mask_token", "tokenize", "return_dict", "continue_final_message")
+)
 
 
 @dataclass(slots=True)
@@ -273,9 +311,13 @@ async def render(state: DaemonState, model: LoadedModel, gen: Generation) -> tup
                     _check_fits(tok, p, limit, f"{gen.prompt_field}.{i}" if gen.batch else gen.prompt_field)
         return await off_loop(lambda: [p if isinstance(p, list) else tok.encode_prompt(p) for p in texts]), None
     ask = gen.reasoning
-    args = {"enable_thinking": False} if tok.reasoning_tags is not None and ask.off and tok.can_stop_thinking else {}
+    args = dict(ask.template_args)
+    if tok.reasoning_tags is not None and ask.off and tok.can_stop_thinking:
+        args["enable_thinking"] = False
+    if ask.effort is not None and "reasoning_effort" in (tok.chat_template or ""):  # gpt-oss's levels
+        args.setdefault("reasoning_effort", ask.effort)
     apart = ask.apart if ask.apart is not None else state.reasoning_format == "auto"
-    split = tok.reasoning_tags is not None and apart and not args
+    split = tok.reasoning_tags is not None and apart and args.get("enable_thinking") is not False
 
     def run() -> tuple[list[int], Thinking | None]:
         text = tok.render_chat(gen.messages, tools=gen.tools, **args)
@@ -391,6 +433,7 @@ async def _start(state: DaemonState, model: LoadedModel, gen: Generation, deadli
     grammar = await _grammar(model, gen)
     running = Running(model, gen, prompts, thinking, deadline - state.request_timeout, deadline, timed_out(state))
     total = len(prompts) * gen.n
+    budget = gen.reasoning.budget if gen.reasoning.budget is not None else state.reasoning_budget
     ids = [gen.request_id] if total == 1 else [f"{gen.request_id}-{k}" for k in range(total)]
     limit = model.info.max_model_len
     for k, rid in enumerate(ids):
@@ -399,9 +442,7 @@ async def _start(state: DaemonState, model: LoadedModel, gen: Generation, deadli
             params = gen.sampling_params(limit, len(prompts[p]), model.info.generation_defaults)
             if gen.fill is not None:  # the middle ends at the model's own end markers too
                 params.stop_token_ids = [*params.stop_token_ids, *model.tokenizer.fim.stops]
-            params.grammar = gate(
-                model, grammar if k == 0 or grammar is None else grammar.copy(), thinking, gen.reasoning.budget
-            )
+            params.grammar = gate(model, grammar if k == 0 or grammar is None else grammar.copy(), thinking, budget)
             if i and params.seed is not None:  # the n completions of one prompt draw differently, reproducibly
                 params.seed = (params.seed + i) % 2**63
             _submit(engine, gen, prompts[p], params, rid, ids[k - i] if i else None, p if gen.batch else None)

@@ -13,6 +13,12 @@ from minibatch.engine.text.thinking import ThinkingGate
 from ..protocol import ApiError
 
 REASONING_FORMATS = ("auto", "none")
+# The reasoning levels the APIs name (OpenAI's reasoning_effort and Responses' reasoning.effort, Ollama's think
+# levels), as thinking-token budgets: past one the end-of-thinking marker is put in and the answer begins. "none"
+# turns the thinking off (the template's switch where it has one, else a budget of 0); "high" has no bound but
+# the daemon's --reasoning-budget. A template that reads `reasoning_effort` (gpt-oss) is handed the level too.
+EFFORT_BUDGETS: dict[str, int | None] = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": None}
+EFFORTS = tuple(EFFORT_BUDGETS)
 
 
 def reasoning_format(requested: str | None, default: str) -> str:

@@ -298,3 +298,69 @@ def test_responses_reasoning_items_whole_and_streamed(daemon):
     # a format constrains the answer after the thoughts, which this model never closes: no answer yet
     r = client.responses.create(model="default", input="What is 2+2?", max_output_tokens=8, temperature=1.0, text=fmt)
     assert r.status == "incomplete" and r.output[0].type == "reasoning"
+
+
+def test_levels_and_switches_map_to_one_reasoning():
+    """What each API names, as the pipeline's one Reasoning: a level is its budget (EFFORT_BUDGETS) unless a
+    budget is given, "none" and enable_thinking false are off, a switch the daemon hands the template itself
+    is refused by name."""
+    from minibatch.daemon.generation.pipeline import Reasoning
+    from minibatch.daemon.generation.reasoning import EFFORT_BUDGETS
+    from minibatch.daemon.protocol import ApiError
+
+    assert Reasoning.asked("low").budget == EFFORT_BUDGETS["low"] == 1024 and not Reasoning.asked("low").off
+    assert Reasoning.asked("low", budget=7).budget == 7 and Reasoning.asked("high").budget is None
+    assert Reasoning.asked("none").off and Reasoning.asked("none").budget == 0
+    off = Reasoning.asked(template_args={"enable_thinking": False, "custom": 1})
+    assert off.off and off.template_args == {"enable_thinking": False, "custom": 1}
+    for args, param in (({"messages": []}, "chat_template_kwargs.messages"), ({"enable_thinking": "no"}, None)):
+        with pytest.raises(ApiError) as e:
+            Reasoning.asked(template_args=args)
+        assert e.value.param == (param or "chat_template_kwargs.enable_thinking")
+
+
+def test_effort_none_and_the_template_switch_think_not(daemon):
+    client = sdk(daemon)
+    plain = client.chat.completions.create(
+        model="default", messages=ASK, max_tokens=4, temperature=1.0, seed=7, extra_body={"reasoning_effort": "none"}
+    )
+    switched = client.chat.completions.create(
+        model="default",
+        messages=ASK,
+        max_tokens=4,
+        temperature=1.0,
+        seed=7,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    thinking = client.chat.completions.create(model="default", messages=ASK, max_tokens=4, temperature=1.0, seed=7)
+    # the prompt without the thinking opened (the template's switch): other tokens, no reasoning_content
+    assert plain.usage.prompt_tokens == switched.usage.prompt_tokens != thinking.usage.prompt_tokens
+    assert plain.choices[0].message.content == switched.choices[0].message.content
+    assert not (plain.choices[0].message.model_extra or {}).get("reasoning_content")
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.socket))) as http:
+        bad = http.post(
+            "http://localhost/v1/chat/completions", json={"messages": ASK, "chat_template_kwargs": {"tools": []}}
+        )
+        level = http.post("http://localhost/api/chat", json={"messages": ASK, "think": "low", "stream": False})
+        wrong = http.post("http://localhost/api/chat", json={"messages": ASK, "think": "max", "stream": False})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs.tools"
+    assert level.status_code == 200 and wrong.status_code == 400 and "think" in wrong.json()["error"]
+
+
+def test_the_daemons_reasoning_budget_bounds_a_request_without_one(thinking_model_dir):
+    """--reasoning-budget 3: three thoughts, then the close, unless the request sets its own."""
+    d = tempfile.mkdtemp(prefix="mbrb-", dir="/tmp")
+    daemon = Daemon(Path(d) / "d.sock", thinking_model_dir, "--kv-cache-gb", "0.05", "--reasoning-budget", "3")
+    try:
+        daemon.wait_ready()
+        client = sdk(daemon)
+        for extra, want in (({}, 3), ({"max_reasoning_tokens": 5}, 5)):
+            r = client.chat.completions.create(
+                model="default", messages=ASK, max_tokens=12, temperature=1.0, seed=7, logprobs=True, extra_body=extra
+            )
+            tokens = [t.token for t in r.choices[0].logprobs.content]
+            assert tokens.index("</think>") == want, tokens
+            assert r.usage.completion_tokens_details.reasoning_tokens > 0
+    finally:
+        assert daemon.stop() == 0, daemon.log_text()
+        shutil.rmtree(d, ignore_errors=True)
