@@ -11,7 +11,9 @@ tokenizer.json that splits text as llama.cpp does:
   (lowercase and accents stripped as `tokenizer.ggml.normalizer.lowercase` says; older files, without the key,
   lowercase), `[CLS] a [SEP]` and a pair's `[CLS] a [SEP] b [SEP]`;
 - `t5` (SentencePiece Unigram, XLM-RoBERTa's): the pieces and scores with the file's precompiled character
-  map, "▁" for spaces, `<s> a </s>` and `<s> a </s></s> b </s>`.
+  map, "▁" for spaces (one before the text where `add_space_prefix` says, runs of spaces merged where
+  `remove_extra_whitespaces` does: llama.cpp's defaults, off, where the file is silent), `<s> a </s>` and
+  `<s> a </s></s> b </s>`.
 
 Weights keep their GGUF names here and are renamed to the Hugging Face ones the loader knows
 (engine/encoders/loader.py), dequantised to float32.
@@ -137,9 +139,12 @@ def _write_tokenizer(gguf: GGUFFile, tokens: list[str], out: Path) -> None:
         tok = Tokenizer(models.Unigram(table, unk_id=unk, byte_fallback=False))
         charsmap = gguf.array("tokenizer.ggml.precompiled_charsmap")
         steps = [normalizers.Precompiled(bytes(np.asarray(charsmap, dtype=np.uint8)))] if charsmap is not None else []
-        tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(Regex(" {2,}"), " ")])
-        tok.pre_tokenizer = pre_tokenizers.Metaspace()
-        tok.decoder = decoders.Metaspace()
+        if meta.get("tokenizer.ggml.remove_extra_whitespaces", False):  # (llama.cpp's defaults when unsaid)
+            steps.append(normalizers.Replace(Regex(" {2,}"), " "))
+        tok.normalizer = normalizers.Sequence(steps)
+        prepend = "always" if meta.get("tokenizer.ggml.add_space_prefix", False) else "never"
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=prepend)
+        tok.decoder = decoders.Metaspace(prepend_scheme=prepend)
         pair = "$A:0 {sep}:0 {sep}:0 $B:0 {sep}:0"
     named = {"unk_token": unk, "cls_token": cls, "sep_token": sep, "pad_token": pad, "mask_token": mask}
     named = {name: pieces[i] for name, i in named.items() if i is not None}

@@ -17,9 +17,9 @@ import ollama
 import openai
 import pytest
 import torch
+from make_encoder import save_bert, save_xlmr_reranker
 
 from minibatch.daemon.client import request_json
-from tests.encoder_models import save_bert, save_xlmr_reranker
 
 from .helpers import Daemon, chat_body, session
 

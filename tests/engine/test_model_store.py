@@ -63,7 +63,7 @@ def test_gguf_path_is_prepared_and_cached_by_content(fresh_cache, tmp_path):
 def test_the_same_bytes_at_a_new_path_read_from_there(tmp_path):
     """A file prepared once, then gone, its bytes again under another folder (a test's temporary folder, a
     moved download): the preparation is reused and reads its weights from where the file is now."""
-    from tests.encoder_models import save_bert, write_encoder_gguf
+    from make_encoder import save_bert, write_encoder_gguf
 
     cache, first, second = tmp_path / "cache", tmp_path / "a", tmp_path / "b"
     for folder in (first, second):

@@ -53,6 +53,8 @@ COVERED = {
     "kernels/bench_quant_matmul.py": "in_process:test_bench_quant_matmul",
     "kernels/roofline.py": "in_process:test_roofline",
     "dev/make_model.py": "in_process:test_make_model",
+    "dev/make_encoder.py": "in_process:test_make_encoder",
+    "features/bench_retrieval.py": "own_daemons:test_bench_retrieval",
     "kernels/perplexity.py": "in_process:test_perplexity",
     "fuzz.sh": "own_daemons:test_fuzz_script",
     "record.py": "own_daemons:test_record_quick",

@@ -1,6 +1,16 @@
-"""Tiny random encoder models saved as Hugging Face folders, with tokenizers made here (no download): BERT with a
-WordPiece vocabulary (an embedding model, or a cross-encoder with its pooler and classifier), XLM-RoBERTa with a
-SentencePiece-style Unigram vocabulary (a bge-reranker-shaped cross-encoder)."""
+"""Random-weight encoder models in the shapes of the ones retrieval setups use, saved as a Hugging Face folder
+and as the GGUF llama.cpp's converter would write from it, with a tokenizer made here (nothing downloaded):
+
+  .venv/bin/python scripts/dev/make_encoder.py --shape bert-base --out models/bert-base    # + bert-base.gguf
+  .venv/bin/python scripts/dev/make_encoder.py --shape bge-reranker-base --out models/reranker --dtype F32
+
+Shapes: `minilm` (all-MiniLM-L6-v2: 384 wide, 6 layers), `bert-base` (bge-base, e5-base: 768, 12 layers),
+`nomic` (nomic-embed-text: BERT-base's size with rotary positions and SwiGLU), `bge-reranker-base` (an
+XLM-RoBERTa cross-encoder of BERT-base's size). The vocabulary is small (WordPiece for BERT and NomicBERT, a
+Unigram one for XLM-RoBERTa: common English words and characters), so the embedding tables are narrow; every
+matrix a token goes through has the named model's shape. The tests make their tiny models with the same
+functions (`save_bert`, `save_xlmr_reranker`, `save_nomic` and the GGUF writers).
+"""
 
 from __future__ import annotations
 
@@ -17,7 +27,14 @@ WORDS = (
     "him into time than its only over also cat dog mat sat paged cache block batch step query document"
 ).split()
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789.,!?'")
-SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)  # the tests'
+SHAPES = {
+    "minilm": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536),
+    "bert-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    "nomic": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+    "bge-reranker-base": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072),
+}
+CONTEXT = 514  # position rows (less XLM-R's offset of 2: 512 tokens), as the named models have
 
 
 def _bert_tokenizer(path: Path):
@@ -49,7 +66,9 @@ def _spread_head(model, dense, out) -> None:
         out.bias.normal_(0, 0.5)
 
 
-def save_bert(path: Path, seed: int = 0, classifier: bool = False, pooling: str | None = None) -> Path:
+def save_bert(
+    path: Path, seed: int = 0, classifier: bool = False, pooling: str | None = None, shape: dict = SHAPE, context=128
+) -> Path:
     """A BERT embedding model (pooling as sentence-transformers files say: `cls` or `mean`; None: no files,
     mean by default) or, with `classifier`, a one-label cross-encoder (BertForSequenceClassification)."""
     import torch
@@ -58,7 +77,7 @@ def save_bert(path: Path, seed: int = 0, classifier: bool = False, pooling: str 
     vocab = _bert_tokenizer(path)
     torch.manual_seed(seed)
     spread = {"initializer_range": 0.2} if classifier else {}
-    cfg = transformers.BertConfig(vocab_size=vocab, max_position_embeddings=128, **SHAPE, num_labels=1, **spread)
+    cfg = transformers.BertConfig(vocab_size=vocab, max_position_embeddings=context, **shape, num_labels=1, **spread)
     if classifier:
         model = transformers.BertForSequenceClassification(cfg)
         _spread_head(model, model.bert.pooler.dense, model.classifier)
@@ -68,7 +87,8 @@ def save_bert(path: Path, seed: int = 0, classifier: bool = False, pooling: str 
     if pooling is not None:
         (path / "1_Pooling").mkdir(exist_ok=True)
         modes = {"pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean"}
-        (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **modes}))
+        size = {"word_embedding_dimension": shape["hidden_size"]}
+        (path / "1_Pooling" / "config.json").write_text(json.dumps({**size, **modes}))
         modules = [
             {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
             {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -77,7 +97,7 @@ def save_bert(path: Path, seed: int = 0, classifier: bool = False, pooling: str 
     return path
 
 
-def save_xlmr_reranker(path: Path, seed: int = 1) -> Path:
+def save_xlmr_reranker(path: Path, seed: int = 1, shape: dict = SHAPE, context: int = 130) -> Path:
     """An XLM-RoBERTa cross-encoder (XLMRobertaForSequenceClassification, one label) with a Unigram tokenizer."""
     import torch
     import transformers
@@ -100,12 +120,12 @@ def save_xlmr_reranker(path: Path, seed: int = 1) -> Path:
     torch.manual_seed(seed)
     cfg = transformers.XLMRobertaConfig(
         vocab_size=len(pieces),
-        max_position_embeddings=130,
+        max_position_embeddings=context,
         type_vocab_size=1,
         pad_token_id=1,
         num_labels=1,
         initializer_range=0.2,
-        **SHAPE,
+        **shape,
     )
     model = transformers.XLMRobertaForSequenceClassification(cfg)
     _spread_head(model, model.classifier.dense, model.classifier.out_proj)
@@ -132,6 +152,14 @@ GGUF_LAYER = {
     "output.dense": "ffn_down",
     "output.LayerNorm": "layer_output_norm",
 }
+
+
+def _stored(name: str, tensor, dtype: str):
+    """A tensor as the converter stores it: matrices in `dtype`, but vectors, position and token-type tables in
+    F32 (llama.cpp adds those to F32 activations, which it cannot do from F16)."""
+    array = tensor.float().numpy()
+    wide = array.ndim == 2 and not name.startswith(("position_embd", "token_types"))
+    return array.astype("float16") if dtype == "F16" and wide else array
 
 
 def write_encoder_gguf(hf_dir: Path, out: Path, pooling: int, dtype: str = "F32") -> Path:
@@ -161,7 +189,14 @@ def write_encoder_gguf(hf_dir: Path, out: Path, pooling: int, dtype: str = "F32"
         pieces = tok["model"]["vocab"]
         tokens, scores = [p for p, _ in pieces], [float(s) for _, s in pieces]
         w.add_tokenizer_model("t5")
+        w.add_tokenizer_pre("default")
         w.add_token_scores(scores)
+        w.add_add_space_prefix(True)  # (the converter's, from the tokenizer's Metaspace and its cleanup)
+        w.add_remove_extra_whitespaces(True)
+        # what gguf's SpecialVocab reads off the pair template: <s> q </s> </s> d </s> (llama-server's rerank)
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(True)
+        w.add_add_sep_token(True)
         ids = {"bos": 0, "pad": 1, "eos": 2, "unk": 3, "sep": 2, "cls": 0, "mask": len(tokens) - 1}
     else:
         vocab = tok["model"]["vocab"]
@@ -187,8 +222,7 @@ def write_encoder_gguf(hf_dir: Path, out: Path, pooling: int, dtype: str = "F32"
             continue  # position_ids buffers, BERT's pooler (the converter drops it)
         if module == "embeddings.position_embeddings":
             tensor = tensor[offset:]
-        array = tensor.float().numpy()
-        w.add_tensor(name, array.astype("float16") if dtype == "F16" and array.ndim == 2 else array)
+        w.add_tensor(name, _stored(name, tensor, dtype))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -207,22 +241,24 @@ NOMIC_LAYER = {  # NomicBERT's names -> GGUF's (the converter's tensor map)
 }
 
 
-def save_nomic(path: Path, seed: int = 4, theta: float = 1000.0) -> dict:
+def save_nomic(
+    path: Path, seed: int = 4, theta: float = 1000.0, shape: dict = SHAPE, context: int = 128, std: float = 0.02
+) -> dict:
     """A NomicBERT folder as nomic-embed-text's is laid out (its config's GPT-2-style keys, Wqkv stacked, fc11 the
     up projection and fc12 the gate, no biases in the matrices) with a BERT tokenizer; returns its tensors."""
     import torch
     from safetensors.torch import save_file
 
     vocab = _bert_tokenizer(path)
-    h, ff, layers = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_hidden_layers"]
+    h, ff, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     g = torch.Generator().manual_seed(seed)
 
-    def rand(*shape, std=0.2):
+    def rand(*shape, std=std):  # 0.02: a trained model's scale (BERT's initializer_range); wider is sharper
         return torch.randn(*shape, generator=g) * std
 
     t = {
-        "embeddings.word_embeddings.weight": rand(vocab, h, std=1.0),
-        "embeddings.token_type_embeddings.weight": rand(2, h, std=1.0),
+        "embeddings.word_embeddings.weight": rand(vocab, h),
+        "embeddings.token_type_embeddings.weight": rand(2, h),
         "emb_ln.weight": 1 + rand(h, std=0.1),
         "emb_ln.bias": rand(h, std=0.1),
     }
@@ -240,8 +276,8 @@ def save_nomic(path: Path, seed: int = 4, theta: float = 1000.0) -> dict:
         "n_embd": h,
         "n_inner": ff,
         "n_layer": layers,
-        "n_head": SHAPE["num_attention_heads"],
-        "n_positions": 128,
+        "n_head": shape["num_attention_heads"],
+        "n_positions": context,
         "layer_norm_epsilon": 1e-12,
         "rotary_emb_base": theta,
         "rotary_emb_fraction": 1.0,
@@ -295,8 +331,8 @@ def nomic_reference(t: dict, ids: list[int], theta: float = 1000.0, heads: int =
     return x
 
 
-def write_nomic_gguf(folder: Path, tensors: dict, out: Path, theta: float = 1000.0) -> Path:
-    """The NomicBERT folder as llama.cpp's converter writes it (`nomic-bert`, F32, mean pooling)."""
+def write_nomic_gguf(folder: Path, tensors: dict, out: Path, theta: float = 1000.0, dtype: str = "F32") -> Path:
+    """The NomicBERT folder as llama.cpp's converter writes it (`nomic-bert`, F32 or F16 matrices, mean pooling)."""
     import gguf
 
     cfg = json.loads((folder / "config.json").read_text())
@@ -331,9 +367,38 @@ def write_nomic_gguf(folder: Path, tensors: dict, out: Path, theta: float = 1000
             name = f"blk.{n}.{NOMIC_LAYER[rest]}.{leaf}"
         else:
             name = f"{top[module]}.{leaf}"
-        w.add_tensor(name, tensor.float().numpy())
+        w.add_tensor(name, _stored(name, tensor, dtype))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    ap.add_argument("--out", type=Path, required=True, help="the folder; the GGUF is written beside it (.gguf)")
+    ap.add_argument("--dtype", choices=("F32", "F16"), default="F16", help="the GGUF's matrices")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers than the named model's (a quick one)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    gguf = args.out.with_suffix(".gguf")
+    shape = SHAPES[args.shape] | ({"num_hidden_layers": args.layers} if args.layers else {})
+    if args.shape == "bge-reranker-base":
+        save_xlmr_reranker(args.out, args.seed, shape, CONTEXT)
+        write_encoder_gguf(args.out, gguf, 4, args.dtype)
+    elif args.shape == "nomic":
+        tensors = save_nomic(args.out, args.seed, 1000.0, shape, CONTEXT - 2)
+        write_nomic_gguf(args.out, tensors, gguf, 1000.0, args.dtype)
+    else:
+        save_bert(args.out, args.seed, pooling="mean", shape=shape, context=CONTEXT - 2)
+        write_encoder_gguf(args.out, gguf, 1, args.dtype)
+    print(f"wrote {args.out}/ and {gguf}")
+
+
+if __name__ == "__main__":
+    main()
