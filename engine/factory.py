@@ -350,8 +350,9 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         kv_cache_type=str(kv_types),
         kv_bytes_per_token=bytes_per_token(cfg, kv_types),
         kv_cache_tokens=(num_blocks - 1) * config.block_size,
-        embedding_size=cfg.hidden_size,
+        embedding_size=1 if cfg.pooling == "rank" else cfg.hidden_size,
         pooling=cfg.pooling,
+        tasks=("rerank",) if cfg.pooling == "rank" else ("generate", "embed"),
         speculative="off"
         if not spec.enabled
         else f"{spec.method}{' ' + spec.draft_model if spec.draft_model else ''} (up to {spec.num_tokens} tokens)",

@@ -63,6 +63,7 @@ class EncoderModel(nn.Module):
         self.embed_norm = nn.LayerNorm(h, eps=cfg.layer_norm_eps)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
         self.head = ClassificationHead(cfg) if cfg.pooling == "rank" else None
+        self.rank_from_first = True  # the head reads the first token ([CLS], <s>)
         self.weights_desc = "float32"
 
     def build_rotary(self, device: torch.device | str) -> None:

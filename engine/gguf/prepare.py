@@ -55,8 +55,9 @@ _SAMPLING = {
 }
 
 
-# {arch}.pooling_type -> how an embedding pools the hidden states (llama.cpp's enum: 0 none, 4 rank left out)
-POOLING_TYPES = {1: "mean", 2: "cls", 3: "last"}
+# {arch}.pooling_type -> how an embedding pools the hidden states (llama.cpp's enum: 0 none; 4 rank: a decoder
+# reranker's last token scored by its cls.output rows)
+POOLING_TYPES = {1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
 
 def can_prepare(gguf: GGUFFile) -> str | None:
@@ -130,6 +131,9 @@ def model_config(gguf: GGUFFile, n_tokens: int) -> dict:
     if get("attention.sliding_window"):
         config["sliding_window"] = get("attention.sliding_window")
     pooling = POOLING_TYPES.get(get("pooling_type"))
+    if pooling == "rank":  # Qwen3-Reranker: the rows that score the last token
+        scores = next((t for t in gguf.tensors if t.name == "cls.output.weight"), None)
+        config["num_labels"] = int(scores.dims[1]) if scores is not None and len(scores.dims) == 2 else 0
     if pooling is not None:  # an embedding model's (Qwen3-Embedding: last); none said: the engine's default
         config["pooling"] = pooling
     freqs = next((t for t in gguf.tensors if t.name == "rope_freqs.weight"), None)

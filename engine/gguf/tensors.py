@@ -55,6 +55,7 @@ _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    "cls.output.weight": "score.weight",  # a reranker's rows (pooling rank: Qwen3-Reranker's yes and no)
 }
 # Tensors a GGUF may carry that our forward computes itself (rope_freqs: prepare.py reads it as Llama 3's
 # rope scaling into the config, and the forward computes the same factors from it).
@@ -161,6 +162,8 @@ class GGUFWeights:
         }
         if not cfg.tie_word_embeddings:
             expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+        if cfg.pooling == "rank":
+            expected["score.weight"] = (cfg.score_labels, cfg.hidden_size)
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         per_layer = {
             "input_layernorm.weight": (cfg.hidden_size,),

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from minibatch.engine.text.fim import FIM_CONFIG_KEY, GGUF_KEYS
+from minibatch.engine.text.tokenizer import RERANK_TEMPLATE_KEY
 
 if TYPE_CHECKING:
     from minibatch.engine.gguf.reader import GGUFFile
@@ -122,6 +123,9 @@ def write_tokenizer(gguf: GGUFFile, tokens: list[str], out: Path) -> None:
     fim = {field: i for field, i in fim.items() if isinstance(i, int) and 0 <= i < len(tokens)}
     if {"prefix", "suffix", "middle"} <= fim.keys():  # the file names its fill-in-the-middle markers
         config[FIM_CONFIG_KEY] = fim
+    rerank = meta.get("tokenizer.chat_template.rerank")
+    if isinstance(rerank, str) and rerank:  # a decoder reranker's prompt (Qwen3-Reranker's, as converted)
+        config[RERANK_TEMPLATE_KEY] = rerank
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     template = meta.get("tokenizer.chat_template")
     if isinstance(template, str) and template:

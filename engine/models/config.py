@@ -71,6 +71,9 @@ class ModelConfig:
     # how an embedding pools the prompt's hidden states: the model's own (a GGUF's pooling_type), else the last
     # token's, as the decoder-based embedding models (Qwen3-Embedding, gte-Qwen2, e5-mistral) pool
     pooling: str = "last"
+    # "rank" (a decoder reranker, Qwen3-Reranker's GGUF): its last token's hidden state scored by `score` rows
+    # (llama.cpp's cls.output: the lm_head's "yes" and "no" rows), the relevance the first row's softmax share
+    score_labels: int = 0
 
     @property
     def default_context(self) -> int:
@@ -162,10 +165,12 @@ class ModelConfig:
         pooling = cfg.get("pooling")
         if pooling is None:
             return config
-        decoder_poolings = [p for p in POOLINGS if p != "rank"]  # (rank is a cross-encoder's head)
-        if pooling not in decoder_poolings:
-            raise UnsupportedModelError(f"pooling {pooling!r} is not supported ({', '.join(decoder_poolings)})")
-        return dataclasses.replace(config, pooling=pooling)
+        if pooling not in POOLINGS:
+            raise UnsupportedModelError(f"pooling {pooling!r} is not supported ({', '.join(POOLINGS)})")
+        labels = int(cfg.get("num_labels", 0)) if pooling == "rank" else 0
+        if pooling == "rank" and labels not in (1, 2):
+            raise UnsupportedModelError(f"pooling rank with {labels} score rows is not supported (1 or 2)")
+        return dataclasses.replace(config, pooling=pooling, score_labels=labels)
 
 
 def _gemma(cfg: dict) -> ModelConfig:

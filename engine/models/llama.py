@@ -172,6 +172,9 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops or TorchOps()
         self.model = LlamaBody(cfg, backend, self.ops)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # a reranker's head (pooling rank): the rows that score its last token
+        self.score = nn.Linear(cfg.hidden_size, cfg.score_labels, bias=False) if cfg.pooling == "rank" else None
+        self.rank_from_first = False  # a decoder reranks from its last token (an encoder from its first)
         self.logits_proj: nn.Module | None = None  # a packed or quantized output projection (CPU paths)
         self.weights_desc = "float32"  # what the matrices run as, for /health and the panel
 
@@ -256,6 +259,14 @@ class LlamaForCausalLM(nn.Module):
             yield "mlp", layer.mlp.gate_up_proj
             yield "mlp", layer.mlp.down_proj
         yield "output", self.logits_proj if self.logits_proj is not None else (self.lm_head or self.model.embed_tokens)
+
+    def classify(self, last: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, 1]: the relevance
+        """A decoder reranker's score of its last token: with two rows ("yes", "no"), the first's share of their
+        softmax (llama.cpp's Qwen3 rank pooling); with one, its logit."""
+        if self.score is None:
+            raise ValueError("this model has no score head (it is not a reranker)")
+        logits = F.linear(last, self.score.weight)
+        return logits.softmax(-1)[:, :1] if logits.shape[-1] == 2 else logits
 
     def embedding_tables(self) -> list[nn.Module]:
         return [self.model.embed_tokens]

@@ -34,7 +34,7 @@ class ModelRunner:
         self.sampler = Sampler(model.ops, token_texts=token_texts)
         self.shifter = KeyShifter(model, kv_caches)  # rows moved by shifted reuse, before the forward
         self.graphs = None  # DecodeGraphs on CUDA: pure-decode steps replay a captured forward
-        # mean pooling's running sums (cls, rank: the first position's state), per embedding request mid-prompt
+        # mean pooling's running sums (cls, an encoder's rank: the first position's state), per request mid-prompt
         self.pooling_sums: dict[str, tuple[torch.Tensor | float, int]] = {}
 
     @torch.inference_mode()
@@ -115,14 +115,14 @@ class ModelRunner:
                 total, count = total + rows.sum(dim=0, dtype=torch.float64), count + n
                 self.pooling_sums[req.request_id] = (total, count)
                 vector = total / count
-            elif req.pooling in ("cls", "rank"):
+            elif req.pooling == "cls" or (req.pooling == "rank" and self.model.rank_from_first):
                 if start == 0:
                     self.pooling_sums[req.request_id] = (rows[0], 1)
                 vector = self.pooling_sums[req.request_id][0]
-                if req.pooling == "rank":  # a cross-encoder's scores of the pair: its head over the first token
-                    vector = self.model.classify(vector[None])[0]
-            else:  # last
+            else:  # last (and a decoder reranker's rank)
                 vector = rows[-1]
+            if req.pooling == "rank":  # a reranker's score of the pair: its head over the first or last token
+                vector = self.model.classify(vector[None])[0]
             if start + n == req.num_prompt_tokens:
                 done[req.request_id] = vector.float().cpu().tolist()
                 self.pooling_sums.pop(req.request_id, None)

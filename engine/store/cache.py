@@ -40,7 +40,7 @@ from minibatch.engine.store import sources
 DEFAULT_MODEL = "smollm2-135m-instruct"
 SOURCE_FILE = "minibatch-source.json"
 # Bumped when what a preparation writes changes; a cached preparation of another format is redone.
-PREPARED_FORMAT = 5  # 5: a GGUF's fill-in-the-middle token ids in tokenizer_config.json
+PREPARED_FORMAT = 6  # 5: a GGUF's fill-in-the-middle token ids in tokenizer_config.json; 6: encoders, rerank
 
 
 @dataclass(slots=True, frozen=True)

@@ -23,6 +23,9 @@ _NAMED_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# tokenizer_config.json's key for a decoder reranker's prompt (a GGUF's tokenizer.chat_template.rerank): the text
+# with {query} and {document} in it, encoded with its special tokens (Qwen3-Reranker's judge prompt)
+RERANK_TEMPLATE_KEY = "minibatch_rerank_template"
 
 
 class TextTokenizer:
@@ -48,6 +51,7 @@ class TextTokenizer:
             self.chat_template = getattr(self.hf, "chat_template", None)
         self.has_chat_template = bool(self.chat_template)
         self._fim_named = config.get(FIM_CONFIG_KEY)  # a GGUF's own fill-in-the-middle ids (engine/text/fim.py)
+        self.rerank_template: str | None = config.get(RERANK_TEMPLATE_KEY)
         self._renders_tools: bool | None = None
 
     def encode(self, text: str) -> list[int]:
@@ -64,7 +68,10 @@ class TextTokenizer:
 
     def encode_pair(self, first: str, second: str) -> list[int]:
         """Two texts as one input with the special tokens the tokenizer puts around and between a pair (a
-        cross-encoder's query and document: BERT's [CLS] q [SEP] d [SEP], XLM-R's <s> q </s></s> d </s>)."""
+        cross-encoder's query and document: BERT's [CLS] q [SEP] d [SEP], XLM-R's <s> q </s></s> d </s>); a
+        decoder reranker's: its rerank prompt with the query and the document in their places."""
+        if self.rerank_template is not None:
+            return self.encode(self.rerank_template.replace("{query}", first).replace("{document}", second))
         if self._tok is None:
             return list(self.hf.encode(first, second, add_special_tokens=True))
         return self._tok.encode(first, second, add_special_tokens=True).ids

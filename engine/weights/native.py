@@ -47,6 +47,8 @@ def install_gguf_weights(model: LlamaForCausalLM, gw: GGUFWeights, packed: bool 
                     t[f"{prefix}self_attn.{norm}.weight"].dequantized(), requires_grad=False
                 )
     model.model.norm.weight = nn.Parameter(t["model.norm.weight"].dequantized(), requires_grad=False)
+    if model.score is not None:  # a reranker's few rows, in float32
+        model.score.weight = nn.Parameter(t["score.weight"].dequantized(), requires_grad=False)
     emb = t["model.embed_tokens.weight"]
     if emb.qtype.name == "F32":
         model.model.embed_tokens = nn.Embedding.from_pretrained(emb.dequantized(), freeze=True)

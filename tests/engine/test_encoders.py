@@ -169,3 +169,49 @@ def test_nomic_bert_folder_and_gguf_equal_its_reference(tmp_path):
             want = nomic_reference(tensors, ids).mean(0)
             assert (torch.tensor(vector, dtype=torch.float64) - want).abs().max() < 1e-5
         assert run(engine(path, seqs=1), inputs[3:], "mean")[0] == got[3]
+
+
+def test_a_decoder_reranker_gguf_scores_its_last_token_as_transformers_does(tmp_path):
+    """Qwen3-Reranker as llama.cpp converts it (pooling_type rank, the lm_head's "yes" and "no" rows as
+    cls.output, its judge prompt as the `rerank` chat template): each pair is that prompt, scored at its last
+    token as softmax(yes, no)'s first share, which equals transformers' next-token distribution there; its
+    engine reranks and nothing else."""
+    import transformers
+    from gguf import GGUFWriter, PoolingType
+    from safetensors.torch import load_file
+
+    from minibatch.engine.store.cache import resolve_model
+    from tests.conftest import TINY_COMMON
+    from tests.engine.gguf_models import gguf_name, write_converter_metadata
+
+    torch.manual_seed(11)
+    hf = tmp_path / "qwen3"
+    cfg = transformers.Qwen3Config(**TINY_COMMON, head_dim=16, tie_word_embeddings=True, bos_token_id=1)
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    model.save_pretrained(hf)
+    yes, no = ord("y"), ord("n")  # (the 256-byte vocabulary's; a real file's are the words' tokens)
+    template = "<|bos|>Judge.\nQuery: {query}\nDocument: {document}\nAnswer:"
+    path = tmp_path / "reranker.gguf"
+    w = GGUFWriter(str(path), "qwen3")
+    write_converter_metadata(w, {**cfg.to_dict(), "rope_theta": 10000.0}, "qwen3")
+    w.add_pooling_type(PoolingType.RANK)
+    w.add_string("tokenizer.chat_template.rerank", template)
+    for name, tensor in sorted(load_file(hf / "model.safetensors").items()):
+        w.add_tensor(gguf_name(name, "qwen3"), tensor.float().numpy())
+    embed = model.model.embed_tokens.weight.detach()
+    w.add_tensor("cls.output.weight", torch.stack([embed[yes], embed[no]]).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    e = engine(resolve_model(str(path), cache_dir=tmp_path / "cache"))
+    assert e.info.tasks == ("rerank",) and e.info.pooling == "rank" and e.info.embedding_size == 1
+    docs = ["a cat", "paged blocks of keys and values", "x"]
+    pairs = [e.tokenizer.encode_pair("what is a cache", d) for d in docs]
+    assert pairs[0] == e.tokenizer.encode(template.format(query="what is a cache", document="a cat"))
+    got = [s[0] for s in run(e, pairs, "rank")]
+    for ids, score in zip(pairs, got):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1, [yes, no]]
+        assert abs(score - logits.softmax(-1)[0].item()) < 1e-5
+    assert max(got) - min(got) > 1e-3 and all(0 < s < 1 for s in got)
