@@ -321,10 +321,9 @@ def _operations() -> list[tuple]:
             (
                 "post",
                 path,
-                "documents ranked against a query by a reranker (a cross-encoder), best first"
-                + (" (TEI's form and answer with `texts`)" if path == "/rerank" else ""),
+                "documents ranked against a query by a reranker, best first (TEI's form and answer with `texts`)",
                 rerank.RerankRequest,
-                {200: {JSON: s.RerankOrTei if path == "/rerank" else s.RerankAnswer}},
+                {200: {JSON: s.RerankOrTei}},
                 {**gen, 400: BODY[400] + "; a model that is not a reranker (naming it and what it does)"},
                 [],
             )

@@ -13,10 +13,10 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 from aiohttp import web
-from pydantic import Field, StrictBool, StrictStr
+from pydantic import ConfigDict, Field, StrictBool, StrictStr
 
 from ..generation.pipeline import Generation, generate
 from ..protocol import ApiError, Int
@@ -26,20 +26,28 @@ from .messages import Body
 
 
 class RerankDocument(Body):
-    text: StrictStr
+    text: StrictStr = Field(min_length=1)
+
+
+Text = Annotated[StrictStr, Field(min_length=1)]
 
 
 class RerankRequest(Body):
     """Jina's and Cohere's body (llama-server's too), and TEI's (`texts`, `raw_scores`, `return_text`)."""
 
+    # the documents come as one list or the other (a body with both or neither is a 400 naming them)
+    model_config = ConfigDict(
+        extra="forbid", strict=True, json_schema_extra={"oneOf": [{"required": ["documents"]}, {"required": ["texts"]}]}
+    )
+
     model: StrictStr | None = None
     query: StrictStr = Field(min_length=1)
-    documents: list[StrictStr | RerankDocument] | None = Field(default=None, max_length=MAX_INPUTS)
-    top_n: Int | None = None
+    documents: list[Text | RerankDocument] | None = Field(default=None, min_length=1, max_length=MAX_INPUTS)
+    top_n: Int | None = Field(default=None, ge=1)  # and at most the documents given (checked with them)
     return_documents: StrictBool = False
     truncate: StrictBool = False  # a document past the context: cut at its end (false: a 400 naming it)
     # Text Embeddings Inference's form: `texts` instead of `documents`, answered as [{index, score, text?}]
-    texts: list[StrictStr] | None = Field(default=None, max_length=MAX_INPUTS)
+    texts: list[Text] | None = Field(default=None, min_length=1, max_length=MAX_INPUTS)
     raw_scores: StrictBool = False
     return_text: StrictBool = False
 

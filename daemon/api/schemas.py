@@ -493,7 +493,7 @@ class TeiRank(_Out):
 
 
 class RerankOrTei(RootModel[RerankAnswer | list[TeiRank]]):
-    """POST /rerank's answer: Jina's and Cohere's shape, or TEI's list when the documents came as `texts`."""
+    """The rerank endpoints' answer: Jina's and Cohere's shape, or TEI's list when the documents came as `texts`."""
 
 
 class OllamaEmbedAnswer(_Out):

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from minibatch.daemon.api.openapi import document
+from minibatch.daemon.api.rerank import PATHS as RERANK_PATHS
 from tests.daemon.helpers import Daemon, with_fim_markers
 
 from .conftest import assert_clean
@@ -63,6 +64,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def rerank_daemon(tmp_path_factory):
+    """A daemon whose own model is a reranker (a tiny XLM-RoBERTa cross-encoder), for the rerank operations: the
+    chat model's daemon refuses every one of them as a model that cannot rerank."""
+    from make_encoder import save_xlmr_reranker
+
+    model = save_xlmr_reranker(tmp_path_factory.mktemp("fuzz-reranker") / "reranker")
+    d = tempfile.mkdtemp(prefix="mbfr-", dir="/tmp")
+    port = free_port()
+    daemon = Daemon(Path(d) / "d.sock", model, "--max-num-seqs", "4", "--port", str(port), "--api-key", KEY)
+    daemon.wait_ready()
+    daemon.port = port
+    daemon.baseline = daemon.stats()["kv_blocks_used"]
+    yield daemon
+    assert daemon.stop() == 0, daemon.log_text()
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +165,9 @@ def fuzz(schema, method: str, path: str, client, host: str, headers: dict, examp
 
 @pytest.mark.parametrize("listener", ["socket", "tcp"])
 @pytest.mark.parametrize("method, path", OPERATIONS)
-def test_check17_fuzz_every_operation(fuzz_daemon, served, method, path, listener):
-    client, host = client_for(fuzz_daemon, listener)
+def test_check17_fuzz_every_operation(fuzz_daemon, served, method, path, listener, request):
+    daemon = request.getfixturevalue("rerank_daemon") if path in RERANK_PATHS else fuzz_daemon
+    client, host = client_for(daemon, listener)
     with client:
         got = fuzz(
             served, method, path, client, host, AUTH, EXAMPLES if listener == "socket" else max(2, EXAMPLES // 3)
@@ -158,6 +178,8 @@ def test_check17_fuzz_every_operation(fuzz_daemon, served, method, path, listene
         assert set(got) == {403}, got
     else:
         assert any(200 <= code < 300 for code in got), got  # valid cases get served, not only refused
+    if daemon is not fuzz_daemon:
+        assert_clean(daemon)
 
 
 def test_check17_the_daemon_is_clean_after_the_fuzzing(fuzz_daemon):
