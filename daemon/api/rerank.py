@@ -53,7 +53,7 @@ class RerankRequest(Body):
 
 
 def _texts(body: RerankRequest) -> tuple[list[str], str]:
-    """(the documents' texts, the field they came in); an empty list or document is a 400 naming it."""
+    """(the documents' texts, the field they came in); neither list, both, or a top_n past them is a 400."""
     if body.documents is not None and body.texts is not None:
         msg = "texts: give the documents as `documents` or as TEI's `texts`, not both"
         raise ApiError(400, msg, "texts", "invalid_value")
@@ -61,10 +61,7 @@ def _texts(body: RerankRequest) -> tuple[list[str], str]:
     items = body.documents if field == "documents" else body.texts
     if not items:
         raise ApiError(400, f"{field}: at least one document is needed, got none", field, "invalid_value")
-    texts = [d.text if isinstance(d, RerankDocument) else d for d in items]
-    for i, text in enumerate(texts):
-        if not text:
-            raise ApiError(400, f"{field}.{i}: the document is empty", f"{field}.{i}", "empty_input")
+    texts = [d.text if isinstance(d, RerankDocument) else d for d in items]  # (each non-empty: the schema's)
     if body.top_n is not None and not 1 <= body.top_n <= len(texts):
         msg = f"top_n: must be between 1 and the {len(texts)} documents given, got {body.top_n}"
         raise ApiError(400, msg, "top_n", "invalid_value")

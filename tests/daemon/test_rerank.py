@@ -135,10 +135,10 @@ def test_top_n_documents_and_the_tei_form(daemon):
 def test_refusals_name_the_field_or_the_model_and_leave_nothing_behind(daemon, tiny_chat_model_dir):
     chat_model, long_doc = tiny_chat_model_dir.name, "the " * 200
     cases = [
-        ("/v1/rerank", {"model": "bge-reranker", "query": QUERY, "documents": []}, "documents", "at least one"),
+        ("/v1/rerank", {"model": "bge-reranker", "query": QUERY, "documents": []}, "documents", "at least 1 item"),
         ("/v1/rerank", {"model": "bge-reranker", "query": QUERY}, "documents", "at least one"),
-        ("/v1/rerank", {"model": "bge-reranker", "query": QUERY, "documents": ["a", ""]}, "documents.1", "empty"),
-        ("/v1/rerank", {"model": "bge-reranker", "query": QUERY, "documents": DOCS, "top_n": 0}, "top_n", "between"),
+        ("/v1/rerank", {"model": "bge-reranker", "query": QUERY, "documents": ["a", ""]}, "documents.1", "1 char"),
+        ("/v1/rerank", {"model": "bge-reranker", "query": QUERY, "documents": DOCS, "top_n": 0}, "top_n", "equal to 1"),
         (
             "/v1/rerank",
             {"model": "bge-reranker", "query": QUERY, "documents": DOCS, "top_n": 5},
