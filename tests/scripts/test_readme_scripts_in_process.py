@@ -192,33 +192,6 @@ def test_bench_quant_matmul(env):
     assert "| Q4_K | - |" in proc.stdout and "| Q6_K | - |" in proc.stdout
 
 
-def test_make_encoder(env, tmp_path):
-    """A MiniLM-shaped encoder (one layer) as a folder and an F16 GGUF beside it: both load as encoders of 384
-    wide rows, and the GGUF's vector is the folder's within F16's rounding."""
-    out = tmp_path / "minilm"
-    proc = run(env, SCRIPTS / "dev" / "make_encoder.py", "--shape", "minilm", "--layers", "1", "--out", out)
-    assert f"wrote {out}/ and {out}.gguf" in proc.stdout
-    check = f"""
-import json, torch
-from minibatch.engine.factory import EngineConfig, build_engine
-from minibatch.engine.core.sampling_params import SamplingParams
-vectors = []
-for m in ({str(out)!r}, {str(out) + ".gguf"!r}):
-    e = build_engine(EngineConfig(model=m))
-    ids = e.tokenizer.encode_prompt("the cat sat on the mat")
-    e.add_request("a", ids, SamplingParams(max_tokens=1), pooling=e.info.pooling)
-    done = []
-    while e.has_work():
-        done += [o for o in e.step()[0] if o.finished]
-    vectors.append(torch.tensor(done[0].embedding))
-cos = torch.nn.functional.cosine_similarity(vectors[0], vectors[1], dim=0).item()
-layers = e.runner.model.config.num_layers
-print(json.dumps({{"size": len(vectors[0]), "cos": cos, "layers": layers, "tasks": list(e.info.tasks)}}))
-"""
-    info = json.loads(run(env, "-c", check).stdout.strip().splitlines()[-1])
-    assert info["size"] == 384 and info["layers"] == 1 and info["tasks"] == ["embed"] and info["cos"] > 0.9999
-
-
 def test_make_model(env, tmp_path):
     """The true Qwen2.5-0.5B layer shape (896 wide, 14 heads over 2 KV heads, qkv bias, tied output) with two layers
     and its own 151,936-token vocabulary, quantized to Q5_0 by gguf's quantizer: it loads natively and generates,

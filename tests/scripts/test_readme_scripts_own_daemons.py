@@ -44,23 +44,6 @@ def test_bench_embeddings(env, tmp_path):
     assert "| minibatch | beside 1 chats |" in proc.stdout
 
 
-def test_bench_retrieval(env, tmp_path):
-    """Its own daemons on one-layer encoder files it is given: embeddings and rerank rates; llama.cpp's side
-    only with a llama-server."""
-    models = {}
-    for shape in ("minilm", "bge-reranker-base"):
-        models[shape] = tmp_path / shape
-        run(env, SCRIPTS / "dev" / "make_encoder.py", "--shape", shape, "--layers", "1", "--out", models[shape])
-    out = tmp_path / "retrieval.json"
-    args = ["--embed-model", f"{models['minilm']}.gguf", "--rerank-model", f"{models['bge-reranker-base']}.gguf"]
-    args += ["--passages", "6", "--words", "20", "--batch", "2", "--documents", "5", "--queries", "1"]
-    env = {k: v for k, v in env.items() if k != "LLAMA_SERVER"}
-    proc = run(env, SCRIPTS / "features" / "bench_retrieval.py", *args, "--threads", "1", "--json", out, timeout=600)
-    report = json.loads(out.read_text())
-    assert report["embed"]["minibatch"]["passages_s"] > 0 and report["embed"]["minibatch"]["tokens_s"] > 0
-    assert report["rerank"]["minibatch"]["documents_s"] > 0 and "| minibatch |" in proc.stdout
-
-
 def test_bench_cluster(env, tmp_path):
     pytest.importorskip("ray", reason="the cluster extra is not installed")
     out = tmp_path / "cluster.json"
