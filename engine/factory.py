@@ -193,7 +193,7 @@ def kv_cache_types(config: EngineConfig, model_dir, device: str, dtype_name: str
     device cannot hold them, naming the option and the types there are."""
     from minibatch.engine.models.config import ModelConfig
     from minibatch.engine.runner.kv_cache import types_problem
-    from minibatch.kernels.kv_types import KV_CACHE_TYPES
+    from minibatch.kernels.kv_types import KV_CACHE_TYPES, is_block_type
 
     mc = ModelConfig.from_dir(model_dir)
     if config.kv_cache_type == "auto":
@@ -202,7 +202,7 @@ def kv_cache_types(config: EngineConfig, model_dir, device: str, dtype_name: str
     problem = types_problem(mc, types)
     if problem:
         raise ModelSettingError(f"kv_cache_type {types}: {problem} (the types are {', '.join(KV_CACHE_TYPES)})")
-    floats = [t == "f32" for t in (types.k, types.v) if t != "q8_0"]
+    floats = [t == "f32" for t in (types.k, types.v) if not is_block_type(t)]
     if device == "cuda" and any(wide != (dtype_name == "float32") for wide in floats):
         raise ModelSettingError(
             f"kv_cache_type {types}: on the GPU an f32 cache goes with --dtype float32, 16 bits with 16"

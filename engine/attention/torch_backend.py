@@ -135,23 +135,23 @@ class TorchAttentionBackend:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_flat = kv_cache[0].view(-1, *kv_cache[0].shape[2:])  # [num_slots, kv_heads, row] in the cache's type
         v_flat = kv_cache[1].view(-1, *kv_cache[1].shape[2:])
-        k_flat.index_copy_(0, meta.slot_mapping, to_cache_ref(k, type_of(k_flat)))
-        v_flat.index_copy_(0, meta.slot_mapping, to_cache_ref(v, type_of(v_flat)))
+        k_flat.index_copy_(0, meta.slot_mapping, to_cache_ref(k, type_of(k_flat, head_dim)))
+        v_flat.index_copy_(0, meta.slot_mapping, to_cache_ref(v, type_of(v_flat, head_dim)))
         out = torch.empty_like(q)
         if plan.decode_tokens is not None:
             n = plan.decode_tokens.numel()
             shape = (n, plan.decode_ctx, num_kv_heads, head_dim)
-            kd = from_cache_ref(k_flat.index_select(0, plan.decode_slots)).to(q.dtype).view(shape)
-            vd = from_cache_ref(v_flat.index_select(0, plan.decode_slots)).to(q.dtype).view(shape)
+            kd = from_cache_ref(k_flat.index_select(0, plan.decode_slots), head_dim).to(q.dtype).view(shape)
+            vd = from_cache_ref(v_flat.index_select(0, plan.decode_slots), head_dim).to(q.dtype).view(shape)
             qd = q.index_select(0, plan.decode_tokens).unsqueeze(2)  # [n, heads, 1, head_dim]
             od = _attention(qd, kd.transpose(1, 2), vd.transpose(1, 2), plan.decode_mask, False, scale, meta.softcap)
             out.index_copy_(0, plan.decode_tokens, od.squeeze(2))
         for start, qlen, slots, mask in plan.prefills:
             qp = q[start : start + qlen].transpose(0, 1).unsqueeze(0)  # [1, heads, qlen, head_dim]
             kp = (
-                from_cache_ref(k_flat.index_select(0, slots)).to(q.dtype).transpose(0, 1).unsqueeze(0)
+                from_cache_ref(k_flat.index_select(0, slots), head_dim).to(q.dtype).transpose(0, 1).unsqueeze(0)
             )  # [1, kvh, ctx, d]
-            vp = from_cache_ref(v_flat.index_select(0, slots)).to(q.dtype).transpose(0, 1).unsqueeze(0)
+            vp = from_cache_ref(v_flat.index_select(0, slots), head_dim).to(q.dtype).transpose(0, 1).unsqueeze(0)
             op = _attention(qp, kp, vp, mask, mask is None, scale, meta.softcap)
             out[start : start + qlen] = op.squeeze(0).transpose(0, 1)
         return out

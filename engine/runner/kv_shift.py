@@ -6,7 +6,7 @@ LongRoPE's attention factor, a scale that commutes with turning). Turning it aga
 p + d: the two rotations compose into one, exactly in real arithmetic. The second turn is done in float64 from
 the row as the cache holds it, then stored back in the cache's type: in f32 the moved key differs from one
 computed at p + d by the rounding of that one step (a few units in the last place), in f16/bf16 by one more
-rounding to the type, in q8_0 by one more quantization (at most half a step of the row's 32-value scale).
+rounding to the type, in a block type (q8_0 .. iq4_nl) by one more quantization of its 32 values.
 Each layer turns with its own rotary (Gemma's sliding layers have a base of their own). The PyTorch ops run on
 any device; there is one call per step that admits a request with reuse, a few thousand rows.
 """
@@ -43,15 +43,16 @@ class KeyShifter:
         table = torch.tensor(moves, dtype=torch.int64, device=device)
         src, dst, shift = table[:, 0], table[:, 1], table[:, 2].double()
         turns = {}
+        head_dim = self.model.config.head_dim
         for kv, inv_freq in zip(self.caches, self._inv_freqs(device)):
             if id(inv_freq) not in turns:
                 angle = shift[:, None] * inv_freq[None, :]  # [rows, head_dim / 2]
                 turns[id(inv_freq)] = angle.cos()[:, None, :], angle.sin()[:, None, :]
             cos, sin = turns[id(inv_freq)]
             keys = kv.k.view(-1, *kv.k.shape[2:])  # [slots, kv_heads, row]
-            x = from_cache_ref(keys[src]).double()
+            x = from_cache_ref(keys[src], head_dim).double()
             x1, x2 = x.chunk(2, dim=-1)
             turned = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-            keys[dst] = to_cache_ref(turned.float(), type_of(kv.k))
+            keys[dst] = to_cache_ref(turned.float(), type_of(kv.k, head_dim))
             values = kv.v.view(-1, *kv.v.shape[2:])
             values[dst] = values[src]

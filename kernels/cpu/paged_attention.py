@@ -101,7 +101,7 @@ def store_and_attention_ref(
     q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start, scale, window=0, softcap=None
 ):
     for cache, new in zip(kv_cache, (k, v)):
-        rows = to_cache_ref(new.float(), type_of(cache))
+        rows = to_cache_ref(new.float(), type_of(cache, new.shape[-1]))
         cache.view(-1, *rows.shape[1:]).index_copy_(0, slot_mapping, rows)
     return paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start, scale, window, softcap)
 
@@ -118,7 +118,7 @@ def paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start, scale,
         lo, hi = starts[s], starts[s + 1]
         pos = torch.arange(ctx, device=q.device)
         slots = block_tables[s].long()[pos // block_size] * block_size + pos % block_size
-        k, v = (from_cache_ref(c.reshape(-1, *c.shape[2:])[slots]).transpose(0, 1) for c in kv_cache[:2])
+        k, v = (from_cache_ref(c.reshape(-1, *c.shape[2:])[slots], q.shape[-1]).transpose(0, 1) for c in kv_cache[:2])
         qs = q[lo:hi].transpose(0, 1).float()  # [heads, qlen, head_dim]
         q_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)[:, None]
         mask = pos[None, :] <= q_pos

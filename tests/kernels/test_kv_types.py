@@ -1,7 +1,7 @@
 """The KV cache types on the CPU: each type's store and read against its PyTorch twin on every build (this
-CPU's, AVX2 without VNNI, the portable one): f16 and bf16 bit for bit, q8_0 blocks byte for byte against
-gguf.quants' Q8_0; attention over every pair of types against the twin; and the batch-invariance rule on
-quantized caches."""
+CPU's, AVX2 without VNNI, the portable one): f16 and bf16 bit for bit, the block types byte for byte (the twins
+against gguf.quants' quantizers, and iq4_nl's against bytes llama.cpp's reference quantizer wrote); attention
+over every pair of types against the twin; and the batch-invariance rule on quantized caches."""
 
 from __future__ import annotations
 
@@ -9,15 +9,17 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 
 from minibatch.kernels.cpu.paged_attention import load_extension, paged_attention_ref
 from minibatch.kernels.kv_types import (
+    BLOCK_BYTES,
+    IQ4_NL_LEVELS,
     KV_CACHE_TYPES,
     PagedKV,
-    dequantize_q8_0_ref,
+    dequantize_ref,
     from_cache_ref,
-    quantize_q8_0_ref,
+    quantize_ref,
     row_width,
     storage_dtype,
     to_cache_ref,
@@ -34,21 +36,51 @@ def values(g, *shape) -> torch.Tensor:
     return x
 
 
-def test_the_q8_0_twin_is_gguf_quants():
+@pytest.mark.parametrize("kv_type", [t for t in BLOCK_BYTES if t != "iq4_nl"])
+def test_each_block_twin_is_gguf_quants(kv_type):
     g = torch.Generator().manual_seed(0)
     x = values(g, 40, 256)
-    ours = quantize_q8_0_ref(x)
-    theirs = torch.from_numpy(quantize(x.numpy(), GGMLQuantizationType.Q8_0)).view(40, -1)
+    ours = quantize_ref(x, kv_type)
+    gguf_type = GGMLQuantizationType[kv_type.upper()]
+    theirs = torch.from_numpy(quantize(x.numpy(), gguf_type)).view(40, -1)
     assert torch.equal(ours, theirs)
-    q = dequantize_q8_0_ref(ours)
-    assert torch.equal(q, torch.from_numpy(np.ascontiguousarray(dequantize_numpy(theirs.numpy()))).view(40, 256))
-    assert (q - x).abs().max() <= x.abs().max() / 127  # half a step, at most
+    q = dequantize_ref(ours, kv_type)
+    assert torch.equal(q, torch.from_numpy(np.ascontiguousarray(dequantize(theirs.numpy(), gguf_type))).view(40, 256))
+    # the error of a value, in steps d = max |x| / top: half a step (q8_0's symmetric range), a whole one at the
+    # other end of q4_0's and q5_0's ranges (-8..7, -16..15: +max is clamped to 7 / 15), plus the fp16 rounding of
+    # d (2**-11 of it) times the largest |q|
+    top = {"q8_0": 127, "q5_0": 16, "q4_0": 8}
+    if kv_type in top:
+        blocks, err = x.view(40, 8, 32), (q - x).view(40, 8, 32).abs()
+        steps = (0.5 if kv_type == "q8_0" else 1.0) + top[kv_type] / 2048
+        assert (err.amax(-1) <= blocks.abs().amax(-1) / top[kv_type] * steps).all()
 
 
-def dequantize_numpy(blocks: np.ndarray) -> np.ndarray:
-    from gguf.quants import dequantize
+def iq4_input() -> torch.Tensor:
+    i = torch.arange(128, dtype=torch.float32)
+    x = torch.sin(i * 0.37) * 3 + torch.cos(i * 1.3) * (i % 7)
+    x[64:96] = torch.arange(32) - 15.5
+    return x
 
-    return dequantize(blocks, GGMLQuantizationType.Q8_0)
+
+# What llama.cpp's quantize_row_iq4_nl_ref (its CPU backend's store of an iq4_nl cache) writes for iq4_input().
+IQ4_NL_BYTES = (
+    "082c584a98f9fdcfabbad8b9391450525426f02ac25a5f5aaafaee6fcac2d9a828139043d72f8090a1a1b1b2c2d3d3d4e4e5f5f6"
+    "f7f87baab6d4ecbd6c95f3895d243292870c5771"
+)
+
+
+def test_the_iq4_nl_twin_writes_what_llama_cpp_writes():
+    ours = quantize_ref(iq4_input(), "iq4_nl")
+    assert ours.dtype == torch.int8 and bytes(ours.view(torch.uint8).numpy()).hex() == IQ4_NL_BYTES
+    back = dequantize_ref(ours, "iq4_nl")
+    gguf_back = dequantize(np.frombuffer(bytes.fromhex(IQ4_NL_BYTES), np.uint8), GGMLQuantizationType.IQ4_NL)
+    assert torch.equal(back, torch.from_numpy(np.ascontiguousarray(gguf_back)).view(128))
+    levels = torch.tensor(IQ4_NL_LEVELS, dtype=torch.float32)
+    d = ours.view(torch.uint8).view(4, 18)[:, :2].contiguous().view(torch.float16).float()
+    assert set(torch.unique((back.view(4, 32) / d).round()).tolist()) <= set(levels.tolist())
+    zeros = quantize_ref(torch.zeros(32), "iq4_nl")  # no scale: every index 0 (llama.cpp leaves them as they were)
+    assert not zeros.any() and not dequantize_ref(zeros, "iq4_nl").any()
 
 
 def empty_cache(blocks: int, block_size: int, kv_heads: int, head_dim: int, k_type: str, v_type: str) -> PagedKV:
@@ -63,7 +95,7 @@ def empty_cache(blocks: int, block_size: int, kv_heads: int, head_dim: int, k_ty
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("kv_type", KV_CACHE_TYPES)
 def test_each_build_stores_each_type_as_the_twin_does(any_build, kv_type, head_dim):
-    """Rows written by the kernel's store equal the twin's conversion bit for bit (byte for byte for q8_0), and
+    """Rows written by the kernel's store equal the twin's conversion bit for bit (byte for byte for blocks), and
     attention over them equals the twin's over the same rows, at lengths around the block boundaries."""
     g = torch.Generator().manual_seed(head_dim)
     block_size, kv_heads, heads = 16, 2, 4
@@ -87,7 +119,7 @@ def test_each_build_stores_each_type_as_the_twin_does(any_build, kv_type, head_d
     ref = paged_attention_ref(q, cache, tables, seq_lens, starts, scale)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
     # what attention reads is the stored rows' exact values: a cache of those values in f32 gives the same bits
-    exact = PagedKV(*(from_cache_ref(c) for c in cache))
+    exact = PagedKV(*(from_cache_ref(c, head_dim) for c in cache))
     assert torch.equal(any_build.paged_attention(q, exact.k, exact.v, tables, seq_lens, starts, scale, 0, 0.0), got)
 
 
@@ -113,7 +145,7 @@ def test_every_pair_of_types_reads_as_the_twin(k_type, v_type):
     )
 
 
-@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0", "q5_1", "q4_0", "iq4_nl"])
 def test_a_query_gets_the_same_bits_however_it_is_computed_on_a_quantized_cache(any_build, kv_type):
     """The batch-invariance rule holds on every type: a token's result is the same in a whole prefill, in a
     chunk, as a decode token and beside other sequences."""
@@ -151,9 +183,12 @@ def test_a_cache_the_kernel_cannot_read_is_refused_naming_it():
         torch.tensor([0, 1], dtype=torch.int32),
     )
     bad = torch.zeros(2, 16, 1, 51, dtype=torch.uint8)  # q8_0 of 48 values: not a multiple of 32
-    with pytest.raises(RuntimeError, match="q8_0 K cache needs head_dim a multiple of 32"):
+    with pytest.raises(RuntimeError, match="a K cache of blocks needs head_dim a multiple of 32"):
         ext.paged_attention(q, bad, bad, tables, lens, starts, 0.1, 0, 0.0)
-    with pytest.raises(RuntimeError, match="f32, f16, bf16 or uint8"):
+    q64, odd = torch.randn(1, 2, 64), torch.zeros(2, 16, 1, 38, dtype=torch.uint8)  # 19 bytes a block: no type
+    with pytest.raises(RuntimeError, match="K cache rows are 38 bytes: not q8_0, q5_1, q5_0, q4_1 or q4_0 blocks"):
+        ext.paged_attention(q64, odd, odd, tables, lens, starts, 0.1, 0, 0.0)
+    with pytest.raises(RuntimeError, match=r"f32, f16, bf16, uint8 \(q8_0, q5_1, q5_0, q4_1, q4_0\) or int8"):
         ext.paged_attention(
             q,
             torch.zeros(2, 16, 1, 48, dtype=torch.float64),

@@ -16,13 +16,12 @@
 // sliding window (only the last `window` positions), and scores soft-capped as cap * tanh(score / cap)
 // before the softmax (Gemma 2).
 //
-// The cache holds K and V each in one of four types (kernels/kv_types.py): f32, f16, bf16, or q8_0 (each row
-// of head_dim values as head_dim / 32 of GGUF's Q8_0 blocks: an fp16 scale and 32 int8 quants, llama.cpp's
-// block_q8_0 byte for byte). The type is the cache tensor's dtype (uint8 for q8_0). A new token's K and V are
-// converted once, as they are stored; attention converts the rows of one KV block at a time into fp32 in a
+// The cache holds K and V each in one of kernels/kv_types.py's types: f32, f16, bf16, or GGUF's blocks of 32
+// values (q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl: llama.cpp's block layouts byte for byte). A new token's K and V
+// are converted once, as they are stored; attention converts the rows of one KV block at a time into fp32 in a
 // scratch buffer the size of one block, shared by the group's query heads and the tile's queries, so the
-// scores and sums run on the same fp32 values, by the same operations, whatever the type (the conversion is
-// exact: an f16/bf16 value is an fp32 one, and q * d of an int8 and an fp16 scale needs 19 of fp32's 24 bits).
+// scores and sums run on the same fp32 values, by the same operations, whatever the type (an f16/bf16 value
+// is an fp32 one; q * d of a block's small integer and its fp16 scale is exact, + m rounds once).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -43,23 +42,49 @@
 
 namespace {
 
-// What a cache tensor holds (its dtype, and for uint8 the Q8_0 row width).
-enum class KVType { F32, F16, BF16, Q8_0 };
-constexpr int64_t kQ8Block = 32, kQ8Bytes = 34;  // values and bytes per Q8_0 block (fp16 scale, 32 int8)
+// What a cache tensor holds: a float dtype its own type; uint8 GGUF blocks of 32 values, told apart by their
+// bytes (the row's width over head_dim / 32); int8 iq4_nl's blocks (q4_0's size).
+enum class KVType { F32, F16, BF16, Q8_0, Q5_1, Q5_0, Q4_1, Q4_0, IQ4_NL };
+constexpr int64_t kBlockValues = 32;
+
+constexpr int64_t block_bytes(KVType type) {
+  switch (type) {
+    case KVType::Q8_0: return 34;    // fp16 d, 32 int8
+    case KVType::Q5_1: return 24;    // fp16 d, fp16 m, 32 high bits, 16 bytes of low nibbles
+    case KVType::Q5_0: return 22;    // fp16 d, 32 high bits, 16 bytes of low nibbles
+    case KVType::Q4_1: return 20;    // fp16 d, fp16 m, 16 bytes of nibbles
+    case KVType::Q4_0: return 18;    // fp16 d, 16 bytes of nibbles
+    case KVType::IQ4_NL: return 18;  // fp16 d, 16 bytes of indices into the 16 levels
+    default: return 0;
+  }
+}
 
 KVType kv_type_of(const at::Tensor& cache, int64_t head_dim, const char* which) {
   const int64_t width = cache.size(-1);
+  KVType type;
   switch (cache.scalar_type()) {
     case at::kFloat: TORCH_CHECK(width == head_dim, which, " cache rows are ", width, " values, the heads ", head_dim); return KVType::F32;
     case at::kHalf: TORCH_CHECK(width == head_dim, which, " cache rows are ", width, " values, the heads ", head_dim); return KVType::F16;
     case at::kBFloat16: TORCH_CHECK(width == head_dim, which, " cache rows are ", width, " values, the heads ", head_dim); return KVType::BF16;
-    case at::kByte:
-      TORCH_CHECK(head_dim % kQ8Block == 0, "a q8_0 ", which, " cache needs head_dim a multiple of 32, got ", head_dim);
-      TORCH_CHECK(width == head_dim / kQ8Block * kQ8Bytes, which, " cache rows are ", width, " bytes, q8_0 heads of ", head_dim, " take ", head_dim / kQ8Block * kQ8Bytes);
-      return KVType::Q8_0;
-    default: TORCH_CHECK(false, which, " cache: f32, f16, bf16 or uint8 (q8_0) only, got ", cache.scalar_type());
+    case at::kChar: type = KVType::IQ4_NL; break;
+    case at::kByte: {
+      TORCH_CHECK(head_dim % kBlockValues == 0, "a ", which, " cache of blocks needs head_dim a multiple of 32, got ", head_dim);
+      const int64_t blocks = head_dim / kBlockValues;
+      switch (width % blocks ? 0 : width / blocks) {
+        case 34: type = KVType::Q8_0; break;
+        case 24: type = KVType::Q5_1; break;
+        case 22: type = KVType::Q5_0; break;
+        case 20: type = KVType::Q4_1; break;
+        case 18: type = KVType::Q4_0; break;
+        default: TORCH_CHECK(false, which, " cache rows are ", width, " bytes: not q8_0, q5_1, q5_0, q4_1 or q4_0 blocks for heads of ", head_dim);
+      }
+      break;
+    }
+    default: TORCH_CHECK(false, which, " cache: f32, f16, bf16, uint8 (q8_0, q5_1, q5_0, q4_1, q4_0) or int8 (iq4_nl) only, got ", cache.scalar_type());
   }
-  return KVType::F32;
+  TORCH_CHECK(head_dim % kBlockValues == 0, "a ", which, " cache of blocks needs head_dim a multiple of 32, got ", head_dim);
+  TORCH_CHECK(width == head_dim / kBlockValues * block_bytes(type), which, " cache rows are ", width, " bytes, heads of ", head_dim, " take ", head_dim / kBlockValues * block_bytes(type));
+  return type;
 }
 
 // One cache's rows: the type, the base address and byte strides over (block, position, KV head).
@@ -73,7 +98,42 @@ struct KVRows {
   }
 };
 
-// n rows of head_dim values, from src (rows `stride` bytes apart) into dst as fp32, row after row. Exact.
+// The conversions below keep every multiply and add its own fp32 rounding (no fused multiply-add), so a value
+// read is the PyTorch twin's bit for bit (kernels/kv_types.py) and a block quantizes as llama.cpp's reference.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+// One 4- or 5-bit block's 32 quants as small signed integers, value j first: (q - 8), (q - 16), q or level[q].
+inline void block_quants(KVType type, const uint8_t* b, int8_t* q) {
+  const bool with_min = type == KVType::Q4_1 || type == KVType::Q5_1;
+  const uint8_t* qs = b + block_bytes(type) - 16;
+#ifdef MB_ATTN_AVX2
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), low4 = _mm_set1_epi8(0x0F);
+  __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+  if (type == KVType::IQ4_NL) {
+    const __m128i levels = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
+    lo = _mm_shuffle_epi8(levels, lo), hi = _mm_shuffle_epi8(levels, hi);
+  } else if (type == KVType::Q4_0) {
+    lo = _mm_sub_epi8(lo, _mm_set1_epi8(8)), hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), lo);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), hi);
+#else
+  for (int j = 0; j < 16; ++j) {
+    q[j] = static_cast<int8_t>(qs[j] & 0x0F), q[j + 16] = static_cast<int8_t>(qs[j] >> 4);
+    if (type == KVType::IQ4_NL) q[j] = kIQ4Values[q[j]], q[j + 16] = kIQ4Values[q[j + 16]];
+    if (type == KVType::Q4_0) q[j] -= 8, q[j + 16] -= 8;
+  }
+#endif
+  if (type == KVType::Q5_0 || type == KVType::Q5_1) {
+    uint32_t high;
+    std::memcpy(&high, b + (with_min ? 4 : 2), 4);
+    for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>((q[j] | ((high >> j) & 1) << 4) - (with_min ? 0 : 16));
+  }
+}
+
+// n rows of head_dim values, from src (rows `stride` bytes apart) into dst as fp32, row after row: a float
+// type's values exactly; a block's q * d (exact: a small integer times an fp16), plus m where the type has one.
 inline void rows_to_float(KVType type, const uint8_t* src, int64_t stride, int64_t n, int64_t head_dim, float* dst) {
   for (int64_t i = 0; i < n; ++i, src += stride, dst += head_dim) {
     int64_t d = 0;
@@ -102,40 +162,119 @@ inline void rows_to_float(KVType type, const uint8_t* src, int64_t stride, int64
           std::memcpy(dst + d, &bits, 4);
         }
         break;
-      case KVType::Q8_0:
-        for (int64_t blk = 0; blk < head_dim / kQ8Block; ++blk) {
-          const uint8_t* b = src + blk * kQ8Bytes;
-          const float scale = half_to_float(b);
+      default: {
+        const int64_t bytes = block_bytes(type);
+        const bool with_min = type == KVType::Q4_1 || type == KVType::Q5_1;
+        int8_t unpacked[kBlockValues];
+        for (int64_t blk = 0; blk < head_dim / kBlockValues; ++blk) {
+          const uint8_t* b = src + blk * bytes;
+          const float scale = half_to_float(b), min = with_min ? half_to_float(b + 2) : 0.0f;
           const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
-          float* out = dst + blk * kQ8Block;
+          if (type != KVType::Q8_0) {
+            block_quants(type, b, unpacked);
+            qs = unpacked;
+          }
+          float* out = dst + blk * kBlockValues;
 #ifdef MB_ATTN_AVX2
-          const __m256 sv = _mm256_set1_ps(scale);
-          for (int j = 0; j < kQ8Block; j += 8) {
+          const __m256 sv = _mm256_set1_ps(scale), mv = _mm256_set1_ps(min);
+          for (int j = 0; j < kBlockValues; j += 8) {
             const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + j)));
-            _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_cvtepi32_ps(w), sv));
+            const __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(w), sv);
+            _mm256_storeu_ps(out + j, with_min ? _mm256_add_ps(x, mv) : x);
           }
 #else
-          for (int j = 0; j < kQ8Block; ++j) out[j] = static_cast<float>(qs[j]) * scale;
+          for (int j = 0; j < kBlockValues; ++j) {
+            const float x = static_cast<float>(qs[j]) * scale;
+            out[j] = with_min ? x + min : x;
+          }
 #endif
         }
         break;
+      }
     }
+  }
+}
+
+// GGUF's nearest of IQ4_NL's levels (best_index_int8): the lower of a tie's two.
+inline int iq4_index(float x) {
+  if (x <= kIQ4Values[0]) return 0;
+  if (x >= kIQ4Values[15]) return 15;
+  int lo = 0, hi = 15;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    (x < kIQ4Values[mid] ? hi : lo) = mid;
+  }
+  return x - kIQ4Values[hi - 1] < kIQ4Values[hi] - x ? hi - 1 : hi;
+}
+
+inline void put_half(uint8_t* dst, float x) {
+  const c10::Half h(x);
+  std::memcpy(dst, &h.x, 2);
+}
+
+// 32 values into one block of a 4- or 5-bit type, as llama.cpp's reference quantizer of the type
+// (quantize_row_<type>_ref): q4_0 / q5_0 scale by the value of the largest magnitude over -8 / -16 and truncate
+// x / d + 8.5 / 16.5; q4_1 / q5_1 span min..max in 15 / 31 steps and truncate (x - min) / d + 0.5; iq4_nl picks
+// each value's nearest level at d = max / -127, then refits d by least squares over the levels picked (a block
+// of zeros: d = 0, every index 0).
+inline void quantize_block(KVType type, const float* v, uint8_t* b) {
+  int q[kBlockValues];
+  float d = 0.0f;
+  if (type == KVType::Q4_1 || type == KVType::Q5_1) {
+    float lo = v[0], hi = v[0];
+    for (int j = 1; j < kBlockValues; ++j) lo = std::min(lo, v[j]), hi = std::max(hi, v[j]);
+    const int top = type == KVType::Q4_1 ? 15 : 31;
+    d = (hi - lo) / top;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    for (int j = 0; j < kBlockValues; ++j) q[j] = std::min(top, static_cast<int>((v[j] - lo) * id + 0.5f));
+    put_half(b + 2, lo);
+  } else {
+    float amax = 0.0f, max = 0.0f;
+    for (int j = 0; j < kBlockValues; ++j)
+      if (amax < std::fabs(v[j])) amax = std::fabs(v[j]), max = v[j];
+    if (type == KVType::IQ4_NL) {
+      if (amax < 1e-15f) {
+        std::fill(q, q + kBlockValues, 0);
+      } else {
+        const float id = 1.0f / (max / kIQ4Values[0]);
+        float sum_qx = 0.0f, sum_q2 = 0.0f;
+        for (int j = 0; j < kBlockValues; ++j) {
+          q[j] = iq4_index(id * v[j]);
+          const float level = kIQ4Values[q[j]], w = v[j] * v[j];
+          sum_qx += w * level * v[j];
+          sum_q2 += w * level * level;
+        }
+        d = sum_q2 > 0.0f ? sum_qx / sum_q2 : 0.0f;
+      }
+    } else {
+      const int half = type == KVType::Q4_0 ? 8 : 16;
+      d = max / -half;
+      const float id = d != 0.0f ? 1.0f / d : 0.0f;
+      for (int j = 0; j < kBlockValues; ++j)
+        q[j] = std::min(2 * half - 1, static_cast<int>(static_cast<int8_t>(v[j] * id + (half + 0.5f))));
+    }
+  }
+  put_half(b, d);
+  uint8_t* qs = b + block_bytes(type) - 16;
+  for (int j = 0; j < 16; ++j) qs[j] = static_cast<uint8_t>((q[j] & 0x0F) | (q[j + 16] & 0x0F) << 4);
+  if (type == KVType::Q5_0 || type == KVType::Q5_1) {
+    uint32_t high = 0;
+    for (int j = 0; j < kBlockValues; ++j) high |= static_cast<uint32_t>((q[j] >> 4) & 1) << j;
+    std::memcpy(b + (type == KVType::Q5_1 ? 4 : 2), &high, 4);
   }
 }
 
 // One row of head_dim fp32 values into its cache form at dst. f16 and bf16 round to nearest even, as
 // torch's conversions do; q8_0 is GGUF's reference quantizer (gguf.quants, llama.cpp's quantize_row_q8_0_ref):
-// d = max |x| / 127, q = round(x / d) (halves away from zero, x times 1 / d), d kept as fp16.
+// d = max |x| / 127, q = round(x / d) (halves away from zero, x times 1 / d), d kept as fp16; the 4- and 5-bit
+// types as quantize_block says.
 inline void float_to_row(KVType type, const float* x, int64_t head_dim, uint8_t* dst) {
   switch (type) {
     case KVType::F32:
       std::memcpy(dst, x, head_dim * sizeof(float));
       break;
     case KVType::F16:
-      for (int64_t d = 0; d < head_dim; ++d) {
-        const c10::Half h(x[d]);
-        std::memcpy(dst + 2 * d, &h.x, 2);
-      }
+      for (int64_t d = 0; d < head_dim; ++d) put_half(dst + 2 * d, x[d]);
       break;
     case KVType::BF16:
       for (int64_t d = 0; d < head_dim; ++d) {
@@ -144,21 +283,24 @@ inline void float_to_row(KVType type, const float* x, int64_t head_dim, uint8_t*
       }
       break;
     case KVType::Q8_0:
-      for (int64_t blk = 0; blk < head_dim / kQ8Block; ++blk) {
-        const float* v = x + blk * kQ8Block;
-        uint8_t* b = dst + blk * kQ8Bytes;
+      for (int64_t blk = 0; blk < head_dim / kBlockValues; ++blk) {
+        const float* v = x + blk * kBlockValues;
+        uint8_t* b = dst + blk * 34;
         float amax = 0.0f;
-        for (int j = 0; j < kQ8Block; ++j) amax = std::max(amax, std::fabs(v[j]));
+        for (int j = 0; j < kBlockValues; ++j) amax = std::max(amax, std::fabs(v[j]));
         const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        const c10::Half dh(d);
-        std::memcpy(b, &dh.x, 2);
-        for (int j = 0; j < kQ8Block; ++j) b[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::round(v[j] * id)));
+        put_half(b, d);
+        for (int j = 0; j < kBlockValues; ++j) b[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(std::round(v[j] * id)));
       }
+      break;
+    default:
+      for (int64_t blk = 0; blk < head_dim / kBlockValues; ++blk)
+        quantize_block(type, x + blk * kBlockValues, dst + blk * block_bytes(type));
       break;
   }
 }
 
-
+#pragma GCC pop_options
 
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t d = 0;
@@ -378,7 +520,7 @@ inline void fold_block(const QueryState* st, const Span* spans, int64_t count, i
 
 at::Tensor paged_attention(
     at::Tensor q,             // [num_tokens, num_heads, head_dim] fp32: every sequence's new tokens, back to back
-    at::Tensor k_cache,       // [num_blocks, block_size, num_kv_heads, row]: f32, f16, bf16 or q8_0 (uint8) rows
+    at::Tensor k_cache,       // [num_blocks, block_size, num_kv_heads, row]: any kernels/kv_types.py type
     at::Tensor v_cache,       // [num_blocks, block_size, num_kv_heads, row], its own type
     at::Tensor block_tables,  // [num_seqs, max_blocks] int32
     at::Tensor seq_lens,      // [num_seqs] int32: each sequence's context after this forward (cached + new)
