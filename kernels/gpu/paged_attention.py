@@ -3,9 +3,9 @@
 Each sequence has `query_len` new tokens (the last `query_len` positions of its
 `seq_len`-token context); each attends causally to its whole context, read from
 the paged cache through the sequence's block table. Grouped-query heads share a
-KV head. Online softmax in fp32. The cache may hold f32, f16, bf16 or q8_0 rows
-(kernels/kv_types.py), K and V each its own: q8_0 rows are read as their exact
-fp32 values (int8 times the block's fp16 scale). Any block size that is a power
+KV head. Online softmax in fp32. The cache may hold any of kernels/kv_types.py's
+types, K and V each its own: a block type's rows are read as fp32 values (each
+small integer times the block's fp16 scale, plus its minimum). Any block size that is a power
 of two >= 8: keys are processed in tiles of 64 positions (32 for heads of 256, or a
 block if larger: paged_rows.key_tile), each position finding its block through the table, in
 splits of paged_decode.SPLIT merged as the decode kernel merges them. Optional: a sliding window, and scores soft-capped
@@ -19,9 +19,9 @@ import triton
 import triton.language as tl
 
 from ..cpu import paged_attention as cpu_paged_attention
-from ..kv_types import row_width
+from ..kv_types import type_of
 from .paged_decode import SPLIT, paged_decode_into
-from .paged_rows import ATTENTION_WARPS, attend_tile, key_tile, kv_strides
+from .paged_rows import ATTENTION_WARPS, attend_tile, key_tile, kind_of, kv_strides
 
 
 # stride_bt is the block table's width, which follows the batch's longest context from
@@ -56,8 +56,8 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr,
     SOFTCAP: tl.constexpr,
-    K_Q8: tl.constexpr,
-    V_Q8: tl.constexpr,
+    K_KIND: tl.constexpr,
+    V_KIND: tl.constexpr,
     SKIP_DECODE: tl.constexpr,  # rows of one query token are paged_decode.py's
     SPLIT: tl.constexpr,
 ):
@@ -99,7 +99,7 @@ def _paged_attention_kernel(
                 m_i, l_i, acc = attend_tile(
                     q, m_i, l_i, acc, allowed, k_pos, k_valid, seq, kv_head, block_tables_ptr, stride_bt,
                     k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    offs_d, scale, softcap, BLOCK_SIZE, FP32_DOT, SOFTCAP, K_Q8, V_Q8,
+                    offs_d, scale, softcap, BLOCK_SIZE, FP32_DOT, SOFTCAP, K_KIND, V_KIND,
                 )  # fmt: skip
             m_new = tl.maximum(m_all, m_i)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -135,14 +135,18 @@ def paged_attention(
     _, num_heads, head_dim = q.shape
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _, block_size, num_kv_heads, _ = k_cache.shape
-    kv_dim = head_dim if k_cache.dtype == torch.uint8 else k_cache.shape[-1]
     for c in (k_cache, v_cache):
-        if c.shape[:3] != k_cache.shape[:3] or (c.dtype == torch.uint8 and c.shape[-1] != row_width("q8_0", kv_dim)):
+        try:
+            type_of(c, head_dim)  # its row is the width of a type's row of head_dim values
+        except ValueError:
+            c = None
+        if c is None or c.shape[:3] != k_cache.shape[:3]:
             raise ValueError(
-                f"K {tuple(k_cache.shape)} and V {tuple(v_cache.shape)} caches do not fit heads of {head_dim}"
+                f"K {tuple(k_cache.shape)} {k_cache.dtype} and V {tuple(v_cache.shape)} {v_cache.dtype} caches do "
+                f"not fit heads of {head_dim}"
             )
-    if kv_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"heads {num_heads}x{head_dim} do not fit KV heads {num_kv_heads}x{kv_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} heads do not fit {num_kv_heads} KV heads (each KV head serves as many)")
     if block_size < 8 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 8, got {block_size}")
     if head_dim & (head_dim - 1):
@@ -151,9 +155,7 @@ def paged_attention(
         raise ValueError("the last dimension of q and the cache must be contiguous")
     if block_tables.dtype != torch.int32 or query_start_loc.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("block_tables, query_start_loc and seq_lens must be int32")
-    if any(c.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.uint8) for c in (k_cache, v_cache)):
-        raise ValueError(f"the GPU kernels read f32, f16, bf16 or q8_0 caches, not {k_cache.dtype} / {v_cache.dtype}")
-    # a float cache is f32 with f32 queries and 16-bit with 16-bit ones; q8_0 goes with either
+    # a float cache is f32 with f32 queries and 16-bit with 16-bit ones; a block type goes with either
     if any(
         (c.dtype == torch.float32) != (q.dtype == torch.float32) for c in (k_cache, v_cache) if c.is_floating_point()
     ):
@@ -195,8 +197,8 @@ def paged_attention(
         BLOCK_N=block_n,
         FP32_DOT=q.dtype == torch.float32,
         SOFTCAP=bool(softcap),
-        K_Q8=k_cache.dtype == torch.uint8,
-        V_Q8=v_cache.dtype == torch.uint8,
+        K_KIND=kind_of(k_cache, head_dim),
+        V_KIND=kind_of(v_cache, head_dim),
         SKIP_DECODE=decode,
         SPLIT=SPLIT,
         num_warps=ATTENTION_WARPS,

@@ -5,8 +5,8 @@ split) is one program: it loads each key and value tile once for every query hea
 group's heads are the rows of one tl.dot), runs the online softmax over its split, and writes the split's
 running max, sum and unnormalised output. A second kernel merges a query's splits in order. The split size is
 fixed, not chosen by the batch, so a query's result depends on its own context alone: the same bits alone or
-in a batch of 256 (the batch-invariance rule). KV types as kernels/gpu/paged_attention.py reads them (f32, f16, bf16,
-q8_0), a sliding window and soft-capped scores too; the PyTorch twin is kernels/cpu/paged_attention.py's.
+in a batch of 256 (the batch-invariance rule). KV types as kernels/gpu/paged_attention.py reads them (every type of
+kernels/kv_types.py), a sliding window and soft-capped scores too; the PyTorch twin is kernels/cpu/paged_attention.py's.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .paged_rows import ATTENTION_WARPS, attend_tile, key_tile, kv_strides
+from .paged_rows import ATTENTION_WARPS, attend_tile, key_tile, kind_of, kv_strides
 from .triton_support import next_power_of_2
 
 SPLIT = 512  # keys per split: fixed (a query's result must not depend on the batch); a multiple of every tile
@@ -52,8 +52,8 @@ def _decode_split_kernel(
     SPLIT: tl.constexpr,
     FP32_DOT: tl.constexpr,
     SOFTCAP: tl.constexpr,
-    K_Q8: tl.constexpr,
-    V_Q8: tl.constexpr,
+    K_KIND: tl.constexpr,
+    V_KIND: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -84,7 +84,7 @@ def _decode_split_kernel(
             m_i, l_i, acc = attend_tile(
                 q, m_i, l_i, acc, allowed[None, :], k_pos, k_valid, seq, kv_head, block_tables_ptr, stride_bt,
                 k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                offs_d, scale, softcap, BLOCK_SIZE, FP32_DOT, SOFTCAP, K_Q8, V_Q8,
+                offs_d, scale, softcap, BLOCK_SIZE, FP32_DOT, SOFTCAP, K_KIND, V_KIND,
             )  # fmt: skip
         row = (token.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * max_splits + split
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_valid[:, None])
@@ -179,8 +179,8 @@ def paged_decode_into(
         SPLIT=SPLIT,
         FP32_DOT=q.dtype == torch.float32,
         SOFTCAP=bool(softcap),
-        K_Q8=k_cache.dtype == torch.uint8,
-        V_Q8=v_cache.dtype == torch.uint8,
+        K_KIND=kind_of(k_cache, head_dim),
+        V_KIND=kind_of(v_cache, head_dim),
         num_warps=ATTENTION_WARPS,
     )
     _decode_merge_kernel[(num_seqs, num_heads)](

@@ -18,6 +18,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# A launch option: each multiply and add rounded on its own, as the PyTorch twins compute (Triton fuses them into
+# one by default when it compiles; the interpreter computes with NumPy, which never does, and drops the option).
+NO_FUSED_MULTIPLY_ADD = {"enable_fp_fusion": False}
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

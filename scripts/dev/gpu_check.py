@@ -28,7 +28,7 @@ What it checks, in one run (under 8 minutes on an H200, Triton compiles included
    and 151,936 tokens, beside argmax.
 7. Paged decode attention's achieved bandwidth as a fraction of a device copy
    measured in the same run, by context length (1k-32k), batch (1-256) and KV
-   type (bf16, q8_0).
+   type (bf16, q8_0, q4_0).
 8. transformers' own continuous batching (`generate_batch`) on the same model
    and trace, as the GPU peer.
 9. A GGUF of a real architecture on the device: Qwen2.5-0.5B's widths and its
@@ -558,27 +558,29 @@ def timed_cuda(fn, repeats: int) -> float:
 
 
 def random_cache(kv_type: str, blocks: int, bs: int, kv_heads: int, dim: int, device: str = "cuda"):
-    """A paged K and V cache of random rows: normal values, or q8_0's random quants under 0.01 scales."""
+    """A paged K and V cache of random rows: normal values, or a block type's random quants under 0.01 scales
+    (and minimums, where the type has them)."""
     import torch
 
-    from minibatch.kernels.kv_types import PagedKV, row_width, storage_dtype
+    from minibatch.kernels.kv_types import BLOCK_BYTES, PagedKV, is_block_type, row_width, storage_dtype
 
-    if kv_type != "q8_0":
+    if not is_block_type(kv_type):
         dt = storage_dtype(kv_type)
         return PagedKV(*(torch.randn(blocks, bs, kv_heads, dim, device=device, dtype=dt) for _ in "kv"))
     rows = []
+    halves = 2 if kv_type in ("q4_1", "q5_1") else 1
     for _ in "kv":
         c = torch.randint(0, 256, (blocks, bs, kv_heads, row_width(kv_type, dim)), dtype=torch.uint8, device=device)
-        scales = c.view(blocks, bs, kv_heads, -1, 34)[..., :2]
-        scales.copy_(torch.tensor([0.01], dtype=torch.float16).view(torch.uint8).to(device))
-        rows.append(c)
+        scales = c.view(blocks, bs, kv_heads, -1, BLOCK_BYTES[kv_type])[..., : 2 * halves]
+        scales.copy_(torch.tensor([0.01] * halves, dtype=torch.float16).view(torch.uint8).to(device))
+        rows.append(c.view(storage_dtype(kv_type)))
     return PagedKV(*rows)
 
 
 def attention_bandwidth(
     contexts=(1024, 8192, 32768),
     batches=(1, 16, 64, 256),
-    kv_types=("bf16", "q8_0"),
+    kv_types=("bf16", "q8_0", "q4_0"),
     budget_gb: float = 24.0,
     device: str = "cuda",
     shape: tuple[int, int, int] = (32, 8, 128),

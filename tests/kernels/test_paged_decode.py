@@ -52,7 +52,8 @@ def test_split_decode_matches_the_twin_around_the_split_size(heads, kv_heads):
 
 @pytest.mark.parametrize(
     "k_type,v_type",
-    [("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "f16"), ("f32", "q8_0")]
+    [("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "f16"), ("f32", "q8_0"), ("q4_1", "iq4_nl"), ("q5_0", "q4_0")]
+    + [("q5_1", "f32")]
     + [
         pytest.param(
             "bf16", "bf16", marks=pytest.mark.skipif(DEVICE == "cpu", reason="bf16 is wrong in the interpreter")
@@ -60,7 +61,7 @@ def test_split_decode_matches_the_twin_around_the_split_size(heads, kv_heads):
     ],
 )
 def test_split_decode_reads_every_kv_type(k_type, v_type):
-    """q8_0 rows read as their exact values; 16-bit caches with 16-bit queries; heads of 64 (two Q8_0 blocks)."""
+    """Block rows read as the twin reads them; 16-bit caches with 16-bit queries; heads of 64 (two blocks)."""
     qdtype = torch.float32
     for t in (k_type, v_type):
         if t in ("f16", "bf16"):

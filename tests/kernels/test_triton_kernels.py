@@ -164,16 +164,22 @@ def test_store_kv(dtype):
     assert cache[0].reshape(-1, 2, 16)[40].equal(k[1]) and cache[1].reshape(-1, 2, 16)[17].equal(v[4])
 
 
-@pytest.mark.parametrize("k_type,v_type", [("q8_0", "q8_0"), ("q8_0", "f16"), ("f16", "q8_0"), ("f16", "f16")])
+@pytest.mark.parametrize(
+    "k_type,v_type",
+    [("q8_0", "q8_0"), ("q8_0", "f16"), ("f16", "q8_0"), ("f16", "f16"), ("q4_0", "iq4_nl"), ("q5_1", "q4_1")]
+    + [("q5_0", "f32")],
+)
 def test_store_and_attention_over_each_cache_type(k_type, v_type):
-    """The store writes each type as its twin does (q8_0 byte for byte: GGUF's quantizer), padding rows
-    skipped; attention reads q8_0 rows as their exact values and matches the twin over the same cache. fp32
-    queries in the interpreter (f16 caches beside f16 queries), heads of 64 (two Q8_0 blocks)."""
+    """The store writes each type as its twin does (the block types byte for byte: llama.cpp's reference
+    quantizers), padding rows skipped; attention reads block rows as the twin does and matches it over the same
+    cache. fp32 queries in the interpreter (f16 caches beside f16 queries), heads of 64 (two blocks)."""
     from minibatch.kernels.kv_types import PagedKV, row_width, storage_dtype
 
     g = torch.Generator().manual_seed(len(k_type) + 3 * len(v_type))
     blocks, bs, kv_heads, heads, dim = 7, 8, 2, 4, 64
     qdtype = torch.float16 if "f16" in (k_type, v_type) else torch.float32
+    from minibatch.kernels.kv_types import from_cache_ref
+
     make = lambda t: torch.zeros(blocks, bs, kv_heads, row_width(t, dim), dtype=storage_dtype(t), device=DEVICE)  # noqa: E731
     cache, ref = PagedKV(make(k_type), make(v_type)), PagedKV(make(k_type), make(v_type))
     lens = [13, 30]
@@ -185,6 +191,8 @@ def test_store_and_attention_over_each_cache_type(k_type, v_type):
     store_kv(k, v, cache, slots)
     store_kv_ref(k, v, ref, slots)
     assert torch.equal(cache.k, ref.k) and torch.equal(cache.v, ref.v)
+    for c in cache:  # not all zeros: the stored rows read back near what was written
+        assert from_cache_ref(c, dim).abs().amax() > 0.5
     q = torch.randn(sum(lens), heads, dim, generator=g).to(qdtype).to(DEVICE)
     qsl = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32, device=DEVICE)
     seq = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
