@@ -20,6 +20,8 @@ from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.factory import EngineConfig, build_engine
 from minibatch.engine.kv_offload import disk
 from minibatch.engine.kv_offload.disk import PromptDiskCache, file_size
+from minibatch.engine.models.config import ModelConfig
+from minibatch.kernels.kv_types import row_bytes
 
 BS = 16
 PROMPT = [(7 * i + 5) % 250 + 3 for i in range(100)]  # six full blocks before its last token
@@ -88,6 +90,34 @@ def test_a_new_engine_reads_the_prefix_back_and_answers_the_same_greedy_and_seed
     tokens, m = run(third, seed=11)
     assert tokens == seeded and m.disk_cached_prompt_tokens == FULL * BS
     third.close()
+
+
+@pytest.mark.parametrize("kv_type", ["iq4_nl", "q5_1,q4_0"])
+def test_the_4_bit_cache_types_go_to_disk_and_back(builtin_model_dir, folder, kv_type):
+    """A block type's bytes are what the disk keeps (iq4_nl's int8 cache too): the next engine's hit answers
+    as the first engine computed, and a block's file holds that type's bytes (a head's row of 64 values: iq4_nl
+    36, q5_1 48, q4_0 36; f16 128)."""
+    first = make(builtin_model_dir, folder, kv_cache_type=kv_type)
+    want, _ = run(first)
+    assert first.info.kv_cache_type == kv_type
+    first.close()
+    again = make(builtin_model_dir, folder, kv_cache_type=kv_type)
+    tokens, m = run(again)
+    assert tokens == want and m.disk_cached_prompt_tokens == FULL * BS
+    again.close()
+    cfg = ModelConfig.from_dir(builtin_model_dir)
+    k_type, _, v_type = kv_type.partition(",")
+    assert (
+        cfg.head_dim == 64
+        and [row_bytes(t, 64) for t in (k_type, v_type or k_type)]
+        == {
+            "iq4_nl": [36, 36],
+            "q5_1,q4_0": [48, 36],
+        }[kv_type]
+    )
+    per_token = sum(row_bytes(t, cfg.head_dim) for t in (k_type, v_type or k_type)) * cfg.num_kv_heads
+    payload = file_size(BS, BS * per_token * cfg.num_layers)
+    assert {p.stat().st_size for p in chain_files(folder, again)} == {payload}
 
 
 def test_files_are_private(tiny_chat_model_dir, folder):
