@@ -113,23 +113,32 @@ inline void block_quants(KVType type, const uint8_t* b, int8_t* q) {
   if (type == KVType::IQ4_NL) {
     const __m128i levels = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
     lo = _mm_shuffle_epi8(levels, lo), hi = _mm_shuffle_epi8(levels, hi);
-  } else if (type == KVType::Q4_0) {
-    lo = _mm_sub_epi8(lo, _mm_set1_epi8(8)), hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
   }
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), lo);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), hi);
+  __m256i all = _mm256_set_m128i(hi, lo);
+  if (type == KVType::Q5_0 || type == KVType::Q5_1) {  // bit j of the 32 after the scale(s), as 16 in byte j
+    uint32_t high;
+    std::memcpy(&high, b + (with_min ? 4 : 2), 4);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(static_cast<int>(high)),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    all = _mm256_or_si256(all, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+  }
+  if (type == KVType::Q4_0 || type == KVType::Q5_0) all = _mm256_sub_epi8(all, _mm256_set1_epi8(type == KVType::Q4_0 ? 8 : 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), all);
 #else
   for (int j = 0; j < 16; ++j) {
     q[j] = static_cast<int8_t>(qs[j] & 0x0F), q[j + 16] = static_cast<int8_t>(qs[j] >> 4);
     if (type == KVType::IQ4_NL) q[j] = kIQ4Values[q[j]], q[j + 16] = kIQ4Values[q[j + 16]];
     if (type == KVType::Q4_0) q[j] -= 8, q[j + 16] -= 8;
   }
-#endif
   if (type == KVType::Q5_0 || type == KVType::Q5_1) {
     uint32_t high;
     std::memcpy(&high, b + (with_min ? 4 : 2), 4);
     for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>((q[j] | ((high >> j) & 1) << 4) - (with_min ? 0 : 16));
   }
+#endif
 }
 
 // n rows of head_dim values, from src (rows `stride` bytes apart) into dst as fp32, row after row: a float
