@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from minibatch.engine.attention.metadata import AttentionMetadata
-from minibatch.kernels.kv_types import from_cache_ref, to_cache_ref, type_of
+from minibatch.kernels.kv_types import from_cache_ref, hadamard_ref, rotation, store_ref, type_of
 
 
 @dataclass(slots=True)
@@ -135,8 +135,11 @@ class TorchAttentionBackend:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_flat = kv_cache[0].view(-1, *kv_cache[0].shape[2:])  # [num_slots, kv_heads, row] in the cache's type
         v_flat = kv_cache[1].view(-1, *kv_cache[1].shape[2:])
-        k_flat.index_copy_(0, meta.slot_mapping, to_cache_ref(k, type_of(k_flat, head_dim)))
-        v_flat.index_copy_(0, meta.slot_mapping, to_cache_ref(v, type_of(v_flat, head_dim)))
+        k_type, v_type = type_of(k_flat, head_dim), type_of(v_flat, head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, store_ref(k, k_type, "k"))
+        v_flat.index_copy_(0, meta.slot_mapping, store_ref(v, v_type, "v"))
+        v_rot = rotation(v_type, head_dim, "v")  # turned K and V: q turned as K is, the output turned back
+        q = hadamard_ref(q, rotation(k_type, head_dim, "k")).to(q.dtype)
         out = torch.empty_like(q)
         if plan.decode_tokens is not None:
             n = plan.decode_tokens.numel()
@@ -154,7 +157,7 @@ class TorchAttentionBackend:
             vp = from_cache_ref(v_flat.index_select(0, slots), head_dim).to(q.dtype).transpose(0, 1).unsqueeze(0)
             op = _attention(qp, kp, vp, mask, mask is None, scale, meta.softcap)
             out[start : start + qlen] = op.squeeze(0).transpose(0, 1)
-        return out
+        return hadamard_ref(out, v_rot).to(q.dtype) if v_rot else out
 
 
 def _attention(q, k, v, mask, causal: bool, scale: float, softcap: float | None) -> torch.Tensor:

@@ -6,7 +6,8 @@ LongRoPE's attention factor, a scale that commutes with turning). Turning it aga
 p + d: the two rotations compose into one, exactly in real arithmetic. The second turn is done in float64 from
 the row as the cache holds it, then stored back in the cache's type: in f32 the moved key differs from one
 computed at p + d by the rounding of that one step (a few units in the last place), in f16/bf16 by one more
-rounding to the type, in a block type (q8_0 .. iq4_nl) by one more quantization of its 32 values.
+rounding to the type, in a block type (q8_0 .. iq4_nl) by one more quantization of its 32 values (a type that
+keeps K Hadamard-turned is turned back before the rotary turn and again after).
 Each layer turns with its own rotary (Gemma's sliding layers have a base of their own). The PyTorch ops run on
 any device; there is one call per step that admits a request with reuse, a few thousand rows.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from minibatch.engine.models.llama import LlamaForCausalLM, rope_inv_freq
-from minibatch.kernels.kv_types import PagedKV, from_cache_ref, to_cache_ref, type_of
+from minibatch.kernels.kv_types import PagedKV, from_cache_ref, hadamard_ref, rotation, store_ref, type_of
 
 
 class KeyShifter:
@@ -50,9 +51,11 @@ class KeyShifter:
                 turns[id(inv_freq)] = angle.cos()[:, None, :], angle.sin()[:, None, :]
             cos, sin = turns[id(inv_freq)]
             keys = kv.k.view(-1, *kv.k.shape[2:])  # [slots, kv_heads, row]
-            x = from_cache_ref(keys[src], head_dim).double()
+            k_type = type_of(kv.k, head_dim)
+            rot = rotation(k_type, head_dim, "k")  # a type that keeps K Hadamard-turned: turned back first
+            x = hadamard_ref(from_cache_ref(keys[src], head_dim), rot).double()
             x1, x2 = x.chunk(2, dim=-1)
             turned = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-            keys[dst] = to_cache_ref(turned.float(), type_of(kv.k, head_dim))
+            keys[dst] = store_ref(turned.float(), k_type, "k")
             values = kv.v.view(-1, *kv.v.shape[2:])
             values[dst] = values[src]

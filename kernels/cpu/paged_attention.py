@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kv_types import from_cache_ref, to_cache_ref, type_of
+from ..kv_types import from_cache_ref, hadamard_ref, rotation, store_ref, type_of
 from .extension import load_cpu_extension
 
 
@@ -100,8 +100,8 @@ def paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, window=0,
 def store_and_attention_ref(
     q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start, scale, window=0, softcap=None
 ):
-    for cache, new in zip(kv_cache, (k, v)):
-        rows = to_cache_ref(new.float(), type_of(cache, new.shape[-1]))
+    for cache, new, role in zip(kv_cache, (k, v), "kv"):
+        rows = store_ref(new.float(), type_of(cache, new.shape[-1]), role)
         cache.view(-1, *rows.shape[1:]).index_copy_(0, slot_mapping, rows)
     return paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start, scale, window, softcap)
 
@@ -110,8 +110,11 @@ def paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start, scale,
     """The PyTorch twin of this kernel and of the Triton one (kernels/gpu/paged_attention.py), in fp32: per sequence,
     gather its context through its block table (as fp32, whatever the cache's type), then attend with each
     query limited to the positions up to its own (and to the last `window` of them), scores soft-capped when
-    `softcap` is set."""
+    `softcap` is set. Where the types keep K or V turned (kv_types.rotation), the queries are turned as K is and
+    the output turned back as V is."""
     block_size, num_kv_heads = kv_cache[0].shape[1:3]
+    head_dim = q.shape[-1]
+    k_rot, v_rot = (rotation(type_of(c, head_dim), head_dim, role) for c, role in zip(kv_cache[:2], "kv"))
     out = torch.empty_like(q)
     starts = query_start.tolist()
     for s, ctx in enumerate(seq_lens.tolist()):
@@ -119,7 +122,7 @@ def paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start, scale,
         pos = torch.arange(ctx, device=q.device)
         slots = block_tables[s].long()[pos // block_size] * block_size + pos % block_size
         k, v = (from_cache_ref(c.reshape(-1, *c.shape[2:])[slots], q.shape[-1]).transpose(0, 1) for c in kv_cache[:2])
-        qs = q[lo:hi].transpose(0, 1).float()  # [heads, qlen, head_dim]
+        qs = hadamard_ref(q[lo:hi].float(), k_rot).transpose(0, 1)  # [heads, qlen, head_dim], turned as K is
         q_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)[:, None]
         mask = pos[None, :] <= q_pos
         if window:
@@ -133,5 +136,5 @@ def paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start, scale,
             o = F.scaled_dot_product_attention(
                 qs[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
             )[0]
-        out[lo:hi] = o.transpose(0, 1).to(q.dtype)
+        out[lo:hi] = hadamard_ref(o.transpose(0, 1), v_rot).to(q.dtype)  # turned back where V is turned
     return out

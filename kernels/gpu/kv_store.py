@@ -1,6 +1,7 @@
 """Write new K/V into the paged cache through a slot mapping (slot = block * block_size + offset), each converted
 to its cache's type (f32, f16 or bf16: round to nearest even, as torch's conversions; a block type: llama.cpp's
-reference quantizer of it, kernels/kv_types.py's twin byte for byte, with no multiply and add fused into one)."""
+reference quantizer of it, kernels/kv_types.py's twin byte for byte, with no multiply and add fused into one;
+the 4- and 5-bit types' rows turned first, kv_types.rotation)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kv_types import BLOCK_BYTES, row_width, to_cache_ref, type_of
+from ..kv_types import BLOCK_BYTES, hadamard_ref, rotation, row_width, store_ref, type_of
 from .paged_rows import _iq4_level, kind_of
 from .triton_support import NO_FUSED_MULTIPLY_ADD, next_power_of_2
 
@@ -165,6 +166,9 @@ def store_kv(
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the cache must be contiguous")
     width = k.shape[1] * k.shape[2]
+    k_rot, v_rot = (rotation(type_of(c, k.shape[2]), k.shape[2], role) for c, role in zip((k_cache, v_cache), "kv"))
+    if k_rot or v_rot:  # the types that keep rows turned (kv_types.rotation): turned here, then stored
+        k, v = hadamard_ref(k, k_rot).contiguous(), hadamard_ref(v, v_rot).contiguous()
     k2, v2 = k.reshape(-1, width), v.reshape(-1, width)
     if k2.stride(1) != 1 or v2.stride(1) != 1:
         raise ValueError("k and v rows must be contiguous")
@@ -206,6 +210,6 @@ def store_kv(
 
 def store_kv_ref(k, v, kv_cache, slot_mapping) -> None:
     keep = slot_mapping >= 0
-    for new, c in zip((k, v), kv_cache):
-        rows = to_cache_ref(new[keep].float(), type_of(c, new.shape[-1]))
+    for new, c, role in zip((k, v), kv_cache, "kv"):
+        rows = store_ref(new[keep].float(), type_of(c, new.shape[-1]), role)
         c.view(-1, *c.shape[2:])[slot_mapping[keep]] = rows

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..cpu import paged_attention as cpu_paged_attention
-from ..kv_types import type_of
+from ..kv_types import hadamard_ref, rotation, type_of
 from .paged_decode import SPLIT, paged_decode_into
 from .paged_rows import ATTENTION_WARPS, attend_tile, key_tile, kind_of, kv_strides
 
@@ -160,6 +160,10 @@ def paged_attention(
         (c.dtype == torch.float32) != (q.dtype == torch.float32) for c in (k_cache, v_cache) if c.is_floating_point()
     ):
         raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype} / {v_cache.dtype}: f32 goes with f32")
+    # the types that keep K or V turned (kv_types.rotation): queries turned as K is, the output turned back
+    k_rot, v_rot = (rotation(type_of(c, head_dim), head_dim, role) for c, role in ((k_cache, "k"), (v_cache, "v")))
+    if k_rot:
+        q = hadamard_ref(q, k_rot).to(q.dtype).contiguous()
     out = torch.empty_like(q)
     decode = min_query_len == 1 and block_size <= SPLIT
     if decode:
@@ -169,7 +173,7 @@ def paged_attention(
             out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_seq_len, window, softcap
         )
         if max_query_len == 1:
-            return out
+            return _turned_back(out, v_rot)
     block_m = 16
     block_n = key_tile(block_size, head_dim)
     grid = (seq_lens.numel(), num_heads, triton.cdiv(max_query_len, block_m))
@@ -203,7 +207,11 @@ def paged_attention(
         SPLIT=SPLIT,
         num_warps=ATTENTION_WARPS,
     )
-    return out
+    return _turned_back(out, v_rot)
+
+
+def _turned_back(out: torch.Tensor, v_rot: int) -> torch.Tensor:
+    return hadamard_ref(out, v_rot).to(out.dtype) if v_rot else out
 
 
 def paged_attention_ref(

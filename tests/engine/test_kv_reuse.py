@@ -15,7 +15,7 @@ from minibatch.engine.core.kv_reuse import ReuseSource, Run, plan_runs
 from minibatch.engine.core.request import Request
 from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.factory import EngineConfig, build_engine
-from minibatch.kernels.kv_types import from_cache_ref
+from minibatch.kernels.kv_types import from_cache_ref, hadamard_ref, rotation, type_of
 
 BS = 16
 
@@ -109,12 +109,16 @@ def run(engine, prompt, reuse=True, n=4, keep=None):
 
 def rows(engine, req, n):
     slots = torch.tensor([req.block_ids[p // BS] * BS + p % BS for p in range(n)])
-    out = []
-    for kv in engine.runner.kv_caches:
-        k = from_cache_ref(kv.k.view(-1, *kv.k.shape[2:])[slots])
+    out, head_dim = [], engine.runner.model.config.head_dim
+    for kv in engine.runner.kv_caches:  # (a type that keeps K turned: as turned back, the model's own keys)
+        k = hadamard_ref(from_cache_ref(kv.k.view(-1, *kv.k.shape[2:])[slots], head_dim), rotation_of(kv.k, head_dim))
         v = kv.v.view(-1, *kv.v.shape[2:])[slots].clone()
         out.append((k, v))
     return out
+
+
+def rotation_of(cache, head_dim: int) -> int:
+    return rotation(type_of(cache, head_dim), head_dim, "k")
 
 
 def free_blocks_settle(engine):
@@ -123,11 +127,12 @@ def free_blocks_settle(engine):
     bm.check_integrity()
 
 
-@pytest.mark.parametrize("kv", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("kv", ["f32", "f16", "q8_0", "q4_0"])
 def test_moved_keys_are_the_keys_computed_at_the_new_positions(tiny_chat_model_dir, kv):
     old = seq(180, 10)
     new = old[:20] + old[60:]  # 40 tokens gone: the rest moved 40 places down
-    model = "smollm2-135m-instruct" if kv == "q8_0" else tiny_chat_model_dir  # (q8_0: heads of 32 values or more)
+    quantized = kv in ("q8_0", "q4_0")  # (block types: heads of 32 values or more)
+    model = "smollm2-135m-instruct" if quantized else tiny_chat_model_dir
     engine, fresh = make(model, kv_cache_type=kv), make(model, kv_cache_type=kv)
     run(engine, old)
     got, want = [], []
@@ -140,6 +145,11 @@ def test_moved_keys_are_the_keys_computed_at_the_new_positions(tiny_chat_model_d
         torch.testing.assert_close(k[moved], k0[moved], rtol=2e-6, atol=2e-6)
     elif kv == "f16":
         torch.testing.assert_close(k[moved], k0[moved], rtol=2e-3, atol=2e-3)  # one more rounding to f16
+    elif kv == "q4_0":  # kept Hadamard-turned: turned back, rotary-turned, turned again and stored. Three roundings
+        # of q4_0 (about 9% RMS of a row each, the source, the moved and the fresh one) against the model's keys;
+        # a rotary turn done in the Hadamard frame would be as far off as the keys are large
+        err = (k[moved] - k0[moved]).norm(dim=-1) / k0[moved].norm(dim=-1)
+        assert 0 < err.mean() < 0.25, err.mean()
     else:  # the source row's rounding (half a step of each half's block, turned together), then the moved
         # row's and the fresh one's own (half a step each): within 1.5 + 0.5 * sqrt(2) of a head's largest step
         step = k0[moved].abs().reshape(*k0[moved].shape[:-1], -1, 32).amax(-1).amax(-1) / 127

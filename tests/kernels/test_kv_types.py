@@ -16,12 +16,16 @@ from minibatch.kernels.kv_types import (
     BLOCK_BYTES,
     IQ4_NL_LEVELS,
     KV_CACHE_TYPES,
+    ROTATED_TYPES,
     PagedKV,
     dequantize_ref,
     from_cache_ref,
+    hadamard_ref,
     quantize_ref,
+    rotation,
     row_width,
     storage_dtype,
+    store_ref,
     to_cache_ref,
 )
 
@@ -83,6 +87,27 @@ def test_the_iq4_nl_twin_writes_what_llama_cpp_writes():
     assert not zeros.any() and not dequantize_ref(zeros, "iq4_nl").any()
 
 
+def test_the_rotation_is_orthonormal_its_own_inverse_and_spreads_an_outlier():
+    """llama.cpp's Walsh-Hadamard rotation of quantized caches: K in pieces of the largest power of two from 64
+    dividing the head, V in pieces of 64, only the 4- and 5-bit types and heads a multiple of 64."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 256, generator=g)
+    for n in (64, 128, 256):
+        turned = hadamard_ref(x, n)
+        torch.testing.assert_close(turned.norm(dim=-1), x.norm(dim=-1))
+        torch.testing.assert_close(hadamard_ref(turned, n), x, atol=1e-6, rtol=0)
+    assert [rotation("q4_0", d, "k") for d in (64, 128, 192, 256, 96, 80)] == [64, 128, 64, 256, 0, 0]
+    assert [rotation(t, 128, "v") for t in ("q4_0", "iq4_nl", "q5_1", "q8_0", "f16")] == [64, 64, 64, 0, 0]
+    spike = torch.zeros(64)
+    spike[5] = 8.0  # one outlier beside zeros: a block's scale spent on it; turned, 64 values of equal size
+    assert torch.equal(hadamard_ref(spike, 64).abs(), torch.ones(64))
+    row = torch.randn(64, generator=g) * 0.1
+    row[3] = 6.0
+    plain = (dequantize_ref(quantize_ref(row, "q4_0"), "q4_0") - row).norm()
+    turned = (hadamard_ref(dequantize_ref(store_ref(row, "q4_0", "k"), "q4_0"), 64) - row).norm()
+    assert turned < plain / 2
+
+
 def empty_cache(blocks: int, block_size: int, kv_heads: int, head_dim: int, k_type: str, v_type: str) -> PagedKV:
     return PagedKV(
         *(
@@ -113,14 +138,18 @@ def test_each_build_stores_each_type_as_the_twin_does(any_build, kv_type, head_d
     starts = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     got = any_build.store_and_attention(q, k, v, cache.k, cache.v, slots, tables, seq_lens, starts, scale, 0, 0.0)
-    for stored, new in ((cache.k, k), (cache.v, v)):
+    for stored, new, role in ((cache.k, k, "k"), (cache.v, v, "v")):
         rows = stored.view(-1, kv_heads, stored.shape[-1])[slots]
-        assert torch.equal(rows, to_cache_ref(new, kv_type))
+        assert torch.equal(rows, store_ref(new, kv_type, role))
     ref = paged_attention_ref(q, cache, tables, seq_lens, starts, scale)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
     # what attention reads is the stored rows' exact values: a cache of those values in f32 gives the same bits
+    # (for a type that keeps rows turned, with the queries turned and the output turned back as the twin does)
     exact = PagedKV(*(from_cache_ref(c, head_dim) for c in cache))
-    assert torch.equal(any_build.paged_attention(q, exact.k, exact.v, tables, seq_lens, starts, scale, 0, 0.0), got)
+    k_rot, v_rot = rotation(kv_type, head_dim, "k"), rotation(kv_type, head_dim, "v")
+    assert (k_rot, v_rot) == ((head_dim, 64) if kv_type in ROTATED_TYPES else (0, 0))
+    plain = any_build.paged_attention(hadamard_ref(q, k_rot), exact.k, exact.v, tables, seq_lens, starts, scale, 0, 0.0)
+    assert torch.equal(hadamard_ref(plain, v_rot), got)
 
 
 @pytest.mark.parametrize("k_type", KV_CACHE_TYPES)

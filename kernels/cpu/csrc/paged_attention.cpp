@@ -22,6 +22,9 @@
 // scratch buffer the size of one block, shared by the group's query heads and the tile's queries, so the
 // scores and sums run on the same fp32 values, by the same operations, whatever the type (an f16/bf16 value
 // is an fp32 one; q * d of a block's small integer and its fp16 scale is exact, + m rounds once).
+// The 4- and 5-bit types keep K and V turned by a Walsh-Hadamard rotation (kv_types.py's rotation(), as
+// llama.cpp's quantized caches): the store turns a row before quantizing it, attention turns the queries the
+// same way (scores are unchanged by an orthonormal turn of both sides) and turns each output row back.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -97,6 +100,33 @@ struct KVRows {
     s0 = t.stride(0) * e, s1 = t.stride(1) * e, s2 = t.stride(2) * e;
   }
 };
+
+// kernels/kv_types.py's rotation(): the 4- and 5-bit types keep K turned in pieces of the largest power of two
+// from 64 that divides head_dim, V in pieces of 64 (a Walsh-Hadamard rotation, as llama.cpp's quantized caches);
+// 0: kept as computed.
+inline int64_t rotation_of(KVType type, int64_t head_dim, bool value) {
+  if (type == KVType::F32 || type == KVType::F16 || type == KVType::BF16 || type == KVType::Q8_0 || head_dim % 64) return 0;
+  int64_t n = 64;
+  while (!value && head_dim % (2 * n) == 0) n *= 2;
+  return n;
+}
+
+// len values turned in pieces of n (a power of two dividing len) by the orthonormal Walsh-Hadamard matrix, its
+// own inverse: kernels/kv_types.py's hadamard_ref operation for operation (the butterfly at strides 1, 2, ..
+// n / 2, then times 1 / sqrt(n) rounded to fp32), so the kernel stores and reads what the twin does.
+inline void hadamard(float* x, int64_t len, int64_t n) {
+  if (!n) return;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(n)));
+  for (float* y = x; y < x + len; y += n) {
+    for (int64_t h = 1; h < n; h *= 2)
+      for (int64_t i = 0; i < n; i += 2 * h)
+        for (int64_t j = i; j < i + h; ++j) {
+          const float a = y[j], b = y[j + h];
+          y[j] = a + b, y[j + h] = a - b;
+        }
+    for (int64_t i = 0; i < n; ++i) y[i] *= scale;
+  }
+}
 
 // The conversions below keep every multiply and add its own fp32 rounding (no fused multiply-add), so a value
 // read is the PyTorch twin's bit for bit (kernels/kv_types.py) and a block quantizes as llama.cpp's reference.
@@ -574,6 +604,8 @@ at::Tensor paged_attention(
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const int64_t tiles = static_cast<int64_t>(tile_seq.size()), per_query = group * head_dim;
+  // a turned K is scored against queries turned the same way; values read turned give an output turned back
+  const int64_t k_rot = rotation_of(k_type, head_dim, false), v_rot = rotation_of(v_type, head_dim, true);
 
   parallel_chunks_for_rows(num_tokens, tiles * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     // scores: a block's per query head, with room for the eight-lane stores past its last position;
@@ -590,7 +622,14 @@ at::Tensor paged_attention(
       int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
       for (int64_t j = 0; j < nq; ++j) {
         const float* src = qp + ((q0 + j) * num_heads + kvh * group) * head_dim;
-        for (int64_t i = 0; i < per_query; ++i) qsc[j * per_query + i] = src[i] * fscale;
+        float* dst = qsc.data() + j * per_query;
+        if (k_rot) {
+          std::memcpy(dst, src, per_query * sizeof(float));
+          hadamard(dst, per_query, k_rot);
+          for (int64_t i = 0; i < per_query; ++i) dst[i] *= fscale;
+        } else {
+          for (int64_t i = 0; i < per_query; ++i) dst[i] = src[i] * fscale;
+        }
         stop[j] = pos0 + j + 1;                                                  // positions attended: [first, stop)
         first[j] = window > 0 ? std::max<int64_t>(0, stop[j] - window) : 0;
         lo = std::min(lo, first[j] / block_size * block_size), hi = std::max(hi, stop[j]);
@@ -650,6 +689,7 @@ at::Tensor paged_attention(
           const float* a = acc.data() + j * per_query + g * head_dim;
           for (int64_t d = 0; d < head_dim; ++d) os[g * head_dim + d] = a[d] * inv;
         }
+        hadamard(os, per_query, v_rot);
       }
     }
   });
@@ -689,10 +729,20 @@ at::Tensor store_and_attention(
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < slots, "slot ", sp[i], " outside the cache");
+  const int64_t k_rot = rotation_of(k_type, head_dim, false), v_rot = rotation_of(v_type, head_dim, true);
+  std::vector<float> turned(head_dim);
+  auto store = [&](KVType type, int64_t rot, const float* x, uint8_t* dst) {
+    if (rot) {
+      std::memcpy(turned.data(), x, head_dim * sizeof(float));
+      hadamard(turned.data(), head_dim, rot);
+      x = turned.data();
+    }
+    float_to_row(type, x, head_dim, dst);
+  };
   for (int64_t i = 0; i < n; ++i)
     for (int64_t h = 0; h < kv_heads; ++h) {
-      float_to_row(k_type, kp + i * k.stride(0) + h * head_dim, head_dim, kc + (sp[i] * kv_heads + h) * k_row);
-      float_to_row(v_type, vp + i * v.stride(0) + h * head_dim, head_dim, vc + (sp[i] * kv_heads + h) * v_row);
+      store(k_type, k_rot, kp + i * k.stride(0) + h * head_dim, kc + (sp[i] * kv_heads + h) * k_row);
+      store(v_type, v_rot, vp + i * v.stride(0) + h * head_dim, vc + (sp[i] * kv_heads + h) * v_row);
     }
   return paged_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, query_start, scale, window, softcap);
 }
