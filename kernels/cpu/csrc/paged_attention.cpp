@@ -133,12 +133,13 @@ inline void hadamard(float* x, int64_t len, int64_t n) {
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
-// One 4- or 5-bit block's 32 quants as small signed integers, value j first: (q - 8), (q - 16), q or level[q].
-inline void block_quants(KVType type, const uint8_t* b, int8_t* q) {
-  const bool with_min = type == KVType::Q4_1 || type == KVType::Q5_1;
-  const uint8_t* qs = b + block_bytes(type) - 16;
+// One block's 32 quants as small signed integers, value j in byte j: q8_0's int8, (q - 8), (q - 16), q or level[q].
 #ifdef MB_ATTN_AVX2
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), low4 = _mm_set1_epi8(0x0F);
+inline __m256i block_quants(KVType type, const uint8_t* b) {
+  if (type == KVType::Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  const bool with_min = type == KVType::Q4_1 || type == KVType::Q5_1;
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + block_bytes(type) - 16));
+  const __m128i low4 = _mm_set1_epi8(0x0F);
   __m128i lo = _mm_and_si128(raw, low4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
   if (type == KVType::IQ4_NL) {
     const __m128i levels = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
@@ -156,8 +157,16 @@ inline void block_quants(KVType type, const uint8_t* b, int8_t* q) {
     all = _mm256_or_si256(all, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
   }
   if (type == KVType::Q4_0 || type == KVType::Q5_0) all = _mm256_sub_epi8(all, _mm256_set1_epi8(type == KVType::Q4_0 ? 8 : 16));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), all);
+  return all;
+}
 #else
+inline void block_quants(KVType type, const uint8_t* b, int8_t* q) {
+  if (type == KVType::Q8_0) {
+    std::memcpy(q, b + 2, kBlockValues);
+    return;
+  }
+  const bool with_min = type == KVType::Q4_1 || type == KVType::Q5_1;
+  const uint8_t* qs = b + block_bytes(type) - 16;
   for (int j = 0; j < 16; ++j) {
     q[j] = static_cast<int8_t>(qs[j] & 0x0F), q[j + 16] = static_cast<int8_t>(qs[j] >> 4);
     if (type == KVType::IQ4_NL) q[j] = kIQ4Values[q[j]], q[j + 16] = kIQ4Values[q[j + 16]];
@@ -168,8 +177,8 @@ inline void block_quants(KVType type, const uint8_t* b, int8_t* q) {
     std::memcpy(&high, b + (with_min ? 4 : 2), 4);
     for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>((q[j] | ((high >> j) & 1) << 4) - (with_min ? 0 : 16));
   }
-#endif
 }
+#endif
 
 // n rows of head_dim values, from src (rows `stride` bytes apart) into dst as fp32, row after row: a float
 // type's values exactly; a block's q * d (exact: a small integer times an fp16), plus m where the type has one.
@@ -204,24 +213,23 @@ inline void rows_to_float(KVType type, const uint8_t* src, int64_t stride, int64
       default: {
         const int64_t bytes = block_bytes(type);
         const bool with_min = type == KVType::Q4_1 || type == KVType::Q5_1;
-        int8_t unpacked[kBlockValues];
         for (int64_t blk = 0; blk < head_dim / kBlockValues; ++blk) {
           const uint8_t* b = src + blk * bytes;
           const float scale = half_to_float(b), min = with_min ? half_to_float(b + 2) : 0.0f;
-          const int8_t* qs = reinterpret_cast<const int8_t*>(b + 2);
-          if (type != KVType::Q8_0) {
-            block_quants(type, b, unpacked);
-            qs = unpacked;
-          }
           float* out = dst + blk * kBlockValues;
 #ifdef MB_ATTN_AVX2
+          const __m256i q = block_quants(type, b);  // converted from the register, eight at a time
+          const __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
+          const __m256i parts[4] = {_mm256_cvtepi8_epi32(q0), _mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8)),
+                                    _mm256_cvtepi8_epi32(q1), _mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))};
           const __m256 sv = _mm256_set1_ps(scale), mv = _mm256_set1_ps(min);
-          for (int j = 0; j < kBlockValues; j += 8) {
-            const __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + j)));
-            const __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(w), sv);
-            _mm256_storeu_ps(out + j, with_min ? _mm256_add_ps(x, mv) : x);
+          for (int k = 0; k < 4; ++k) {
+            const __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(parts[k]), sv);
+            _mm256_storeu_ps(out + 8 * k, with_min ? _mm256_add_ps(x, mv) : x);
           }
 #else
+          int8_t qs[kBlockValues];
+          block_quants(type, b, qs);
           for (int j = 0; j < kBlockValues; ++j) {
             const float x = static_cast<float>(qs[j]) * scale;
             out[j] = with_min ? x + min : x;
