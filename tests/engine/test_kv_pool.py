@@ -48,14 +48,18 @@ def test_bytes_per_token_are_llama_cpps():
     assert bytes_per_token(qwen, KVCacheTypes("f16", "f16")) == 12_288
     assert bytes_per_token(qwen, KVCacheTypes("q8_0", "q8_0")) == 6_528
     assert bytes_per_token(qwen, KVCacheTypes("q8_0", "f16")) == 6_528 // 2 + 12_288 // 2
+    # the 4- and 5-bit types: 18, 20, 22, 24 bytes a block of 32 (Qwen2.5-0.5B: 24 layers x 2 KV heads x 2 blocks)
+    for kv_type, block in (("q4_0", 18), ("iq4_nl", 18), ("q4_1", 20), ("q5_0", 22), ("q5_1", 24)):
+        assert bytes_per_token(qwen, KVCacheTypes(kv_type, kv_type)) == 24 * 2 * 2 * block * 2
 
 
 def test_the_option_takes_one_type_or_a_pair_and_names_the_types_when_wrong():
     assert KVCacheTypes.parse("q8_0") == KVCacheTypes("q8_0", "q8_0")
     assert KVCacheTypes.parse("q8_0, f16") == KVCacheTypes("q8_0", "f16")
     assert str(KVCacheTypes("q8_0", "f16")) == "q8_0,f16" and str(KVCacheTypes("f16", "f16")) == "f16"
-    for bad in ("q4_0", "f16,q5", "f16,f16,f16", ""):
-        with pytest.raises(ValueError, match="kv_cache_type.*f32, f16, bf16, q8_0"):
+    assert KVCacheTypes.parse("q5_1,iq4_nl") == KVCacheTypes("q5_1", "iq4_nl")
+    for bad in ("q3_k", "f16,q5", "f16,f16,f16", "", "Q4_0"):
+        with pytest.raises(ValueError, match="kv_cache_type.*f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, iq4_nl"):
             EngineConfig(kv_cache_type=bad)
 
 
