@@ -55,48 +55,47 @@ def _half_at(ptrs, mask):
 def load_rows(row_ptrs, offs_d, mask, KIND: tl.constexpr):
     """[BLOCK_N, HEAD_DIM] cache rows as fp32 values: a float type as it is stored (KIND 0), a block type's
     q * d (exact: a small integer times an fp16), + m where the type has one (kernels/kv_types.py's layouts)."""
+    # (one branch compiled per KIND; no early return: Triton compiles the code after one whatever the constant)
     if KIND == 0:
-        return tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
-    m2 = mask[:, None]
-    j = offs_d % 32
-    if KIND == 1:
+        x = tl.load(row_ptrs[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
+    elif KIND == 1:
+        m2 = mask[:, None]
         base = row_ptrs[:, None] + (offs_d // 32 * 34)[None, :]
-        q = tl.load(base + 2 + j[None, :], mask=m2, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        return q * _half_at(base, m2)
-    if KIND == 2:
-        base = row_ptrs[:, None] + (offs_d // 32 * 24)[None, :]
-    elif KIND == 3:
-        base = row_ptrs[:, None] + (offs_d // 32 * 22)[None, :]
-    elif KIND == 4:
-        base = row_ptrs[:, None] + (offs_d // 32 * 20)[None, :]
+        q8 = tl.load(base + 2 + (offs_d % 32)[None, :], mask=m2, other=0).to(tl.int8, bitcast=True)
+        x = q8.to(tl.float32) * _half_at(base, m2)
     else:
-        base = row_ptrs[:, None] + (offs_d // 32 * 18)[None, :]
-    if KIND == 2:
-        qs = base + 8
-    elif KIND == 3:
-        qs = base + 6
-    elif KIND == 4:
-        qs = base + 4
-    else:
-        qs = base + 2
-    packed = tl.load(qs + (j % 16)[None, :], mask=m2, other=0).to(tl.uint8, bitcast=True).to(tl.int32)
-    q = tl.where((j < 16)[None, :], packed & 15, packed >> 4)
-    if KIND == 2 or KIND == 3:  # the fifth bits: bit j of the 32 after the scale(s)
+        m2 = mask[:, None]
+        j = offs_d % 32
         if KIND == 2:
-            high = base + 4
+            base = row_ptrs[:, None] + (offs_d // 32 * 24)[None, :]
+            qs = base + 8
+        elif KIND == 3:
+            base = row_ptrs[:, None] + (offs_d // 32 * 22)[None, :]
+            qs = base + 6
+        elif KIND == 4:
+            base = row_ptrs[:, None] + (offs_d // 32 * 20)[None, :]
+            qs = base + 4
         else:
-            high = base + 2
-        bits = tl.load(high + (j // 8)[None, :], mask=m2, other=0).to(tl.uint8, bitcast=True).to(tl.int32)
-        q = q | (((bits >> (j % 8)[None, :]) & 1) << 4)
-    if KIND == 3:
-        q = q - 16
-    elif KIND == 5:
-        q = q - 8
-    elif KIND == 6:
-        q = _iq4_level(q)
-    x = q.to(tl.float32) * _half_at(base, m2)
-    if KIND == 2 or KIND == 4:
-        x = x + _half_at(base + 2, m2)
+            base = row_ptrs[:, None] + (offs_d // 32 * 18)[None, :]
+            qs = base + 2
+        packed = tl.load(qs + (j % 16)[None, :], mask=m2, other=0).to(tl.uint8, bitcast=True).to(tl.int32)
+        q = tl.where((j < 16)[None, :], packed & 15, packed >> 4)
+        if KIND == 2 or KIND == 3:  # the fifth bits: bit j of the 32 after the scale(s)
+            if KIND == 2:
+                high = base + 4
+            else:
+                high = base + 2
+            bits = tl.load(high + (j // 8)[None, :], mask=m2, other=0).to(tl.uint8, bitcast=True).to(tl.int32)
+            q = q | (((bits >> (j % 8)[None, :]) & 1) << 4)
+        if KIND == 3:
+            q = q - 16
+        elif KIND == 5:
+            q = q - 8
+        elif KIND == 6:
+            q = _iq4_level(q)
+        x = q.to(tl.float32) * _half_at(base, m2)
+        if KIND == 2 or KIND == 4:
+            x = x + _half_at(base + 2, m2)
     return x
 
 

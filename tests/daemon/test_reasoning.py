@@ -337,12 +337,19 @@ def test_effort_none_and_the_template_switch_think_not(daemon):
     assert plain.usage.prompt_tokens == switched.usage.prompt_tokens != thinking.usage.prompt_tokens
     assert plain.choices[0].message.content == switched.choices[0].message.content
     assert not (plain.choices[0].message.model_extra or {}).get("reasoning_content")
-    with httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.socket))) as http:
+    # (bounded: a random model's thought under "low" would run to its budget of 1,024 and then the context, past
+    # httpx's default timeout of 5 s on a loaded machine)
+    short = {"num_predict": 4}
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(daemon.socket)), timeout=120) as http:
         bad = http.post(
             "http://localhost/v1/chat/completions", json={"messages": ASK, "chat_template_kwargs": {"tools": []}}
         )
-        level = http.post("http://localhost/api/chat", json={"messages": ASK, "think": "low", "stream": False})
-        wrong = http.post("http://localhost/api/chat", json={"messages": ASK, "think": "max", "stream": False})
+        level = http.post(
+            "http://localhost/api/chat", json={"messages": ASK, "think": "low", "stream": False, "options": short}
+        )
+        wrong = http.post(
+            "http://localhost/api/chat", json={"messages": ASK, "think": "max", "stream": False, "options": short}
+        )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs.tools"
     assert level.status_code == 200 and wrong.status_code == 400 and "think" in wrong.json()["error"]
 

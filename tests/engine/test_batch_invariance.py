@@ -51,7 +51,7 @@ def params_of(i: int) -> SamplingParams:
     return SamplingParams(temperature=0.8, top_p=0.95, top_k=40, seed=100 + i, max_tokens=TOKENS, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=["this-cpu", "avx2", "this-cpu:f16", "this-cpu:q4_0", "avx2:iq4_nl"])
+@pytest.fixture(scope="module", params=["this-cpu", "avx2", "this-cpu:f16", "avx2:q4_0"])
 def cpu_build(request):
     """The engine's kernels as built for this CPU, or for AVX2 without VNNI; and the KV cache type after a colon
     (the default's without one)."""

@@ -12,15 +12,22 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from minibatch.kernels.gpu import logit_edits, paged_attention, paged_decode, sampling
+from minibatch.kernels.gpu import kv_store, logit_edits, paged_attention, paged_decode, sampling
 from minibatch.kernels.gpu.paged_decode import SPLIT
-from minibatch.kernels.gpu.paged_rows import ATTENTION_WARPS, key_tile
+from minibatch.kernels.gpu.paged_rows import ATTENTION_WARPS, KIND, key_tile
+from minibatch.kernels.kv_types import BLOCK_BYTES
 
 STRIDES = ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kb", "stride_ks", "stride_kh")
 STRIDES += ("stride_vb", "stride_vs", "stride_vh", "stride_bt")
-# (query type, K cache, V cache): bf16 and f16 caches with their queries, q8_0 beside bf16, f32 with f32
-CACHES = [("bf16", "bf16", "bf16"), ("fp16", "fp16", "fp16"), ("bf16", "u8", "u8"), ("bf16", "u8", "bf16")]
-CACHES += [("fp32", "fp32", "fp32")]
+# (query type, K cache, V cache): bf16 and f16 caches with their queries, q8_0 beside bf16, the 4- and 5-bit
+# block types (every loader branch: q4_0 and iq4_nl's nibbles, q5_1's and q5_0's fifth bits), f32 with f32
+CACHES = [("bf16", "bf16", "bf16"), ("fp16", "fp16", "fp16"), ("bf16", "q8_0", "q8_0"), ("bf16", "q8_0", "bf16")]
+CACHES += [("bf16", "q4_0", "iq4_nl"), ("fp16", "q5_1", "q5_0"), ("fp32", "fp32", "fp32")]
+
+
+def pointer(cache: str) -> str:
+    """A cache's pointer type: a float type its own, a block type's bytes (iq4_nl's an int8 tensor)."""
+    return "*i8" if cache == "iq4_nl" else "*u8" if cache in KIND else f"*{cache}"
 
 
 def compile_for(fn, types: dict[str, str], consts: dict, arch: int, num_warps: int = 4) -> None:
@@ -39,8 +46,8 @@ def compile_for(fn, types: dict[str, str], consts: dict, arch: int, num_warps: i
 def attention_types(q: str, k: str, v: str) -> dict[str, str]:
     return {
         "q_ptr": f"*{q}",
-        "k_cache_ptr": f"*{k}",
-        "v_cache_ptr": f"*{v}",
+        "k_cache_ptr": pointer(k),
+        "v_cache_ptr": pointer(v),
         "block_tables_ptr": "*i32",
         "query_start_ptr": "*i32",
         "seq_lens_ptr": "*i32",
@@ -59,8 +66,8 @@ def attention_consts(q: str, k: str, v: str, softcap: bool, head_dim: int) -> di
         "SPLIT": SPLIT,
         "FP32_DOT": q == "fp32",
         "SOFTCAP": softcap,
-        "K_Q8": k == "u8",
-        "V_Q8": v == "u8",
+        "K_KIND": KIND.get(k, 0),
+        "V_KIND": KIND.get(v, 0),
     }
 
 
@@ -102,6 +109,10 @@ def cases():
         "num_heads": "i32",
         "max_splits": "i32",
     }
+    store = {"x_ptr": "*bf16", "cache_ptr": "*u8", "slot_ptr": "*i64", "stride_x": "i32", "stride_c": "i32"}
+    for name, kind in KIND.items():  # a token's K of 2 heads of 128: 8 blocks
+        consts = {"BLOCKS": 8, "BLOCKS_P2": 8, "KIND": kind, "NB": BLOCK_BYTES[name]}
+        yield f"store {name}", kv_store._store_blocks_kernel, store, consts, 4
     for (q, k, v), head_dim in [(c, 128) for c in CACHES] + [(("bf16", "bf16", "bf16"), 256)]:
         split = attention_types(q, k, v) | {"part_out_ptr": "*fp32", "part_ml_ptr": "*fp32", "max_splits": "i32"}
         for group, softcap in ((4, False), (8, True)):

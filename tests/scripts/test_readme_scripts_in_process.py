@@ -155,7 +155,8 @@ def test_bench_decode_attention(env):
 
 
 def test_bench_long_attention(env):
-    args = ["--shape", "smollm2-135m", "--contexts", "64,200", "--prefill", "48", "--repeats", "1"]
+    args = ["--shape", "smollm2-135m", "--types", "f32,f16,q8_0,q4_0", "--contexts", "64,200", "--prefill", "48"]
+    args += ["--repeats", "1"]
     proc = run(env, SCRIPTS / "kernels" / "bench_long_attention.py", *args, "--split", "smollm2-135m-instruct")
     decode = re.findall(r"^\| (\d+) \| " + r"([\d.]+) \(([\d.]+)\) \| " * 4 + r"([\d.]+) \|$", proc.stdout, re.M)
     assert [r[0] for r in decode] == ["64", "200"] and all(float(x) > 0 for r in decode for x in r[1:]), proc.stdout
