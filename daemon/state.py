@@ -80,10 +80,13 @@ GUARD = web.AppKey("guard", Guard)
 
 
 async def read_raw(request: web.Request, state: DaemonState) -> bytes:
-    """The request body, or 408 when the client takes longer than the body timeout to send it."""
+    """The request body, or 408 when the client takes longer than the body timeout to send it. Under a timeout
+    scope, not wait_for: Python 3.11's wait_for returns the body when the handler is cancelled just as it came
+    (a client gone right after sending), and the request would then run to its end for nobody."""
     try:
-        return await asyncio.wait_for(request.read(), state.body_timeout)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(state.body_timeout):
+            return await request.read()
+    except TimeoutError:
         raise ApiError(408, f"request body not received within {state.body_timeout:g} s", None, "timeout") from None
 
 

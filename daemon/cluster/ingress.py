@@ -66,7 +66,8 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     cluster = request.app[CLUSTER]
     _ready(cluster)
     try:
-        body = await asyncio.wait_for(request.read(), cluster.body_timeout)
+        async with asyncio.timeout(cluster.body_timeout):
+            body = await request.read()
     except TimeoutError:
         raise ApiError(408, f"request body not received within {cluster.body_timeout:g} s", None, "timeout") from None
     prefix = None
@@ -206,7 +207,8 @@ async def engine_events(request: web.Request) -> web.StreamResponse:
             for rid in [r for r, t in tasks.items() if t.done() or r not in live]:
                 tasks.pop(rid).cancel()
             try:
-                await asyncio.wait_for(changed.wait(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await changed.wait()
             except TimeoutError:
                 continue
             changed.clear()

@@ -112,7 +112,8 @@ class ReplicaSet:
         answer are left out."""
         resp = self.handle.broadcast("fetch", method, path, body)
         try:
-            results = await asyncio.wait_for(resp.results_async(return_exceptions=True), VIEW_TIMEOUT)
+            async with asyncio.timeout(VIEW_TIMEOUT):
+                results = await resp.results_async(return_exceptions=True)
         except TimeoutError:
             return {}
         return {r[0]: (r[1], r[2], r[3]) for r in results if isinstance(r, tuple)}

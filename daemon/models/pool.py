@@ -497,7 +497,8 @@ class ModelPool:
                 )
             self._room.clear()
             try:
-                await asyncio.wait_for(self._room.wait(), min(left, 1.0))
+                async with asyncio.timeout(min(left, 1.0)):
+                    await self._room.wait()
             except TimeoutError:
                 pass
 
