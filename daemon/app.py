@@ -20,7 +20,7 @@ from .api import anthropic, embeddings, llama, ollama, openai, openapi, rerank, 
 from .api.schemas import ModeRequest
 from .guard import Guard, guard_middleware
 from .models.catalog import catalog
-from .models.names import cut, display_name
+from .models.names import cut, display_name, normal_name
 from .monitor import COMPACT, STATS_SUMMED
 from .protocol import ApiError, parse_body
 from .state import GUARD, STATE, DaemonState, read_raw
@@ -87,6 +87,7 @@ async def health(request: web.Request) -> web.Response:
 async def models(request: web.Request) -> web.Response:
     """Every model this daemon can serve: the loaded ones first, then what `minibatchd models` lists."""
     state = request.app[STATE]
+    entries = await catalog(state)
     data = [
         {
             "id": entry["id"],
@@ -95,9 +96,25 @@ async def models(request: web.Request) -> web.Response:
             "owned_by": "minibatch",
             "loaded": entry["loaded"],
             "max_model_len": entry["max_model_len"],
+            "parent": None,
         }
-        for entry in await catalog(state)
+        for entry in entries
     ]
+    # each LoRA adapter after its base model, which it is served over (vLLM's `parent`)
+    for adapter, base in state.check_serving().adapters.items():
+        card = next(
+            (c for c in data if normal_name(c["id"]) in (normal_name(base), normal_name(display_name(base)))), None
+        )
+        parent = card["id"] if card is not None else display_name(base)
+        data.append(
+            {
+                **(card or {"created": 0, "loaded": False, "max_model_len": None}),
+                "id": adapter,
+                "object": "model",
+                "owned_by": "minibatch",
+                "parent": parent,
+            }
+        )
     return web.json_response({"object": "list", "data": data})
 
 

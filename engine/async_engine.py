@@ -140,16 +140,20 @@ class AsyncEngine:
         pooling: str | None = None,
         cache_salt: int = 0,
         reuse_shifted: bool = False,
+        lora: str | None = None,
     ) -> str:
         """Check and queue a request (from the event loop); raises RequestRejected or QueueFull at once.
         `pooling`: an embedding request, `cache_salt`: its prefix caches' namespace, `reuse_shifted`: it may
-        start from a recent prompt's K/V at shifted positions (LLMEngine.add_request)."""
+        start from a recent prompt's K/V at shifted positions, `lora`: the adapter it runs under
+        (LLMEngine.add_request)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         request_id = request_id or f"req-{next(self._ids)}"
         sched = self.engine.scheduler
         probe = Request(request_id, list(prompt_token_ids), params, pooling=pooling)
         sched.check(probe)
+        if lora is not None:
+            self.engine.lora_digest(lora)  # a 404 naming it, at once
         with self._count_lock:
             # Counted over every request in flight, those still in the inbox too, so the cap is
             # exact however fast the engine admits.
@@ -170,6 +174,7 @@ class AsyncEngine:
                     pooling=pooling,
                     cache_salt=cache_salt,
                     reuse_shifted=reuse_shifted,
+                    lora=lora,
                 )
             except RequestRejected as exc:
                 self._emit(RequestOutput(request_id, "", [], True, "abort", error=str(exc)))

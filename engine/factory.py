@@ -14,6 +14,8 @@ from minibatch.engine.core.sampling_params import SAMPLING_DEFAULT_FIELDS
 from minibatch.engine.encoders.config import is_encoder_dir
 from minibatch.engine.heap import release_free_memory
 from minibatch.engine.kv_offload.disk import DEFAULT_MIN_TOKENS
+from minibatch.engine.lora.names import parse_loras
+from minibatch.engine.models.config import ModelSettingError
 from minibatch.engine.spec_decode.config import DEFAULT_METHOD, DEFAULT_NUM_TOKENS, SpecConfig
 from minibatch.engine.store.cache import DEFAULT_MODEL, resolve_model
 from minibatch.engine.testing import faults
@@ -21,11 +23,6 @@ from minibatch.kernels.cpu.extension import describe as describe_cpu_kernels
 from minibatch.kernels.kv_types import KVCacheTypes
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-
-
-class ModelSettingError(ValueError):
-    """A setting this model cannot take (a KV cache type its heads cannot hold, say): its text names the
-    option and what would do, never a server path, so the daemon shows it to the request that loaded it."""
 
 
 @dataclass(slots=True)
@@ -60,8 +57,13 @@ class EngineConfig:
     prompt_cache_min_tokens: int = DEFAULT_MIN_TOKENS  # a shorter run on disk is recomputed (the crossover)
     cache_reuse: int = SCHEDULER_DEFAULTS["cache_reuse"]  # shifted reuse's shortest run (core/kv_reuse.py); 0: off
     cache_reuse_settle: int = SCHEDULER_DEFAULTS["cache_reuse_settle"]  # its runs' first tokens computed anyway
+    lora: str | None = None  # LoRA adapters served over the model: NAME=PATH pairs, comma-separated (lora/names.py)
+    max_lora_rank: int = 64  # an adapter of a larger rank is refused at its load
 
     def __post_init__(self) -> None:
+        parse_loras(self.lora)  # refuses a malformed pair, naming the option
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
         self.spec_config()  # refuses a method or a draft length out of range, naming it
         SchedulerConfig(  # refuses a limit out of range, naming it, before anything is loaded
             max_num_seqs=self.max_num_seqs,
@@ -325,6 +327,11 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         proposer=proposer,
         tier=tier,
     )
+    if config.lora:
+        from minibatch.engine.lora.adapter import load_peft
+
+        for name, path in parse_loras(config.lora).items():
+            engine.add_lora(load_peft(path, name, cfg, config.max_lora_rank))
     engine.info = EngineInfo(
         model=config.model,
         model_dir=str(model_dir),
@@ -353,6 +360,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         embedding_size=1 if cfg.pooling == "rank" else cfg.hidden_size,
         pooling=cfg.pooling,
         tasks=("rerank",) if cfg.pooling == "rank" else ("generate", "embed"),
+        loras=tuple(engine.lora_digests),
         speculative="off"
         if not spec.enabled
         else f"{spec.method}{' ' + spec.draft_model if spec.draft_model else ''} (up to {spec.num_tokens} tokens)",

@@ -118,6 +118,13 @@ ENGINE_OPTIONS = (
         "0: off)",
     ),
     Option(
+        "lora",
+        str,
+        "LoRA adapters served over the model: NAME=PATH pairs, comma-separated (Hugging Face PEFT folders); a "
+        "request names an adapter as its model, and rows of every adapter and of none run in the same steps",
+    ),
+    Option("max_lora_rank", int, "an adapter of a larger rank is refused at its load"),
+    Option(
         "prompt_cache_min_tokens",
         int,
         "a run of cached tokens on disk shorter than this is recomputed instead of read",

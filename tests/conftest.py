@@ -165,3 +165,24 @@ def save_tiny_chat(path: Path, seed: int, layers: int = TINY_COMMON["num_hidden_
     )
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return path
+
+
+def make_lora(base_dir: Path, out_dir: Path, targets: list[str], rank: int, alpha: float, rslora: bool, seed: int):
+    """A random PEFT LoRA adapter of the model in `base_dir`, written to `out_dir`: its B matrices are not zero
+    (as after training, unlike PEFT's initial ones) and large enough to change a tiny model's greedy answer."""
+    import peft
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    cfg = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False, lora_dropout=0.0
+    )
+    model = peft.get_peft_model(base, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(out_dir)
+    return out_dir

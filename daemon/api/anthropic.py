@@ -271,7 +271,7 @@ async def whole(run: Running, body: MessagesRequest) -> web.Response:
             "id": run.gen.request_id,
             "type": "message",
             "role": "assistant",
-            "model": run.model.name,
+            "model": run.name,
             "content": content_blocks(content or "", calls, thought),
             "stop_reason": reason,
             "stop_sequence": seq,

@@ -109,7 +109,7 @@ async def _embed(request: web.Request, gen: Generation) -> tuple[list[list[float
     state = request.app[STATE]
     async with generate(state, gen, request) as running:
         choices = await running.whole()
-        return [c.last.embedding for c in choices], running.prompt_tokens, running.model.name
+        return [c.last.embedding for c in choices], running.prompt_tokens, running.name
 
 
 def _unit(v: list[float]) -> list[float]:

@@ -184,7 +184,7 @@ async def respond(request: web.Request, fill: bool) -> web.StreamResponse:
     gen = generation(body)
     limit_ms = body.t_max_predict_ms
     async with pipeline.generate(state, gen, request) as run:
-        name = run.model.name
+        name = run.name
         if not body.stream:
             text, last, n, first_at, stop_type = "", None, 0, None, None
             async with run.limit():

@@ -264,10 +264,8 @@ def generation(body: ChatBody | GenerateBody, chat: bool) -> Generation:
 
 
 async def answer(request: web.Request, run: Running, body, chat: bool, started: float):
-    model = run.model
-
     def line(text: str, calls: list | None = None, thinking: str = "") -> dict:
-        head = {"model": model.name, "created_at": now_iso()}
+        head = {"model": run.name, "created_at": now_iso()}
         if not chat:
             return {**head, "response": text, **({"thinking": thinking} if thinking else {}), "done": False}
         made, unmade = ollama_calls(calls or [])

@@ -148,7 +148,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def answer(request: web.Request, run: Running, body, chat: bool) -> web.StreamResponse:
-    base = {"id": run.gen.request_id, "created": int(time.time()), "model": run.model.name}
+    base = {"id": run.gen.request_id, "created": int(time.time()), "model": run.name}
     if body.stream:
         return await stream_response(request, run, base, chat, body.include_usage)
     return await full_response(run, base, chat)

@@ -82,7 +82,7 @@ async def _scores(request: web.Request, body: RerankRequest) -> tuple[list[str],
     )
     async with generate(request.app[STATE], gen, request) as running:
         choices = await running.whole()
-        return texts, [c.last.embedding[0] for c in choices], running.prompt_tokens, running.model.name
+        return texts, [c.last.embedding[0] for c in choices], running.prompt_tokens, running.name
 
 
 async def rerank(request: web.Request) -> web.Response:

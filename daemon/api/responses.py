@@ -157,7 +157,9 @@ def output_items(text: str, calls: list[dict], thought: str = "") -> list[dict]:
     return items
 
 
-def response_object(rid: str, model, body: ResponsesRequest, status: str, output: list, usage: dict | None) -> dict:
+def response_object(
+    rid: str, model: str, body: ResponsesRequest, status: str, output: list, usage: dict | None
+) -> dict:
     incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
     return {
         "id": rid,
@@ -166,7 +168,7 @@ def response_object(rid: str, model, body: ResponsesRequest, status: str, output
         "status": status,
         "error": None,
         "incomplete_details": incomplete,
-        "model": model.name,
+        "model": model,
         "output": output,
         "instructions": body.instructions,
         "previous_response_id": body.previous_response_id,
@@ -244,7 +246,7 @@ class Answer:
     def finish(self, status: str, items: list[dict], n: int, metrics, text: str, calls, thought: str) -> dict:
         run = self.run
         usage = usage_of(run.model, run.prompt_tokens, n, metrics, thought)
-        response = response_object(self.rid, run.model, self.body, status, items, usage)
+        response = response_object(self.rid, run.name, self.body, status, items, usage)
         if self.body.store:
             remember(self.store, response, run.gen.messages or [], text, calls, thought, self.owner)
         return response
@@ -276,7 +278,7 @@ async def stream(request, a: Answer):
         seq += 1
         await resp.write(f"event: {kind}\ndata: {data}\n\n".encode())
 
-    started = response_object(a.rid, a.run.model, a.body, "in_progress", [], None)
+    started = response_object(a.rid, a.run.name, a.body, "in_progress", [], None)
     await send("response.created", {"response": started})
     await send("response.in_progress", {"response": started})
     items: list[dict] = []  # the finished output items, in order

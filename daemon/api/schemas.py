@@ -133,6 +133,7 @@ class ModelCard(_Out):
     owned_by: str
     loaded: bool  # loaded now (else it loads on first use)
     max_model_len: int | None  # known once loaded
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field); a model's: none
 
 
 class ModelList(_Out):

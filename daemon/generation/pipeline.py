@@ -124,6 +124,7 @@ class Generation:
     operator: bool = False  # the daemon's own user asks (state.is_operator): keep_alive may change a preloaded model's
     stream_interval: float = 0.0  # seconds between a stream's outputs (0: one per engine step)
     cache_salt: int = 0  # the prefix caches' namespace of whoever sent it (set by generate: state.cache_salt)
+    lora: str | None = None  # the LoRA adapter `model` names, run over its base model (set by generate)
     # Embeddings: each prompt computed and pooled (the model's pooling) instead of continued; no text comes
     # back, RequestOutput.embedding does. `truncate`: a prompt past the context keeps its first tokens that fit.
     embed: bool = False
@@ -191,6 +192,11 @@ class Running:
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
+
+    @property
+    def name(self) -> str:
+        """The model its answer names: the adapter asked for, else the model's name."""
+        return self.gen.lora or self.model.name
 
     def deadline_now(self) -> float:
         """The request's deadline as of now: --request-timeout from its arrival or from the last chunk of any of
@@ -276,7 +282,8 @@ async def generate(state: DaemonState, gen: Generation, request: web.Request) ->
     gen.cache_salt = state.cache_salt(request)
     deadline = asyncio.get_running_loop().time() + state.request_timeout
     keep = state.keep_alive_of(gen.keep_alive, gen.operator)
-    async with state.lease(gen.model, keep) as model:
+    base, gen.lora = state.check_serving().adapter_route(gen.model)
+    async with state.lease(base, keep) as model:
         try:
             async with asyncio.timeout_at(deadline):
                 running = await _start(state, model, gen, deadline)
@@ -497,7 +504,9 @@ def _submit(
     try:
         # a middle to fill may start from the last one's K/V at shifted positions (engine/core/kv_reuse.py)
         reuse = gen.fill is not None
-        engine.submit(ids, params, rid, share, pooling=pooling, cache_salt=gen.cache_salt, reuse_shifted=reuse)
+        engine.submit(
+            ids, params, rid, share, pooling=pooling, cache_salt=gen.cache_salt, reuse_shifted=reuse, lora=gen.lora
+        )
     except QueueFull as exc:
         raise ApiError(exc.status, str(exc), exc.field, exc.code, "rate_limit_error", {"Retry-After": "1"}) from None
     except RequestRejected as exc:

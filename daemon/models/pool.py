@@ -27,7 +27,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from minibatch.engine.factory import EngineConfig, ModelSettingError
+from minibatch.engine.factory import EngineConfig
+from minibatch.engine.lora.names import parse_loras
+from minibatch.engine.models.config import ModelSettingError
 from minibatch.engine.store.cache import (
     ModelNotFoundError,
     list_models,
@@ -183,6 +185,11 @@ class ModelPool:
         # loads: a request may name these too, whatever they are
         self.operator_specs = {}
         self._add_operator_names([self.default_name])
+        # LoRA adapters by name -> the model they run over: --lora's over the daemon's own model, a model's own
+        # `lora` in --model-settings over that model
+        self.adapters: dict[str, str] = {name: self.default_name for name in parse_loras(base.lora)}
+        for model, options in settings.model_settings.items():
+            self.adapters.update({name: model for name in parse_loras(options.get("lora"))})
         self.metrics = Metrics()
         self.signal = StepSignal()  # any model stepped, loaded or unloaded: the event streams look again
         self.lost = asyncio.Event()  # an engine lost its device: the daemon exits
@@ -202,6 +209,12 @@ class ModelPool:
             if want in m.names:
                 return m
         return None
+
+    def adapter_route(self, name: str | None) -> tuple[str | None, str | None]:
+        """(the model to lease, the LoRA adapter to run under) for a request's model name: an adapter's name
+        means its base model under it; any other name the model itself, under none."""
+        base = self.adapters.get(name) if name else None
+        return (name, None) if base is None else (base, name)
 
     def default(self) -> LoadedModel | None:
         """The model the engine endpoints show without ?model=: the daemon's own, else the latest used."""

@@ -9,8 +9,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from minibatch.engine.core.admission import RequestRejected
 from minibatch.engine.core.block_manager import BlockManager
 from minibatch.engine.core.config import SchedulerConfig
 from minibatch.engine.core.cpu_wait import RunQueueWait
@@ -23,8 +24,12 @@ from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.core.scheduler import Scheduler
 from minibatch.engine.core.scheduler_output import SchedulerOutput
 from minibatch.engine.core.timeline import Timeline
+from minibatch.engine.lora.names import lora_salt
 from minibatch.engine.spec_decode.config import SpecConfig
 from minibatch.engine.spec_decode.decoder import Proposer, SpecDecoder
+
+if TYPE_CHECKING:
+    from minibatch.engine.lora.adapter import LoraAdapter
 
 
 class Runner(Protocol):
@@ -38,6 +43,9 @@ class Runner(Protocol):
 
     def device_lost(self) -> bool:
         """After a failed step: whether the device is unusable from now on."""
+
+    def add_lora(self, adapter: LoraAdapter) -> None:
+        """Serve `adapter` (checked against the model at its load) under its name."""
 
 
 @dataclass(slots=True)
@@ -66,6 +74,7 @@ class LLMEngine:
         tier: BlockTier | None = None,  # a second tier of prefix blocks (kv_tier.py): disk, past restarts
     ) -> None:
         self.runner, self.tokenizer, self.clock = runner, tokenizer, clock
+        self.lora_digests: dict[str, bytes] = {}  # the LoRA adapters served, by name: their weights' digests
         self.aborted: set[str] = set()  # aborts asked for from other threads, not applied yet (abort_soon)
         self.abandoned_steps = 0  # forwards stopped between layers because all their requests were aborted
         # proposes draft tokens for decoding rows (None: one token per row per step)
@@ -95,6 +104,7 @@ class LLMEngine:
         pooling: str | None = None,
         cache_salt: int = 0,
         reuse_shifted: bool = False,
+        lora: str | None = None,
     ) -> Request:
         """Queue a request; raises RequestRejected (or QueueFull) with the reason.
 
@@ -106,9 +116,13 @@ class LLMEngine:
         a cross-encoder's scores of the pair its prompt holds, in the same place.
         `cache_salt`: the prefix caches' namespace (request.py): blocks are shared only within one salt.
         `reuse_shifted`: it may start from a recent prompt's K/V at shifted positions (core/kv_reuse.py; not what
-        computing its prompt gives: fill-in-the-middle requests)."""
+        computing its prompt gives: fill-in-the-middle requests).
+        `lora`: the name of a LoRA adapter the model serves (add_lora) to run it under; its blocks are cached in
+        the adapter's own namespace."""
         if pooling not in (None, *POOLINGS):
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        if lora is not None:
+            cache_salt = lora_salt(cache_salt, self.lora_digest(lora))
         req = Request(
             request_id,
             list(prompt_token_ids),
@@ -117,6 +131,7 @@ class LLMEngine:
             pooling=pooling,
             cache_salt=cache_salt,
             reuse_shifted=reuse_shifted,
+            lora=lora,
         )
         leader = self.scheduler.requests.get(share_prompt_with) if share_prompt_with is not None else None
         if leader is not None and leader.prompt_token_ids == req.prompt_token_ids:
@@ -124,6 +139,19 @@ class LLMEngine:
         self.scheduler.add(req, checked)
         self.streams[request_id] = _Stream(IncrementalDetokenizer(self.tokenizer))
         return req
+
+    # -- LoRA adapters ----------------------------------------------------
+    def add_lora(self, adapter: LoraAdapter) -> None:
+        """Serve `adapter` (lora/adapter.py, checked against the model) to requests that name it."""
+        self.runner.add_lora(adapter)
+        self.lora_digests[adapter.name] = adapter.digest
+
+    def lora_digest(self, name: str) -> bytes:
+        """The digest of the adapter served as `name`, or RequestRejected (404) naming it."""
+        digest = self.lora_digests.get(name)
+        if digest is None:
+            raise RequestRejected(f"no LoRA adapter named {name!r} is loaded", "model", "model_not_found", 404)
+        return digest
 
     def abort_soon(self, request_id: str) -> None:
         """From any thread, before the abort itself is queued: a forward computing for nobody else stops at its

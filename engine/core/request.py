@@ -72,6 +72,7 @@ class Request:
     # states pooled ("last": the last token's, "mean": every token's, "cls": the first's) instead of a next token.
     pooling: str | None = None
     embedding: list[float] | None = None
+    lora: str | None = None  # the LoRA adapter it runs under (the model's LoraSet), None: the base model
 
     @property
     def computes_every_position(self) -> bool:

@@ -23,6 +23,11 @@ class UnsupportedModelError(ValueError):
     """The config describes a model our forward cannot run."""
 
 
+class ModelSettingError(ValueError):
+    """A setting this model cannot take (a KV cache type its heads cannot hold, say): its text names the
+    option and what would do, never a server path, so the daemon shows it to the request that loaded it."""
+
+
 @dataclass(slots=True, frozen=True)
 class RopeConfig:
     theta: float

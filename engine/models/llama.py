@@ -16,6 +16,7 @@ from torch import nn
 
 from minibatch.engine.attention.metadata import AttentionBackend, AttentionMetadata
 from minibatch.engine.core.outputs import StepAbandoned
+from minibatch.engine.lora.rows import LayerLora, LoraSet
 from minibatch.engine.models.config import ModelConfig, RopeConfig
 from minibatch.engine.models.ops import TorchOps
 from minibatch.kernels.kv_types import PagedKV
@@ -90,10 +91,14 @@ class Attention(nn.Module):
         # Qwen3: RMSNorm over each head of q and k, before rotary
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.lora: LayerLora | None = None  # LoRA adapters' updates of qkv and o (LlamaForCausalLM.attach_loras)
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata):
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.lora is not None:
+            qkv = self.lora("qkv", x, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = q.reshape(n, self.num_heads, self.head_dim), k.reshape(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.eps).view(
@@ -104,8 +109,8 @@ class Attention(nn.Module):
             )
         q, k = self.ops.rotary(positions, q, k, self.rotary.cos, self.rotary.sin)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.scale).reshape(n, self.q_size)
+        return self.o_proj(out) if self.lora is None else self.lora("o", out, self.o_proj(out))
 
 
 class MLP(nn.Module):
@@ -117,10 +122,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
         self.gelu = cfg.hidden_act == "gelu_tanh"
+        self.lora: LayerLora | None = None  # LoRA adapters' updates of gate/up and down (attach_loras)
 
     def forward(self, x):
         gate_up = self.gate_up_proj(x)
-        return self.down_proj(self.ops.gelu_tanh_mul(gate_up) if self.gelu else self.ops.silu_mul(gate_up))
+        if self.lora is not None:
+            gate_up = self.lora("gate_up", x, gate_up)
+        act = self.ops.gelu_tanh_mul(gate_up) if self.gelu else self.ops.silu_mul(gate_up)
+        return self.down_proj(act) if self.lora is None else self.lora("down", act, self.down_proj(act))
 
 
 class DecoderLayer(nn.Module):
@@ -177,6 +186,16 @@ class LlamaForCausalLM(nn.Module):
         self.rank_from_first = False  # a decoder reranks from its last token (an encoder from its first)
         self.logits_proj: nn.Module | None = None  # a packed or quantized output projection (CPU paths)
         self.weights_desc = "float32"  # what the matrices run as, for /health and the panel
+        self.loras: LoraSet | None = None  # the LoRA adapters it serves (attach_loras)
+
+    def attach_loras(self, device: torch.device) -> LoraSet:
+        """The model's LoraSet, made on first use: every layer's attention and MLP then add the updates of the
+        step's adapters to their rows."""
+        if self.loras is None:
+            self.loras = LoraSet(device)
+            for i, layer in enumerate(self.model.layers):
+                layer.self_attn.lora = layer.mlp.lora = LayerLora(self.loras, i)
+        return self.loras
 
     def forward(
         self,

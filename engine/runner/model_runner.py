@@ -11,6 +11,7 @@ from minibatch.engine.core.outputs import RunnerOutput
 from minibatch.engine.core.request import Request
 from minibatch.engine.core.scheduler_output import SchedulerOutput
 from minibatch.engine.encoders.model import EncoderModel
+from minibatch.engine.lora.adapter import LoraAdapter, LoraError
 from minibatch.engine.models.llama import LlamaForCausalLM
 from minibatch.engine.runner.kv_shift import KeyShifter
 from minibatch.engine.runner.sampler import Sampler
@@ -41,6 +42,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.shifter.apply(out.kv_moves)
         chunks, starts, tables = [], [], []
+        adapters: list[str | None] = []  # each sequence's LoRA adapter (None: the base)
         sampling: list[tuple[Request, list[int], list[int]]] = []  # (request, its draft, its sequences' indexes)
         pooled: list[tuple[Request, int, int, int]] = []  # embedding requests: (request, sequence, start, tokens)
         for req, n, draft in zip(out.requests, out.num_new_tokens, out.drafts):
@@ -54,11 +56,13 @@ class ModelRunner:
                     chunks.append([token])
                     starts.append(start + j)
                     tables.append(req.block_ids)
+                    adapters.append(req.lora)
                 sampling.append((req, draft, list(range(first, len(chunks)))))
                 continue
             chunks.append(req.tokens(start, start + n))
             starts.append(start)
             tables.append(req.block_ids)
+            adapters.append(req.lora)
             if req.pooling is not None:
                 pooled.append((req, len(chunks) - 1, start, n))
             elif start + n == req.num_tokens:
@@ -70,13 +74,26 @@ class ModelRunner:
             chunks.append([req.token_at(last)])
             starts.append(min(last, len(req.block_ids) * self.block_size - 1))
             tables.append(req.block_ids)
+            adapters.append(req.lora)  # (its last K/V written again: by its own adapter)
         if not chunks:
             return RunnerOutput()
         batch = build_flat_batch(chunks, starts, tables, self.block_size, self.device)
         batch.attn.abandon = out.abandon
+        loras = self.model.loras if isinstance(self.model, LlamaForCausalLM) else None
+        if loras is not None:
+            loras.begin(adapters, [len(c) for c in chunks])
+        try:
+            return self._forward(batch, chunks, sampling, pooled, loras is not None and bool(loras.groups))
+        finally:
+            if loras is not None:
+                loras.end()
+
+    def _forward(self, batch, chunks, sampling, pooled, adapted: bool) -> RunnerOutput:
+        """The forward of the step's flat batch and its sampling (`adapted`: rows under LoRA adapters, which
+        the decode graphs do not hold)."""
         rows = [i for _, _, seqs in sampling for i in seqs]
         logits = None
-        if self.graphs is not None and not pooled:
+        if self.graphs is not None and not pooled and not adapted:
             # None unless a pure decode step that a graph fits (verify rows are decode sequences too);
             # static mode's padding rows (finished members still computed) replay as well, their logits dropped.
             logits = self.graphs.run(batch)
@@ -127,6 +144,12 @@ class ModelRunner:
                 done[req.request_id] = vector.float().cpu().tolist()
                 self.pooling_sums.pop(req.request_id, None)
         return done
+
+    def add_lora(self, adapter: LoraAdapter) -> None:
+        """Serve `adapter`: its rows get its updates in every step (a decoder's only)."""
+        if not isinstance(self.model, LlamaForCausalLM):
+            raise LoraError(f"adapter {adapter.name!r}: LoRA adapters run over decoders, not encoders")
+        self.model.attach_loras(self.device).add(adapter)
 
     def device_lost(self) -> bool:
         """After a failed step: whether the device is unusable (a CUDA error is sticky: every later call fails too)."""

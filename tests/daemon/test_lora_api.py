@@ -1,0 +1,91 @@
+"""LoRA adapters through the real daemon: `--lora NAME=PATH` serves an adapter over the daemon's model; each
+API face names it as its model and gets the same greedy answer, different from the base's; /v1/models lists
+it with its parent; an adapter that does not fit the model stops the start with its name and the reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from minibatch.daemon.client import request_json
+from tests.conftest import make_lora
+
+from .helpers import Daemon, running_daemon
+
+pytest.importorskip("peft")
+
+ASK = [{"role": "user", "content": "Tell me a story."}]
+N = 12
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_chat_model_dir, tmp_path_factory):
+    return make_lora(
+        tiny_chat_model_dir,
+        tmp_path_factory.mktemp("lora") / "tone",
+        ["q_proj", "v_proj", "down_proj"],
+        8,
+        16,
+        False,
+        5,
+    )
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_chat_model_dir, adapter):
+    with running_daemon(tiny_chat_model_dir, "--lora", f"tone={adapter}", "--kv-cache-gb", "0.05", prefix="mbl-") as d:
+        yield d
+
+
+def _post(daemon, url: str, body: dict) -> dict:
+    status, out = request_json(str(daemon.socket), "POST", url, body, timeout=60)
+    assert status == 200, out
+    return out
+
+
+def _answers(daemon, model: str) -> dict[str, str]:
+    """The same greedy chat through each face."""
+    openai = _post(daemon, "/v1/chat/completions", {"model": model, "messages": ASK, "max_tokens": N, "temperature": 0})
+    ollama = _post(
+        daemon,
+        "/api/chat",
+        {"model": model, "messages": ASK, "stream": False, "options": {"num_predict": N, "temperature": 0}},
+    )
+    anthropic = _post(daemon, "/v1/messages", {"model": model, "messages": ASK, "max_tokens": N, "temperature": 0})
+    assert openai["model"] == ollama["model"] == anthropic["model"] == model
+    return {
+        "openai": openai["choices"][0]["message"]["content"],
+        "ollama": ollama["message"]["content"],
+        "anthropic": anthropic["content"][0]["text"],
+    }
+
+
+def test_every_face_names_the_adapter_and_gets_its_answer(daemon, tiny_chat_model_dir):
+    under = _answers(daemon, "tone")
+    base = _answers(daemon, tiny_chat_model_dir.name)
+    assert len(set(under.values())) == 1, under  # one answer whatever the face
+    assert len(set(base.values())) == 1, base
+    assert under["openai"] != base["openai"]  # and it is the adapter's, not the base's
+    daemon.wait_idle()
+
+
+def test_models_lists_the_adapter_with_its_parent(daemon, tiny_chat_model_dir):
+    status, models = daemon.get("/v1/models")
+    assert status == 200
+    cards = {m["id"]: m for m in models["data"]}
+    assert cards["tone"]["parent"] == tiny_chat_model_dir.name and cards["tone"]["loaded"]
+    assert cards[tiny_chat_model_dir.name]["parent"] is None
+    status, health = daemon.get("/health")
+    assert health["loras"] == ["tone"]
+
+
+def test_a_folder_that_is_no_adapter_stops_the_start_naming_it(tmp_path, tiny_chat_model_dir, adapter):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    d = Daemon(tmp_path / "d.sock", tiny_chat_model_dir, "--lora", f"ok={adapter},bad={bad}", "--kv-cache-gb", "0.05")
+    try:
+        assert d.proc.wait(120) == 1
+    finally:
+        d.stop()
+    log = d.log_text()
+    assert "adapter 'bad': not a LoRA adapter" in log, log[-2000:]
+    assert str(bad) not in log.split("adapter 'bad'")[1].splitlines()[0]  # the name, not the path

@@ -1,0 +1,147 @@
+"""LoRA adapters over one base model: our greedy tokens under a PEFT adapter equal `transformers` + `peft`'s,
+alone and in a step that mixes other adapters and the base; the prefix cache never gives one adapter's blocks
+to another; a bad adapter is refused naming it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from minibatch.engine.core.admission import RequestRejected
+from minibatch.engine.core.sampling_params import SamplingParams
+from minibatch.engine.factory import EngineConfig, build_engine
+from minibatch.engine.lora.adapter import LoraError, load_peft
+from tests.conftest import make_lora
+
+peft = pytest.importorskip("peft")
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# name -> (target modules, rank, alpha, rsLoRA, seed)
+ADAPTERS = {
+    "both": (ATTENTION + MLP, 8, 16, False, 1),
+    "attn": (["q_proj", "v_proj", "o_proj"], 4, 8, False, 2),
+    "mlp": (MLP, 16, 4, True, 3),
+}
+PROMPTS = [[1, 520, 3041, 77, 12, 907, 44, 8, 19002, 600, 31, 5], [1, 9, 4000, 4001, 4002, 10, 11, 700]]
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_chat_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("loras")
+    return {n: make_lora(tiny_chat_model_dir, root / n, *spec) for n, spec in ADAPTERS.items()}
+
+
+def _reference(base_dir, adapter_dir, prompt) -> list[int]:
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = base if adapter_dir is None else peft.PeftModel.from_pretrained(base, adapter_dir)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(TOKENS):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_chat_model_dir, adapters):
+    out = {}
+    for name in (None, *ADAPTERS):
+        for p, prompt in enumerate(PROMPTS):
+            out[(name, p)] = _reference(tiny_chat_model_dir, None if name is None else adapters[name], prompt)
+    return out
+
+
+def _engine(model_dir, adapters, **kw):
+    cfg = dict(dtype="float32", weights="native-exact", max_num_seqs=16, num_kv_blocks=200, max_wait_ms=0)
+    eng = build_engine(EngineConfig(model=str(model_dir), **{**cfg, **kw}))
+    for name, path in adapters.items():
+        eng.add_lora(load_peft(path, name, eng.runner.model.config))
+    return eng
+
+
+def _run(eng, asks: list[tuple[str, str | None, int]]) -> dict[str, list[int]]:
+    """Every (request id, adapter, prompt index) submitted at once, run to the end."""
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    reqs = [eng.add_request(rid, PROMPTS[p], params, lora=name) for rid, name, p in asks]
+    while eng.has_work():
+        eng.step()
+    assert eng.scheduler.blocks.num_used_blocks == 0
+    return {r.request_id: list(r.output_token_ids) for r in reqs}
+
+
+def test_the_adapters_change_the_answer(references):
+    """(else parity below would hold for an adapter that is never applied)"""
+    for name in ADAPTERS:
+        assert references[(name, 0)] != references[(None, 0)], name
+
+
+@pytest.mark.parametrize("speculative", ["off", "ngram"])
+def test_each_adapter_alone_and_mixed_in_one_batch_equals_peft(tiny_chat_model_dir, adapters, references, speculative):
+    eng = _engine(tiny_chat_model_dir, adapters, speculative=speculative, enable_prefix_caching=False)
+    for name in (None, *ADAPTERS):  # alone
+        got = _run(eng, [("a", name, 0)])["a"]
+        assert got == references[(name, 0)], name
+    # every adapter and the base in one batch, both prompts each: prefill and decode rows of four kinds per step
+    asks = [(f"{name}-{p}", name, p) for name in (None, *ADAPTERS) for p in range(len(PROMPTS))]
+    got = _run(eng, asks)
+    for rid, name, p in asks:
+        assert got[rid] == references[(name, p)], rid
+
+
+def test_the_prefix_cache_never_mixes_adapters(tiny_chat_model_dir, adapters, references):
+    eng = _engine(tiny_chat_model_dir, adapters, speculative="off")
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    prompt = PROMPTS[0] * 3  # two full blocks of 16 and more
+
+    def once(rid: str, name: str | None):
+        r = eng.add_request(rid, prompt, params, lora=name)
+        while eng.has_work():
+            eng.step()
+        return r
+
+    first = once("base", None)
+    assert once("both", "both").num_cached_tokens == 0  # the base's blocks are not the adapter's
+    assert once("attn", "attn").num_cached_tokens == 0  # nor another adapter's
+    again = once("both-again", "both")
+    assert again.num_cached_tokens >= 32  # its own are
+    assert once("base-again", None).num_cached_tokens >= 32
+    assert first.output_token_ids != again.output_token_ids
+
+
+def test_an_unknown_adapter_is_refused_naming_it(tiny_chat_model_dir, adapters):
+    eng = _engine(tiny_chat_model_dir, {})
+    with pytest.raises(RequestRejected, match="no LoRA adapter named 'nope'") as err:
+        eng.add_request("x", PROMPTS[0], SamplingParams(max_tokens=2), lora="nope")
+    assert err.value.status == 404 and err.value.field == "model"
+    assert not eng.has_work()
+
+
+def test_bad_adapters_are_refused_at_load_with_the_reason(tiny_chat_model_dir, adapters, tmp_path):
+    cfg = build_engine(
+        EngineConfig(model=str(tiny_chat_model_dir), dtype="float32", weights="native-exact", num_kv_blocks=16)
+    ).runner.model.config
+    with pytest.raises(LoraError, match="adapter 'x': not a LoRA adapter"):
+        load_peft(tiny_chat_model_dir, "x", cfg)  # a model folder
+    with pytest.raises(LoraError, match="rank 16 is past --max-lora-rank 8"):
+        load_peft(adapters["mlp"], "big", cfg, max_rank=8)
+    # an adapter of another model: the shapes name the module and the layer
+    wide = tmp_path / "wide"
+    shutil.copytree(adapters["attn"], wide)
+    weights = load_file(wide / "adapter_model.safetensors")
+    key = next(k for k in weights if "q_proj.lora_A" in k)
+    weights[key] = torch.zeros(weights[key].shape[0], 96)
+    save_file(weights, wide / "adapter_model.safetensors")
+    with pytest.raises(LoraError, match=r"adapter 'wide': layer \d q_proj: A \(4, 96\).*an adapter of another model"):
+        load_peft(wide, "wide", cfg)
+    dora = tmp_path / "dora"
+    shutil.copytree(adapters["attn"], dora)
+    conf = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**conf, "use_dora": True}))
+    with pytest.raises(LoraError, match="adapter 'dora': DoRA"):
+        load_peft(dora, "dora", cfg)
