@@ -27,6 +27,7 @@ from minibatch.engine.core.outputs import EngineState, RequestOutput, StepStats
 from minibatch.engine.core.request import Request
 from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.heap import release_free_memory
+from minibatch.engine.lora.names import LoraUses
 from minibatch.engine.output_stream import OutputStream, RequestStream
 from minibatch.engine.step_loop import StepLoop
 
@@ -140,11 +141,11 @@ class AsyncEngine:
         pooling: str | None = None,
         cache_salt: int = 0,
         reuse_shifted: bool = False,
-        lora: str | None = None,
+        loras: LoraUses = (),
     ) -> str:
         """Check and queue a request (from the event loop); raises RequestRejected or QueueFull at once.
         `pooling`: an embedding request, `cache_salt`: its prefix caches' namespace, `reuse_shifted`: it may
-        start from a recent prompt's K/V at shifted positions, `lora`: the adapter it runs under
+        start from a recent prompt's K/V at shifted positions, `loras`: the adapters it runs under
         (LLMEngine.add_request)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
@@ -152,8 +153,8 @@ class AsyncEngine:
         sched = self.engine.scheduler
         probe = Request(request_id, list(prompt_token_ids), params, pooling=pooling)
         sched.check(probe)
-        if lora is not None:
-            self.engine.lora_digest(lora)  # a 404 naming it, at once
+        for name, _ in loras:
+            self.engine.lora_digest(name)  # a 404 naming it, at once
         with self._count_lock:
             # Counted over every request in flight, those still in the inbox too, so the cap is
             # exact however fast the engine admits.
@@ -174,7 +175,7 @@ class AsyncEngine:
                     pooling=pooling,
                     cache_salt=cache_salt,
                     reuse_shifted=reuse_shifted,
-                    lora=lora,
+                    loras=loras,
                 )
             except RequestRejected as exc:
                 self._emit(RequestOutput(request_id, "", [], True, "abort", error=str(exc)))

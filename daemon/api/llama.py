@@ -20,9 +20,11 @@ from minibatch.engine.core.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_K
 from minibatch.engine.text.fim import Infill
 
 from ..generation import pipeline
+from ..generation.loras import MAX_ENTRIES, LoraScale
 from ..generation.pipeline import Generation, Running
 from ..protocol import ApiError, Float, Int, parse_body
 from ..state import STATE, off_loop, read_raw
+from . import lora
 from .openai_bodies import Bias, TokenIdKey
 from .samplers import given_samplers, sampler_fields
 
@@ -39,6 +41,7 @@ class _Lenient(BaseModel):
 
 class _Body(sampler_fields(_Lenient, "_LlamaSamplers")):
     model: StrictStr | None = None
+    lora: list[LoraScale] | None = Field(default=None, max_length=MAX_ENTRIES)  # adapters by id, with scales
     n_predict: Int = Field(default=-1, ge=-1)  # -1: until the model stops or the context is full
     stream: StrictBool = False
     stop: list[StrictStr] = Field(default_factory=list, max_length=MAX_STOPS)
@@ -121,6 +124,7 @@ def generation(body: CompletionBody | InfillBody) -> Generation:
         sampling=body.sampling(),
         api_defaults=API_DEFAULTS,
         names=NAMES,
+        lora=body.lora,
     )
     if isinstance(body, InfillBody):
         extra = [(c.filename, c.text) for c in body.input_extra]
@@ -287,3 +291,5 @@ async def infill(request: web.Request) -> web.StreamResponse:
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/completion", completion)
     app.router.add_post("/infill", infill)
+    app.router.add_get("/lora-adapters", lora.get_adapters)
+    app.router.add_post("/lora-adapters", lora.set_adapters)

@@ -50,6 +50,7 @@ def chat_generation(body: ChatRequest) -> Generation:
         n=body.n,
         constraint=_constraint(body, forced),
         stream_interval=body.stream_interval,
+        lora=body.lora,
     )
 
 
@@ -70,6 +71,7 @@ def completion_generation(body: CompletionRequest) -> Generation:
         n=body.n,
         constraint=_constraint(body, None),
         stream_interval=body.stream_interval,
+        lora=body.lora,
     )
 
 

@@ -19,6 +19,7 @@ from minibatch.engine.core.sampling_params import (
 from minibatch.engine.text.fim import Infill
 from minibatch.engine.text.structured import MAX_GRAMMAR_BYTES
 
+from ..generation.loras import MAX_ENTRIES, LoraScale
 from ..generation.reasoning import EFFORTS
 from ..protocol import ApiError, Float, Int
 from .messages import MAX_TOOLS, Body, Message, NamedToolChoice, Tool
@@ -88,6 +89,7 @@ class ResponseFormat(Body):
 
 class _Sampling(sampler_fields(Body, "_Samplers")):
     model: StrictStr | None = None
+    lora: list[LoraScale] | None = Field(default=None, max_length=MAX_ENTRIES)  # llama-server's: ids and scales
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     max_tokens: Int | None = Field(default=None, ge=1)

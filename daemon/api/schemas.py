@@ -316,6 +316,16 @@ class Timeline(_Out):
     steps: list[StepRecord]
 
 
+class LoraAdapter(_Out):
+    id: int  # its place in the model's --lora list: what a request's `lora` names it by
+    name: str  # what a request's `model` names it by
+    scale: float  # what requests that name the base model and give no `lora` run it under (0: not applied)
+
+
+class LoraAdapters(RootModel[list[LoraAdapter]]):
+    """llama-server's GET /lora-adapters: a bare list."""
+
+
 class ModeState(_Out):
     mode: Literal["continuous", "static"]
     pending_mode: Literal["continuous", "static"] | None

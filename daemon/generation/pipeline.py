@@ -28,6 +28,7 @@ from minibatch.engine.core.sampling_params import (
     InvalidParameterError,
     SamplingParams,
 )
+from minibatch.engine.lora.names import LoraUses
 from minibatch.engine.text.fim import Infill, assemble, head_bytes
 
 from ..models.pool import LoadedModel
@@ -35,6 +36,7 @@ from ..protocol import ApiError
 from ..state import DaemonState, off_loop, timed_out
 from .answer import AnswerStream, Parts, split_answer
 from .grammars import check_tool_schemas, response_grammar, text_grammar, tool_call_grammar
+from .loras import LoraScale, request_loras
 from .reasoning import EFFORT_BUDGETS, Thinking, gate
 from .tools import check_template
 
@@ -124,7 +126,9 @@ class Generation:
     operator: bool = False  # the daemon's own user asks (state.is_operator): keep_alive may change a preloaded model's
     stream_interval: float = 0.0  # seconds between a stream's outputs (0: one per engine step)
     cache_salt: int = 0  # the prefix caches' namespace of whoever sent it (set by generate: state.cache_salt)
-    lora: str | None = None  # the LoRA adapter `model` names, run over its base model (set by generate)
+    lora: list[LoraScale] | None = None  # llama-server's `lora`: adapters by id with their scales, as given
+    adapter: str | None = None  # the LoRA adapter `model` names, run over its base model (set by generate)
+    loras: LoraUses = ()  # the adapters it runs under with their scales (set by generate: api/lora.py)
     # Embeddings: each prompt computed and pooled (the model's pooling) instead of continued; no text comes
     # back, RequestOutput.embedding does. `truncate`: a prompt past the context keeps its first tokens that fit.
     embed: bool = False
@@ -196,7 +200,7 @@ class Running:
     @property
     def name(self) -> str:
         """The model its answer names: the adapter asked for, else the model's name."""
-        return self.gen.lora or self.model.name
+        return self.gen.adapter or self.model.name
 
     def deadline_now(self) -> float:
         """The request's deadline as of now: --request-timeout from its arrival or from the last chunk of any of
@@ -282,8 +286,9 @@ async def generate(state: DaemonState, gen: Generation, request: web.Request) ->
     gen.cache_salt = state.cache_salt(request)
     deadline = asyncio.get_running_loop().time() + state.request_timeout
     keep = state.keep_alive_of(gen.keep_alive, gen.operator)
-    base, gen.lora = state.check_serving().adapter_route(gen.model)
+    base, gen.adapter = state.check_serving().adapter_route(gen.model)
     async with state.lease(base, keep) as model:
+        gen.loras = request_loras(model, gen.adapter, gen.lora)
         try:
             async with asyncio.timeout_at(deadline):
                 running = await _start(state, model, gen, deadline)
@@ -505,7 +510,7 @@ def _submit(
         # a middle to fill may start from the last one's K/V at shifted positions (engine/core/kv_reuse.py)
         reuse = gen.fill is not None
         engine.submit(
-            ids, params, rid, share, pooling=pooling, cache_salt=gen.cache_salt, reuse_shifted=reuse, lora=gen.lora
+            ids, params, rid, share, pooling=pooling, cache_salt=gen.cache_salt, reuse_shifted=reuse, loras=gen.loras
         )
     except QueueFull as exc:
         raise ApiError(exc.status, str(exc), exc.field, exc.code, "rate_limit_error", {"Retry-After": "1"}) from None

@@ -131,6 +131,8 @@ class LoadedModel:
     expires_at: float | None = None  # wall time it unloads once idle; None: never
     leases: int = 0  # requests holding it
     loaded: bool = True
+    # the scales of its LoRA adapters for requests that name it and give no `lora` list (POST /lora-adapters)
+    lora_scales: dict[str, float] = field(default_factory=dict)
 
     @property
     def footprint(self) -> int:

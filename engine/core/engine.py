@@ -24,7 +24,7 @@ from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.core.scheduler import Scheduler
 from minibatch.engine.core.scheduler_output import SchedulerOutput
 from minibatch.engine.core.timeline import Timeline
-from minibatch.engine.lora.names import lora_salt
+from minibatch.engine.lora.names import LoraUses, lora_salt
 from minibatch.engine.spec_decode.config import SpecConfig
 from minibatch.engine.spec_decode.decoder import Proposer, SpecDecoder
 
@@ -104,7 +104,7 @@ class LLMEngine:
         pooling: str | None = None,
         cache_salt: int = 0,
         reuse_shifted: bool = False,
-        lora: str | None = None,
+        loras: LoraUses = (),
     ) -> Request:
         """Queue a request; raises RequestRejected (or QueueFull) with the reason.
 
@@ -117,12 +117,12 @@ class LLMEngine:
         `cache_salt`: the prefix caches' namespace (request.py): blocks are shared only within one salt.
         `reuse_shifted`: it may start from a recent prompt's K/V at shifted positions (core/kv_reuse.py; not what
         computing its prompt gives: fill-in-the-middle requests).
-        `lora`: the name of a LoRA adapter the model serves (add_lora) to run it under; its blocks are cached in
-        the adapter's own namespace."""
+        `loras`: the LoRA adapters the model serves (add_lora) to run it under, with their scales (lora_uses);
+        its blocks are cached in a namespace of their own."""
         if pooling not in (None, *POOLINGS):
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-        if lora is not None:
-            cache_salt = lora_salt(cache_salt, self.lora_digest(lora))
+        if loras:
+            cache_salt = lora_salt(cache_salt, [(self.lora_digest(name), scale) for name, scale in loras])
         req = Request(
             request_id,
             list(prompt_token_ids),
@@ -131,7 +131,7 @@ class LLMEngine:
             pooling=pooling,
             cache_salt=cache_salt,
             reuse_shifted=reuse_shifted,
-            lora=lora,
+            loras=loras,
         )
         leader = self.scheduler.requests.get(share_prompt_with) if share_prompt_with is not None else None
         if leader is not None and leader.prompt_token_ids == req.prompt_token_ids:

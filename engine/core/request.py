@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from minibatch.engine.core.sampling_params import SamplingParams
+from minibatch.engine.lora.names import LoraUses
 
 # How an embedding request pools its prompt's hidden states: the last position's, their mean, the first's; or
 # "rank": a cross-encoder's classification head over the first (a query and document pair's relevance).
@@ -72,7 +73,7 @@ class Request:
     # states pooled ("last": the last token's, "mean": every token's, "cls": the first's) instead of a next token.
     pooling: str | None = None
     embedding: list[float] | None = None
-    lora: str | None = None  # the LoRA adapter it runs under (the model's LoraSet), None: the base model
+    loras: LoraUses = ()  # the LoRA adapters it runs under and their scales (lora/names.py); none: the base model
 
     @property
     def computes_every_position(self) -> bool:

@@ -4,16 +4,36 @@
 from __future__ import annotations
 
 import hashlib
+import math
+import struct
+
+# the adapters a request runs under: (name, scale) pairs, by name, none of scale 0 (none at all: the base model)
+LoraUses = tuple[tuple[str, float], ...]
 
 
-def lora_salt(salt: int, digest: bytes | None) -> int:
-    """The namespace of a request of namespace `salt` under the adapter whose weights hash to `digest` (None: the
-    base's, `salt` itself). An adapter changes every K and V after the first layer it touches, so its blocks are
-    never a hit for another adapter or the base. Keyed by the weights, not the name: an adapter replaced under
-    the same name is another."""
-    if digest is None:
+def lora_uses(pairs) -> LoraUses:
+    """(name, scale) pairs as a request's LoraUses: sorted by name, scale 0 dropped (it changes nothing), a name
+    given twice or a scale that is not finite a ValueError."""
+    out: dict[str, float] = {}
+    for name, scale in pairs:
+        if not math.isfinite(scale):
+            raise ValueError(f"the scale of LoRA adapter {name!r} must be a finite number, got {scale}")
+        if name in out:
+            raise ValueError(f"LoRA adapter {name!r} is given twice")
+        out[name] = float(scale)
+    return tuple((n, s) for n, s in sorted(out.items()) if s != 0.0)
+
+
+def lora_salt(salt: int, uses: list[tuple[bytes, float]]) -> int:
+    """The namespace of a request of namespace `salt` under the adapters whose weights hash to these digests,
+    with these scales (none: the base's, `salt` itself). An adapter changes every K and V after the first layer
+    it touches, so its blocks are never a hit for another adapter, another scale or the base. Keyed by the
+    weights, not the name: an adapter replaced under the same name is another."""
+    if not uses:
         return salt
-    h = hashlib.blake2b(salt.to_bytes(8, "little") + digest, digest_size=8, person=b"minibatch-lsalt")
+    h = hashlib.blake2b(salt.to_bytes(8, "little"), digest_size=8, person=b"minibatch-lsalt")
+    for digest, scale in uses:
+        h.update(digest + struct.pack("<d", scale))
     return int.from_bytes(h.digest(), "little")
 
 

@@ -12,6 +12,7 @@ from minibatch.engine.core.request import Request
 from minibatch.engine.core.scheduler_output import SchedulerOutput
 from minibatch.engine.encoders.model import EncoderModel
 from minibatch.engine.lora.adapter import LoraAdapter, LoraError
+from minibatch.engine.lora.names import LoraUses
 from minibatch.engine.models.llama import LlamaForCausalLM
 from minibatch.engine.runner.kv_shift import KeyShifter
 from minibatch.engine.runner.sampler import Sampler
@@ -42,7 +43,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         self.shifter.apply(out.kv_moves)
         chunks, starts, tables = [], [], []
-        adapters: list[str | None] = []  # each sequence's LoRA adapter (None: the base)
+        adapters: list[LoraUses] = []  # each sequence's LoRA adapters (none: the base)
         sampling: list[tuple[Request, list[int], list[int]]] = []  # (request, its draft, its sequences' indexes)
         pooled: list[tuple[Request, int, int, int]] = []  # embedding requests: (request, sequence, start, tokens)
         for req, n, draft in zip(out.requests, out.num_new_tokens, out.drafts):
@@ -56,13 +57,13 @@ class ModelRunner:
                     chunks.append([token])
                     starts.append(start + j)
                     tables.append(req.block_ids)
-                    adapters.append(req.lora)
+                    adapters.append(req.loras)
                 sampling.append((req, draft, list(range(first, len(chunks)))))
                 continue
             chunks.append(req.tokens(start, start + n))
             starts.append(start)
             tables.append(req.block_ids)
-            adapters.append(req.lora)
+            adapters.append(req.loras)
             if req.pooling is not None:
                 pooled.append((req, len(chunks) - 1, start, n))
             elif start + n == req.num_tokens:
@@ -74,7 +75,7 @@ class ModelRunner:
             chunks.append([req.token_at(last)])
             starts.append(min(last, len(req.block_ids) * self.block_size - 1))
             tables.append(req.block_ids)
-            adapters.append(req.lora)  # (its last K/V written again: by its own adapter)
+            adapters.append(req.loras)  # (its last K/V written again: by its own adapters)
         if not chunks:
             return RunnerOutput()
         batch = build_flat_batch(chunks, starts, tables, self.block_size, self.device)

@@ -89,3 +89,42 @@ def test_a_folder_that_is_no_adapter_stops_the_start_naming_it(tmp_path, tiny_ch
     log = d.log_text()
     assert "adapter 'bad': not a LoRA adapter" in log, log[-2000:]
     assert str(bad) not in log.split("adapter 'bad'")[1].splitlines()[0]  # the name, not the path
+
+
+def _complete(daemon, body: dict) -> tuple[int, dict]:
+    ask = {"prompt": "Once upon a time", "n_predict": N, "temperature": 0, **body}
+    return request_json(str(daemon.socket), "POST", "/completion", ask, timeout=60)
+
+
+def test_llama_servers_lora_list_and_its_scales_endpoint(daemon, tiny_chat_model_dir):
+    base_name = tiny_chat_model_dir.name
+    named = _complete(daemon, {"model": "tone"})[1]["content"]
+    base = _complete(daemon, {"model": base_name})[1]["content"]
+    assert named != base
+    # the request's own list: by id, with a scale
+    assert _complete(daemon, {"lora": [{"id": 0, "scale": 1.0}]})[1]["content"] == named
+    assert _complete(daemon, {"model": "tone", "lora": [{"id": 0, "scale": 0.0}]})[1]["content"] == base
+    openai = _post(
+        daemon,
+        "/v1/completions",
+        {"prompt": "Once upon a time", "max_tokens": N, "temperature": 0, "lora": [{"id": 0, "scale": 1}]},
+    )
+    assert openai["choices"][0]["text"] == named
+    # bad entries: a 400 naming the entry's field, and the daemon serves on
+    status, err = _complete(daemon, {"lora": [{"id": 1, "scale": 1.0}]})
+    assert status == 400 and err["error"]["param"] == "lora.0.id" and "has no LoRA adapter 1" in err["error"]["message"]
+    status, err = _complete(daemon, {"lora": [{"id": 0, "scale": 1000.0}]})
+    assert status == 400 and err["error"]["param"] == "lora.0.scale", err
+    # the scales of requests that give no list: 0 until set, as llama-server's --lora-init-without-apply
+    status, listing = daemon.get("/lora-adapters")
+    assert status == 200 and listing == [{"id": 0, "name": "tone", "scale": 0.0}]
+    try:
+        status, listing = request_json(str(daemon.socket), "POST", "/lora-adapters", [{"id": 0, "scale": 1.0}])
+        assert status == 200 and listing == [{"id": 0, "name": "tone", "scale": 1.0}]
+        assert _complete(daemon, {})[1]["content"] == named
+    finally:
+        assert request_json(str(daemon.socket), "POST", "/lora-adapters", [])[0] == 200
+    assert _complete(daemon, {})[1]["content"] == base
+    status, err = request_json(str(daemon.socket), "POST", "/lora-adapters", [{"id": 3, "scale": 1.0}])
+    assert status == 400 and err["error"]["param"] == "adapters.0.id"
+    daemon.wait_idle()

@@ -16,6 +16,7 @@ from minibatch.engine.core.admission import RequestRejected
 from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.factory import EngineConfig, build_engine
 from minibatch.engine.lora.adapter import LoraError, load_peft
+from minibatch.engine.lora.names import lora_uses
 from tests.conftest import make_lora
 
 peft = pytest.importorskip("peft")
@@ -57,6 +58,10 @@ def references(tiny_chat_model_dir, adapters):
     return out
 
 
+def uses(name: str | None, scale: float = 1.0):
+    return () if name is None else lora_uses([(name, scale)])
+
+
 def _engine(model_dir, adapters, **kw):
     cfg = dict(dtype="float32", weights="native-exact", max_num_seqs=16, num_kv_blocks=200, max_wait_ms=0)
     eng = build_engine(EngineConfig(model=str(model_dir), **{**cfg, **kw}))
@@ -68,7 +73,7 @@ def _engine(model_dir, adapters, **kw):
 def _run(eng, asks: list[tuple[str, str | None, int]]) -> dict[str, list[int]]:
     """Every (request id, adapter, prompt index) submitted at once, run to the end."""
     params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
-    reqs = [eng.add_request(rid, PROMPTS[p], params, lora=name) for rid, name, p in asks]
+    reqs = [eng.add_request(rid, PROMPTS[p], params, loras=uses(name)) for rid, name, p in asks]
     while eng.has_work():
         eng.step()
     assert eng.scheduler.blocks.num_used_blocks == 0
@@ -100,7 +105,7 @@ def test_the_prefix_cache_never_mixes_adapters(tiny_chat_model_dir, adapters, re
     prompt = PROMPTS[0] * 3  # two full blocks of 16 and more
 
     def once(rid: str, name: str | None):
-        r = eng.add_request(rid, prompt, params, lora=name)
+        r = eng.add_request(rid, prompt, params, loras=uses(name))
         while eng.has_work():
             eng.step()
         return r
@@ -117,7 +122,7 @@ def test_the_prefix_cache_never_mixes_adapters(tiny_chat_model_dir, adapters, re
 def test_an_unknown_adapter_is_refused_naming_it(tiny_chat_model_dir, adapters):
     eng = _engine(tiny_chat_model_dir, {})
     with pytest.raises(RequestRejected, match="no LoRA adapter named 'nope'") as err:
-        eng.add_request("x", PROMPTS[0], SamplingParams(max_tokens=2), lora="nope")
+        eng.add_request("x", PROMPTS[0], SamplingParams(max_tokens=2), loras=uses("nope"))
     assert err.value.status == 404 and err.value.field == "model"
     assert not eng.has_work()
 
@@ -145,3 +150,44 @@ def test_bad_adapters_are_refused_at_load_with_the_reason(tiny_chat_model_dir, a
     (dora / "adapter_config.json").write_text(json.dumps({**conf, "use_dora": True}))
     with pytest.raises(LoraError, match="adapter 'dora': DoRA"):
         load_peft(dora, "dora", cfg)
+
+
+def _reference_mixed(base_dir, adapters: dict, scales: dict[str, float], prompt) -> list[int]:
+    """peft with these adapters active at once, each B times its scale: what llama-server's `lora` list asks."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    names = list(scales)
+    model = peft.PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapters[name], adapter_name=name)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            for name, scale in scales.items():
+                if f"lora_B.{name}." in pname:
+                    p.mul_(scale)
+    model.base_model.set_adapter(names)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(TOKENS):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_scales_and_several_adapters_on_one_row_equal_peft(tiny_chat_model_dir, adapters, references):
+    half = _reference_mixed(tiny_chat_model_dir, adapters, {"both": 0.5}, PROMPTS[0])
+    pair = _reference_mixed(tiny_chat_model_dir, adapters, {"attn": 0.7, "mlp": 1.3}, PROMPTS[0])
+    assert half != references[("both", 0)] and half != references[(None, 0)]
+    eng = _engine(tiny_chat_model_dir, adapters, speculative="off")
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    asks = {
+        "half": lora_uses([("both", 0.5)]),
+        "pair": lora_uses([("mlp", 1.3), ("attn", 0.7)]),
+        "one": lora_uses([("both", 1.0)]),
+        "zero": lora_uses([("both", 0.0)]),  # scale 0: the base model, and its cache namespace
+    }
+    reqs = {k: eng.add_request(k, PROMPTS[0], params, loras=v) for k, v in asks.items()}
+    while eng.has_work():
+        eng.step()
+    got = {k: list(r.output_token_ids) for k, r in reqs.items()}
+    assert got == {"half": half, "pair": pair, "one": references[("both", 0)], "zero": references[(None, 0)]}
+    with pytest.raises(ValueError, match="must be a finite number"):
+        lora_uses([("both", float("nan"))])
