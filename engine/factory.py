@@ -328,10 +328,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         tier=tier,
     )
     if config.lora:
-        from minibatch.engine.lora.adapter import load_peft
+        from minibatch.engine.lora.adapter import load_adapter
 
         for name, path in parse_loras(config.lora).items():
-            engine.add_lora(load_peft(path, name, cfg, config.max_lora_rank))
+            engine.add_lora(load_adapter(path, name, cfg, config.max_lora_rank))
     engine.info = EngineInfo(
         model=config.model,
         model_dir=str(model_dir),

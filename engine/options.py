@@ -120,7 +120,8 @@ ENGINE_OPTIONS = (
     Option(
         "lora",
         str,
-        "LoRA adapters served over the model: NAME=PATH pairs, comma-separated (Hugging Face PEFT folders); a "
+        "LoRA adapters served over the model: NAME=PATH pairs, comma-separated (Hugging Face PEFT folders or "
+        "llama.cpp's LoRA GGUF files); a "
         "request names an adapter as its model, and rows of every adapter and of none run in the same steps",
     ),
     Option("max_lora_rank", int, "an adapter of a larger rank is refused at its load"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import tempfile
@@ -186,3 +187,36 @@ def make_lora(base_dir: Path, out_dir: Path, targets: list[str], rank: int, alph
                 p.normal_(0, 0.3)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def write_gguf_lora(peft_dir: Path, out: Path, arch: str, heads: int, kv_heads: int) -> Path:
+    """The PEFT adapter in `peft_dir` as llama.cpp's convert_lora_to_gguf.py writes it (checked tensor for
+    tensor against the converter's own output): `blk.N.attn_q.weight.lora_a`/`lora_b` in f32, Q's and K's B
+    rows permuted for the `llama` architecture as the base's are, `adapter.lora.alpha`."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    conf = json.loads((peft_dir / "adapter_config.json").read_text())
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+    names |= {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(conf["lora_alpha"]))
+    tensors = {}
+    for key, value in load_file(peft_dir / "adapter_model.safetensors").items():
+        parts = key.split(".")
+        layer, module, ab = parts[parts.index("layers") + 1], parts[-3], parts[-2]
+        if ab == "lora_B" and arch == "llama" and module in ("q_proj", "k_proj"):
+            n = heads if module == "q_proj" else kv_heads
+            rows = value.shape[0]
+            value = value.reshape(n, 2, rows // n // 2, -1).swapaxes(1, 2).reshape(rows, -1)
+        tensors[f"blk.{layer}.{names[module]}.weight.{ab.lower()}"] = np.ascontiguousarray(value, dtype=np.float32)
+    for name in sorted(tensors):
+        writer.add_tensor(name, tensors[name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

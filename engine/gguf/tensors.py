@@ -28,8 +28,8 @@ class GGUFError(ValueError):
 
 
 # Architectures whose Q/K rows llama.cpp's converter permutes.
-_PERMUTED_ARCHS = ("llama", "mistral")
-_LAYER_NAMES = {
+PERMUTED_ARCHS = ("llama", "mistral")
+LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "attn_q": "self_attn.q_proj",
@@ -44,13 +44,13 @@ _LAYER_NAMES = {
 }
 # Gemma: a norm after attention and two around the MLP; llama.cpp's converter stores every norm as 1 + w.
 _GEMMA_LAYER_NAMES = {
-    **_LAYER_NAMES,
+    **LAYER_NAMES,
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 # Phi-3: q/k/v and gate/up stored fused, as in its checkpoint
-_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_PHI3_LAYER_NAMES = {**LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -150,7 +150,7 @@ class GGUFWeights:
             raise GGUFError(str(exc)) from exc
         hf_name = _hf_name(info.name, self.path, self.architecture)
         row_order = None
-        if self.architecture in _PERMUTED_ARCHS and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        if self.architecture in PERMUTED_ARCHS and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
             row_order = unpermute_rows(rows, heads)
         return GGUFTensor(hf_name, info.name, qtype, shape, raw, row_order)
@@ -236,7 +236,7 @@ def unpermute_rows(rows: int, heads: int) -> np.ndarray:
 def _hf_name(gguf_name: str, path: Path, arch: str = "llama") -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
-    names = _GEMMA_LAYER_NAMES if arch.startswith("gemma") else _PHI3_LAYER_NAMES if arch == "phi3" else _LAYER_NAMES
+    names = _GEMMA_LAYER_NAMES if arch.startswith("gemma") else _PHI3_LAYER_NAMES if arch == "phi3" else LAYER_NAMES
     parts = gguf_name.split(".")
     if len(parts) >= 4 and parts[0] == "blk" and parts[1].isdigit():
         rest = ".".join(parts[2:])

@@ -13,9 +13,11 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from minibatch.engine.models.config import ModelConfig, ModelSettingError
@@ -101,21 +103,92 @@ def load_peft(path: str | Path, name: str, cfg: ModelConfig, max_rank: int = 0) 
         tensors = load_file(str(weights_file))
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the adapter's fault
         raise fail(f"adapter_model.safetensors cannot be read ({type(exc).__name__})") from None
-    sizes = _out_sizes(cfg)
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _KEY.search(key)
         if m is None:
             raise fail(f"a weight our decoder has no place for: {key}")
-        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        parts.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor.float()
+    alpha = float(conf.get("lora_alpha", conf.get("r", 8)))
+    rslora = bool(conf.get("use_rslora"))
+    return _stacked(name, cfg, parts, lambda r: alpha / math.sqrt(r) if rslora else alpha / r, max_rank)
+
+
+def load_gguf(path: str | Path, name: str, cfg: ModelConfig, max_rank: int = 0) -> LoraAdapter:
+    """The LoRA adapter in the GGUF file `path` (what llama.cpp's convert_lora_to_gguf.py writes:
+    `blk.N.attn_q.weight.lora_a` and `.lora_b`, `adapter.lora.alpha`; scaled by alpha / rank as llama.cpp
+    does), checked against `cfg`. Q's and K's B rows are put back in Hugging Face's order where the converter
+    permuted them (the `llama` architecture), as the base's are. Raises LoraError naming `name`."""
+    import gguf
+
+    from minibatch.engine.gguf.tensors import LAYER_NAMES, PERMUTED_ARCHS, unpermute_rows
+
+    def fail(why: str) -> LoraError:
+        return LoraError(f"adapter {name!r}: {why}")
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the adapter's fault
+        raise fail(f"not a LoRA adapter (a file, but not GGUF: {type(exc).__name__})") from None
+
+    def meta(key: str):
+        f = reader.fields.get(key)
+        return None if f is None else f.contents()
+
+    if meta("general.type") != "adapter" or meta("adapter.type") != "lora":
+        raise fail(f"not a LoRA adapter (a GGUF of general.type {meta('general.type')!r})")
+    arch = str(meta("general.architecture"))
+    base = {"mistral": "llama", "gemma3_text": "gemma3"}.get(cfg.model_type, cfg.model_type)
+    if arch != base:
+        raise fail(f"an adapter of a {arch} model; the base is {cfg.model_type}")
+    by_gguf = {k: v.rsplit(".", 1)[1] for k, v in LAYER_NAMES.items() if v.endswith("_proj")}  # attn_q: q_proj
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for t in reader.tensors:
+        bits = t.name.split(".")
+        if len(bits) != 5 or bits[0] != "blk" or bits[3] != "weight" or bits[4] not in ("lora_a", "lora_b"):
+            raise fail(f"a weight our decoder has no place for: {t.name}")
+        module = by_gguf.get(bits[2])
+        if module is None:
+            raise fail(f"it changes {bits[2]}, which LoRA does not run on here ({', '.join(MODULES)})")
+        values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        matrix = torch.from_numpy(values.reshape(tuple(int(d) for d in reversed(t.shape))).copy())
+        if bits[4] == "lora_b" and arch in PERMUTED_ARCHS and module in ("q_proj", "k_proj"):
+            heads = cfg.num_heads if module == "q_proj" else cfg.num_kv_heads
+            if matrix.shape[0] == heads * cfg.head_dim:  # (else the shape check below names it)
+                matrix = matrix[torch.from_numpy(unpermute_rows(matrix.shape[0], heads))]
+        parts.setdefault((int(bits[1]), module), {})["A" if bits[4] == "lora_a" else "B"] = matrix
+    alpha = meta("adapter.lora.alpha")
+    return _stacked(name, cfg, parts, lambda r: float(alpha) / r if alpha else 1.0, max_rank)
+
+
+def load_adapter(path: str | Path, name: str, cfg: ModelConfig, max_rank: int = 0) -> LoraAdapter:
+    """A LoRA adapter from a PEFT folder or a llama.cpp GGUF file (load_peft, load_gguf)."""
+    if Path(path).is_file():
+        return load_gguf(path, name, cfg, max_rank)
+    return load_peft(path, name, cfg, max_rank)
+
+
+def _stacked(
+    name: str,
+    cfg: ModelConfig,
+    parts: dict[tuple[int, str], dict[str, torch.Tensor]],
+    scaling: Callable[[int], float],
+    max_rank: int,
+) -> LoraAdapter:
+    """The adapter from its A and B matrices by (layer, Hugging Face module) in Hugging Face's row order and
+    its scaling by rank, checked against `cfg`'s shapes."""
+
+    def fail(why: str) -> LoraError:
+        return LoraError(f"adapter {name!r}: {why}")
+
+    if not parts:
+        raise fail("it holds no LoRA weights")
+    sizes = _out_sizes(cfg)
+    for layer, module in parts:
         if module not in sizes:
             raise fail(f"it changes {module}, which this base has not (LoRA runs on {', '.join(MODULES)})")
         if layer >= cfg.num_layers:
             raise fail(f"it changes layer {layer}; the base has {cfg.num_layers} layers")
-        parts.setdefault((layer, module), {})[ab] = tensor.float()
-    if not parts:
-        raise fail("it holds no LoRA weights")
-    alpha = float(conf.get("lora_alpha", conf.get("r", 8)))
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     rank = 0
     digest = hashlib.blake2b(digest_size=16, person=b"minibatch-lora")
@@ -140,9 +213,8 @@ def load_peft(path: str | Path, name: str, cfg: ModelConfig, max_rank: int = 0) 
                 if max_rank and r > max_rank:
                     raise fail(f"rank {r} is past --max-lora-rank {max_rank}")
                 rank = max(rank, r)
-                scaling = alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
                 a_rows.append(a)
-                b_blocks.append((module, b * scaling))
+                b_blocks.append((module, b * scaling(r)))
             a_cat = torch.cat(a_rows)
             outs = [sizes[m][1] for m in modules]
             b_cat = torch.zeros(sum(outs), a_cat.shape[0])

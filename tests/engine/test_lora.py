@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 from minibatch.engine.core.admission import RequestRejected
 from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.factory import EngineConfig, build_engine
-from minibatch.engine.lora.adapter import LoraError, load_peft
+from minibatch.engine.lora.adapter import LoraError, load_adapter, load_peft
 from minibatch.engine.lora.names import lora_uses
-from tests.conftest import make_lora
+from tests.conftest import make_lora, write_gguf_lora
 
 peft = pytest.importorskip("peft")
 
@@ -191,3 +191,20 @@ def test_scales_and_several_adapters_on_one_row_equal_peft(tiny_chat_model_dir, 
     assert got == {"half": half, "pair": pair, "one": references[("both", 0)], "zero": references[(None, 0)]}
     with pytest.raises(ValueError, match="must be a finite number"):
         lora_uses([("both", float("nan"))])
+
+
+def test_a_gguf_adapter_as_llama_cpp_writes_it_runs_as_its_peft_folder(
+    tiny_chat_model_dir, adapters, references, tmp_path
+):
+    """llama.cpp's layout: its names, f32, Q's and K's B rows permuted (undone at load, as the base's are)."""
+    files = {n: write_gguf_lora(adapters[n], tmp_path / f"{n}.gguf", "llama", 4, 2) for n in ("both", "attn")}
+    eng = _engine(tiny_chat_model_dir, {})
+    for name, path in files.items():
+        eng.add_lora(load_adapter(path, name, eng.runner.model.config))
+    got = _run(eng, [(n, n, 0) for n in files])
+    assert got == {n: references[(n, 0)] for n in files}
+    qwen = write_gguf_lora(adapters["attn"], tmp_path / "qwen.gguf", "qwen2", 4, 2)
+    with pytest.raises(LoraError, match="adapter 'q': an adapter of a qwen2 model; the base is llama"):
+        load_adapter(qwen, "q", eng.runner.model.config)
+    with pytest.raises(LoraError, match="adapter 'm': not a LoRA adapter"):
+        load_adapter(next(tiny_chat_model_dir.glob("*.safetensors")), "m", eng.runner.model.config)
