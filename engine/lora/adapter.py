@@ -46,14 +46,18 @@ class LoraAdapter:
     # (layer, stack) -> (A [ranks, in], B [out, ranks] with the scaling folded in), float32
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     digest: bytes  # of its weights and scaling: what the prefix caches key its blocks by
+    weights_bytes: int = -1  # (-1: its weights' own count)
 
     @property
     def nbytes(self) -> int:
+        """Bytes its weights take (fp32)."""
+        if self.weights_bytes >= 0:
+            return self.weights_bytes
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
-    def to(self, device: torch.device, dtype: torch.dtype = torch.float32) -> LoraAdapter:
-        moved = {k: (a.to(device, dtype), b.to(device, dtype)) for k, (a, b) in self.weights.items()}
-        return LoraAdapter(self.name, self.rank, self.targets, moved, self.digest)
+    def without_weights(self) -> LoraAdapter:
+        """Its facts alone (what a model keeps once the weights are stacked with the others')."""
+        return LoraAdapter(self.name, self.rank, self.targets, {}, self.digest, self.nbytes)
 
 
 def _out_sizes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -1,77 +1,101 @@
 """The adapters a model serves and which rows of the current step each one changes.
 
-The base projection runs once over every row of the step; then each adapter present adds its low-rank
-update to its own rows only, times each row's scale: a segmented x·A·B, as Punica's SGMV (rows grouped by
-adapter, one pair of small matmuls per group); a row under several adapters, llama-server's way, gets the
-sum. The update is computed in float64 and rounded once, so that a row's result does not depend on which
-other rows share its group's matmul (the same tokens alone as in any batch)."""
+The base projection runs once over every row of the step; then each row gets its adapters' low-rank updates,
+times its scales: x·A·B per row for the adapters it names, as Punica's BGMV (several adapters on one row,
+llama-server's way, summed). The ops compute it (the C++ kernel on the CPU, lora.cpp; its PyTorch twin
+elsewhere), each row on its own in one fixed order, so a request gets the same tokens alone as in any batch."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from minibatch.engine.lora.adapter import LoraAdapter
 from minibatch.engine.lora.names import LoraUses
+from minibatch.engine.models.ops import TorchOps
 
 
 class LoraSet:
-    """Adapters by name (on the model's device), and the current step's rows of each (`begin` .. `end`)."""
+    """The served adapters, stacked per projection as the kernels take them, and the current step's rows of
+    each (`begin` .. `end`). Adapter k's A and B^T sit at index k of each projection's [S, R, in] and
+    [S, R, out] (zeros past its rank, R the largest), its rank there in `ranks` (0: it leaves it alone)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.adapters: dict[str, LoraAdapter] = {}
-        # this step's: (adapter, its rows, their scale: one for all, or one per row [rows, 1])
-        self.groups: list[tuple[LoraAdapter, torch.Tensor | slice, float | torch.Tensor]] = []
+    def __init__(self, device: torch.device, ops: TorchOps) -> None:
+        self.device, self.ops = device, ops
+        self.names: list[str] = []  # the adapters by slot
+        self.adapters: dict[str, LoraAdapter] = {}  # by name, their weights let go once stacked
+        self.stacked: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.slots: torch.Tensor | None = None  # this step's: each row's adapters' slots [n, K] int32, -1 none
+        self.scales: torch.Tensor | None = None  # and their scales [n, K] fp32
 
     def add(self, adapter: LoraAdapter) -> None:
-        self.adapters[adapter.name] = adapter.to(self.device, torch.float64)  # (see add_update)
+        """Serve `adapter` in the next free slot (replacing one of the same name)."""
+        if adapter.name in self.adapters:
+            self.remove(adapter.name)
+        slot = len(self.names)
+        keys = set(self.stacked) | set(adapter.weights)
+        for key in keys:
+            old = self.stacked.get(key)
+            ab = adapter.weights.get(key)
+            if old is None:
+                n_in, n_out = (ab[0].shape[1], ab[1].shape[0])
+                old = (torch.zeros(slot, 0, n_in), torch.zeros(slot, 0, n_out), torch.zeros(slot, dtype=torch.int32))
+                old = tuple(t.to(self.device) for t in old)
+            a, bt, ranks = old
+            rank = 0 if ab is None else ab[0].shape[0]
+            width = max(a.shape[1], rank)
+            a = F.pad(a, (0, 0, 0, width - a.shape[1]))
+            bt = F.pad(bt, (0, 0, 0, width - bt.shape[1]))
+            new_a = torch.zeros(1, width, a.shape[2], device=self.device)
+            new_bt = torch.zeros(1, width, bt.shape[2], device=self.device)
+            if ab is not None:
+                new_a[0, :rank] = ab[0].to(self.device, torch.float32)
+                new_bt[0, :rank] = ab[1].to(self.device, torch.float32).T
+            rank_t = torch.tensor([rank], dtype=torch.int32, device=self.device)
+            self.stacked[key] = (
+                torch.cat([a, new_a]).contiguous(),
+                torch.cat([bt, new_bt]).contiguous(),
+                torch.cat([ranks, rank_t]).contiguous(),
+            )
+        self.names.append(adapter.name)
+        self.adapters[adapter.name] = adapter.without_weights()
 
     def remove(self, name: str) -> None:
-        self.adapters.pop(name, None)
+        if name not in self.adapters:
+            return
+        keep = [i for i, n in enumerate(self.names) if n != name]
+        index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.stacked = {k: tuple(t.index_select(0, index).contiguous() for t in v) for k, v in self.stacked.items()}
+        self.names = [self.names[i] for i in keep]
+        del self.adapters[name]
 
     def begin(self, uses: list[LoraUses], lengths: list[int]) -> None:
         """The step's sequences in order: the adapters each runs under with their scales (none: the base),
         and its rows."""
-        self.groups = []
+        self.end()
         if not any(uses):
             return
-        rows: dict[str, list[int]] = {}
-        scales: dict[str, list[float]] = {}
-        start = 0
+        width = max(len(u) for u in uses)
+        slot = {name: i for i, name in enumerate(self.names)}
+        slots: list[int] = []
+        scales: list[float] = []
         for seq, n in zip(uses, lengths, strict=True):
-            for name, scale in seq:
-                rows.setdefault(name, []).extend(range(start, start + n))
-                scales.setdefault(name, []).extend([scale] * n)
-            start += n
-        for name in sorted(rows):  # one order whatever the batch: a row's updates are summed in it
-            r, s = rows[name], scales[name]
-            where = slice(None) if len(r) == start else torch.tensor(r, device=self.device)  # every row: no gather
-            scale = s[0] if len(set(s)) == 1 else torch.tensor(s, dtype=torch.float64, device=self.device)[:, None]
-            self.groups.append((self.adapters[name], where, scale))
+            row_slots = [slot[name] for name, _ in seq] + [-1] * (width - len(seq))
+            row_scales = [scale for _, scale in seq] + [0.0] * (width - len(seq))
+            slots += row_slots * n
+            scales += row_scales * n
+        self.slots = torch.tensor(slots, dtype=torch.int32).view(-1, width).to(self.device)
+        self.scales = torch.tensor(scales, dtype=torch.float32).view(-1, width).to(self.device)
 
     def end(self) -> None:
-        self.groups = []
+        self.slots = self.scales = None
 
     def add_update(self, layer: int, stack: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """`y` (the base projection of `x`) with each adapter's update added to its rows: one adapter's rounded
-        and added, several summed first (in the groups' one order) and added once."""
-        deltas = []
-        for adapter, rows, scale in self.groups:
-            ab = adapter.weights.get((layer, stack))
-            if ab is not None:
-                a, b = ab
-                deltas.append((rows, ((x[rows].double() @ a.T) @ b.T) * scale))
-        if not deltas:
+        """`y` (the base projection of `x`) with each row's adapters' updates added (the ops' lora_update)."""
+        stacked = self.stacked.get((layer, stack))
+        if stacked is None or self.slots is None:
             return y
-        if len(deltas) == 1:
-            rows, delta = deltas[0]
-        else:
-            rows, delta = slice(None), torch.zeros(y.shape, dtype=torch.float64, device=y.device)
-            for where, d in deltas:
-                delta = delta + d if isinstance(where, slice) else delta.index_add(0, where, d)
-        if isinstance(rows, slice):
-            return y + delta.to(y.dtype)
-        return y.index_add(0, rows, delta.to(y.dtype))
+        return self.ops.lora_update(y, x, *stacked, self.slots, self.scales)
 
 
 class LayerLora:
@@ -83,4 +107,4 @@ class LayerLora:
         self.loras, self.layer = loras, layer
 
     def __call__(self, stack: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.loras.add_update(self.layer, stack, x, y) if self.loras.groups else y
+        return self.loras.add_update(self.layer, stack, x, y) if self.loras.slots is not None else y

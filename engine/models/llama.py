@@ -192,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
         """The model's LoraSet, made on first use: every layer's attention and MLP then add the updates of the
         step's adapters to their rows."""
         if self.loras is None:
-            self.loras = LoraSet(device)
+            self.loras = LoraSet(device, self.ops)
             for i, layer in enumerate(self.model.layers):
                 layer.self_attn.lora = layer.mlp.lora = LayerLora(self.loras, i)
         return self.loras

@@ -56,6 +56,30 @@ class TorchOps:
         return F.silu(gate) * up
 
     @staticmethod
+    def lora_update(
+        y: torch.Tensor,  # [n, out]: the base projection of x
+        x: torch.Tensor,  # [n, in]
+        a: torch.Tensor,  # [S, R, in]: the served adapters' A, zeros past each one's rank
+        bt: torch.Tensor,  # [S, R, out]: their B^T
+        ranks: torch.Tensor,  # int32 [S]: each one's rank here (0: it leaves this projection alone)
+        slots: torch.Tensor,  # int32 [n, K]: each row's adapters (-1: none)
+        scales: torch.Tensor,  # fp32 [n, K]
+    ) -> torch.Tensor:
+        """y plus each row's adapters' scale * x A^T B^T: per adapter over its rows, in float64 (so a row's
+        update does not depend on the rows beside it in the matmul), summed and rounded once."""
+        delta = torch.zeros(y.shape, dtype=torch.float64, device=y.device)
+        for s in sorted(set(slots[slots >= 0].tolist())):
+            if int(ranks[s]) == 0:
+                continue
+            scale = torch.where(slots == s, scales.double(), 0.0).sum(dim=1)  # [n]: 0 where it is not the row's
+            rows = scale.nonzero().flatten()
+            if len(rows) == 0:
+                continue
+            update = (x[rows].double() @ a[s].double().T) @ bt[s].double()
+            delta = delta.index_add(0, rows, update * scale[rows, None])
+        return y + delta.to(y.dtype)
+
+    @staticmethod
     def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:  # GeGLU (Gemma): gelu(gate, tanh approx.) * up
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
@@ -206,6 +230,12 @@ class CpuOps(TorchOps):
 
     def silu_mul(self, gate_up):
         return self.ext.silu_mul(gate_up)
+
+    def lora_update(self, y, x, a, bt, ranks, slots, scales):
+        """On the kernels' pool, each row in one fixed order (lora.cpp), y updated in place."""
+        y = y.contiguous()
+        self.ext.lora_update(y, x.contiguous(), a, bt, ranks, slots, scales)
+        return y
 
     def argmax_rows(self, x):
         """On the kernels' pool: torch's argmax over two rows or more runs an OpenMP region, whose threads

@@ -84,7 +84,7 @@ class ModelRunner:
         if loras is not None:
             loras.begin(adapters, [len(c) for c in chunks])
         try:
-            return self._forward(batch, chunks, sampling, pooled, loras is not None and bool(loras.groups))
+            return self._forward(batch, chunks, sampling, pooled, loras is not None and loras.slots is not None)
         finally:
             if loras is not None:
                 loras.end()

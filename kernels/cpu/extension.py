@@ -22,6 +22,7 @@ SOURCES = (
     "quant_matmul.cpp",
     "quant_dot.cpp",
     "cpu_ops.cpp",
+    "lora.cpp",
     "sampling.cpp",
     "sampling_chain.cpp",
 )

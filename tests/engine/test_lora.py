@@ -17,7 +17,9 @@ from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.factory import EngineConfig, build_engine
 from minibatch.engine.lora.adapter import LoraError, load_adapter, load_peft
 from minibatch.engine.lora.names import lora_uses
+from minibatch.kernels.cpu import extension as cpu_ext
 from tests.conftest import make_lora, write_gguf_lora
+from tests.engine.test_batch_invariance import use_build
 
 peft = pytest.importorskip("peft")
 
@@ -86,9 +88,25 @@ def test_the_adapters_change_the_answer(references):
         assert references[(name, 0)] != references[(None, 0)], name
 
 
-@pytest.mark.parametrize("speculative", ["off", "ngram"])
-def test_each_adapter_alone_and_mixed_in_one_batch_equals_peft(tiny_chat_model_dir, adapters, references, speculative):
-    eng = _engine(tiny_chat_model_dir, adapters, speculative=speculative, enable_prefix_caching=False)
+@pytest.fixture(params=["this-cpu:ngram", "avx2:off", "portable:off", "twins:off"])
+def kernels(request):
+    """The kernels the engine runs on (this CPU's build, AVX2's, the portable one, or the PyTorch twins alone),
+    and whether it speculates (ngram: verify rows under adapters too)."""
+    build, _, speculative = request.param.partition(":")
+    if build == "twins":
+        mp = pytest.MonkeyPatch()
+        mp.setenv("MINIBATCH_CPU_KERNELS", "0")
+        mp.setattr(cpu_ext, "_ext", None)
+        mp.setattr(cpu_ext, "_tried", False)
+        assert cpu_ext.load_cpu_extension() is None
+        yield speculative
+        mp.undo()
+    else:
+        yield from (speculative for _ in use_build(build))
+
+
+def test_each_adapter_alone_and_mixed_in_one_batch_equals_peft(tiny_chat_model_dir, adapters, references, kernels):
+    eng = _engine(tiny_chat_model_dir, adapters, speculative=kernels, enable_prefix_caching=False)
     for name in (None, *ADAPTERS):  # alone
         got = _run(eng, [("a", name, 0)])["a"]
         assert got == references[(name, 0)], name

@@ -38,6 +38,9 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 void rotary_inplace(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_mul(at::Tensor gate_up);
+// lora.cpp
+void lora_update(at::Tensor y, at::Tensor x, at::Tensor a, at::Tensor bt, at::Tensor ranks, at::Tensor slots,
+                 at::Tensor scales);
 // sampling.cpp
 at::Tensor argmax_rows(at::Tensor x);
 at::Tensor sample_tokens(at::Tensor logits, at::Tensor settings, at::Tensor streams, at::Tensor masks);

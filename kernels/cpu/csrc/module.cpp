@@ -22,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x; rms_norm(residual) * weight (fp32)");
   m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding of q and k, in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("lora_update", &lora_update, "y += each row's LoRA adapters' scale * x A^T B^T, rows on their own (fp32)");
   m.def("argmax_rows", &argmax_rows, "each row's argmax, the first of ties (fp32 [rows, n] -> int64 [rows])");
   m.def("sample_tokens", &sample_tokens, "one token per row: grammar mask, temperature, top-k, top-p, min-p, Philox draw");
   m.def("sample_cuts", &sample_cuts, "what sample_tokens' rule keeps per row: (count, last token in the order)");
