@@ -309,3 +309,10 @@ class TritonOps(TorchOps):
         from minibatch.kernels.gpu.activation import silu_and_mul
 
         return silu_and_mul(gate_up.contiguous())
+
+    @staticmethod
+    def lora_update(y, x, a, bt, ranks, slots, scales):
+        """One launch per projection (kernels/gpu/lora.py): each row on its own, y updated in place."""
+        from minibatch.kernels.gpu.lora import lora_update
+
+        return lora_update(y.contiguous(), x.contiguous(), a, bt, ranks, slots, scales)

@@ -12,7 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from minibatch.kernels.gpu import kv_store, logit_edits, paged_attention, paged_decode, sampling
+from minibatch.kernels.gpu import kv_store, logit_edits, lora, paged_attention, paged_decode, sampling
 from minibatch.kernels.gpu.paged_decode import SPLIT
 from minibatch.kernels.gpu.paged_rows import ATTENTION_WARPS, KIND, key_tile
 from minibatch.kernels.kv_types import BLOCK_BYTES
@@ -109,6 +109,12 @@ def cases():
         "num_heads": "i32",
         "max_splits": "i32",
     }
+    for act in ("bf16", "fp32"):
+        lora_types = {"y_ptr": f"*{act}", "x_ptr": f"*{act}", "a_ptr": "*fp32", "bt_ptr": "*fp32"}
+        lora_types |= {"ranks_ptr": "*i32", "slots_ptr": "*i32", "scales_ptr": "*fp32"}
+        lora_types |= {"stride_y": "i32", "stride_x": "i32", "IN": "i32", "OUT": "i32", "R": "i32"}
+        consts = {"K": 2, "BLOCK_R": 16, "BLOCK_IN": lora.BLOCK_IN, "BLOCK_OUT": lora.BLOCK_OUT}
+        yield f"lora {act}", lora._lora_kernel, lora_types, consts, 4
     store = {"x_ptr": "*bf16", "cache_ptr": "*u8", "slot_ptr": "*i64", "stride_x": "i32", "stride_c": "i32"}
     for name, kind in KIND.items():  # a token's K of 2 heads of 128: 8 blocks
         consts = {"BLOCKS": 8, "BLOCKS_P2": 8, "KIND": kind, "NB": BLOCK_BYTES[name]}

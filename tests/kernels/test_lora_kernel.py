@@ -68,3 +68,17 @@ def test_bad_shapes_are_refused(any_build):
         update(y.clone(), x, a, bt, torch.tensor([9, 0, 0], dtype=torch.int32), slots, scales)
     with pytest.raises(RuntimeError, match="x must be fp32"):
         update(y.clone(), x[:3], a, bt, ranks, slots, scales)
+
+
+def test_the_triton_kernel_matches_its_twin_and_keeps_rows_apart():
+    """In the interpreter here (fp32; compiled for sm_80/sm_90 by test_gpu_compile.py)."""
+    from minibatch.kernels.gpu.lora import lora_update
+
+    a, bt, ranks = adapters(5)
+    x, y, slots, scales = batch(9, seed=6)
+    got = lora_update(y.clone(), x, a, bt, ranks, slots, scales)
+    torch.testing.assert_close(got, TorchOps().lora_update(y, x, a, bt, ranks, slots, scales), rtol=1e-5, atol=1e-5)
+    untouched = ((slots == -1) | (slots == 2)).all(dim=1)
+    assert torch.equal(got[untouched], y[untouched])
+    some = torch.tensor([4, 0, 7])
+    assert torch.equal(lora_update(y[some].clone(), x[some], a, bt, ranks, slots[some], scales[some]), got[some])
