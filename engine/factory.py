@@ -361,6 +361,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         pooling=cfg.pooling,
         tasks=("rerank",) if cfg.pooling == "rank" else ("generate", "embed"),
         loras=tuple(engine.lora_digests),
+        lora_bytes=sum(t.nbytes for v in model.loras.stacked.values() for t in v) if model.loras is not None else 0,
         speculative="off"
         if not spec.enabled
         else f"{spec.method}{' ' + spec.draft_model if spec.draft_model else ''} (up to {spec.num_tokens} tokens)",

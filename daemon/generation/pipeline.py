@@ -240,7 +240,7 @@ class Running:
         async for i, out in _merged(self.streams):
             if out.finished or out.error:
                 self.ended.add(i)
-                done(out.metrics, None if out.error else out.finish_reason)
+                done(out.metrics, None if out.error else out.finish_reason, tuple(n for n, _ in self.gen.loras))
             yield i, out
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput, Parts]]:

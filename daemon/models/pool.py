@@ -136,9 +136,9 @@ class LoadedModel:
 
     @property
     def footprint(self) -> int:
-        """Bytes it holds: the weights as loaded and the KV pool."""
+        """Bytes it holds: the weights as loaded, its LoRA adapters' and the KV pool."""
         memory = self.info.memory.loaded_bytes if self.info.memory else 0
-        return memory + self.info.kv_cache_bytes
+        return memory + self.info.lora_bytes + self.info.kv_cache_bytes
 
     @property
     def busy(self) -> bool:

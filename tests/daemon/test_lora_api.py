@@ -4,6 +4,8 @@ it with its parent; an adapter that does not fit the model stops the start with 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from minibatch.daemon.client import request_json
@@ -66,6 +68,10 @@ def test_every_face_names_the_adapter_and_gets_its_answer(daemon, tiny_chat_mode
     assert len(set(base.values())) == 1, base
     assert under["openai"] != base["openai"]  # and it is the adapter's, not the base's
     daemon.wait_idle()
+    counted = re.search(
+        r'minibatch_lora_generation_tokens_total\{adapter="tone",model="[^"]+"\} (\S+)', daemon.metrics()
+    )
+    assert counted and float(counted.group(1)) >= 3 * N  # the three faces' answers under it, counted
 
 
 def test_models_lists_the_adapter_with_its_parent(daemon, tiny_chat_model_dir):
@@ -75,7 +81,7 @@ def test_models_lists_the_adapter_with_its_parent(daemon, tiny_chat_model_dir):
     assert cards["tone"]["parent"] == tiny_chat_model_dir.name and cards["tone"]["loaded"]
     assert cards[tiny_chat_model_dir.name]["parent"] is None
     status, health = daemon.get("/health")
-    assert health["loras"] == ["tone"]
+    assert health["loras"] == ["tone"] and health["lora_bytes"] > 0
 
 
 def test_a_folder_that_is_no_adapter_stops_the_start_naming_it(tmp_path, tiny_chat_model_dir, adapter):
