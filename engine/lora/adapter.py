@@ -216,9 +216,14 @@ def _stacked(
                     )
                 if max_rank and r > max_rank:
                     raise fail(f"rank {r} is past --max-lora-rank {max_rank}")
+                scaled = b * scaling(r)
+                if max(a.abs().max().item(), scaled.abs().max().item()) >= 65504 or not (
+                    torch.isfinite(a).all() and torch.isfinite(scaled).all()
+                ):
+                    raise fail(f"layer {layer} {module} has values past float16's range, which adapters are kept in")
                 rank = max(rank, r)
                 a_rows.append(a)
-                b_blocks.append((module, b * scaling(r)))
+                b_blocks.append((module, scaled))
             a_cat = torch.cat(a_rows)
             outs = [sizes[m][1] for m in modules]
             b_cat = torch.zeros(sum(outs), a_cat.shape[0])

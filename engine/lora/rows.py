@@ -14,6 +14,11 @@ from minibatch.engine.lora.adapter import LoraAdapter
 from minibatch.engine.lora.names import LoraUses
 from minibatch.engine.models.ops import TorchOps
 
+# What the stacked adapters are kept in: fp16, as llama.cpp's converter writes them: half of fp32's bytes, and
+# the adapters' weights are most of what a step under them reads beyond the base's (lora/adapter.py refuses
+# values past its range)
+WEIGHTS = torch.float16
+
 
 class LoraSet:
     """The served adapters, stacked per projection as the kernels take them, and the current step's rows of
@@ -39,18 +44,19 @@ class LoraSet:
             ab = adapter.weights.get(key)
             if old is None:
                 n_in, n_out = (ab[0].shape[1], ab[1].shape[0])
-                old = (torch.zeros(slot, 0, n_in), torch.zeros(slot, 0, n_out), torch.zeros(slot, dtype=torch.int32))
+                old = (torch.zeros(slot, 0, n_in, dtype=WEIGHTS), torch.zeros(slot, 0, n_out, dtype=WEIGHTS))
+                old += (torch.zeros(slot, dtype=torch.int32),)
                 old = tuple(t.to(self.device) for t in old)
             a, bt, ranks = old
             rank = 0 if ab is None else ab[0].shape[0]
             width = max(a.shape[1], rank)
             a = F.pad(a, (0, 0, 0, width - a.shape[1]))
             bt = F.pad(bt, (0, 0, 0, width - bt.shape[1]))
-            new_a = torch.zeros(1, width, a.shape[2], device=self.device)
-            new_bt = torch.zeros(1, width, bt.shape[2], device=self.device)
+            new_a = torch.zeros(1, width, a.shape[2], dtype=WEIGHTS, device=self.device)
+            new_bt = torch.zeros(1, width, bt.shape[2], dtype=WEIGHTS, device=self.device)
             if ab is not None:
-                new_a[0, :rank] = ab[0].to(self.device, torch.float32)
-                new_bt[0, :rank] = ab[1].to(self.device, torch.float32).T
+                new_a[0, :rank] = ab[0].to(self.device, WEIGHTS)
+                new_bt[0, :rank] = ab[1].to(self.device, WEIGHTS).T
             rank_t = torch.tensor([rank], dtype=torch.int32, device=self.device)
             self.stacked[key] = (
                 torch.cat([a, new_a]).contiguous(),

@@ -59,8 +59,8 @@ class TorchOps:
     def lora_update(
         y: torch.Tensor,  # [n, out]: the base projection of x
         x: torch.Tensor,  # [n, in]
-        a: torch.Tensor,  # [S, R, in]: the served adapters' A, zeros past each one's rank
-        bt: torch.Tensor,  # [S, R, out]: their B^T
+        a: torch.Tensor,  # [S, R, in] fp16: the served adapters' A, zeros past each one's rank
+        bt: torch.Tensor,  # [S, R, out] fp16: their B^T
         ranks: torch.Tensor,  # int32 [S]: each one's rank here (0: it leaves this projection alone)
         slots: torch.Tensor,  # int32 [n, K]: each row's adapters (-1: none)
         scales: torch.Tensor,  # fp32 [n, K]

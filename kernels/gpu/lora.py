@@ -19,8 +19,8 @@ BLOCK_OUT = 128
 def _lora_kernel(
     y_ptr,
     x_ptr,
-    a_ptr,  # [S, R, IN] fp32
-    bt_ptr,  # [S, R, OUT] fp32
+    a_ptr,  # [S, R, IN] fp16
+    bt_ptr,  # [S, R, OUT] fp16
     ranks_ptr,  # [S] int32
     slots_ptr,  # [n, K] int32
     scales_ptr,  # [n, K] fp32
@@ -53,11 +53,11 @@ def _lora_kernel(
             xv = tl.load(x_ptr + row * stride_x + ii, mask=imask, other=0.0).to(tl.float32)
             a = tl.load(
                 a_ptr + (slot * R + rr[:, None]) * IN + ii[None, :], mask=rmask[:, None] & imask[None, :], other=0.0
-            )
+            ).to(tl.float32)
             t += tl.sum(a * xv[None, :], axis=1)
         b = tl.load(
             bt_ptr + (slot * R + rr[:, None]) * OUT + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0
-        )
+        ).to(tl.float32)
         acc += tl.sum(b * (t * scale)[:, None], axis=0)
     y = tl.load(y_ptr + row * stride_y + cols, mask=cmask, other=0.0)
     tl.store(y_ptr + row * stride_y + cols, (y.to(tl.float32) + acc).to(y.dtype), mask=cmask)
@@ -66,8 +66,8 @@ def _lora_kernel(
 def lora_update(
     y: torch.Tensor,  # [n, out], updated in place
     x: torch.Tensor,  # [n, in]
-    a: torch.Tensor,  # [S, R, in] fp32
-    bt: torch.Tensor,  # [S, R, out] fp32
+    a: torch.Tensor,  # [S, R, in] fp16
+    bt: torch.Tensor,  # [S, R, out] fp16
     ranks: torch.Tensor,  # int32 [S]
     slots: torch.Tensor,  # int32 [n, K]
     scales: torch.Tensor,  # fp32 [n, K]
@@ -77,8 +77,8 @@ def lora_update(
         raise ValueError(
             f"x and y must be [n, in] and [n, out] with contiguous rows, got {tuple(x.shape)}, {tuple(y.shape)}"
         )
-    if a.dtype != torch.float32 or bt.dtype != torch.float32 or not (a.is_contiguous() and bt.is_contiguous()):
-        raise ValueError("a and bt must be contiguous fp32 [S, R, in] and [S, R, out]")
+    if a.dtype != torch.float16 or bt.dtype != torch.float16 or not (a.is_contiguous() and bt.is_contiguous()):
+        raise ValueError("a and bt must be contiguous fp16 [S, R, in] and [S, R, out]")
     if slots.shape != scales.shape or slots.shape[0] != n:
         raise ValueError("slots and scales must be [n, K] for y's rows")
     if n == 0 or a.shape[1] == 0:

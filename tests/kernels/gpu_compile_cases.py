@@ -110,7 +110,7 @@ def cases():
         "max_splits": "i32",
     }
     for act in ("bf16", "fp32"):
-        lora_types = {"y_ptr": f"*{act}", "x_ptr": f"*{act}", "a_ptr": "*fp32", "bt_ptr": "*fp32"}
+        lora_types = {"y_ptr": f"*{act}", "x_ptr": f"*{act}", "a_ptr": "*fp16", "bt_ptr": "*fp16"}
         lora_types |= {"ranks_ptr": "*i32", "slots_ptr": "*i32", "scales_ptr": "*fp32"}
         lora_types |= {"stride_y": "i32", "stride_x": "i32", "IN": "i32", "OUT": "i32", "R": "i32"}
         consts = {"K": 2, "BLOCK_R": 16, "BLOCK_IN": lora.BLOCK_IN, "BLOCK_OUT": lora.BLOCK_OUT}
