@@ -49,7 +49,6 @@ def model_file(args, cache: Path) -> Path:
         return args.model
     out = cache / f"lora-base-{args.shape}-{args.quantize.lower()}.gguf"
     if not out.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, str(DEV / "make_model.py"), "--shape", args.shape, "--true-vocab", "--out", str(out)]
         subprocess.run([*cmd, "--quantize", args.quantize], check=True, stdout=subprocess.DEVNULL)
     return out
@@ -150,6 +149,7 @@ def launches(args, gguf_path: Path, adapters: list[Path], work: Path) -> list[tu
 async def main_async(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="mb-lora-", dir="/tmp"))
     cache = Path(args.cache)
+    cache.mkdir(parents=True, exist_ok=True)
     base = model_file(args, cache)
     adapters = []
     for k in range(args.adapters):

@@ -34,7 +34,7 @@ def test_each_setting_keeps_and_draws_what_the_twin_does(vocab, kind):
     g = torch.Generator().manual_seed(vocab + 3 * len(kind))
     x = logits_of(kind, len(SETTINGS), vocab, g)
     settings = settings_of(SETTINGS)
-    for step in range(2):
+    for step in range(2 if vocab < 100_000 else 1):  # (a second draw on the wide rows: minutes in the interpreter)
         streams = torch.stack([torch.arange(len(SETTINGS)) * 31 + vocab, torch.full((len(SETTINGS),), step)], dim=1)
         tokens, cuts = triton_sample(x, settings, streams)
         want = TorchOps().sample_cuts(x, settings, streams, None)
