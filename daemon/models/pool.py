@@ -308,6 +308,8 @@ class ModelPool:
         for key, options in self.settings.model_settings.items():
             if normal_name(key) in {normal_name(n) for n in (spec, name, display_name(spec))}:
                 own = options
+        if "lora" not in own and spec != spec_of(self.default_name):  # --lora's adapters are the daemon's model's
+            own = {**own, "lora": None}
         try:  # (each value read as its flag takes it and checked over the daemon's at start: settings.py)
             cfg = dataclasses.replace(self.base, model=spec, **own)
         except (TypeError, ValueError) as exc:

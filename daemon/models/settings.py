@@ -67,6 +67,8 @@ PER_MODEL_OPTIONS = (
     "num_speculative_tokens",
     "draft_model",
     "mode",
+    "lora",
+    "max_lora_rank",
 )
 
 

@@ -134,3 +134,26 @@ def test_llama_servers_lora_list_and_its_scales_endpoint(daemon, tiny_chat_model
     status, err = request_json(str(daemon.socket), "POST", "/lora-adapters", [{"id": 3, "scale": 1.0}])
     assert status == 400 and err["error"]["param"] == "adapters.0.id"
     daemon.wait_idle()
+
+
+def test_adapters_belong_to_the_model_that_names_them():
+    """--lora's adapters run over the daemon's own model; a model of --model-settings has its own `lora`; any
+    other model loads with none (its shapes are not theirs)."""
+    import asyncio
+
+    from minibatch.daemon.models.pool import ModelPool
+    from minibatch.daemon.models.settings import PoolSettings
+    from minibatch.engine.factory import EngineConfig
+
+    loop = asyncio.new_event_loop()
+    try:
+        base = EngineConfig(model="smollm2-135m-instruct", lora="tone=/a/tone,sql=/a/sql")
+        pool = ModelPool(base, PoolSettings(model_settings={"coder": {"lora": "fim=/a/fim"}}), loop)
+        assert pool.adapter_route("tone") == ("smollm2-135m-instruct", "tone")
+        assert pool.adapter_route("fim") == ("coder", "fim")
+        assert pool.adapter_route("coder") == ("coder", None) and pool.adapter_route(None) == (None, None)
+        assert pool.model_config("smollm2-135m-instruct", "smollm2-135m-instruct").lora == "tone=/a/tone,sql=/a/sql"
+        assert pool.model_config("coder", "coder").lora == "fim=/a/fim"
+        assert pool.model_config("other", "other").lora is None
+    finally:
+        loop.close()
