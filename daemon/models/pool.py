@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from minibatch.engine.factory import EngineConfig
 from minibatch.engine.lora.names import parse_loras
 from minibatch.engine.models.config import ModelSettingError
+from minibatch.engine.store import sources
 from minibatch.engine.store.cache import (
     ModelNotFoundError,
     list_models,
@@ -133,6 +134,7 @@ class LoadedModel:
     loaded: bool = True
     # the scales of its LoRA adapters for requests that name it and give no `lora` list (POST /lora-adapters)
     lora_scales: dict[str, float] = field(default_factory=dict)
+    baked: tuple[str, ...] = ()  # the files of the adapters it was made with (an Ollama model's ADAPTER)
 
     @property
     def footprint(self) -> int:
@@ -169,6 +171,17 @@ class LoadedModel:
             "expires_at": iso(self.expires_at),
             "memory_bytes": self.footprint,
         }
+
+
+def baked_adapters(spec: str) -> dict[str, Path]:
+    """The LoRA adapters a model of Ollama's store runs under (its Modelfile's ADAPTER lines), by the names its
+    engine serves them as (`adapter0`, ...); none for any other model."""
+    if not spec.startswith("ollama:"):
+        return {}
+    try:
+        return {f"adapter{i}": p for i, p in enumerate(sources.ollama_adapters(spec.removeprefix("ollama:")))}
+    except sources.SourceError:
+        return {}  # (the load itself says what is wrong with the model)
 
 
 class ModelPool:
@@ -308,7 +321,10 @@ class ModelPool:
         for key, options in self.settings.model_settings.items():
             if normal_name(key) in {normal_name(n) for n in (spec, name, display_name(spec))}:
                 own = options
-        if "lora" not in own and spec != spec_of(self.default_name):  # --lora's adapters are the daemon's model's
+        baked = baked_adapters(spec)
+        if baked and "lora" not in own:  # an Ollama model's own (its Modelfile's ADAPTER)
+            own = {**own, "lora": ",".join(f"{n}={p}" for n, p in baked.items())}
+        elif "lora" not in own and spec != spec_of(self.default_name):  # --lora's adapters are the daemon's model's
             own = {**own, "lora": None}
         try:  # (each value read as its flag takes it and checked over the daemon's at start: settings.py)
             cfg = dataclasses.replace(self.base, model=spec, **own)
@@ -369,8 +385,9 @@ class ModelPool:
                 ) from None
             except Exception as exc:  # a file that is there but cannot be read as a model
                 raise self._failed(requested, exc) from None
-            for m in self.models.values():  # another name of a loaded model
-                if m.info.model_dir == str(model_dir):
+            baked = tuple(str(p) for p in baked_adapters(spec).values())
+            for m in self.models.values():  # another name of a loaded model (the same file and baked adapters)
+                if m.info.model_dir == str(model_dir) and m.baked == baked:
                     m.names.add(normal_name(requested))
                     return m
             await self._make_room(requested, weights_bytes_on_disk(Path(model_dir)))
@@ -395,6 +412,7 @@ class ModelPool:
             loop.start()
         log.info("loading model %s", name)
         started = time.perf_counter()
+        baked = baked_adapters(spec)
         try:
             config = self.model_config(spec, name)
             engine, tokenizer = await asyncio.wrap_future(loop.call(lambda: _build_engine(config)))
@@ -416,7 +434,11 @@ class ModelPool:
             loop=loop,
             load_seconds=time.perf_counter() - started,
             keep_alive=self.settings.keep_alive,
-            names={normal_name(name), normal_name(requested), normal_name(info.model_dir)},
+            # (not by its file's folder when an Ollama ADAPTER is baked in: the same file without it is another model)
+            names={normal_name(name), normal_name(requested)} | (set() if baked else {normal_name(info.model_dir)}),
+            # an Ollama model's ADAPTER applies to its every request, as in Ollama (a `lora` list still changes it)
+            lora_scales={n: 1.0 for n in baked if n in info.loras},
+            baked=tuple(str(p) for p in baked.values()),
         )
         engine.on_detach.append(lambda: self.loop.call_soon_threadsafe(self._detached, m))
         loop.attach(engine)

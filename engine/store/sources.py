@@ -27,6 +27,7 @@ import platformdirs
 
 OLLAMA_REGISTRY = "registry.ollama.ai"
 OLLAMA_MODEL_MEDIA = "application/vnd.ollama.image.model"
+OLLAMA_ADAPTER_MEDIA = "application/vnd.ollama.image.adapter"  # a Modelfile's ADAPTER: a LoRA GGUF
 
 
 class SourceError(LookupError):
@@ -82,11 +83,15 @@ def _ollama_manifests() -> dict[str, Path]:
     }
 
 
-def _ollama_blob(name: str, manifest: Path) -> Path:
+def _ollama_layers(name: str, manifest: Path) -> list[dict]:
     try:
-        layers = json.loads(manifest.read_text())["layers"]
+        return json.loads(manifest.read_text())["layers"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SourceError(f"ollama:{name}: the manifest {manifest} cannot be read ({exc})") from None
+
+
+def _ollama_blob(name: str, manifest: Path) -> Path:
+    layers = _ollama_layers(name, manifest)
     model = next((layer for layer in layers if layer.get("mediaType") == OLLAMA_MODEL_MEDIA), None)
     if model is None:
         raise SourceError(f"ollama:{name}: the manifest lists no model layer ({OLLAMA_MODEL_MEDIA})")
@@ -98,14 +103,32 @@ def _ollama_blob(name: str, manifest: Path) -> Path:
     return blob
 
 
-def resolve_ollama(spec: str) -> Path:
-    """`NAME[:TAG]` (Ollama's own spelling) -> the GGUF blob."""
+def _ollama_manifest(spec: str) -> tuple[str, Path]:
     name = spec if ":" in spec.split("/")[-1] else f"{spec}:latest"
     manifests = _ollama_manifests()
     if name not in manifests:
         known = ", ".join(sorted(manifests)) or f"none in {ollama_dir()}"
         raise SourceError(f"ollama:{name} is not in Ollama's store; it has: {known}")
-    return _ollama_blob(name, manifests[name])
+    return name, manifests[name]
+
+
+def resolve_ollama(spec: str) -> Path:
+    """`NAME[:TAG]` (Ollama's own spelling) -> the GGUF blob."""
+    return _ollama_blob(*_ollama_manifest(spec))
+
+
+def ollama_adapters(spec: str) -> list[Path]:
+    """The LoRA adapters (GGUF blobs) a model of Ollama's store `NAME[:TAG]` runs under: its Modelfile's
+    ADAPTER lines, in order; none for most models."""
+    name, manifest = _ollama_manifest(spec)
+    out = []
+    for layer in _ollama_layers(name, manifest):
+        if layer.get("mediaType") == OLLAMA_ADAPTER_MEDIA:
+            blob = ollama_dir() / "blobs" / str(layer.get("digest", "")).replace(":", "-")
+            if not blob.is_file():
+                raise SourceError(f"ollama:{name}: its adapter blob {blob.name} is missing (`ollama pull` it again)")
+            out.append(blob)
+    return out
 
 
 # -- the hub cache ------------------------------------------------------------

@@ -183,6 +183,41 @@ def write_gguf(
     w.close()
 
 
+def write_lora(out: Path, shape_name: str, rank: int, seed: int, b_scale: float = 0.01) -> Path:
+    """A random LoRA adapter of `rank` on every projection of `shape_name`'s model, in llama.cpp's LoRA GGUF
+    layout (f32; A at a trained adapter's scale, B's values of std `b_scale`; alpha 2 * rank), for the benchmarks
+    and the tests."""
+    import gguf
+
+    shape = SHAPES[shape_name]
+    q, kv, h, i = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.hidden, shape.intermediate
+    sizes = {
+        "attn_q": (h, q),
+        "attn_k": (h, kv),
+        "attn_v": (h, kv),
+        "attn_output": (q, h),
+        "ffn_gate": (h, i),
+        "ffn_up": (h, i),
+        "ffn_down": (i, h),
+    }
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(out), shape.arch)
+    writer.add_string("general.type", "adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(2 * rank))
+    for layer in range(shape.layers):
+        for name, (n_in, n_out) in sizes.items():
+            a = rng.normal(0, n_in**-0.5, (rank, n_in)).astype(np.float32)
+            b = rng.normal(0, b_scale, (n_out, rank)).astype(np.float32)
+            writer.add_tensor(f"blk.{layer}.{name}.weight.lora_a", a)
+            writer.add_tensor(f"blk.{layer}.{name}.weight.lora_b", b)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), required=True)

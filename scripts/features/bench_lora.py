@@ -27,8 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loadgen import session  # noqa: E402
 from peers import Launch, Running, llamacpp  # noqa: E402
@@ -37,7 +35,7 @@ from peers.compare import wait_ready  # noqa: E402
 
 DEV = Path(__file__).resolve().parents[1] / "dev"
 sys.path.insert(0, str(DEV))
-from make_model import SHAPES  # noqa: E402
+from make_model import SHAPES, write_lora  # noqa: E402
 
 SCALES = (1.0, 0.75, 0.5, 1.25)  # the clients' scales, by adapter
 SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}  # llama-server's defaults
@@ -51,39 +49,6 @@ def model_file(args, cache: Path) -> Path:
     if not out.is_file():
         cmd = [sys.executable, str(DEV / "make_model.py"), "--shape", args.shape, "--true-vocab", "--out", str(out)]
         subprocess.run([*cmd, "--quantize", args.quantize], check=True, stdout=subprocess.DEVNULL)
-    return out
-
-
-def write_adapter(out: Path, shape_name: str, rank: int, seed: int) -> Path:
-    """A random LoRA adapter of `rank` on every projection, in llama.cpp's LoRA GGUF layout (f32)."""
-    import gguf
-
-    shape = SHAPES[shape_name]
-    q, kv, h, i = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.hidden, shape.intermediate
-    sizes = {
-        "attn_q": (h, q),
-        "attn_k": (h, kv),
-        "attn_v": (h, kv),
-        "attn_output": (q, h),
-        "ffn_gate": (h, i),
-        "ffn_up": (h, i),
-        "ffn_down": (i, h),
-    }
-    rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(out), shape.arch)
-    writer.add_string("general.type", "adapter")
-    writer.add_string("adapter.type", "lora")
-    writer.add_float32("adapter.lora.alpha", float(2 * rank))
-    for layer in range(shape.layers):
-        for name, (n_in, n_out) in sizes.items():
-            a = rng.normal(0, n_in**-0.5, (rank, n_in)).astype(np.float32)
-            b = rng.normal(0, 0.01, (n_out, rank)).astype(np.float32)
-            writer.add_tensor(f"blk.{layer}.{name}.weight.lora_a", a)
-            writer.add_tensor(f"blk.{layer}.{name}.weight.lora_b", b)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
     return out
 
 
@@ -154,7 +119,7 @@ async def main_async(args) -> dict:
     adapters = []
     for k in range(args.adapters):
         path = cache / f"lora-{args.shape}-r{args.rank}-{k}.gguf"
-        adapters.append(path if path.is_file() else write_adapter(path, args.shape, args.rank, k))
+        adapters.append(path if path.is_file() else write_lora(path, args.shape, args.rank, k))
     report: dict = {
         "model": base.name,
         "adapters": args.adapters,

@@ -157,3 +157,40 @@ def test_adapters_belong_to_the_model_that_names_them():
         assert pool.model_config("other", "other").lora is None
     finally:
         loop.close()
+
+
+def test_an_ollama_model_with_an_adapter_runs_under_it(tmp_path):
+    """A Modelfile's ADAPTER (a layer of Ollama's manifest): every request to that model runs under it, as in
+    Ollama, and a `lora` list can still turn it down."""
+    import hashlib
+    import json
+
+    from make_model import write_lora
+
+    from minibatch.engine.store.cache import BUILTIN_MODELS, builtin_gguf_path
+
+    gguf_path = builtin_gguf_path(BUILTIN_MODELS["smollm2-135m-instruct"])
+    adapter = write_lora(tmp_path / "tone.gguf", "smollm2-135m", 8, 7, b_scale=0.2)  # random, of its shape
+    store = tmp_path / "ollama"
+    (store / "blobs").mkdir(parents=True)
+    layers = {}
+    for kind, path in (("model", gguf_path), ("adapter", adapter)):
+        digest = hashlib.sha256(str(path).encode()).hexdigest()
+        (store / "blobs" / f"sha256-{digest}").symlink_to(path)
+        layers[kind] = {"mediaType": f"application/vnd.ollama.image.{kind}", "digest": f"sha256:{digest}"}
+    for repo, kinds in (("smol", ["model"]), ("smol-tone", ["model", "adapter"])):
+        manifest = store / "manifests" / "registry.ollama.ai" / "library" / repo / "latest"
+        manifest.parent.mkdir(parents=True)
+        manifest.write_text(json.dumps({"schemaVersion": 2, "layers": [layers[k] for k in kinds]}))
+    d = Daemon(tmp_path / "d.sock", "smollm2-135m-instruct", "--kv-cache-gb", "0.05", env={"OLLAMA_MODELS": str(store)})
+    try:
+        d.wait_ready()
+        tuned = _complete(d, {"model": "smol-tone"})[1]["content"]
+        plain = _complete(d, {"model": "smol"})[1]["content"]
+        assert tuned != plain
+        assert _complete(d, {"model": "smol-tone", "lora": [{"id": 0, "scale": 0.0}]})[1]["content"] == plain
+        status, listing = d.get("/lora-adapters?model=smol-tone")
+        assert status == 200 and listing == [{"id": 0, "name": "adapter0", "scale": 1.0}]
+        assert d.get("/lora-adapters?model=smol")[1] == []
+    finally:
+        assert d.stop() == 0, d.log_text()

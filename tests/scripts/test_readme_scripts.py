@@ -55,6 +55,7 @@ COVERED = {
     "dev/make_model.py": "in_process:test_make_model",
     "dev/make_encoder.py": "retrieval:test_make_encoder",
     "features/bench_retrieval.py": "retrieval:test_bench_retrieval",
+    "features/bench_lora.py": "lora:test_bench_lora",
     "kernels/perplexity.py": "in_process:test_perplexity",
     "fuzz.sh": "own_daemons:test_fuzz_script",
     "record.py": "own_daemons:test_record_quick",

@@ -1,0 +1,1 @@
+"""Encoder models (BERT, XLM-RoBERTa, NomicBERT): their config, the bidirectional forward, their weights."""
