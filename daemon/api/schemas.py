@@ -306,6 +306,7 @@ class StepRecord(_Out):
     waiting: int
     rows: list[list[Any]]  # [row, request id, tokens, state, draft tokens verified, of them accepted]
     preempted: list[str]
+    adapters: dict[str, str]  # request id -> the LoRA adapters its row runs under ("+"-joined), rows under any
 
 
 class Timeline(_Out):

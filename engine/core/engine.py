@@ -275,6 +275,7 @@ class LLMEngine:
             held,
             [r.request_id for r in sched.preempted],
             {r.request_id for r in sched.requests if r.pooling is not None},
+            {r.request_id: "+".join(n for n, _ in r.loras) for r in (*sched.requests, *sched.padding) if r.loras},
         )
 
     def _take(self, req: Request) -> str | None:

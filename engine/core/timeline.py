@@ -38,6 +38,7 @@ class StepRecord:
     # (row, request id, tokens computed, state, draft tokens verified, of them accepted); rows not listed are empty
     rows: tuple[tuple[int, str, int, str, int, int], ...]
     preempted: tuple[str, ...] = ()  # requests sent back to the queue this step
+    adapters: tuple[tuple[str, str], ...] = ()  # (request id, its LoRA adapters' names, "+"-joined) of rows under any
 
     def as_dict(self) -> dict:
         return {
@@ -48,6 +49,7 @@ class StepRecord:
             "waiting": self.waiting,
             "rows": [list(r) for r in self.rows],
             "preempted": list(self.preempted),
+            "adapters": dict(self.adapters),
         }
 
 
@@ -86,9 +88,11 @@ class Timeline:
         held: list[str],
         preempted: list[str],
         embeds: frozenset[str] | set[str] = frozenset(),
+        adapters: dict[str, str] | None = None,
     ) -> StepRecord:
         """computed: (request id, tokens, is a decode, draft tokens, accepted) in batch order; padding and
-        held: request ids; preempted: ids; embeds: the computed requests that are embeddings."""
+        held: request ids; preempted: ids; embeds: the computed requests that are embeddings; adapters: the
+        LoRA adapters of the rows under any, by request id."""
         members = {c[0] for c in computed} | set(padding) | set(held)
         for rid in [r for r in self._rows if r not in members]:  # left the batch: its row is free for the next one
             heapq.heappush(self._free, self._rows.pop(rid))
@@ -105,7 +109,8 @@ class Timeline:
         rows += [(self._row_for(rid), rid, 1, PADDING, 0, 0) for rid in padding]
         rows += [(self._row_for(rid), rid, 0, HELD, 0, 0) for rid in held]
         rows.sort()
-        rec = StepRecord(step, time, duration, mode, waiting, tuple(rows), tuple(preempted))
+        under = tuple(sorted((rid, name) for rid, name in (adapters or {}).items() if rid in members))
+        rec = StepRecord(step, time, duration, mode, waiting, tuple(rows), tuple(preempted), under)
         with self._lock:
             self._records.append(rec)
         return rec

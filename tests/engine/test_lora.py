@@ -207,6 +207,10 @@ def test_scales_and_several_adapters_on_one_row_equal_peft(tiny_chat_model_dir, 
         eng.step()
     got = {k: list(r.output_token_ids) for k, r in reqs.items()}
     assert got == {"half": half, "pair": pair, "one": references[("both", 0)], "zero": references[(None, 0)]}
+    # the timeline names each row's adapters (the chat's panel marks them)
+    first = eng.timeline.since(0)[0]
+    assert dict(first.adapters) == {"half": "both", "pair": "attn+mlp", "one": "both"}
+    assert first.as_dict()["adapters"] == {"half": "both", "one": "both", "pair": "attn+mlp"}
     with pytest.raises(ValueError, match="must be a finite number"):
         lora_uses([("both", float("nan"))])
 

@@ -408,6 +408,25 @@ def test_timeline_shows_the_mode_switch_and_pane_colours():
     assert {("▒", "red"), ("█", "red"), ("▒", "grey62"), ("█", "grey62"), ("╳", "red")} <= cells
 
 
+def test_timeline_marks_rows_under_lora_adapters_by_letter():
+    from minibatch.tui.widgets.timeline import render_timeline
+
+    recs = [
+        {**step_record(1, [[0, "a", 3, "p"], [1, "b", 2, "p"], [2, "c", 2, "p"]]), "adapters": {"a": "tone"}},
+        {
+            **step_record(2, [[0, "a", 1, "d"], [1, "b", 1, "d"], [2, "c", 1, "d"]]),
+            "adapters": {"a": "tone", "b": "sql"},
+        },
+    ]
+    text = render_timeline(recs, {"a": 0}, ["red"], cols=30, height=20)
+    plain = str(text)
+    # a decodes as tone's letter, b as sql's, c (the base) as a plain decode; prefill keeps its mark
+    assert "LoRA a tone  b sql" in plain and "  0  ▒a" in plain and "  1  ▒b" in plain and "  2  ▒█" in plain
+    cells = {(text.plain[s.start : s.end], str(s.style)) for s in text.spans if s.end - s.start == 1}
+    assert ("a", "bold red") in cells and ("b", "bold grey62") in cells
+    assert "LoRA" not in str(render_timeline([step_record(1, [[0, "a", 1, "d"]])], {}, ["red"], cols=30, height=20))
+
+
 def test_timeline_marks_rows_that_took_several_tokens_by_speculation():
     from minibatch.tui.widgets.engine_panel import speculation_line
     from minibatch.tui.widgets.timeline import render_timeline

@@ -5,7 +5,8 @@ client) and marked by what the row did: ▒ a prefill chunk, █ a decode, 2-9 a
 decode that verified a draft and took that many tokens in the step (+ for ten
 or more), ▲ an embedding's prompt chunk (it leaves the batch with its prompt: no
 decode follows), ╳ padding (static mode computing a finished request's row: wasted),
-┄ held without computing, · empty. Beneath, the waiting queue per step. In static
+┄ held without computing, · empty; a row under a LoRA adapter decodes as that adapter's letter (a, b, c
+in the order they first show, named in a legend line). Beneath, the waiting queue per step. In static
 mode finished rows turn to ╳ until the longest member ends (a staircase);
 in continuous mode a freed row takes the next request at the next step.
 """
@@ -84,8 +85,13 @@ def render_timeline(
     if not recent:
         text.append("no steps yet", style="dim")
         return text
+    letters: dict[str, str] = {}  # each LoRA adapter shown, its letter
+    for r in recent:
+        for name in r.get("adapters", {}).values():
+            letters.setdefault(name, chr(ord("a") + len(letters) % 26))
     used = max((row for r in recent for row, *_ in r["rows"]), default=-1) + 1
-    shown = max(1, min(used, max_rows or used, height - (2 if compact else 5)))
+    legend = 1 if letters and not compact else 0
+    shown = max(1, min(used, max_rows or used, height - (2 if compact else 5 + legend)))
     if not compact:
         text.append("mode ", style="dim")
         prev = None
@@ -94,11 +100,14 @@ def render_timeline(
             text.append(letter, style="bold yellow" if prev is not None and letter != prev else "grey42")
             prev = letter
         text.append("\n")
+    if letters and not compact:
+        text.append("LoRA " + "  ".join(f"{c} {name}" for name, c in letters.items()) + "\n", style="dim")
     grid = [{} for _ in recent]
     for i, r in enumerate(recent):
+        under = r.get("adapters", {})
         for row, rid, _n, state, *spec in r["rows"]:
             if row < shown:
-                grid[i][row] = (rid, state, spec[1] if len(spec) > 1 else 0)
+                grid[i][row] = (rid, state, spec[1] if len(spec) > 1 else 0, letters.get(under.get(rid, "")))
     for row in range(shown):
         text.append(f"{row:>3}  ", style="dim")
         for cells in grid:
@@ -106,11 +115,13 @@ def render_timeline(
             if cell is None:
                 text.append("·", style="grey23")
                 continue
-            rid, state, accepted = cell
+            rid, state, accepted, letter = cell
             pane = panes.get(rid)
             color = colors[pane % len(colors)] if pane is not None else "grey62"
             if state == "v":
                 text.append(verified_mark(accepted), style=f"bold reverse {color}")
+            elif state == "d" and letter is not None:
+                text.append(letter, style=f"bold {color}")
             else:
                 text.append(MARKS.get(state, "?"), style="red" if state == "x" else color)
         text.append("\n")
