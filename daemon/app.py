@@ -76,7 +76,7 @@ async def health(request: web.Request) -> web.Response:
         "pid": os.getpid(),
     }
     if m is not None:  # the model's facts, and the mode as it is now (it changes at run time)
-        body |= m.info.as_dict(public=True) | {"mode": m.engine.mode}
+        body |= m.info.as_dict(public=True) | m.adapters.facts() | {"mode": m.engine.mode}
     if pool is not None:
         body["models"] = [x.facts() for x in pool.models.values()]
         body["loading"] = sorted(pool.loading)
@@ -101,7 +101,7 @@ async def models(request: web.Request) -> web.Response:
         for entry in entries
     ]
     # each LoRA adapter after its base model, which it is served over (vLLM's `parent`)
-    for adapter, base in state.check_serving().adapters.items():
+    for adapter, base in state.check_serving().adapter_names().items():
         card = next(
             (c for c in data if normal_name(c["id"]) in (normal_name(base), normal_name(display_name(base)))), None
         )

@@ -18,6 +18,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from minibatch.engine.core.admission import RequestRejected, check_capacity
 from minibatch.engine.core.config import MODES
@@ -32,6 +33,8 @@ from minibatch.engine.output_stream import OutputStream, RequestStream
 from minibatch.engine.step_loop import StepLoop
 
 log = logging.getLogger("minibatch.engine")
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -246,6 +249,37 @@ class AsyncEngine:
         self._inbox.append(lambda: self.engine.set_mode(mode))
         self._wake.set()
 
+    def call(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Run `fn` on the engine thread between steps, in order with submissions and aborts (from the event
+        loop); the future gets its result or its error. Queued at once: the call happens whether or not the
+        future is awaited or cancelled."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+
+        def settle(result: T | None, error: BaseException | None) -> None:
+            if fut.done():
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+        def run() -> None:
+            try:
+                result, error = fn(), None
+            except Exception as exc:
+                result, error = None, exc
+            try:
+                loop.call_soon_threadsafe(settle, result, error)
+            except RuntimeError:  # the loop is closed
+                pass
+
+        self._inbox.append(run)
+        self._wake.set()
+        return fut
+
     # -- the engine thread ------------------------------------------------
     def _refresh_block_map(self) -> None:
         """Which request holds which KV blocks (read by the daemon for the TUI's block map)."""
@@ -262,6 +296,12 @@ class AsyncEngine:
                 rid for rid in owners if (r := self.engine.scheduler.requests.get(rid)) is not None and r.pooling
             ),
             "cached_free": sum(1 for b in bm.free_queue.values() if b.block_hash is not None),
+            # the owners under LoRA adapters: their names, "+"-joined (the chat marks their blocks by them)
+            "adapters": {
+                rid: "+".join(n for n, _ in r.loras)
+                for rid in owners
+                if (r := self.engine.scheduler.requests.get(rid)) is not None and r.loras
+            },
         }
         self._block_map_at = time.monotonic()
 

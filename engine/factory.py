@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -59,11 +60,15 @@ class EngineConfig:
     cache_reuse_settle: int = SCHEDULER_DEFAULTS["cache_reuse_settle"]  # its runs' first tokens computed anyway
     lora: str | None = None  # LoRA adapters served over the model: NAME=PATH pairs, comma-separated (lora/names.py)
     max_lora_rank: int = 64  # an adapter of a larger rank is refused at its load
+    max_loras: int = 8  # adapters resident at once: one more named is loaded in place of the least recently used
+    lora_dir: str | None = None  # a folder of adapters served by name on demand (daemon/models/adapters.py)
 
     def __post_init__(self) -> None:
         parse_loras(self.lora)  # refuses a malformed pair, naming the option
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
         self.spec_config()  # refuses a method or a draft length out of range, naming it
         SchedulerConfig(  # refuses a limit out of range, naming it, before anything is loaded
             max_num_seqs=self.max_num_seqs,
@@ -327,11 +332,15 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         proposer=proposer,
         tier=tier,
     )
-    if config.lora:
+    if config.lora or config.lora_dir:
         from minibatch.engine.lora.adapter import load_adapter
 
-        for name, path in parse_loras(config.lora).items():
-            engine.add_lora(load_adapter(path, name, cfg, config.max_lora_rank))
+        engine.lora_reader = functools.partial(load_adapter, cfg=cfg, max_rank=config.max_lora_rank)
+        # every adapter --lora names is checked at the start; the first --max-loras stay resident
+        for i, (name, path) in enumerate(parse_loras(config.lora).items()):
+            adapter = engine.lora_reader(path, name)
+            if i < config.max_loras:
+                engine.add_lora(adapter)
     engine.info = EngineInfo(
         model=config.model,
         model_dir=str(model_dir),
@@ -360,8 +369,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         embedding_size=1 if cfg.pooling == "rank" else cfg.hidden_size,
         pooling=cfg.pooling,
         tasks=("rerank",) if cfg.pooling == "rank" else ("generate", "embed"),
-        loras=tuple(engine.lora_digests),
-        lora_bytes=sum(t.nbytes for v in model.loras.stacked.values() for t in v) if model.loras is not None else 0,
+        loras=tuple(parse_loras(config.lora)),
         speculative="off"
         if not spec.enabled
         else f"{spec.method}{' ' + spec.draft_model if spec.draft_model else ''} (up to {spec.num_tokens} tokens)",

@@ -126,6 +126,18 @@ ENGINE_OPTIONS = (
     ),
     Option("max_lora_rank", int, "an adapter of a larger rank is refused at its load"),
     Option(
+        "max_loras",
+        int,
+        "LoRA adapters resident at once: a request naming another loads it in place of the least recently used "
+        "one that no request runs under (or waits for one to end)",
+    ),
+    Option(
+        "lora_dir",
+        str,
+        "a folder of LoRA adapters (PEFT folders, LoRA GGUF files) served over the model by name on demand: a "
+        "request names one by its folder's name or its file's without .gguf",
+    ),
+    Option(
         "prompt_cache_min_tokens",
         int,
         "a run of cached tokens on disk shorter than this is recomputed instead of read",

@@ -24,7 +24,8 @@ class LoraScales(BaseModel):
 
 def _listing(model: LoadedModel) -> list[dict]:
     return [
-        {"id": i, "name": name, "scale": model.lora_scales.get(name, 0.0)} for i, name in enumerate(model.info.loras)
+        {"id": i, "name": name, "scale": model.lora_scales.get(name, 0.0)}
+        for i, name in enumerate(model.adapters.names)
     ]
 
 

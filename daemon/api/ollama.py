@@ -393,6 +393,7 @@ async def ps(request: web.Request) -> web.Response:
                 "kv_cache_type": m.info.kv_cache_type,
                 "kv_bytes_per_token": m.info.kv_bytes_per_token,
                 "kv_cache_tokens": m.info.kv_cache_tokens,
+                "loras": m.adapters.listing(),
             }
         )
     return web.json_response({"models": out})

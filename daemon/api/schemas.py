@@ -156,6 +156,11 @@ class Health(_Out):
     load_errors: dict[str, str] = {}  # the last load error by name
 
 
+class ResidentLora(_Out):
+    name: str
+    size: int  # bytes its matrices take as the kernels keep them
+
+
 class LoadedModelFacts(_Out):
     """One loaded model in /health: the engine's facts (EngineInfo) and its lifetime."""
 
@@ -167,7 +172,10 @@ class LoadedModelFacts(_Out):
     loaded_at: str
     load_seconds: float
     expires_at: str  # Ollama's form; 0001-01-01T00:00:00Z: kept loaded
-    memory_bytes: int  # weights and KV pool
+    memory_bytes: int  # weights, resident LoRA adapters and KV pool
+    loras: list[str] = []  # the LoRA adapters it may serve by name (a `lora` list's ids are places here)
+    loras_resident: list[ResidentLora] = []  # those resident now (--max-loras), most recently used first
+    lora_bytes: int = 0  # what the resident ones take, as the kernels read them
 
 
 class ModelStats(_Out):
@@ -296,6 +304,7 @@ class BlockMap(_Out):
     shared: list[int]
     block_size: int | None = None  # from the first refresh on
     cached_free: int | None = None
+    adapters: dict[str, str] = {}  # owners under LoRA adapters -> their names, "+"-joined
 
 
 class StepRecord(_Out):
@@ -374,6 +383,7 @@ class OllamaRunning(OllamaModel):
     kv_cache_type: str  # what its KV cache keeps K and V in (EngineInfo.kv_cache_type)
     kv_bytes_per_token: int
     kv_cache_tokens: int  # tokens its KV pool holds
+    loras: list[ResidentLora] = []  # its LoRA adapters resident now, most recently used first
 
 
 class OllamaPs(_Out):

@@ -24,7 +24,7 @@ class LoraScale(BaseModel):
 
 def named(model: LoadedModel, given: list[LoraScale], field: str) -> list[tuple[str, float]]:
     """The (adapter name, scale) pairs `given` by id, or a 400 naming `field`'s entry whose id is not one."""
-    names = model.info.loras
+    names = model.adapters.names
     out = []
     for i, ask in enumerate(given):
         if ask.id >= len(names):

@@ -287,10 +287,12 @@ async def generate(state: DaemonState, gen: Generation, request: web.Request) ->
     deadline = asyncio.get_running_loop().time() + state.request_timeout
     keep = state.keep_alive_of(gen.keep_alive, gen.operator)
     base, gen.adapter = state.check_serving().adapter_route(gen.model)
-    async with state.lease(base, keep) as model:
+    async with state.lease(base, keep) as model, contextlib.AsyncExitStack() as adapters:
         gen.loras = request_loras(model, gen.adapter, gen.lora)
         try:
             async with asyncio.timeout_at(deadline):
+                # its adapters resident and held to its end (models/adapters.py)
+                await adapters.enter_async_context(model.adapters.held(n for n, _ in gen.loras))
                 running = await _start(state, model, gen, deadline)
         except TimeoutError:
             raise timed_out(state) from None

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from minibatch.engine.factory import EngineConfig
-from minibatch.engine.lora.names import parse_loras
+from minibatch.engine.lora.names import adapter_files, parse_loras
 from minibatch.engine.models.config import ModelSettingError
 from minibatch.engine.store import sources
 from minibatch.engine.store.cache import (
@@ -39,6 +39,7 @@ from minibatch.engine.store.cache import (
 
 from ..monitor import EngineMonitor, Metrics, StepSignal
 from ..protocol import ApiError
+from .adapters import ModelAdapters
 from .names import cut, display_name, listed, normal_name, spec_of
 from .settings import DEFAULT_MEMORY_SHARE, PoolSettings, parse_duration
 
@@ -126,6 +127,7 @@ class LoadedModel:
     loop: StepLoop
     load_seconds: float
     keep_alive: float | None  # this model's default: None while preloaded, else the daemon's --keep-alive
+    adapters: ModelAdapters  # its LoRA adapters: those it may serve, those resident, who holds them
     names: set[str] = field(default_factory=set)  # normal_name of every name it answers to
     loaded_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
@@ -140,7 +142,7 @@ class LoadedModel:
     def footprint(self) -> int:
         """Bytes it holds: the weights as loaded, its LoRA adapters' and the KV pool."""
         memory = self.info.memory.loaded_bytes if self.info.memory else 0
-        return memory + self.info.lora_bytes + self.info.kv_cache_bytes
+        return memory + self.adapters.nbytes + self.info.kv_cache_bytes
 
     @property
     def busy(self) -> bool:
@@ -159,18 +161,22 @@ class LoadedModel:
     def facts(self) -> dict:
         """/health's entry for it: the engine's facts and its lifetime."""
         st = self.engine.state
-        return self.info.as_dict(public=True) | {
-            "model": self.name,
-            "name": self.name,
-            "mode": st.mode,
-            "running": st.running,
-            "waiting": st.waiting,
-            "alive": self.engine.alive,
-            "loaded_at": iso(self.loaded_at),
-            "load_seconds": round(self.load_seconds, 2),
-            "expires_at": iso(self.expires_at),
-            "memory_bytes": self.footprint,
-        }
+        return (
+            self.info.as_dict(public=True)
+            | {
+                "model": self.name,
+                "name": self.name,
+                "mode": st.mode,
+                "running": st.running,
+                "waiting": st.waiting,
+                "alive": self.engine.alive,
+                "loaded_at": iso(self.loaded_at),
+                "load_seconds": round(self.load_seconds, 2),
+                "expires_at": iso(self.expires_at),
+                "memory_bytes": self.footprint,
+            }
+            | self.adapters.facts()
+        )
 
 
 def baked_adapters(spec: str) -> dict[str, Path]:
@@ -203,8 +209,14 @@ class ModelPool:
         # LoRA adapters by name -> the model they run over: --lora's over the daemon's own model, a model's own
         # `lora` in --model-settings over that model
         self.adapters: dict[str, str] = {name: self.default_name for name in parse_loras(base.lora)}
+        # and the folders of adapters served by name on demand (--lora-dir; a model's own `lora-dir`) -> theirs
+        self.adapter_dirs: dict[Path, str] = (
+            {Path(base.lora_dir).expanduser(): self.default_name} if base.lora_dir else {}
+        )
         for model, options in settings.model_settings.items():
             self.adapters.update({name: model for name in parse_loras(options.get("lora"))})
+            if options.get("lora_dir"):
+                self.adapter_dirs[Path(options["lora_dir"]).expanduser()] = model
         self.metrics = Metrics()
         self.signal = StepSignal()  # any model stepped, loaded or unloaded: the event streams look again
         self.lost = asyncio.Event()  # an engine lost its device: the daemon exits
@@ -228,8 +240,21 @@ class ModelPool:
     def adapter_route(self, name: str | None) -> tuple[str | None, str | None]:
         """(the model to lease, the LoRA adapter to run under) for a request's model name: an adapter's name
         means its base model under it; any other name the model itself, under none."""
-        base = self.adapters.get(name) if name else None
+        if not name:
+            return name, None
+        base = self.adapters.get(name)
+        if base is None and self.adapter_dirs:
+            base = next((m for folder, m in self.adapter_dirs.items() if name in adapter_files(folder)), None)
         return (name, None) if base is None else (base, name)
+
+    def adapter_names(self) -> dict[str, str]:
+        """Every adapter a request may name -> the model it runs over: --lora's, the models' own, then what
+        the adapter folders hold now."""
+        out = dict(self.adapters)
+        for folder, model in self.adapter_dirs.items():
+            for name in adapter_files(folder):
+                out.setdefault(name, model)
+        return out
 
     def default(self) -> LoadedModel | None:
         """The model the engine endpoints show without ?model=: the daemon's own, else the latest used."""
@@ -434,6 +459,7 @@ class ModelPool:
             loop=loop,
             load_seconds=time.perf_counter() - started,
             keep_alive=self.settings.keep_alive,
+            adapters=ModelAdapters(name, engine, config),
             # (not by its file's folder when an Ollama ADAPTER is baked in: the same file without it is another model)
             names={normal_name(name), normal_name(requested)} | (set() if baked else {normal_name(info.model_dir)}),
             # an Ollama model's ADAPTER applies to its every request, as in Ollama (a `lora` list still changes it)

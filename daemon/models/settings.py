@@ -69,6 +69,8 @@ PER_MODEL_OPTIONS = (
     "mode",
     "lora",
     "max_lora_rank",
+    "max_loras",
+    "lora_dir",
 )
 
 

@@ -47,6 +47,12 @@ class Runner(Protocol):
     def add_lora(self, adapter: LoraAdapter) -> None:
         """Serve `adapter` (checked against the model at its load) under its name."""
 
+    def remove_lora(self, name: str) -> None:
+        """Stop serving the adapter served as `name` (no request runs under it)."""
+
+    def lora_bytes(self) -> int:
+        """What the served adapters' weights take, as the kernels read them."""
+
 
 @dataclass(slots=True)
 class _Stream:
@@ -74,7 +80,11 @@ class LLMEngine:
         tier: BlockTier | None = None,  # a second tier of prefix blocks (kv_tier.py): disk, past restarts
     ) -> None:
         self.runner, self.tokenizer, self.clock = runner, tokenizer, clock
-        self.lora_digests: dict[str, bytes] = {}  # the LoRA adapters served, by name: their weights' digests
+        # the LoRA adapters served, by name: their facts (lora/adapter.py; the weights are the runner's)
+        self.loras: dict[str, LoraAdapter] = {}
+        # reads and checks an adapter against the model, from its path and as its name (lora/adapter.py's
+        # load_adapter, set by factory.build_engine for a model that serves adapters); any thread may call it
+        self.lora_reader: Callable[[str, str], LoraAdapter] | None = None
         self.aborted: set[str] = set()  # aborts asked for from other threads, not applied yet (abort_soon)
         self.abandoned_steps = 0  # forwards stopped between layers because all their requests were aborted
         # proposes draft tokens for decoding rows (None: one token per row per step)
@@ -144,14 +154,22 @@ class LLMEngine:
     def add_lora(self, adapter: LoraAdapter) -> None:
         """Serve `adapter` (lora/adapter.py, checked against the model) to requests that name it."""
         self.runner.add_lora(adapter)
-        self.lora_digests[adapter.name] = adapter.digest
+        self.loras[adapter.name] = adapter.without_weights()
+
+    def remove_lora(self, name: str) -> None:
+        """Let the adapter served as `name` go (its memory with it); a RuntimeError while a request in the
+        engine runs under it. Its blocks stay cached under its digest: loaded again, its prompts are hits."""
+        if any(name == n for r in self.scheduler.requests.values() for n, _ in r.loras):
+            raise RuntimeError(f"LoRA adapter {name!r} is in use")
+        if self.loras.pop(name, None) is not None:
+            self.runner.remove_lora(name)
 
     def lora_digest(self, name: str) -> bytes:
         """The digest of the adapter served as `name`, or RequestRejected (404) naming it."""
-        digest = self.lora_digests.get(name)
-        if digest is None:
+        adapter = self.loras.get(name)
+        if adapter is None:
             raise RequestRejected(f"no LoRA adapter named {name!r} is loaded", "model", "model_not_found", 404)
-        return digest
+        return adapter.digest
 
     def abort_soon(self, request_id: str) -> None:
         """From any thread, before the abort itself is queued: a forward computing for nobody else stops at its

@@ -79,8 +79,7 @@ class EngineInfo:
     tasks: tuple[str, ...] = ("generate", "embed")
     # the CPU kernels: their build and what the integer dot products run on (kernels.cpu.extension.describe)
     cpu_kernels: str | None = None
-    loras: tuple[str, ...] = ()  # the LoRA adapters served over it, by name (a request names one as its model)
-    lora_bytes: int = 0  # what their weights take, stacked as the kernels read them
+    loras: tuple[str, ...] = ()  # the LoRA adapters its --lora names (a request names one as its model)
 
     def as_dict(self, public: bool = False) -> dict:
         """JSON-ready: the fields, with `memory` nested (None fields left out); `public`: without the server's

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+from pathlib import Path
 
 # the adapters a request runs under: (name, scale) pairs, by name, none of scale 0 (none at all: the base model)
 LoraUses = tuple[tuple[str, float], ...]
@@ -51,4 +52,23 @@ def parse_loras(value: str | None) -> dict[str, str]:
         if name in out:
             raise ValueError(f"lora names adapter {name!r} twice")
         out[name] = path
+    return out
+
+
+def adapter_files(folder: str | Path) -> dict[str, Path]:
+    """The adapters in `folder` by the names a request gives them: each PEFT folder (one holding
+    adapter_config.json) by its name, each .gguf file by its name less the suffix. A name is only ever
+    looked up in this listing, never joined to the folder's path."""
+    out: dict[str, Path] = {}
+    try:
+        entries = sorted(Path(folder).iterdir())
+    except OSError:
+        return out
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        if entry.suffix == ".gguf" and entry.is_file():
+            out.setdefault(entry.stem, entry)
+        elif (entry / "adapter_config.json").is_file():
+            out.setdefault(entry.name, entry)
     return out

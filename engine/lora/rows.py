@@ -75,6 +75,11 @@ class LoraSet:
         self.names = [self.names[i] for i in keep]
         del self.adapters[name]
 
+    @property
+    def nbytes(self) -> int:
+        """What the stacked adapters take (the padding past each one's rank included)."""
+        return sum(t.nbytes for v in self.stacked.values() for t in v)
+
     def begin(self, uses: list[LoraUses], lengths: list[int]) -> None:
         """The step's sequences in order: the adapters each runs under with their scales (none: the base),
         and its rows."""

@@ -152,6 +152,14 @@ class ModelRunner:
             raise LoraError(f"adapter {adapter.name!r}: LoRA adapters run over decoders, not encoders")
         self.model.attach_loras(self.device).add(adapter)
 
+    def remove_lora(self, name: str) -> None:
+        if isinstance(self.model, LlamaForCausalLM) and self.model.loras is not None:
+            self.model.loras.remove(name)
+
+    def lora_bytes(self) -> int:
+        loras = self.model.loras if isinstance(self.model, LlamaForCausalLM) else None
+        return loras.nbytes if loras is not None else 0
+
     def device_lost(self) -> bool:
         """After a failed step: whether the device is unusable (a CUDA error is sticky: every later call fails too)."""
         if self.device.type != "cuda":

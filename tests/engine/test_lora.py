@@ -145,6 +145,29 @@ def test_an_unknown_adapter_is_refused_naming_it(tiny_chat_model_dir, adapters):
     assert not eng.has_work()
 
 
+def test_an_adapter_let_go_and_read_again_leaves_the_others_as_they_were(tiny_chat_model_dir, adapters, references):
+    """What --max-loras does between steps: an adapter removed (refused while a request runs under it) takes its
+    memory with it, the others' rows keep their answers, and read again (into another slot) it answers as before."""
+    eng = _engine(tiny_chat_model_dir, adapters)
+    names = list(ADAPTERS)
+    first, rest = names[0], names[1:]
+    full = eng.runner.lora_bytes()
+    eng.add_request("busy", PROMPTS[0], SamplingParams(max_tokens=2), loras=uses(first))
+    with pytest.raises(RuntimeError, match="in use"):
+        eng.remove_lora(first)
+    while eng.has_work():
+        eng.step()
+    eng.remove_lora(first)
+    assert 0 < eng.runner.lora_bytes() < full and first not in eng.loras
+    with pytest.raises(RequestRejected, match=f"no LoRA adapter named {first!r}"):
+        eng.add_request("gone", PROMPTS[0], SamplingParams(max_tokens=2), loras=uses(first))
+    got = _run(eng, [(n, n, 1) for n in rest])
+    assert all(got[n] == references[(n, 1)] for n in rest), got
+    eng.add_lora(load_peft(adapters[first], first, eng.runner.model.config))  # now in the last slot
+    got = _run(eng, [(n, n, 0) for n in names] + [("base", None, 0)])
+    assert all(got[n] == references[(n, 0)] for n in names) and got["base"] == references[(None, 0)], got
+
+
 def test_bad_adapters_are_refused_at_load_with_the_reason(tiny_chat_model_dir, adapters, tmp_path):
     cfg = build_engine(
         EngineConfig(model=str(tiny_chat_model_dir), dtype="float32", weights="native-exact", num_kv_blocks=16)

@@ -292,16 +292,40 @@ def test_help_screen_and_clear(history):
 def test_block_map_colours_cells_by_pane():
     blocks = {"total": 8, "owners": {"a": [1, 2], "b": [3]}, "shared": [2]}
     cells = block_map_cells(blocks, {"a": 0, "b": 4}, cells=8)
-    assert cells[:4] == [("used", 0, False), ("used", 0, True), ("used", 4, False), ("free", None, False)]
+    assert cells[:4] == [
+        ("used", 0, False, None),
+        ("used", 0, True, None),
+        ("used", 4, False, None),
+        ("free", None, False, None),
+    ]
     grouped = block_map_cells({"total": 8, "owners": {"a": [1, 2, 3]}, "shared": []}, {"a": 1}, cells=4)
-    assert grouped == [("used", 1, False), ("used", 1, False), ("free", None, False), ("free", None, False)]
+    assert grouped == [("used", 1, False, None)] * 2 + [("free", None, False, None)] * 2
     # an embedding's blocks are marked as such (the daemon lists which owners are embeddings)
     mixed = {"total": 4, "owners": {"e": [1, 2], "a": [3]}, "shared": [], "embeddings": ["e"]}
     assert block_map_cells(mixed, {"a": 2}, cells=4)[:3] == [
-        ("embedding", None, False),
-        ("embedding", None, False),
-        ("used", 2, False),
+        ("embedding", None, False, None),
+        ("embedding", None, False, None),
+        ("used", 2, False, None),
     ]
+
+
+def test_block_map_marks_the_blocks_of_requests_under_lora_adapters():
+    """A request under an adapter: its blocks show the adapter's letter (by name, as in the timeline), named in
+    a legend line; the base's blocks stay squares."""
+    blocks = {
+        "total": 6,
+        "owners": {"a": [1, 2], "b": [3], "c": [4]},
+        "shared": [],
+        "adapters": {"a": "tone", "b": "sql"},
+    }
+    cells = block_map_cells(blocks, {"a": 0}, cells=6)
+    assert [c[3] for c in cells] == ["tone", "tone", "sql", None, None, None]
+    panel = EnginePanel(["red"])
+    panel.update_blocks(blocks, {"a": 0})
+    plain = panel._map.plain
+    assert "LoRA a sql  b tone" in plain and "bba■" in plain, plain
+    spans = {(plain[s.start : s.end], str(s.style)) for s in panel._map.spans if s.end - s.start == 1}
+    assert ("b", "bold red") in spans and ("a", "bold grey70") in spans
 
 
 def test_status_line_numbers():
@@ -420,10 +444,11 @@ def test_timeline_marks_rows_under_lora_adapters_by_letter():
     ]
     text = render_timeline(recs, {"a": 0}, ["red"], cols=30, height=20)
     plain = str(text)
-    # a decodes as tone's letter, b as sql's, c (the base) as a plain decode; prefill keeps its mark
-    assert "LoRA a tone  b sql" in plain and "  0  ▒a" in plain and "  1  ▒b" in plain and "  2  ▒█" in plain
+    # letters by name (the block map's too): a decodes as tone's, b as sql's, c (the base) as a plain decode;
+    # prefill keeps its mark
+    assert "LoRA a sql  b tone" in plain and "  0  ▒b" in plain and "  1  ▒a" in plain and "  2  ▒█" in plain
     cells = {(text.plain[s.start : s.end], str(s.style)) for s in text.spans if s.end - s.start == 1}
-    assert ("a", "bold red") in cells and ("b", "bold grey62") in cells
+    assert ("b", "bold red") in cells and ("a", "bold grey62") in cells
     assert "LoRA" not in str(render_timeline([step_record(1, [[0, "a", 1, "d"]])], {}, ["red"], cols=30, height=20))
 
 

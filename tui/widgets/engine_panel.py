@@ -13,7 +13,7 @@ from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
 
 from ..names import short_model_name
-from .timeline import Timeline
+from .timeline import Timeline, adapter_letters
 
 HISTORY = 180  # occupancy samples kept: one a panel redraw (frames.py), about a minute
 MAP_CELLS = 96  # cells in the block map; each stands for one block or a group of blocks
@@ -42,9 +42,12 @@ def bar(fraction: float, width: int) -> str:
     return "█" * filled + "░" * (width - filled)
 
 
-def block_map_cells(blocks: dict, owners: dict[str, int], cells: int = MAP_CELLS) -> list[tuple[str, int | None, bool]]:
-    """Per cell: ('free'|'used'|'embedding', pane index owning most of it or None, holds a shared block);
-    'embedding' when the request holding most of it is an embedding."""
+def block_map_cells(
+    blocks: dict, owners: dict[str, int], cells: int = MAP_CELLS
+) -> list[tuple[str, int | None, bool, str | None]]:
+    """Per cell: ('free'|'used'|'embedding', pane index owning most of it or None, holds a shared block, the
+    LoRA adapters the request holding most of it runs under ("+"-joined) or None); 'embedding' when that
+    request is an embedding."""
     total = blocks.get("total", 0)
     if not total:
         return []
@@ -56,16 +59,17 @@ def block_map_cells(blocks: dict, owners: dict[str, int], cells: int = MAP_CELLS
             owner_of[b] = rid
     shared = set(blocks.get("shared", []))
     embeddings = set(blocks.get("embeddings", []))
+    adapters = blocks.get("adapters", {})
     out = []
     for c in range(n_cells):
         ids = range(1 + c * per_cell, 1 + min(total, (c + 1) * per_cell))  # block 0 is the null block
         held = [owner_of[b] for b in ids if b in owner_of]
         if not held:
-            out.append(("free", None, False))
+            out.append(("free", None, False, None))
             continue
         top = max(set(held), key=held.count)
         kind = "embedding" if top in embeddings else "used"
-        out.append((kind, owners.get(top), any(b in shared for b in ids)))
+        out.append((kind, owners.get(top), any(b in shared for b in ids), adapters.get(top)))
     return out
 
 
@@ -269,13 +273,17 @@ class EnginePanel(Vertical):
         text = Text("KV block map ", style="bold")
         text.append("(ctrl+g: timeline)\n", style="dim")
         text.append(f"■ = {per} block{'s' if per > 1 else ''}, by pane; ◆ shared; ▲ an embedding's\n", style="dim")
+        letters = adapter_letters(adapter for *_, adapter in cells if adapter)
+        if letters:  # a request under a LoRA adapter: its blocks show the adapter's letter, as in the timeline
+            text.append("LoRA " + "  ".join(f"{c} {name}" for name, c in letters.items()) + "\n", style="dim")
         width = 32
-        for i, (state, pane, shared) in enumerate(cells):
+        for i, (state, pane, shared, adapter) in enumerate(cells):
             if state == "free":
                 text.append("·", style="grey37")
             else:
                 color = self.pane_colors[pane % len(self.pane_colors)] if pane is not None else "grey70"
-                text.append("◆" if shared else "▲" if state == "embedding" else "■", style=color)
+                mark = "◆" if shared else "▲" if state == "embedding" else letters.get(adapter or "", "■")
+                text.append(mark, style=f"bold {color}" if mark in letters.values() else color)
             if (i + 1) % width == 0:
                 text.append("\n")
         self._map = text  # drawn at the next redraw, in the frame clock's frame (not a screen update of its own)

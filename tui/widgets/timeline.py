@@ -6,7 +6,7 @@ decode that verified a draft and took that many tokens in the step (+ for ten
 or more), ▲ an embedding's prompt chunk (it leaves the batch with its prompt: no
 decode follows), ╳ padding (static mode computing a finished request's row: wasted),
 ┄ held without computing, · empty; a row under a LoRA adapter decodes as that adapter's letter (a, b, c
-in the order they first show, named in a legend line). Beneath, the waiting queue per step. In static
+by name, as the block map marks its blocks; named in a legend line). Beneath, the waiting queue per step. In static
 mode finished rows turn to ╳ until the longest member ends (a staircase);
 in continuous mode a freed row takes the next request at the next step.
 """
@@ -20,6 +20,12 @@ from textual.widgets import Static
 
 KEEP = 512  # step records kept client-side (the daemon keeps its own ring)
 MARKS = {"p": "▒", "d": "█", "e": "▲", "x": "╳", "h": "┄"}  # "v" (verified) shows the tokens taken: verified_mark
+
+
+def adapter_letters(names) -> dict[str, str]:
+    """Each LoRA adapter shown (a row's adapters, "+"-joined) -> its letter, in the order of their names: the
+    timeline and the block map give one adapter one letter."""
+    return {name: chr(ord("a") + i % 26) for i, name in enumerate(sorted(set(names)))}
 
 
 def verified_mark(accepted: int) -> str:
@@ -85,10 +91,7 @@ def render_timeline(
     if not recent:
         text.append("no steps yet", style="dim")
         return text
-    letters: dict[str, str] = {}  # each LoRA adapter shown, its letter
-    for r in recent:
-        for name in r.get("adapters", {}).values():
-            letters.setdefault(name, chr(ord("a") + len(letters) % 26))
+    letters = adapter_letters(name for r in recent for name in r.get("adapters", {}).values())
     used = max((row for r in recent for row, *_ in r["rows"]), default=-1) + 1
     legend = 1 if letters and not compact else 0
     shown = max(1, min(used, max_rows or used, height - (2 if compact else 5 + legend)))
