@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from minibatch.engine.lora.adapter import LoraAdapter, LoraError
 from minibatch.engine.lora.names import adapter_files, parse_loras
 from minibatch.engine.lora.rows import WEIGHTS
+from minibatch.engine.store import sources
 
 from ..protocol import ApiError
 
@@ -30,6 +31,17 @@ if TYPE_CHECKING:
     from minibatch.engine.factory import EngineConfig
 
 log = logging.getLogger("minibatch.daemon")
+
+
+def baked_adapters(spec: str) -> dict[str, Path]:
+    """The LoRA adapters a model of Ollama's store runs under (its Modelfile's ADAPTER lines), by the names its
+    engine serves them as (`adapter0`, ...); none for any other model."""
+    if not spec.startswith("ollama:"):
+        return {}
+    try:
+        return {f"adapter{i}": p for i, p in enumerate(sources.ollama_adapters(spec.removeprefix("ollama:")))}
+    except sources.SourceError:
+        return {}  # (the load itself says what is wrong with the model)
 
 
 def served_bytes(adapter: LoraAdapter) -> int:

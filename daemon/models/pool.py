@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 from minibatch.engine.factory import EngineConfig
 from minibatch.engine.lora.names import adapter_files, parse_loras
 from minibatch.engine.models.config import ModelSettingError
-from minibatch.engine.store import sources
 from minibatch.engine.store.cache import (
     ModelNotFoundError,
     list_models,
@@ -39,7 +38,7 @@ from minibatch.engine.store.cache import (
 
 from ..monitor import EngineMonitor, Metrics, StepSignal
 from ..protocol import ApiError
-from .adapters import ModelAdapters
+from .adapters import ModelAdapters, baked_adapters
 from .names import cut, display_name, listed, normal_name, spec_of
 from .settings import DEFAULT_MEMORY_SHARE, PoolSettings, parse_duration
 
@@ -177,17 +176,6 @@ class LoadedModel:
             }
             | self.adapters.facts()
         )
-
-
-def baked_adapters(spec: str) -> dict[str, Path]:
-    """The LoRA adapters a model of Ollama's store runs under (its Modelfile's ADAPTER lines), by the names its
-    engine serves them as (`adapter0`, ...); none for any other model."""
-    if not spec.startswith("ollama:"):
-        return {}
-    try:
-        return {f"adapter{i}": p for i, p in enumerate(sources.ollama_adapters(spec.removeprefix("ollama:")))}
-    except sources.SourceError:
-        return {}  # (the load itself says what is wrong with the model)
 
 
 class ModelPool:
