@@ -25,7 +25,7 @@ from minibatch.engine.core.config import MODES
 from minibatch.engine.core.engine import LLMEngine
 from minibatch.engine.core.info import EngineInfo
 from minibatch.engine.core.outputs import EngineState, RequestOutput, StepStats
-from minibatch.engine.core.request import Request
+from minibatch.engine.core.request import ImageSpan, Request, check_images
 from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.heap import release_free_memory
 from minibatch.engine.lora.names import LoraUses
@@ -145,11 +145,12 @@ class AsyncEngine:
         cache_salt: int = 0,
         reuse_shifted: bool = False,
         loras: LoraUses = (),
+        images: tuple[ImageSpan, ...] = (),
     ) -> str:
         """Check and queue a request (from the event loop); raises RequestRejected or QueueFull at once.
         `pooling`: an embedding request, `cache_salt`: its prefix caches' namespace, `reuse_shifted`: it may
-        start from a recent prompt's K/V at shifted positions, `loras`: the adapters it runs under
-        (LLMEngine.add_request)."""
+        start from a recent prompt's K/V at shifted positions, `loras`: the adapters it runs under, `images`: its
+        prompt's images (LLMEngine.add_request)."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
         request_id = request_id or f"req-{next(self._ids)}"
@@ -158,6 +159,7 @@ class AsyncEngine:
         sched.check(probe)
         for name, _ in loras:
             self.engine.lora_digest(name)  # a 404 naming it, at once
+        check_images(images, len(prompt_token_ids))
         with self._count_lock:
             # Counted over every request in flight, those still in the inbox too, so the cap is
             # exact however fast the engine admits.
@@ -179,6 +181,7 @@ class AsyncEngine:
                     cache_salt=cache_salt,
                     reuse_shifted=reuse_shifted,
                     loras=loras,
+                    images=images,
                 )
             except RequestRejected as exc:
                 self._emit(RequestOutput(request_id, "", [], True, "abort", error=str(exc)))

@@ -161,7 +161,7 @@ class BlockManager:
         the request's salt), up to the last that leaves a token to compute."""
         parent = req.cache_salt if parent is None else parent
         for i in range(start, (req.num_tokens - 1) // self.block_size):
-            tokens = tuple(req.tokens(i * self.block_size, (i + 1) * self.block_size))
+            tokens = req.key_tokens(i * self.block_size, (i + 1) * self.block_size)
             h = block_hash(parent, tokens)
             yield BlockKey(h, parent, tokens)
             parent = h
@@ -295,7 +295,7 @@ class BlockManager:
         approx_from, nonce = self.req_approx.get(req.request_id, (num_full, 0))
         for i in range(start, num_full):
             block = blocks[i]
-            tokens = tuple(req.tokens(i * self.block_size, (i + 1) * self.block_size))
+            tokens = req.key_tokens(i * self.block_size, (i + 1) * self.block_size)
             if i == approx_from:  # shifted contents from here on: a chain no exact lookup computes
                 parent = block_hash(parent, (-1, nonce & 0x7FFFFFFF, nonce >> 31))
             h = block_hash(parent, tokens)
@@ -316,7 +316,7 @@ class BlockManager:
         n = self.req_num_hashed.get(req.request_id, 0)
         if n == 0 or self.req_num_released.get(req.request_id) or any(b.block_hash is None for b in blocks[:n]):
             return
-        tokens = req.tokens(0, n * self.block_size)
+        tokens = list(req.key_tokens(0, n * self.block_size))  # (as its blocks are keyed: images by their key)
         approx = self.req_approx.get(req.request_id)
         source = ReuseSource(
             tokens, [b.block_hash for b in blocks[:n]], approx[0] if approx and approx[0] < n else None
@@ -345,7 +345,7 @@ class BlockManager:
         if not req.reuse_shifted or not self.enable_prefix_caching or req.computes_every_position:
             return None
         start, limit = len(computed) * self.block_size, req.num_tokens - 1
-        tokens = req.tokens(0, req.num_tokens)
+        tokens = list(req.key_tokens(0, req.num_tokens))
         best = None
         for source in reversed(self.reuse_sources.get(req.cache_salt, ())):
             usable = len(self._usable_blocks(source)) * self.block_size

@@ -19,7 +19,7 @@ from minibatch.engine.core.detokenizer import IncrementalDetokenizer, Tokenizer
 from minibatch.engine.core.info import EngineInfo
 from minibatch.engine.core.kv_tier import BlockTier, TierCounters
 from minibatch.engine.core.outputs import EngineState, RequestOutput, RunnerOutput, StepAbandoned, StepStats
-from minibatch.engine.core.request import POOLINGS, Request, RequestStatus
+from minibatch.engine.core.request import POOLINGS, ImageSpan, Request, RequestStatus, check_images
 from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.core.scheduler import Scheduler
 from minibatch.engine.core.scheduler_output import SchedulerOutput
@@ -115,6 +115,7 @@ class LLMEngine:
         cache_salt: int = 0,
         reuse_shifted: bool = False,
         loras: LoraUses = (),
+        images: tuple[ImageSpan, ...] = (),
     ) -> Request:
         """Queue a request; raises RequestRejected (or QueueFull) with the reason.
 
@@ -128,9 +129,12 @@ class LLMEngine:
         `reuse_shifted`: it may start from a recent prompt's K/V at shifted positions (core/kv_reuse.py; not what
         computing its prompt gives: fill-in-the-middle requests).
         `loras`: the LoRA adapters the model serves (add_lora) to run it under, with their scales (lora_uses);
-        its blocks are cached in a namespace of their own."""
+        its blocks are cached in a namespace of their own.
+        `images`: its prompt's images (request.py's ImageSpan: placeholder positions whose input embeddings are
+        the image's), in order, apart, within the prompt; a ValueError otherwise."""
         if pooling not in (None, *POOLINGS):
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        check_images(images, len(prompt_token_ids))
         if loras:
             cache_salt = lora_salt(cache_salt, [(self.lora_digest(name), scale) for name, scale in loras])
         req = Request(
@@ -142,6 +146,7 @@ class LLMEngine:
             cache_salt=cache_salt,
             reuse_shifted=reuse_shifted,
             loras=loras,
+            images=tuple(images),
         )
         leader = self.scheduler.requests.get(share_prompt_with) if share_prompt_with is not None else None
         if leader is not None and leader.prompt_token_ids == req.prompt_token_ids:

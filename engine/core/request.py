@@ -5,13 +5,42 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.lora.names import LoraUses
 
+if TYPE_CHECKING:  # (the core imports no torch: the runner reads an image's embeddings)
+    import torch
+
 # How an embedding request pools its prompt's hidden states: the last position's, their mean, the first's; or
 # "rank": a cross-encoder's classification head over the first (a query and document pair's relevance).
 POOLINGS = ("last", "mean", "cls", "rank")
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSpan:
+    """An image in a prompt: the run of placeholder positions [offset, offset + len(embeds)) whose input
+    embeddings are the image's (its vision tower's output, [n, hidden]) instead of the placeholder token's.
+    `key`: from the image's content hash. The prefix caches key those positions by it, not by the placeholder
+    ids: two images never share a block, the same image sent again is a hit."""
+
+    offset: int
+    embeds: torch.Tensor
+    key: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.embeds.shape[0]
+
+
+def check_images(images: tuple[ImageSpan, ...], prompt_len: int) -> None:
+    """A ValueError unless the images are in order, apart and within the prompt."""
+    end = 0
+    for span in images:
+        if span.offset < end or span.end > prompt_len:
+            raise ValueError(f"image at {span.offset}: images must be in order, apart and within the prompt")
+        end = span.end
 
 
 class RequestStatus(IntEnum):
@@ -74,11 +103,21 @@ class Request:
     pooling: str | None = None
     embedding: list[float] | None = None
     loras: LoraUses = ()  # the LoRA adapters it runs under and their scales (lora/names.py); none: the base model
+    images: tuple[ImageSpan, ...] = ()  # its prompt's images, in order, apart
 
     @property
     def computes_every_position(self) -> bool:
         """Its pooling reads hidden states before the last position: no prefix-cache hit may skip one."""
         return self.pooling in ("mean", "cls", "rank")
+
+    def key_tokens(self, start: int, end: int) -> tuple[int, ...]:
+        """Its tokens [start, end) as the prefix caches key them: an image's positions by the image (negative
+        values from its key and the position within it: never a token id), the rest by their token ids."""
+        tokens = self.tokens(start, end)
+        for span in self.images:
+            for pos in range(max(start, span.offset), min(end, span.end)):
+                tokens[pos - start] = -1 - ((span.key + pos - span.offset) & 0x3FFFFFFF)
+        return tuple(tokens)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -187,6 +187,9 @@ class LlamaForCausalLM(nn.Module):
         self.logits_proj: nn.Module | None = None  # a packed or quantized output projection (CPU paths)
         self.weights_desc = "float32"  # what the matrices run as, for /health and the panel
         self.loras: LoraSet | None = None  # the LoRA adapters it serves (attach_loras)
+        # this step's image positions: (their rows in the flat batch, the images' embeddings for them), which
+        # take the place of the placeholder tokens' embeddings (set by the runner for one forward)
+        self.image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def attach_loras(self, device: torch.device) -> LoraSet:
         """The model's LoraSet, made on first use: every layer's attention and MLP then add the updates of the
@@ -222,7 +225,7 @@ class LlamaForCausalLM(nn.Module):
         if self.config.sandwich_norms:
             return self._forward_sandwich(input_ids, positions, kv_caches, meta)
         ops, eps, layers = self.ops, self.config.rms_norm_eps, self.model.layers
-        residual = self.model.embed_tokens(input_ids)
+        residual = self._with_images(self.model.embed_tokens(input_ids))
         h = ops.rms_norm(residual, layers[0].input_layernorm.weight, eps)
         # Each residual add is fused with the norm that follows it (the next layer's, or the final one).
         for i, (layer, cache) in enumerate(zip(layers, kv_caches, strict=True)):
@@ -234,12 +237,20 @@ class LlamaForCausalLM(nn.Module):
             h, residual = ops.add_rms_norm(layer.mlp(h), residual, nxt.weight, eps)
         return h
 
+    def _with_images(self, embeds: torch.Tensor) -> torch.Tensor:
+        """The input embeddings with the step's image positions taking the images' (after Gemma's scale, which
+        only token embeddings get)."""
+        if self.image_rows is None:
+            return embeds
+        index, rows = self.image_rows
+        return embeds.index_copy(0, index, rows.to(embeds.dtype))
+
     def _forward_sandwich(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """Gemma's layer: norm, attention, norm, add; norm, MLP, norm, add (the norms' weights hold 1 + w)."""
         ops, cfg, layers = self.ops, self.config, self.model.layers
         eps = cfg.rms_norm_eps
         residual = self.model.embed_tokens(input_ids)
-        residual = residual * torch.tensor(cfg.embed_scale, dtype=residual.dtype)
+        residual = self._with_images(residual * torch.tensor(cfg.embed_scale, dtype=residual.dtype))
         h = ops.rms_norm(residual, layers[0].input_layernorm.weight, eps)
         for i, (layer, cache) in enumerate(zip(layers, kv_caches, strict=True)):
             if meta.abandon is not None and meta.abandon():

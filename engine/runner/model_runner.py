@@ -46,6 +46,8 @@ class ModelRunner:
         adapters: list[LoraUses] = []  # each sequence's LoRA adapters (none: the base)
         sampling: list[tuple[Request, list[int], list[int]]] = []  # (request, its draft, its sequences' indexes)
         pooled: list[tuple[Request, int, int, int]] = []  # embedding requests: (request, sequence, start, tokens)
+        images: list[tuple[int, torch.Tensor]] = []  # (the flat batch's row of the first, an image's rows)
+        flat = 0  # rows of the chunks so far
         for req, n, draft in zip(out.requests, out.num_new_tokens, out.drafts):
             start = req.num_computed_tokens
             if draft:
@@ -55,12 +57,18 @@ class ModelRunner:
                 first = len(chunks)
                 for j, token in enumerate([req.token_at(start), *draft]):
                     chunks.append([token])
+                    flat += 1
                     starts.append(start + j)
                     tables.append(req.block_ids)
                     adapters.append(req.loras)
                 sampling.append((req, draft, list(range(first, len(chunks)))))
                 continue
             chunks.append(req.tokens(start, start + n))
+            for span in req.images:  # its image positions in this chunk take the image's embeddings
+                lo, hi = max(start, span.offset), min(start + n, span.end)
+                if lo < hi:
+                    images.append((flat + lo - start, span.embeds[lo - span.offset : hi - span.offset]))
+            flat += n
             starts.append(start)
             tables.append(req.block_ids)
             adapters.append(req.loras)
@@ -80,21 +88,29 @@ class ModelRunner:
             return RunnerOutput()
         batch = build_flat_batch(chunks, starts, tables, self.block_size, self.device)
         batch.attn.abandon = out.abandon
-        loras = self.model.loras if isinstance(self.model, LlamaForCausalLM) else None
+        decoder = self.model if isinstance(self.model, LlamaForCausalLM) else None
+        loras = decoder.loras if decoder is not None else None
         if loras is not None:
             loras.begin(adapters, [len(c) for c in chunks])
+        if images and decoder is not None:
+            index = torch.cat([torch.arange(row, row + len(e)) for row, e in images]).to(self.device)
+            decoder.image_rows = (index, torch.cat([e for _, e in images]).to(self.device))
         try:
-            return self._forward(batch, chunks, sampling, pooled, loras is not None and loras.slots is not None)
+            # (rows under adapters or of images: the decode graphs hold neither)
+            special = (loras is not None and loras.slots is not None) or bool(images)
+            return self._forward(batch, chunks, sampling, pooled, special)
         finally:
             if loras is not None:
                 loras.end()
+            if decoder is not None:
+                decoder.image_rows = None
 
-    def _forward(self, batch, chunks, sampling, pooled, adapted: bool) -> RunnerOutput:
-        """The forward of the step's flat batch and its sampling (`adapted`: rows under LoRA adapters, which
-        the decode graphs do not hold)."""
+    def _forward(self, batch, chunks, sampling, pooled, special: bool) -> RunnerOutput:
+        """The forward of the step's flat batch and its sampling (`special`: rows under LoRA adapters or of
+        images, which the decode graphs do not hold)."""
         rows = [i for _, _, seqs in sampling for i in seqs]
         logits = None
-        if self.graphs is not None and not pooled and not adapted:
+        if self.graphs is not None and not pooled and not special:
             # None unless a pure decode step that a graph fits (verify rows are decode sequences too);
             # static mode's padding rows (finished members still computed) replay as well, their logits dropped.
             logits = self.graphs.run(batch)
