@@ -10,12 +10,13 @@ from pathlib import Path
 
 from minibatch.engine.core.request import POOLINGS
 
+# a vision model's folder type -> its text model's (config.json's `text_config`; the tower is engine/vision/'s)
+VISION_WRAPPERS = {"gemma3": "gemma3_text"}
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 GEMMA = ("gemma2", "gemma3_text")
 # Families people ask for that our forward does not run yet, and what they need.
 _NOT_YET = {
     "gemma": "Gemma 1's layout (no pre/post norms); Gemma 2 and 3 run",
-    "gemma3": "the multimodal Gemma 3 layout (a vision tower); its text-only checkpoints (gemma3_text) run",
 }
 
 
@@ -79,6 +80,9 @@ class ModelConfig:
     # "rank" (a decoder reranker, Qwen3-Reranker's GGUF): its last token's hidden state scored by `score` rows
     # (llama.cpp's cls.output: the lm_head's "yes" and "no" rows), the relevance the first row's softmax share
     score_labels: int = 0
+    # a vision model's text side (Gemma 3's folder): the token whose run in a prompt an image's embeddings take
+    # the place of (engine/vision/ makes them), None for a model that sees no images
+    image_token_id: int | None = None
 
     @property
     def default_context(self) -> int:
@@ -103,6 +107,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict) -> ModelConfig:
         model_type = cfg.get("model_type", "")
+        if model_type in VISION_WRAPPERS and isinstance(cfg.get("text_config"), dict):
+            # a vision model's folder: its text model's config, with what marks an image in a prompt
+            text = {**cfg["text_config"], "model_type": VISION_WRAPPERS[model_type]}
+            image = cfg.get("image_token_id", cfg.get("image_token_index"))
+            return dataclasses.replace(cls.from_dict(text), image_token_id=None if image is None else int(image))
         if model_type in _NOT_YET:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported yet (it needs {_NOT_YET[model_type]}); "

@@ -366,13 +366,15 @@ def list_models(cache_dir: Path | None = None) -> list[ModelEntry]:
     from minibatch.engine.encoders.config import ENCODER_MODEL_TYPES
     from minibatch.engine.encoders.gguf import ARCHITECTURES as ENCODER_ARCHITECTURES
     from minibatch.engine.gguf.architectures import ARCHITECTURES
-    from minibatch.engine.models.config import SUPPORTED_MODEL_TYPES
+    from minibatch.engine.models.config import SUPPORTED_MODEL_TYPES, VISION_WRAPPERS
 
     for m in found:
         size = f"{m.size / 2**20:.0f} MB" if m.size else "?"
         is_gguf = m.path is not None and m.path.is_file()  # Ollama blobs and .gguf files; the rest are directories
         gguf_families = (*ARCHITECTURES, *ENCODER_ARCHITECTURES)
-        supported = m.family in (gguf_families if is_gguf else SUPPORTED_MODEL_TYPES + ENCODER_MODEL_TYPES)
+        supported = m.family in (
+            gguf_families if is_gguf else (*SUPPORTED_MODEL_TYPES, *VISION_WRAPPERS, *ENCODER_MODEL_TYPES)
+        )
         usable = supported and not m.quantization.startswith("unusable")
         note = f"{m.family}{'' if supported else ' (family not supported)'} · {m.quantization} · {size} · {m.path}"
         entries.append(ModelEntry(m.name, m.source, m.path, usable, note))

@@ -171,6 +171,9 @@ def fill_parameters(model: LlamaForCausalLM, tensors) -> None:
         for key, tensor in tensors:
             if key.endswith(_IGNORED_SUFFIXES):
                 continue
+            key = text_model_key(key)
+            if key is None:  # a vision model's tower and projector: engine/vision/ loads them
+                continue
             if key == "lm_head.weight" and model.lm_head is None:
                 continue  # tied embeddings: the checkpoint may still store a copy
             target, shard = _target(key)
@@ -195,6 +198,22 @@ def fill_parameters(model: LlamaForCausalLM, tensors) -> None:
         if unexpected:
             msg.append(f"unexpected tensors: {', '.join(sorted(unexpected))}")
         raise WeightLoadError("; ".join(msg))
+
+
+_VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
+
+
+def text_model_key(key: str) -> str | None:
+    """A vision model's text tensors under a text model's names (transformers 5's `model.language_model.*`,
+    the hub's `language_model.model.*` and `language_model.lm_head.*`); None for its vision tensors; any
+    other name as it is."""
+    if key.removeprefix("model.").startswith(_VISION_PARTS):
+        return None
+    if key.startswith("model.language_model."):
+        return "model." + key.removeprefix("model.language_model.")
+    if key.startswith("language_model."):
+        return key.removeprefix("language_model.")
+    return key
 
 
 def _target(key: str) -> tuple[str, int | None]:

@@ -52,7 +52,11 @@ def _save(kind: str, path):
             eos_token_id=2,
         )
         model = transformers.Phi3ForCausalLM(cfg)
-    elif kind in ("gemma2", "gemma3"):  # windows alternate by layer; gemma2 soft-caps, gemma3 has two rope bases
+    elif kind in (
+        "gemma2",
+        "gemma3",
+        "gemma3-vision",
+    ):  # windows alternate by layer; gemma2 soft-caps, gemma3 has two rope bases
         extra = dict(
             head_dim=16,
             query_pre_attn_scalar=24,
@@ -70,6 +74,26 @@ def _save(kind: str, path):
                 **common | extra, sliding_window_pattern=2, rope_theta=1e6, rope_local_base_freq=1e4
             )
             model = transformers.Gemma3ForCausalLM(cfg)
+            if kind == "gemma3-vision":  # the same text model in a vision model's folder (its tower beside it)
+                vision = dict(
+                    model_type="siglip_vision_model",
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                    image_size=32,
+                    patch_size=8,
+                    vision_use_head=False,
+                )
+                cfg = transformers.Gemma3Config(
+                    text_config=cfg,
+                    vision_config=vision,
+                    mm_tokens_per_image=4,
+                    image_token_index=299,
+                    boi_token_index=297,
+                    eoi_token_index=298,
+                )
+                model = transformers.Gemma3ForConditionalGeneration(cfg)
         with torch.no_grad():  # init leaves the norms at zero (a scale of 1 + 0); make them matter
             for name, p in model.named_parameters():
                 if "norm" in name:
@@ -87,7 +111,7 @@ def _save(kind: str, path):
     return path
 
 
-@pytest.fixture(scope="module", params=["mistral", "qwen3", "phi3", "gemma2", "gemma3"])
+@pytest.fixture(scope="module", params=["mistral", "qwen3", "phi3", "gemma2", "gemma3", "gemma3-vision"])
 def family(request, tmp_path_factory):
     path = _save(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -111,15 +135,16 @@ def backends():
 def test_config_reads_the_family_features(family):
     kind, path, _ = family
     ours = load_model(path, TorchAttentionBackend())
-    assert ours.config.model_type == {"gemma3": "gemma3_text"}.get(kind, kind)
+    assert ours.config.model_type == {"gemma3": "gemma3_text", "gemma3-vision": "gemma3_text"}.get(kind, kind)
+    assert ours.config.image_token_id == (299 if kind == "gemma3-vision" else None)
     assert ours.config.sliding_window == (WINDOW if kind in ("mistral", "phi3") else None)
-    assert ours.config.qk_norm == (kind in ("qwen3", "gemma3"))
+    assert ours.config.qk_norm == (kind in ("qwen3", "gemma3", "gemma3-vision"))
     if kind.startswith("gemma"):  # sliding layers alternate with global ones
         assert ours.config.layer_windows == (WINDOW, 0, WINDOW, 0)
         assert (ours.config.attn_softcap, ours.config.final_softcap) == (
             (20.0, 5.0) if kind == "gemma2" else (None, None)
         )
-        assert (ours.config.rope_local is not None) == (kind == "gemma3")
+        assert (ours.config.rope_local is not None) == kind.startswith("gemma3")
     if kind == "phi3":  # LongRoPE: the model's context is the long one; a server runs the original by default
         assert ours.config.rope.rope_type == "longrope" and ours.config.max_position == 256
         assert ours.config.default_context == 64 and ours.model.rotary.cos.shape[0] == 64
