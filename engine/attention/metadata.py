@@ -38,6 +38,10 @@ class AttentionMetadata:
     # Asked between layers: True when nobody wants this forward's result any more (every row's request was
     # aborted meanwhile): the forward stops there (StepAbandoned)
     abandon: Callable[[], bool] | None = None
+    # [num_tokens, 2] int32: for a row of an image whose positions attend to each other (Gemma 3's), the
+    # image's [first, stop) positions: it attends to the later ones too (a sliding window still starts where it
+    # did); (0, 0) for the others. None: every row causal
+    image_spans: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -91,10 +91,13 @@ class TorchAttentionBackend:
                 slots = _context_slots(table, ctx, bs, device)
                 mask = None
                 window = meta.window if meta.window and ctx > meta.window else 0
-                if ctx != qlen or window:  # a chunk after cached context (causal with an offset), or a window
+                spans = meta.image_spans[start : start + qlen] if meta.image_spans is not None else None
+                if ctx != qlen or window or spans is not None:  # after cached context, a window, an image
                     q_pos = torch.arange(ctx - qlen, ctx, device=device)[:, None]
                     k_pos = torch.arange(ctx, device=device)[None, :]
                     mask = k_pos <= q_pos
+                    if spans is not None:  # a whole image's rows attend to its later positions too
+                        mask |= (k_pos >= spans[:, 0:1].long()) & (k_pos < spans[:, 1:2].long())
                     if window:
                         mask &= k_pos > q_pos - window
                 prefills.append((start, qlen, slots, mask))
@@ -131,6 +134,7 @@ class TorchAttentionBackend:
                 scale,
                 meta.window,
                 meta.softcap,
+                meta.image_spans,
             )
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_flat = kv_cache[0].view(-1, *kv_cache[0].shape[2:])  # [num_slots, kv_heads, row] in the cache's type

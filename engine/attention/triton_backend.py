@@ -64,4 +64,5 @@ class TritonAttentionBackend:
             meta.softcap,
             plan.max_seq_len,
             plan.min_query_len,
+            meta.image_spans,
         )

@@ -135,6 +135,11 @@ class LLMEngine:
         if pooling not in (None, *POOLINGS):
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         check_images(images, len(prompt_token_ids))
+        budget = self.scheduler.config.max_num_batched_tokens
+        if any(span.whole and span.end - span.offset > budget for span in images):
+            raise RequestRejected(
+                f"an image takes more positions than one step computes (max_num_batched_tokens {budget})", "images"
+            )
         if loras:
             cache_salt = lora_salt(cache_salt, [(self.lora_digest(name), scale) for name, scale in loras])
         req = Request(

@@ -28,6 +28,9 @@ class ImageSpan:
     offset: int
     embeds: torch.Tensor
     key: int
+    # its positions attend to each other, later ones too (Gemma 3's images): computed in one forward, never
+    # cut by a chunk (the runner passes the span to attention)
+    whole: bool = False
 
     @property
     def end(self) -> int:
@@ -109,6 +112,15 @@ class Request:
     def computes_every_position(self) -> bool:
         """Its pooling reads hidden states before the last position: no prefix-cache hit may skip one."""
         return self.pooling in ("mean", "cls", "rank")
+
+    def chunk(self, start: int, n: int) -> int:
+        """How many of the `n` tokens from `start` one forward may compute: fewer where the last would cut a
+        whole image (up to its first position instead; 0 when the chunk starts inside it and cannot reach its
+        end, so it waits for a step with room)."""
+        for span in self.images:
+            if span.whole and span.offset < start + n < span.end:
+                return max(0, span.offset - start)
+        return n
 
     def key_tokens(self, start: int, end: int) -> tuple[int, ...]:
         """Its tokens [start, end) as the prefix caches key them: an image's positions by the image (negative

@@ -47,6 +47,7 @@ class ModelRunner:
         sampling: list[tuple[Request, list[int], list[int]]] = []  # (request, its draft, its sequences' indexes)
         pooled: list[tuple[Request, int, int, int]] = []  # embedding requests: (request, sequence, start, tokens)
         images: list[tuple[int, torch.Tensor]] = []  # (the flat batch's row of the first, an image's rows)
+        whole: list[tuple[int, int, int, int]] = []  # whole images' rows: (first row, rows, span start, span end)
         flat = 0  # rows of the chunks so far
         for req, n, draft in zip(out.requests, out.num_new_tokens, out.drafts):
             start = req.num_computed_tokens
@@ -68,6 +69,8 @@ class ModelRunner:
                 lo, hi = max(start, span.offset), min(start + n, span.end)
                 if lo < hi:
                     images.append((flat + lo - start, span.embeds[lo - span.offset : hi - span.offset]))
+                    if span.whole:  # its rows attend to all its positions (the chunk holds the rest of it)
+                        whole.append((flat + lo - start, hi - lo, span.offset, span.end))
             flat += n
             starts.append(start)
             tables.append(req.block_ids)
@@ -88,6 +91,11 @@ class ModelRunner:
             return RunnerOutput()
         batch = build_flat_batch(chunks, starts, tables, self.block_size, self.device)
         batch.attn.abandon = out.abandon
+        if whole:  # each row's [first, stop) positions of its image, (0, 0) for the others
+            spans = torch.zeros(sum(len(c) for c in chunks), 2, dtype=torch.int32)
+            for row, n, a, b in whole:
+                spans[row : row + n] = torch.tensor([a, b], dtype=torch.int32)
+            batch.attn.image_spans = spans.to(self.device)
         decoder = self.model if isinstance(self.model, LlamaForCausalLM) else None
         loras = decoder.loras if decoder is not None else None
         if loras is not None:

@@ -33,11 +33,15 @@ def paged_attention(
     scale: float,
     window: int = 0,  # sliding window: attend to the last `window` positions only (0: all)
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (Gemma 2)
+    image_spans: torch.Tensor | None = None,  # [num_tokens, 2] int32 (AttentionMetadata.image_spans)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of each new token over its sequence's context up to its own position."""
+    """Causal attention of each new token over its sequence's context up to its own position (and, for a row
+    of a whole image, over all of the image's positions)."""
     ext = load_extension()
     if ext is None:
-        return paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start, scale, window, softcap)
+        return paged_attention_ref(
+            q, kv_cache, block_tables, seq_lens, query_start, scale, window, softcap, image_spans
+        )
     return ext.paged_attention(
         q.contiguous(),
         kv_cache[0],
@@ -48,7 +52,13 @@ def paged_attention(
         scale,
         window,
         float(softcap or 0),
+        _spans(image_spans),
     )
+
+
+def _spans(image_spans: torch.Tensor | None) -> torch.Tensor | None:
+    """What the kernel takes: the spans, contiguous int32 (None: every row causal)."""
+    return None if image_spans is None else image_spans.to(torch.int32).contiguous()
 
 
 def store_and_attention(
@@ -63,12 +73,13 @@ def store_and_attention(
     scale: float,
     window: int = 0,
     softcap: float | None = None,
+    image_spans: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Write the new K/V into the cache, then attend: one kernel call per layer."""
     ext = load_extension()
     if ext is None:
         return store_and_attention_ref(
-            q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start, scale, window, softcap
+            q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start, scale, window, softcap, image_spans
         )
     return ext.store_and_attention(
         q,
@@ -83,6 +94,7 @@ def store_and_attention(
         scale,
         window,
         float(softcap or 0),
+        _spans(image_spans),
     )
 
 
@@ -98,20 +110,34 @@ def paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, window=0,
 
 
 def store_and_attention_ref(
-    q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start, scale, window=0, softcap=None
+    q,
+    k,
+    v,
+    kv_cache,
+    slot_mapping,
+    block_tables,
+    seq_lens,
+    query_start,
+    scale,
+    window=0,
+    softcap=None,
+    image_spans=None,
 ):
     for cache, new, role in zip(kv_cache, (k, v), "kv"):
         rows = store_ref(new.float(), type_of(cache, new.shape[-1]), role)
         cache.view(-1, *rows.shape[1:]).index_copy_(0, slot_mapping, rows)
-    return paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start, scale, window, softcap)
+    return paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start, scale, window, softcap, image_spans)
 
 
-def paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start, scale, window=0, softcap=None):
+def paged_attention_ref(
+    q, kv_cache, block_tables, seq_lens, query_start, scale, window=0, softcap=None, image_spans=None
+):
     """The PyTorch twin of this kernel and of the Triton one (kernels/gpu/paged_attention.py), in fp32: per sequence,
     gather its context through its block table (as fp32, whatever the cache's type), then attend with each
-    query limited to the positions up to its own (and to the last `window` of them), scores soft-capped when
-    `softcap` is set. Where the types keep K or V turned (kv_types.rotation), the queries are turned as K is and
-    the output turned back as V is."""
+    query limited to the positions up to its own, a row of a whole image (`image_spans`' [first, stop) not
+    empty) to its image's later positions too, and either to the last `window` positions up to its own (the
+    later image positions stay), scores soft-capped when `softcap` is set. Where the types keep K or V turned
+    (kv_types.rotation), the queries are turned as K is and the output turned back as V is."""
     block_size, num_kv_heads = kv_cache[0].shape[1:3]
     head_dim = q.shape[-1]
     k_rot, v_rot = (rotation(type_of(c, head_dim), head_dim, role) for c, role in zip(kv_cache[:2], "kv"))
@@ -125,6 +151,9 @@ def paged_attention_ref(q, kv_cache, block_tables, seq_lens, query_start, scale,
         qs = hadamard_ref(q[lo:hi].float(), k_rot).transpose(0, 1)  # [heads, qlen, head_dim], turned as K is
         q_pos = torch.arange(ctx - (hi - lo), ctx, device=q.device)[:, None]
         mask = pos[None, :] <= q_pos
+        if image_spans is not None:  # (the window below still applies, as Gemma 3's local layers have it)
+            first, stop = image_spans[lo:hi, 0:1].long(), image_spans[lo:hi, 1:2].long()
+            mask |= (pos[None, :] >= first) & (pos[None, :] < stop)
         if window:
             mask &= pos[None, :] > q_pos - window
         groups = qs.shape[0] // num_kv_heads

@@ -35,6 +35,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     query_start_ptr,  # [num_seqs + 1] int32
     seq_lens_ptr,  # [num_seqs] int32
+    spans_ptr,  # with IMAGES: [num_tokens, 2] int32, a whole image's row's [first, stop) (0, 0: none)
     scale,
     window,  # > 0: a query attends to the last `window` positions only (sliding window); 0: all
     softcap,  # with SOFTCAP: scores -> softcap * tanh(scores / softcap)
@@ -60,6 +61,7 @@ def _paged_attention_kernel(
     V_KIND: tl.constexpr,
     SKIP_DECODE: tl.constexpr,  # rows of one query token are paged_decode.py's
     SPLIT: tl.constexpr,
+    IMAGES: tl.constexpr,  # some rows are of whole images: they attend to all of their image's positions too
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -81,6 +83,10 @@ def _paged_attention_kernel(
         last = tl.minimum(ctx, ctx - q_len + (qblock + 1) * BLOCK_M)  # keys past this are masked for all rows
         # with a window, keys before the first row's window are masked for all rows: start past them
         first = tl.where(window > 0, tl.maximum(ctx - q_len + qblock * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
+        if IMAGES:  # an image's rows reach past their own positions (a window still starts where it did)
+            img_first = tl.load(spans_ptr + (q_start + offs_m) * 2, mask=m_valid, other=0)
+            img_stop = tl.load(spans_ptr + (q_start + offs_m) * 2 + 1, mask=m_valid, other=0)
+            last = ctx
         # The keys in splits of SPLIT from position 0, each split's softmax merged as paged_decode.py merges a
         # decode query's: a token's row is the same bits here as when it is decoded (wholly masked tiles and
         # splits change nothing).
@@ -95,6 +101,9 @@ def _paged_attention_kernel(
                 k_pos = start + tl.arange(0, BLOCK_N)
                 k_valid = k_pos < last
                 allowed = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+                if IMAGES:
+                    inside = (k_pos[None, :] >= img_first[:, None]) & (k_pos[None, :] < img_stop[:, None])
+                    allowed = allowed | (inside & k_valid[None, :])
                 allowed = allowed & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window))
                 m_i, l_i, acc = attend_tile(
                     q, m_i, l_i, acc, allowed, k_pos, k_valid, seq, kv_head, block_tables_ptr, stride_bt,
@@ -128,6 +137,7 @@ def paged_attention(
     softcap: float | None = None,  # scores -> softcap * tanh(scores / softcap) (None: none)
     max_seq_len: int | None = None,  # the longest context (None: read from seq_lens, a sync)
     min_query_len: int = 1,  # > 1: the batch has no decode row
+    image_spans: torch.Tensor | None = None,  # [num_tokens, 2] int32 (AttentionMetadata.image_spans)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Rows of one query token (decode) go through paged_decode.py's split kernel, the others through this
     module's; a row takes the same path whatever else is in the batch."""
@@ -185,6 +195,7 @@ def paged_attention(
         block_tables,
         query_start_loc,
         seq_lens,
+        image_spans if image_spans is not None else seq_lens,  # (never read without IMAGES)
         scale,
         window,
         float(softcap or 0.0),
@@ -205,6 +216,7 @@ def paged_attention(
         V_KIND=kind_of(v_cache, head_dim),
         SKIP_DECODE=decode,
         SPLIT=SPLIT,
+        IMAGES=image_spans is not None,
         num_warps=ATTENTION_WARPS,
     )
     return _turned_back(out, v_rot)
@@ -215,9 +227,9 @@ def _turned_back(out: torch.Tensor, v_rot: int) -> torch.Tensor:
 
 
 def paged_attention_ref(
-    q, kv_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, window=0, softcap=None
+    q, kv_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len, window=0, softcap=None, image_spans=None
 ):
     """The PyTorch twin (kernels/cpu/paged_attention.py's, the CPU kernel's too), in this kernel's argument order."""
     return cpu_paged_attention.paged_attention_ref(
-        q, kv_cache, block_tables, seq_lens, query_start_loc, scale, window, softcap
+        q, kv_cache, block_tables, seq_lens, query_start_loc, scale, window, softcap, image_spans
     )

@@ -169,3 +169,33 @@ def test_a_query_gets_the_same_bits_however_it_is_computed(any_build, head_dim, 
     assert torch.equal(mixed[11:], whole)
     mixed = attend(torch.cat([q[40:], others[:1]]), [n, 50], [n - 40, 1], [0, 1])
     assert torch.equal(mixed[: n - 40], whole[40:])
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_rows_of_whole_images_see_all_of_their_image_on_every_build(any_build, window):
+    """Gemma 3's images: a row of an image attends to the image's later positions too (a window still starts
+    where it did), the other rows causally; against the twin, and the same bits whether the image's rows come
+    with the text before them or after a prefix of cached blocks."""
+    g = torch.Generator().manual_seed(window + 1)
+    block_size, heads, kv_heads, head_dim = 8, 4, 2, 64
+    cache, tables = random_sequences(g, [30, 12], block_size, kv_heads, head_dim)
+    q = torch.randn(30 + 1, heads, head_dim, generator=g)
+    spans = torch.zeros(31, 2, dtype=torch.int32)
+    spans[10:26] = torch.tensor([10, 26], dtype=torch.int32)  # the image: positions 10..25 of the first
+    lens, starts = torch.tensor([30, 12], dtype=torch.int32), torch.tensor([0, 30, 31], dtype=torch.int32)
+
+    def attend(rows, lens, starts, spans):
+        sub = tables[: len(lens)].contiguous()
+        return any_build.paged_attention(rows, cache[0], cache[1], sub, lens, starts, 0.125, window, 0.0, spans)
+
+    got = attend(q, lens, starts, spans)
+    ref = paged_attention_ref(q, cache, tables, lens, starts, 0.125, window, None, spans)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    causal = attend(q, lens, starts, None)
+    assert not torch.allclose(got[10:25], causal[10:25])  # (the image's rows see past themselves)
+    assert torch.equal(got[:10], causal[:10]) and torch.equal(got[26:], causal[26:])  # the others do not
+    # the image and what follows it as a chunk over the first 10 positions cached: the same bits
+    tail = attend(
+        q[10:30], torch.tensor([30], dtype=torch.int32), torch.tensor([0, 20], dtype=torch.int32), spans[10:30]
+    )
+    assert torch.equal(tail, got[10:30])

@@ -127,6 +127,24 @@ def test_paged_attention_sliding_window(window, dtype):
     assert not torch.allclose(ref.float(), full.float())  # the window matters for these lengths
 
 
+@pytest.mark.parametrize("window", [0, 4])
+def test_paged_attention_rows_of_whole_images_see_all_of_their_image(window):
+    """Gemma 3's images: a row of an image attends to the image's later positions too (a window still starts
+    where it did), the other rows causally; decode rows beside them."""
+    q, cache, tables, qsl, lens, max_q = mixed_batch(8, 2, 8, torch.float32, seed=11)
+    spans = torch.zeros(q.shape[0], 2, dtype=torch.int32)
+    spans[10:17] = torch.tensor([3, 10], dtype=torch.int32)  # the 12-token prefill (rows 7..18): positions 3..9
+    spans[19:22] = torch.tensor([33, 40], dtype=torch.int32)  # the chunk at 37..39 of an image from 33, cached
+    spans = spans.to(DEVICE)
+    got = paged_attention(q, cache, tables, qsl, lens, 0.25, max_q, window, image_spans=spans)
+    ref = paged_attention_ref(q, cache, tables, qsl, lens, 0.25, max_q, window, image_spans=spans)
+    torch.testing.assert_close(got, ref, **TOL[torch.float32])
+    causal = paged_attention_ref(q, cache, tables, qsl, lens, 0.25, max_q, window)
+    assert not torch.allclose(ref[10:16], causal[10:16])
+    plain = paged_attention(q, cache, tables, qsl, lens, 0.25, max_q, window)  # the other rows: the same bits
+    assert torch.equal(got[:10], plain[:10]) and torch.equal(got[17:19], plain[17:19])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [0, 4])
 def test_paged_attention_soft_capped_scores(window, dtype):

@@ -32,7 +32,7 @@ class ContinuousPolicy:
         for req in order:
             if req not in s.running:  # preempted earlier in this loop
                 continue
-            n = min(req.num_to_compute, budget)
+            n = req.chunk(req.num_computed_tokens, min(req.num_to_compute, budget))
             if n <= 0:
                 continue
             # a draft takes what the budget and the free blocks leave: it is dropped before anyone is preempted
@@ -65,13 +65,16 @@ class ContinuousPolicy:
             if s.load_from_tier(req, computed):
                 continue  # it waits off the queue while its blocks come in
             start = s.reusable(req, computed)
-            n = min(req.num_tokens - start, budget)
+            n = req.chunk(start, min(req.num_tokens - start, budget))
             if s.config.whole_prompts and n < req.num_tokens - start:
                 break  # an encoder's input waits for a step with room for all of it
+            if n <= 0:
+                break  # a whole image it starts inside waits for a step with room for the rest of it
             if not s.blocks.allocate(req, start - len(computed) * s.blocks.block_size + n, computed):
                 break
             s.admit(req, len(computed))
-            n = min(req.num_to_compute, budget)  # (up to its first held span; fewer rows copied fit too)
+            # (up to its first held span; fewer rows copied fit too)
+            n = req.chunk(req.num_computed_tokens, min(req.num_to_compute, budget))
             out.prefix_hit_blocks += len(computed)
             out.add(req, n)
             budget -= n

@@ -1,6 +1,7 @@
 // Every CPU kernel's entry point; module.cpp binds them to Python. The kernel files include only
 // ATen's core headers (not torch/extension.h), which keeps the first-use build short.
 #pragma once
+#include <optional>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_ops.h>
 #include <string>
@@ -17,11 +18,12 @@ inline at::Tensor empty(at::IntArrayRef sizes, at::ScalarType dtype) {
 
 // paged_attention.cpp
 at::Tensor paged_attention(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                           at::Tensor seq_lens, at::Tensor query_start, double scale, int64_t window, double softcap);
+                           at::Tensor seq_lens, at::Tensor query_start, double scale, int64_t window, double softcap,
+                           const std::optional<at::Tensor>& image_spans);
 at::Tensor store_and_attention(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
                                at::Tensor slot_mapping,
                                at::Tensor block_tables, at::Tensor seq_lens, at::Tensor query_start, double scale,
-                               int64_t window, double softcap);
+                               int64_t window, double softcap, const std::optional<at::Tensor>& image_spans);
 // quant_matmul.cpp
 at::Tensor quant_linear(at::Tensor x, at::Tensor qweight, int64_t type, int64_t gemv_max_rows);
 at::Tensor dequantize(at::Tensor qweight, int64_t type, int64_t k);

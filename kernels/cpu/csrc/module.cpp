@@ -6,8 +6,14 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged causal attention for decode, prefill and verify rows over an f32/f16/bf16/q8_0 cache (CPU)");
-  m.def("store_and_attention", &store_and_attention, "KV store (converted to each cache's type), then paged attention (CPU)");
+  namespace py = pybind11;
+  m.def("paged_attention", &paged_attention, "paged causal attention for decode, prefill and verify rows over an f32/f16/bf16/q8_0 cache (CPU)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("query_start"), py::arg("scale"), py::arg("window"), py::arg("softcap"), py::arg("image_spans") = py::none());
+  m.def("store_and_attention", &store_and_attention, "KV store (converted to each cache's type), then paged attention (CPU)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
+        py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start"), py::arg("scale"), py::arg("window"),
+        py::arg("softcap"), py::arg("image_spans") = py::none());
   m.def("quant_linear", &quant_linear, "y = x W^T with W in GGUF blocks (CPU, fp32 activations)", pybind11::arg("x"),
         pybind11::arg("qweight"), pybind11::arg("type"), pybind11::arg("gemv_max_rows") = -1);
   m.def("dequantize", &dequantize, "GGUF blocks -> fp32 [N, K]");

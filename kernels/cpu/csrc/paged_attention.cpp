@@ -574,7 +574,8 @@ at::Tensor paged_attention(
     at::Tensor query_start,   // [num_seqs + 1] int32: sequence s's tokens are rows query_start[s] .. [s + 1] - 1
     double scale,
     int64_t window,           // > 0: attend to the last `window` positions only (sliding window)
-    double softcap) {         // > 0: scores -> softcap * tanh(scores / softcap)
+    double softcap,           // > 0: scores -> softcap * tanh(scores / softcap)
+    const std::optional<at::Tensor>& image_spans) {  // [num_tokens, 2] int32: a whole image's row's [first, stop)
   TORCH_CHECK(window >= 0, "window must be >= 0");
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0");
   TORCH_CHECK(q.dtype() == at::kFloat, "paged_attention: fp32 queries only");
@@ -596,6 +597,13 @@ at::Tensor paged_attention(
   const int32_t* qs = query_start.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   TORCH_CHECK(qs[0] == 0 && qs[num_seqs] == num_tokens, "query_start must run from 0 to the number of query rows");
+  const int32_t* spans = nullptr;
+  if (image_spans.has_value()) {
+    const at::Tensor& t = *image_spans;
+    TORCH_CHECK(t.dtype() == at::kInt && t.is_contiguous() && t.dim() == 2 && t.size(0) == num_tokens && t.size(1) == 2,
+                "image_spans must be contiguous int32 [num_tokens, 2]");
+    spans = t.data_ptr<int32_t>();
+  }
   // Tasks: (sequence, KV head, tile of queries), the tiles of each sequence in order.
   std::vector<int64_t> tile_seq, tile_q0;
   for (int64_t s = 0; s < num_seqs; ++s) {
@@ -640,6 +648,10 @@ at::Tensor paged_attention(
         }
         stop[j] = pos0 + j + 1;                                                  // positions attended: [first, stop)
         first[j] = window > 0 ? std::max<int64_t>(0, stop[j] - window) : 0;
+        // a whole image's row: its image's later positions too (a window still starts where it did, as
+        // Gemma 3's local layers have it)
+        if (spans != nullptr && spans[2 * (q0 + j) + 1] > 0)
+          stop[j] = std::max<int64_t>(stop[j], std::min<int64_t>(spans[2 * (q0 + j) + 1], lens[s]));
         lo = std::min(lo, first[j] / block_size * block_size), hi = std::max(hi, stop[j]);
       }
       std::fill(acc.begin(), acc.begin() + nq * per_query, 0.0f);
@@ -718,7 +730,8 @@ at::Tensor store_and_attention(
     at::Tensor query_start,   // [num_seqs + 1] int32
     double scale,
     int64_t window,
-    double softcap) {
+    double softcap,
+    const std::optional<at::Tensor>& image_spans) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 && v_cache.dim() == 4,
               "caches must be contiguous [blocks, block_size, kv_heads, row]");
   TORCH_CHECK(slot_mapping.dtype() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping must be contiguous int64");
@@ -752,5 +765,6 @@ at::Tensor store_and_attention(
       store(k_type, k_rot, kp + i * k.stride(0) + h * head_dim, kc + (sp[i] * kv_heads + h) * k_row);
       store(v_type, v_rot, vp + i * v.stride(0) + h * head_dim, vc + (sp[i] * kv_heads + h) * v_row);
     }
-  return paged_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, query_start, scale, window, softcap);
+  return paged_attention(q.contiguous(), k_cache, v_cache, block_tables, seq_lens, query_start, scale, window, softcap,
+                         image_spans);
 }
