@@ -128,10 +128,12 @@ def cases():
         out = merge | {"out_ptr": f"*{q}"}
         consts = {"HEAD_DIM": head_dim, "SPLIT": SPLIT}
         yield f"decode merge {q} x{head_dim}", paged_decode._decode_merge_kernel, out, consts, 4
-        prefill = attention_types(q, k, v) | {"out_ptr": f"*{q}"}
+        prefill = attention_types(q, k, v) | {"out_ptr": f"*{q}", "spans_ptr": "*i32"}
+        images = k != v or head_dim == 256  # rows of whole images (Gemma 3's) in some of the configurations
         consts = attention_consts(q, k, v, q == "bf16", head_dim) | {"GROUP": 4, "BLOCK_M": 16, "SKIP_DECODE": True}
+        consts["IMAGES"] = images
         yield (
-            f"prefill {q}/{k}/{v} x{head_dim}",
+            f"prefill {q}/{k}/{v} x{head_dim}{' images' if images else ''}",
             paged_attention._paged_attention_kernel,
             prefill,
             consts,
