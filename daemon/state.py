@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from .guard import IDENTITY, IDENTITY_HEADER, LOCAL, Guard, is_tcp
-from .models.pool import KeepAlive, LoadedModel, ModelPool, parse_keep_alive
+from .models.loaded import KeepAlive, LoadedModel, parse_keep_alive
+from .models.pool import ModelPool
 from .protocol import ApiError, parse_body
 
 

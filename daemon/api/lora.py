@@ -8,7 +8,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..generation.loras import MAX_ENTRIES, LoraScale, named
-from ..models.pool import LoadedModel
+from ..models.loaded import LoadedModel
 from ..protocol import ApiError, parse_body
 from ..state import STATE, read_raw
 

@@ -28,7 +28,7 @@ from minibatch.engine.text.fim import Infill
 from ..generation import pipeline
 from ..generation.pipeline import Constraint, Generation, Reasoning, Running
 from ..models.catalog import catalog
-from ..models.pool import iso, parse_keep_alive
+from ..models.loaded import iso, parse_keep_alive
 from ..protocol import ApiError, Float, Int, parse_body
 from ..state import STATE, off_loop, read_raw
 from .messages import MAX_TOOLS, Tool

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from minibatch.engine.lora.names import LoraUses, lora_uses
 
-from ..models.pool import LoadedModel
+from ..models.loaded import LoadedModel
 from ..protocol import ApiError, Float, Int
 
 MAX_SCALE = 100.0  # an adapter's scale at most, either sign (past it a float32 forward overflows)

@@ -31,7 +31,7 @@ from minibatch.engine.core.sampling_params import (
 from minibatch.engine.lora.names import LoraUses
 from minibatch.engine.text.fim import Infill, assemble, head_bytes
 
-from ..models.pool import LoadedModel
+from ..models.loaded import LoadedModel
 from ..protocol import ApiError
 from ..state import DaemonState, off_loop, timed_out
 from .answer import AnswerStream, Parts, split_answer
