@@ -25,7 +25,7 @@ from minibatch.engine.core.config import MODES
 from minibatch.engine.core.engine import LLMEngine
 from minibatch.engine.core.info import EngineInfo
 from minibatch.engine.core.outputs import EngineState, RequestOutput, StepStats
-from minibatch.engine.core.request import ImageSpan, Request, check_images
+from minibatch.engine.core.request import ImageSpan, Request
 from minibatch.engine.core.sampling_params import SamplingParams
 from minibatch.engine.heap import release_free_memory
 from minibatch.engine.lora.names import LoraUses
@@ -159,7 +159,7 @@ class AsyncEngine:
         sched.check(probe)
         for name, _ in loras:
             self.engine.lora_digest(name)  # a 404 naming it, at once
-        check_images(images, len(prompt_token_ids))
+        self.engine.check_images(images, len(prompt_token_ids))  # at once, as the checks above
         with self._count_lock:
             # Counted over every request in flight, those still in the inbox too, so the cap is
             # exact however fast the engine admits.

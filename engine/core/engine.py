@@ -134,12 +134,7 @@ class LLMEngine:
         the image's), in order, apart, within the prompt; a ValueError otherwise."""
         if pooling not in (None, *POOLINGS):
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-        check_images(images, len(prompt_token_ids))
-        budget = self.scheduler.config.max_num_batched_tokens
-        if any(span.whole and span.end - span.offset > budget for span in images):
-            raise RequestRejected(
-                f"an image takes more positions than one step computes (max_num_batched_tokens {budget})", "images"
-            )
+        self.check_images(images, len(prompt_token_ids))
         if loras:
             cache_salt = lora_salt(cache_salt, [(self.lora_digest(name), scale) for name, scale in loras])
         req = Request(
@@ -159,6 +154,16 @@ class LLMEngine:
         self.scheduler.add(req, checked)
         self.streams[request_id] = _Stream(IncrementalDetokenizer(self.tokenizer))
         return req
+
+    def check_images(self, images: tuple[ImageSpan, ...], prompt_len: int) -> None:
+        """A ValueError unless the images lie in order, apart, within the prompt; RequestRejected for a whole
+        image (computed in one forward) longer than a step computes."""
+        check_images(images, prompt_len)
+        budget = self.scheduler.config.max_num_batched_tokens
+        if any(span.whole and span.end - span.offset > budget for span in images):
+            raise RequestRejected(
+                f"an image takes more positions than one step computes (max_num_batched_tokens {budget})", "images"
+            )
 
     # -- LoRA adapters ----------------------------------------------------
     def add_lora(self, adapter: LoraAdapter) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+import torch
 
 from minibatch.engine.async_engine import AsyncEngine
 from minibatch.engine.core.admission import QueueFull, RequestRejected
@@ -278,3 +279,25 @@ def test_merged_outputs_keep_each_tokens_logprob_and_the_last_end():
     assert out.logprobs == [(-0.5, [(1, -0.5)]), (-0.1, []), (-0.2, [])]
     assert merge_outputs([first]) is first
     assert merge_outputs([RequestOutput("r", "x", [4]), RequestOutput("r", "y", [5])]).logprobs is None
+
+
+def test_images_out_of_place_or_too_long_are_refused_at_submission():
+    """(not on the engine thread, later, as an error output: at once, as the other checks)"""
+    from minibatch.engine.core.admission import RequestRejected
+    from minibatch.engine.core.request import ImageSpan
+
+    a = make_async()  # steps of 32 tokens at most
+
+    async def main():
+        image = torch.zeros(8, 4)
+        with pytest.raises(ValueError, match="within the prompt"):
+            a.submit([5, 6, 7], greedy(2), images=(ImageSpan(1, image, 1),))
+        with pytest.raises(RequestRejected, match="more positions than one step computes") as err:
+            a.submit([5] * 50, greedy(2), images=(ImageSpan(2, torch.zeros(40, 4), 1, whole=True),))
+        assert err.value.field == "images"
+        return a.in_flight
+
+    try:
+        assert asyncio.run(main()) == 0
+    finally:
+        a.shutdown()
