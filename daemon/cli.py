@@ -100,6 +100,13 @@ DAEMON_OPTIONS = [
         600.0,
         "time limit per request, seconds, from its arrival or its prompt's last computed chunk",
     ),
+    (
+        "--media-path",
+        str,
+        None,
+        "a folder whose files requests may send as file:// image URLs (llama-server's --media-path; default: "
+        "none, file:// refused)",
+    ),
     ("--read-timeout", float, 30.0, "seconds a client may take to send its request (headers and body)"),
     ("--log-file", str, None, "log file for the background daemon (default: user state dir)"),
 ]
@@ -227,6 +234,15 @@ def preload_of(args) -> tuple[str, ...]:
     return tuple(n.strip() for n in (args.preload or "").split(",") if n.strip())
 
 
+def media_path_of(args) -> str | None:
+    """--media-path, checked: an existing folder."""
+    if args.media_path is None:
+        return None
+    if not os.path.isdir(args.media_path):
+        raise ValueError(f"--media-path: {args.media_path} is not a folder")
+    return os.path.realpath(args.media_path)
+
+
 def guard_of(args):
     from .guard import Guard
 
@@ -277,6 +293,7 @@ def cmd_start(args) -> int:
         if args.reasoning_budget < -1:
             raise ValueError(f"--reasoning-budget: must be -1 (no bound), 0 or more, got {args.reasoning_budget}")
         guard = guard_of(args)  # a refused bind is reported here, before anything listens
+        media_path_of(args)
     except (LifecycleError, ValueError) as exc:
         print(f"minibatchd: {exc}", file=sys.stderr)
         return 2
@@ -307,6 +324,7 @@ def cmd_start(args) -> int:
             args.reasoning_format,
             reasoning_budget=args.reasoning_budget,
             prompt_cache_shared=args.prompt_cache_shared,
+            media_path=media_path_of(args),
         )
         return asyncio.run(serve(conf))
     return start_background(args, sock, guard.api_keys[0] if guard.api_keys else None)

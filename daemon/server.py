@@ -44,6 +44,7 @@ class DaemonConfig:
     # X-Minibatch-Identity header (its socket is private to the cluster's user)
     replica_tag: str | None = None
     prompt_cache_shared: bool = False  # every API key's requests share cached prefixes (state.cache_salt)
+    media_path: str | None = None  # the folder file:// image URLs are read in (None: they are refused)
 
 
 def app_runner(app: web.Application, read_timeout: float) -> web.AppRunner:
@@ -90,6 +91,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> int:
         reasoning_budget=None if config.reasoning_budget < 0 else config.reasoning_budget,
         replica_tag=config.replica_tag,
         prompt_cache_shared=config.prompt_cache_shared,
+        media_path=config.media_path,
     )
     guard = config.guard or Guard()
     runner = app_runner(create_app(state, guard), config.read_timeout)

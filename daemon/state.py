@@ -30,6 +30,7 @@ class DaemonState:
     load_error: str | None = None
     replica_tag: str | None = None  # behind a cluster's ingress (server.DaemonConfig.replica_tag)
     prompt_cache_shared: bool = False  # --prompt-cache-shared: every key's requests share cached prefixes
+    media_path: str | None = None  # --media-path: the folder file:// image URLs are read in (None: refused)
 
     def identity(self, request: web.Request) -> str:
         """Who sent `request`: the name of the key it showed (guard.IDENTITY), or, behind a cluster's ingress,

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from minibatch.engine.core.block_manager import BlockManager
 from minibatch.engine.core.config import MODES, SCHEDULER_DEFAULTS, SchedulerConfig
 from minibatch.engine.core.engine import LLMEngine
-from minibatch.engine.core.info import WEIGHT_MODES, EngineInfo
+from minibatch.engine.core.info import WEIGHT_MODES, EngineInfo, VisionFacts
 from minibatch.engine.core.sampling_params import SAMPLING_DEFAULT_FIELDS
 from minibatch.engine.encoders.config import is_encoder_dir
 from minibatch.engine.heap import release_free_memory
@@ -62,6 +62,12 @@ class EngineConfig:
     max_lora_rank: int = 64  # an adapter of a larger rank is refused at its load
     max_loras: int = 8  # adapters resident at once: one more named is loaded in place of the least recently used
     lora_dir: str | None = None  # a folder of adapters served by name on demand (daemon/models/adapters.py)
+    # Images (engine/vision/): the tower and projector from this mmproj GGUF or Hugging Face folder (None: the
+    # model folder's own, when it has one); and what a request may send
+    mmproj: str | None = None
+    max_images: int = 8  # images in one request at most
+    max_image_bytes: int = 20 * 2**20  # one image's encoded bytes at most
+    max_image_pixels: int = 32 * 2**20  # one image's width x height at most, read from its header
 
     def __post_init__(self) -> None:
         parse_loras(self.lora)  # refuses a malformed pair, naming the option
@@ -69,6 +75,9 @@ class EngineConfig:
             raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        for name in ("max_images", "max_image_bytes", "max_image_pixels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         self.spec_config()  # refuses a method or a draft length out of range, naming it
         SchedulerConfig(  # refuses a limit out of range, naming it, before anything is loaded
             max_num_seqs=self.max_num_seqs,
@@ -341,6 +350,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
             adapter = engine.lora_reader(path, name)
             if i < config.max_loras:
                 engine.add_lora(adapter)
+    vision = attach_images(engine, config, model_dir, cfg.hidden_size, cfg.image_token_id)
     engine.info = EngineInfo(
         model=config.model,
         model_dir=str(model_dir),
@@ -370,12 +380,53 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         pooling=cfg.pooling,
         tasks=("rerank",) if cfg.pooling == "rank" else ("generate", "embed"),
         loras=tuple(parse_loras(config.lora)),
+        vision=vision,
         speculative="off"
         if not spec.enabled
         else f"{spec.method}{' ' + spec.draft_model if spec.draft_model else ''} (up to {spec.num_tokens} tokens)",
     )
     release_free_memory()  # the load's temporaries (file reads, stacked copies) leave the heap
     return engine
+
+
+def attach_images(
+    engine: LLMEngine, config: EngineConfig, model_dir, text_width: int, image_token_id: int | None
+) -> VisionFacts | None:
+    """The model's vision tower (--mmproj's, else its folder's own, when it has one) behind the request bounds,
+    set as engine.images; its facts for EngineInfo. None for a model that sees no images."""
+    from minibatch.engine.vision.images import ImageEncoder, ImageLayout, ImageLimits
+    from minibatch.engine.vision.loader import VisionError, load_vision
+
+    if config.mmproj is None and image_token_id is None:
+        return None
+    source = config.mmproj or str(model_dir)
+    if config.mmproj is not None and not os.path.exists(config.mmproj):
+        raise ModelSettingError(f"mmproj {os.path.basename(config.mmproj)}: no such file or folder")
+    try:
+        vision = load_vision(source)
+    except VisionError as exc:
+        raise VisionError(f"mmproj {os.path.basename(source)}: {exc}" if config.mmproj else str(exc)) from None
+    if vision.text_width != text_width:
+        raise ModelSettingError(
+            f"mmproj: its projector makes {vision.text_width}-wide embeddings; the model's are {text_width} wide"
+        )
+    layout = ImageLayout.of(vision, engine.tokenizer.vocab(), image_token_id)
+    if layout.tokens > config.max_num_batched_tokens:
+        raise ModelSettingError(
+            f"max_num_batched_tokens {config.max_num_batched_tokens}: an image takes {layout.tokens} positions, "
+            "computed in one step; raise it"
+        )
+    limits = ImageLimits(config.max_images, config.max_image_bytes, config.max_image_pixels)
+    engine.images = ImageEncoder(vision, layout, limits)
+    return VisionFacts(
+        family=vision.family,
+        source="mmproj " + os.path.basename(source) if config.mmproj else "the model folder",
+        image_size=vision.processor.size,
+        tokens_per_image=layout.tokens,
+        max_images=limits.max_images,
+        max_image_bytes=limits.max_image_bytes,
+        max_image_pixels=limits.max_image_pixels,
+    )
 
 
 def build_encoder_engine(config: EngineConfig, model_dir, device: str, dtype_name: str) -> LLMEngine:

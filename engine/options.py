@@ -138,6 +138,15 @@ ENGINE_OPTIONS = (
         "request names one by its folder's name or its file's without .gguf",
     ),
     Option(
+        "mmproj",
+        str,
+        "a vision model's image tower and projector: llama.cpp's mmproj GGUF or a Hugging Face folder (default: "
+        "the model folder's own, when it has one)",
+    ),
+    Option("max_images", int, "images one request may send at most"),
+    Option("max_image_bytes", int, "bytes one image may take, encoded (as sent, before base64)"),
+    Option("max_image_pixels", int, "pixels (width x height) one image may have, read from its header before decoding"),
+    Option(
         "prompt_cache_min_tokens",
         int,
         "a run of cached tokens on disk shorter than this is recomputed instead of read",

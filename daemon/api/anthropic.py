@@ -19,6 +19,7 @@ import uuid
 from aiohttp import web
 
 from ..generation import pipeline
+from ..generation.images import ImageInput, image_part
 from ..generation.pipeline import Constraint, Generation, Reasoning, Running
 from ..protocol import ApiError
 from ..state import STATE, off_loop, read_body
@@ -26,6 +27,7 @@ from .anthropic_bodies import (
     API_DEFAULTS,
     NAMES,
     CountTokensRequest,
+    ImageBlock,
     MediaBlock,
     MessagesRequest,
     RedactedThinkingBlock,
@@ -70,8 +72,12 @@ def template_messages(body: CountTokensRequest) -> list[dict]:
         for j, b in enumerate(m.content):
             where = f"messages.{i}.content.{j}"
             if isinstance(b, MediaBlock):
-                raise ApiError(400, f"{where}: {b.type} blocks are not supported (text only)", where, "unsupported")
-            if isinstance(b, TextBlock):
+                raise ApiError(400, f"{where}: {b.type} blocks are not supported", where, "unsupported")
+            if isinstance(b, ImageBlock):
+                if m.role != "user":
+                    raise ApiError(400, f"{where}: image blocks belong to user messages", where)
+                text.append(image_part(_image(b, where)))
+            elif isinstance(b, TextBlock):
                 text.append(b.text)
             elif isinstance(b, ThinkingBlock):
                 if m.role != "assistant":
@@ -95,7 +101,7 @@ def template_messages(body: CountTokensRequest) -> list[dict]:
                         "invalid_value",
                     )
                 if text:
-                    out.append({"role": "user", "content": "".join(text)})
+                    out.append({"role": "user", "content": _content(text)})
                     text = []
                 result = _text(b.content)
                 out.append(
@@ -113,8 +119,25 @@ def template_messages(body: CountTokensRequest) -> list[dict]:
                 msg["reasoning_content"] = "".join(thoughts)
             out.append(msg)
         elif text:
-            out.append({"role": "user", "content": "".join(text)})
+            out.append({"role": "user", "content": _content(text)})
     return out
+
+
+def _content(parts: list[str | dict]) -> str | list[dict]:
+    """A message's text, or, with images among it, its parts in order (the pipeline's form)."""
+    if all(isinstance(p, str) for p in parts):
+        return "".join(parts)  # type: ignore[arg-type]
+    return [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
+
+
+def _image(block: ImageBlock, where: str) -> ImageInput:
+    source = block.source
+    if source.type != "base64":
+        msg = "the daemon fetches nothing and keeps no files: send the image as base64 data"
+        raise ApiError(400, f"{where}.source.type: {msg}", f"{where}.source.type", "invalid_image")
+    if source.data is None:
+        raise ApiError(400, f"{where}.source.data: required with a base64 source", f"{where}.source.data")
+    return ImageInput(f"{where}.source.data", b64=source.data)
 
 
 def tool_specs(body: CountTokensRequest) -> list[dict] | None:
@@ -373,8 +396,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     body = await read_body(request, state, CountTokensRequest)
     gen = await off_loop(generation, body)
     async with state.lease(body.model) as model:
-        prompts, _ = await pipeline.render(state, model, gen)
-    return web.json_response({"input_tokens": len(prompts[0])})
+        rendered = await pipeline.render(state, model, gen, encode=False)  # (an image's places need no tower)
+    return web.json_response({"input_tokens": len(rendered.prompts[0])})
 
 
 def add_routes(app: web.Application) -> None:

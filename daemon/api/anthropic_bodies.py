@@ -49,15 +49,32 @@ class RedactedThinkingBlock(_Block):
     data: StrictStr
 
 
+class ImageSource(BaseModel):
+    """An image block's source: base64 `data` of a `media_type`; a `url` or a `file_id` source is accepted by
+    the schema so the refusal can name it (the daemon fetches nothing and keeps no files)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["base64", "url", "file"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"] | None = None
+    data: StrictStr | None = None
+    url: StrictStr | None = None
+    file_id: StrictStr | None = None
+
+
+class ImageBlock(_Block):
+    type: Literal["image"]
+    source: ImageSource
+
+
 class MediaBlock(BaseModel):
-    """Images and documents: accepted by the schema so the refusal can name the block."""
+    """Documents: accepted by the schema so the refusal can name the block."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["image", "document"]
+    type: Literal["document"]
 
 
 Block = Annotated[
-    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock | MediaBlock,
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock | ImageBlock | MediaBlock,
     Field(discriminator="type"),
 ]
 

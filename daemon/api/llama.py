@@ -20,6 +20,7 @@ from minibatch.engine.core.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_K
 from minibatch.engine.text.fim import Infill
 
 from ..generation import pipeline
+from ..generation.images import ImageInput
 from ..generation.loras import MAX_ENTRIES, LoraScale
 from ..generation.pipeline import Generation, Running
 from ..protocol import ApiError, Float, Int, parse_body
@@ -97,8 +98,16 @@ class _Body(sampler_fields(_Lenient, "_LlamaSamplers")):
         return given | given_samplers(self)
 
 
+class MultimodalPrompt(_Body):
+    """llama-server's prompt with images: each `<__media__>` in the text is where one of the images goes."""
+
+    prompt_string: StrictStr
+    multimodal_data: list[StrictStr] = Field(min_length=1)  # base64, in the markers' order
+
+
 class CompletionBody(_Body):
-    prompt: StrictStr | list[Int] = Field(min_length=1)  # a text, or token ids
+    # a text, token ids, or a text with images
+    prompt: Annotated[StrictStr, Field(min_length=1)] | Annotated[list[Int], Field(min_length=1)] | MultimodalPrompt
 
 
 NAMES = {"max_tokens": "n_predict", "repetition_penalty": "repeat_penalty"}
@@ -130,6 +139,10 @@ def generation(body: CompletionBody | InfillBody) -> Generation:
         extra = [(c.filename, c.text) for c in body.input_extra]
         gen.fill = Infill(body.input_prefix, body.input_suffix, body.prompt, extra)
         gen.fill_field, gen.fill_prefix_field = "input_suffix", "input_prefix"
+    elif isinstance(body.prompt, MultimodalPrompt):
+        gen.prompts = [body.prompt.prompt_string]
+        data = body.prompt.multimodal_data
+        gen.prompt_images = [ImageInput(f"prompt.multimodal_data.{j}", b64=b) for j, b in enumerate(data)]
     else:
         gen.prompts = [body.prompt]
     return gen

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
+
+from ..generation.images import check_url, image_part
 
 
 class Body(BaseModel):
@@ -18,6 +20,22 @@ class TextPart(Body):
     type: Literal["text"]
     text: StrictStr
 
+
+class ImageUrl(Body):
+    url: StrictStr  # a base64 data: URL, or a file:// URL inside --media-path
+    detail: Literal["auto", "low", "high"] | None = None  # (every image is seen at the tower's one size)
+
+
+class ImageUrlPart(Body):
+    type: Literal["image_url"]
+    image_url: ImageUrl | StrictStr  # (some clients send the URL alone)
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+ContentPart = Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]
 
 FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
 MAX_TOOLS = 128
@@ -61,7 +79,7 @@ MESSAGE_RULES = {
 class Message(Body):
     model_config = ConfigDict(json_schema_extra=MESSAGE_RULES)
     role: Literal["system", "user", "assistant", "tool"]
-    content: StrictStr | list[TextPart] | None = None
+    content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
     tool_calls: list[ToolCall] | None = Field(default=None, max_length=MAX_TOOLS)  # an assistant's earlier calls
     tool_call_id: StrictStr | None = None  # which call a tool message answers
@@ -80,11 +98,22 @@ class Message(Body):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
-    def for_template(self) -> dict:
-        """The message as chat templates read it (transformers' convention: call arguments as objects)."""
-        out: dict = {"role": self.role, "content": self.text()}
+    def for_template(self, at: str = "messages.0") -> dict:
+        """The message as chat templates read it (transformers' convention: call arguments as objects); its
+        images as the pipeline's image parts, named by where they are (`at`: the message's own field)."""
+        content: str | list[dict] = self.text()
+        if isinstance(self.content, list) and any(isinstance(p, ImageUrlPart) for p in self.content):
+            content = [
+                {"type": "text", "text": p.text}
+                if isinstance(p, TextPart)
+                else image_part(check_url(p.url, f"{at}.content.{j}.image_url"))
+                for j, p in enumerate(self.content)
+            ]
+        out: dict = {"role": self.role, "content": content}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_call_id is not None:

@@ -26,6 +26,7 @@ from minibatch.engine.core.sampling_params import MAX_TOP_K
 from minibatch.engine.text.fim import Infill
 
 from ..generation import pipeline
+from ..generation.images import ImageInput, image_part
 from ..generation.pipeline import Constraint, Generation, Reasoning, Running
 from ..models.catalog import catalog
 from ..models.loaded import iso, parse_keep_alive
@@ -73,9 +74,10 @@ class OllamaMessage(_Lenient):
     content: StrictStr = ""
     tool_calls: list[OllamaToolCall] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_name: StrictStr | None = None  # which function a tool message answers
+    images: list[StrictStr] | None = None  # base64, each before the message's text
 
-    def for_template(self) -> dict:
-        out: dict = {"role": self.role, "content": self.content}
+    def for_template(self, at: str) -> dict:
+        out: dict = {"role": self.role, "content": with_images(self.content, self.images, f"{at}.images")}
         if self.tool_name is not None:
             out["name"] = self.tool_name
         if self.tool_calls:
@@ -136,6 +138,7 @@ class ChatBody(_Request):
 
 class GenerateBody(_Request):
     prompt: StrictStr = ""
+    images: list[StrictStr] | None = None  # base64, before the prompt's text
     # fill in the middle: the prompt is the code before the gap, this the code after it (a coder model's)
     suffix: StrictStr | None = None
     system: StrictStr | None = None
@@ -227,19 +230,36 @@ async def load_only(request: web.Request, state, body, chat: bool, started: floa
     return resp
 
 
+def with_images(text: str, images: list[str] | None, field: str) -> str | list[dict]:
+    """A message's text, or its images (base64, each named `field`.N) then its text, as the pipeline's parts."""
+    if not images:
+        return text
+    return [
+        *(image_part(ImageInput(f"{field}.{j}", b64=b)) for j, b in enumerate(images)),
+        {"type": "text", "text": text},
+    ]
+
+
 def generation(body: ChatBody | GenerateBody, chat: bool) -> Generation:
     """An Ollama body in the pipeline's terms."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if chat and body.tools else None
     fill = None
     if chat:
-        messages, prompts = [m.for_template() for m in body.messages], None
+        messages, prompts = [m.for_template(f"messages.{i}") for i, m in enumerate(body.messages)], None
     elif body.suffix is not None:
+        if body.images:
+            msg = "a fill in the middle takes no images"
+            raise ApiError(400, f"images: {msg}", "images", "invalid_value")
         messages, prompts, fill = None, None, Infill(body.prompt, body.suffix)
     elif body.raw:
+        if body.images:
+            msg = "images go where the model's template puts them: send them without raw"
+            raise ApiError(400, f"images: {msg}", "images", "invalid_value")
         messages, prompts = None, [body.prompt]
     else:
         system = [{"role": "system", "content": body.system}] if body.system else []
-        messages, prompts = [*system, {"role": "user", "content": body.prompt}], None
+        user = {"role": "user", "content": with_images(body.prompt, body.images, "images")}
+        messages, prompts = [*system, user], None
     return Generation(
         request_id=f"ollama-{uuid.uuid4().hex}",
         model=body.model,
@@ -419,17 +439,18 @@ async def show(request: web.Request) -> web.Response:
                 "general.parameter_count": m.info.memory.num_params if m.info.memory else 0,
                 "context_length": m.info.max_model_len,
             },
-            "capabilities": capabilities(m.info.tasks, bool(template)),
+            "capabilities": capabilities(m.info.tasks, bool(template), m.info.vision is not None),
             "modified_at": entry["modified_at"],
         }
     )
 
 
-def capabilities(tasks: tuple[str, ...], fills: bool) -> list[str]:
+def capabilities(tasks: tuple[str, ...], fills: bool, sees: bool = False) -> list[str]:
     """Ollama's capability words for what the model does: a decoder completes (and inserts, with
-    fill-in-the-middle tokens); an encoder embeds, or reranks (no Ollama word: ours)."""
+    fill-in-the-middle tokens, and sees, with a vision tower); an encoder embeds, or reranks (no Ollama word:
+    ours)."""
     if "generate" in tasks:
-        return ["completion", "insert"] if fills else ["completion"]
+        return ["completion"] + ["insert"] * fills + ["vision"] * sees
     return ["embedding" if t == "embed" else t for t in tasks]
 
 

@@ -36,7 +36,7 @@ def chat_generation(body: ChatRequest) -> Generation:
         request_id=f"chatcmpl-{uuid.uuid4().hex}",
         model=body.model,
         prompt_field="messages",
-        messages=[m.for_template() for m in body.messages],
+        messages=[m.for_template(f"messages.{i}") for i, m in enumerate(body.messages)],
         tools=specs,
         reasoning=Reasoning.asked(
             body.reasoning_effort,

@@ -15,6 +15,7 @@ from collections import OrderedDict
 
 from aiohttp import web
 
+from ..generation.images import ImageInput
 from ..protocol import ApiError
 
 STORE_MAX = 512  # responses kept for previous_response_id and GET, the oldest evicted first
@@ -35,7 +36,7 @@ class ResponseStore:
         self.evicted = 0
 
     def put(self, response: dict, conversation: list[dict], owner: str) -> None:
-        size = len(json.dumps(response)) + len(json.dumps(conversation))
+        size = len(json.dumps(response)) + len(json.dumps(conversation, default=_image_text))
         if size > self.max_bytes:
             self.evicted += 1
             return  # more than the whole store holds: answered, not kept
@@ -106,3 +107,8 @@ def replica_tag(replica_id: str) -> str:
 
 def tag_of(response_id: str) -> str | None:
     return response_id[5:13] if re.fullmatch(ID_PATTERN, response_id) else None
+
+
+def _image_text(value: ImageInput) -> str:
+    """An image in a stored conversation counts as the text it was sent as."""
+    return value.url or value.b64 or ""

@@ -18,6 +18,7 @@ from aiohttp import web
 from pydantic import BaseModel
 
 from ..generation import pipeline
+from ..generation.images import ImageInput, check_url, image_part
 from ..generation.pipeline import Constraint, Generation, Reasoning, Running
 from ..protocol import ApiError
 from ..state import STATE, off_loop, read_body
@@ -27,14 +28,33 @@ from .responses_bodies import (
     NAMES,
     FunctionCallItem,
     FunctionCallOutputItem,
+    InputImage,
+    InputText,
     MessageItem,
     ResponsesRequest,
 )
 
 
 # -- requests into the core's terms ---------------------------------------------------------------------
-def _text(content) -> str:
-    return content if isinstance(content, str) else "".join(p.text for p in content)
+def _content(content, at: str) -> str | list[dict]:
+    """A message item's text, or, with images among it, its parts in order (the pipeline's form)."""
+    if isinstance(content, str):
+        return content
+    if not any(isinstance(p, InputImage) for p in content):
+        return "".join(p.text for p in content)
+    return [
+        {"type": "text", "text": p.text} if isinstance(p, InputText) else image_part(_image(p, f"{at}.content.{j}"))
+        for j, p in enumerate(content)
+    ]
+
+
+def _image(part: InputImage, where: str) -> ImageInput:
+    if part.image_url is None:
+        msg = "the daemon keeps no files: send image_url, a base64 data: URL"
+        raise ApiError(
+            400, f"{where}.file_id: {msg}" if part.file_id else f"{where}.image_url: required", f"{where}.image_url"
+        )
+    return check_url(part.image_url, f"{where}.image_url")
 
 
 def conversation(body: ResponsesRequest, earlier: list[dict]) -> list[dict]:
@@ -45,10 +65,10 @@ def conversation(body: ResponsesRequest, earlier: list[dict]) -> list[dict]:
         out.insert(0, {"role": "system", "content": body.instructions})
     if isinstance(body.input, str):
         return [*out, {"role": "user", "content": body.input}]
-    for item in body.input:
+    for i, item in enumerate(body.input):
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            out.append({"role": role, "content": _text(item.content)})
+            out.append({"role": role, "content": _content(item.content, f"input.{i}")})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": _args(item)}}
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
@@ -394,8 +414,8 @@ async def input_tokens(request: web.Request) -> web.Response:
     )
     gen = await off_loop(generation, body, earlier)
     async with state.lease(body.model) as model:
-        prompts, _ = await pipeline.render(state, model, gen)
-    return web.json_response({"object": "response.input_tokens", "input_tokens": len(prompts[0])})
+        rendered = await pipeline.render(state, model, gen, encode=False)  # (an image's places need no tower)
+    return web.json_response({"object": "response.input_tokens", "input_tokens": len(rendered.prompts[0])})
 
 
 def add_routes(app: web.Application) -> None:

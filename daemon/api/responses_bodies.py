@@ -24,10 +24,20 @@ class InputText(_Body):
     annotations: list[Any] | None = None
 
 
+class InputImage(_Body):
+    type: Literal["input_image"]
+    image_url: StrictStr | None = None  # a base64 data: URL, or a file:// URL inside --media-path
+    file_id: StrictStr | None = None  # (refused: the daemon keeps no files)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+Content = Annotated[InputText | InputImage, Field(discriminator="type")]
+
+
 class MessageItem(_Body):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: StrictStr | list[InputText]
+    content: StrictStr | list[Content]
     id: StrictStr | None = None
     status: StrictStr | None = None
 

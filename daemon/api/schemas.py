@@ -395,7 +395,7 @@ class OllamaShow(_Out):
     model_info: dict[str, Any]
     # a coder model's fill-in-the-middle markers in Ollama's template words (`.Suffix`), else empty
     template: str
-    capabilities: list[str]  # "completion", and "insert" where a `suffix` is taken
+    capabilities: list[str]  # "completion", "insert" where a `suffix` is taken, "vision" where images are
 
 
 class OllamaVersion(_Out):

@@ -59,9 +59,13 @@ async def tokenize(request: web.Request) -> web.Response:
         if body.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
             gen = Generation(
-                "", body.model, "messages", messages=[m.for_template() for m in body.messages], tools=tools
+                "",
+                body.model,
+                "messages",
+                messages=[m.for_template(f"messages.{i}") for i, m in enumerate(body.messages)],
+                tools=tools,
             )
-            ids = (await pipeline.render(state, model, gen))[0][0]
+            ids = (await pipeline.render(state, model, gen)).prompts[0]
         else:
             ids = await off_loop(tok.encode_prompt if body.add_special else tok.encode, body.content)
         tokens: list = ids

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from minibatch.engine.core.admission import QueueFull, RequestRejected
 from minibatch.engine.core.outputs import RequestOutput
+from minibatch.engine.core.request import ImageSpan
 from minibatch.engine.core.sampling_params import (
     DEFAULT_MAX_TOKENS,
     SAMPLING_DEFAULT_FIELDS,
@@ -36,6 +37,9 @@ from ..protocol import ApiError
 from ..state import DaemonState, off_loop, timed_out
 from .answer import AnswerStream, Parts, split_answer
 from .grammars import check_tool_schemas, response_grammar, text_grammar, tool_call_grammar
+from .images import MEDIA_MARKER, ImageInput, check_images, encode_images, flatten, images_of
+from .images import for_template as images_for_template
+from .images import spans as image_spans
 from .loras import LoraScale, request_loras
 from .reasoning import EFFORT_BUDGETS, Thinking, gate
 from .tools import check_template
@@ -115,6 +119,8 @@ class Generation:
     fill_prefix_field: str = "prompt"  # the field of the code before the cursor (prompt, input_prefix)
     prompts: list[str | list[int]] | None = None  # or prompts as they are: texts (encoded) or token ids
     batch: bool = False  # several prompts in one request: a refusal names prompt.N
+    # llama-server's images of one text prompt: each MEDIA_MARKER in the text is where one goes
+    prompt_images: list[ImageInput] | None = None
     tools: list[dict] | None = None  # OpenAI-shaped tool specs the template sees
     reasoning: Reasoning = field(default_factory=Reasoning)
     sampling: dict[str, Any] = field(default_factory=dict)  # what the client set, in SamplingParams' names
@@ -304,17 +310,30 @@ async def generate(state: DaemonState, gen: Generation, request: web.Request) ->
             await running.close()
 
 
-async def render(state: DaemonState, model: LoadedModel, gen: Generation) -> tuple[list[list[int]], Thinking | None]:
-    """The prompts' token ids (the conversation by the template, or the prompts encoded) and how the output's
-    reasoning is split, off the event loop."""
+@dataclass(slots=True)
+class Rendered:
+    """A generation's prompts as token ids; how the output's reasoning is split; the chat prompt's images
+    (their placeholder runs and embeddings, in order)."""
+
+    prompts: list[list[int]]
+    thinking: Thinking | None = None
+    images: tuple[ImageSpan, ...] = ()
+
+
+async def render(state: DaemonState, model: LoadedModel, gen: Generation, encode: bool = True) -> Rendered:
+    """The prompts' token ids (the conversation by the template, or the prompts encoded), how the output's
+    reasoning is split and the conversation's images, off the event loop. `encode`: run the images through
+    the tower (a count of tokens needs only their places)."""
     tok = model.tokenizer
     limit = model.info.max_model_len
     if gen.fill is not None:
-        return [await off_loop(lambda: _fill_ids(model, gen))], None
+        return Rendered([await off_loop(lambda: _fill_ids(model, gen))])
     if gen.pairs is not None:
-        return await off_loop(lambda: _pair_ids(model, gen)), None
+        return Rendered(await off_loop(lambda: _pair_ids(model, gen)))
     if gen.tools is not None:
         check_template(tok)
+    if gen.prompt_images is not None:
+        return await _prompt_with_images(state, model, gen, encode)
     if gen.messages is None:
         texts = list(gen.prompts or [])
         for i, p in enumerate(texts):
@@ -323,7 +342,7 @@ async def render(state: DaemonState, model: LoadedModel, gen: Generation) -> tup
                     texts[i] = _head(tok, p, limit)
                 else:
                     _check_fits(tok, p, limit, f"{gen.prompt_field}.{i}" if gen.batch else gen.prompt_field)
-        return await off_loop(lambda: [p if isinstance(p, list) else tok.encode_prompt(p) for p in texts]), None
+        return Rendered(await off_loop(lambda: [p if isinstance(p, list) else tok.encode_prompt(p) for p in texts]))
     ask = gen.reasoning
     args = dict(ask.template_args)
     if tok.reasoning_tags is not None and ask.off and tok.can_stop_thinking:
@@ -332,19 +351,60 @@ async def render(state: DaemonState, model: LoadedModel, gen: Generation) -> tup
         args.setdefault("reasoning_effort", ask.effort)
     apart = ask.apart if ask.apart is not None else state.reasoning_format == "auto"
     split = tok.reasoning_tags is not None and apart and args.get("enable_thinking") is not False
+    inputs = images_of(gen.messages)
+    encoder = model.engine.engine.images
+    check_images(model.name, encoder, inputs)
+    messages = gen.messages
+    if encoder is not None:
+        lists = "image" in (tok.chat_template or "")  # a template that writes content parts' images (Gemma 3's)
+        messages = images_for_template(messages, encoder.layout, lists)
+    elif not inputs:
+        messages = flatten(messages)
 
-    def run() -> tuple[list[int], Thinking | None]:
-        text = tok.render_chat(gen.messages, tools=gen.tools, **args)
+    def run() -> tuple[list[int], list[int], Thinking | None]:
+        text = tok.render_chat(messages, tools=gen.tools, **args)
         _check_fits(tok, text, limit, gen.prompt_field)
-        ids = tok.encode(text)
-        inside = tok.thinks_from_prompt(gen.messages, tools=gen.tools, **args) if split else False
-        return ids, (Thinking(tok.reasoning_tags, inside) if split else None)
+        ids, offsets = encoder.layout.prompt(text, tok.encode) if encoder is not None else (tok.encode(text), [])
+        inside = tok.thinks_from_prompt(messages, tools=gen.tools, **args) if split else False
+        return ids, offsets, (Thinking(tok.reasoning_tags, inside) if split else None)
 
     try:
-        ids, thinking = await off_loop(run)
+        ids, offsets, thinking = await off_loop(run)
     except ValueError as exc:
         raise ApiError(400, str(exc), gen.prompt_field, "no_chat_template") from None
-    return [ids], thinking
+    if len(offsets) != len(inputs):
+        msg = f"the chat template put {len(offsets)} images in the prompt where the request sends {len(inputs)}"
+        raise ApiError(400, f"{gen.prompt_field}: {msg}", gen.prompt_field, "invalid_image")
+    if not inputs or not encode:
+        return Rendered([ids], thinking)
+    assert encoder is not None
+    encoded = await off_loop(lambda: encode_images(encoder, inputs, state.media_path))
+    return Rendered([ids], thinking, image_spans(encoder, offsets, encoded))
+
+
+async def _prompt_with_images(state: DaemonState, model: LoadedModel, gen: Generation, encode: bool) -> Rendered:
+    """A raw prompt with its images where its MEDIA_MARKERs are (llama-server's multimodal_data)."""
+    tok, inputs, encoder = model.tokenizer, gen.prompt_images or [], model.engine.engine.images
+    check_images(model.name, encoder, inputs)
+    assert encoder is not None
+    (text,) = gen.prompts or [""]
+    if text.count(MEDIA_MARKER) != len(inputs):
+        msg = f"the prompt has {text.count(MEDIA_MARKER)} {MEDIA_MARKER} markers for {len(inputs)} images"
+        raise ApiError(400, f"{gen.prompt_field}: {msg}", gen.prompt_field, "invalid_image")
+    _check_fits(tok, text, model.info.max_model_len, gen.prompt_field)
+
+    def run() -> tuple[list[int], list[int]]:
+        ids, offsets = encoder.layout.prompt(text, tok.encode, MEDIA_MARKER)
+        bos = tok.added_bos
+        if bos is not None and (not ids or ids[0] != bos):
+            ids, offsets = [bos, *ids], [o + 1 for o in offsets]
+        return ids, offsets
+
+    ids, offsets = await off_loop(run)
+    if not encode:
+        return Rendered([ids])
+    encoded = await off_loop(lambda: encode_images(encoder, inputs, state.media_path))
+    return Rendered([ids], None, image_spans(encoder, offsets, encoded))
 
 
 def _check_fits(tok, text: str, limit: int | None, field: str, what: str = "the prompt") -> None:
@@ -441,7 +501,8 @@ def check_task(model: LoadedModel, gen: Generation) -> None:
 async def _start(state: DaemonState, model: LoadedModel, gen: Generation, deadline: float) -> Running:
     check_task(model, gen)
     engine = model.ready_engine()
-    prompts, thinking = await render(state, model, gen)
+    rendered = await render(state, model, gen)
+    prompts, thinking = rendered.prompts, rendered.thinking
     if gen.embed:
         return _submit_embeddings(model, gen, prompts, deadline - state.request_timeout, deadline, timed_out(state))
     grammar = await _grammar(model, gen)
@@ -459,7 +520,8 @@ async def _start(state: DaemonState, model: LoadedModel, gen: Generation, deadli
             params.grammar = gate(model, grammar if k == 0 or grammar is None else grammar.copy(), thinking, budget)
             if i and params.seed is not None:  # the n completions of one prompt draw differently, reproducibly
                 params.seed = (params.seed + i) % 2**63
-            _submit(engine, gen, prompts[p], params, rid, ids[k - i] if i else None, p if gen.batch else None)
+            share, batch = ids[k - i] if i else None, p if gen.batch else None
+            _submit(engine, gen, prompts[p], params, rid, share, batch, images=rendered.images)
         except BaseException:
             await running.close()  # all or none
             raise
@@ -505,6 +567,7 @@ def _submit(
     share: str | None,
     prompt: int | None,
     pooling: str | None = None,
+    images: tuple[ImageSpan, ...] = (),
 ) -> None:
     """Submit one completion; a refusal becomes the API's error, naming the field and, in a batch of prompts,
     the prompt: `prompt.1`, `prompt.0.3` (its token 3)."""
@@ -512,7 +575,15 @@ def _submit(
         # a middle to fill may start from the last one's K/V at shifted positions (engine/core/kv_reuse.py)
         reuse = gen.fill is not None
         engine.submit(
-            ids, params, rid, share, pooling=pooling, cache_salt=gen.cache_salt, reuse_shifted=reuse, loras=gen.loras
+            ids,
+            params,
+            rid,
+            share,
+            pooling=pooling,
+            cache_salt=gen.cache_salt,
+            reuse_shifted=reuse,
+            loras=gen.loras,
+            images=images,
         )
     except QueueFull as exc:
         raise ApiError(exc.status, str(exc), exc.field, exc.code, "rate_limit_error", {"Retry-After": "1"}) from None

@@ -71,6 +71,10 @@ PER_MODEL_OPTIONS = (
     "max_lora_rank",
     "max_loras",
     "lora_dir",
+    "mmproj",
+    "max_images",
+    "max_image_bytes",
+    "max_image_pixels",
 )
 
 

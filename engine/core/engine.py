@@ -30,6 +30,7 @@ from minibatch.engine.spec_decode.decoder import Proposer, SpecDecoder
 
 if TYPE_CHECKING:
     from minibatch.engine.lora.adapter import LoraAdapter
+    from minibatch.engine.vision.images import ImageEncoder
 
 
 class Runner(Protocol):
@@ -85,6 +86,9 @@ class LLMEngine:
         # reads and checks an adapter against the model, from its path and as its name (lora/adapter.py's
         # load_adapter, set by factory.build_engine for a model that serves adapters); any thread may call it
         self.lora_reader: Callable[[str, str], LoraAdapter] | None = None
+        # a vision model's images: its tower behind the request bounds, and how an image sits in a prompt
+        # (vision/images.py, set by factory.build_engine); None: the model sees no images
+        self.images: ImageEncoder | None = None
         self.aborted: set[str] = set()  # aborts asked for from other threads, not applied yet (abort_soon)
         self.abandoned_steps = 0  # forwards stopped between layers because all their requests were aborted
         # proposes draft tokens for decoding rows (None: one token per row per step)

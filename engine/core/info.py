@@ -46,6 +46,20 @@ class WeightFacts:
 
 
 @dataclass(frozen=True, slots=True)
+class VisionFacts:
+    """A vision model's tower and the bounds on what a request sends (--max-images, --max-image-bytes,
+    --max-image-pixels)."""
+
+    family: str  # engine/vision/'s: gemma3
+    source: str  # where the tower came from: the model folder, or mmproj (its file's name)
+    image_size: int  # the side the tower sees an image at, in pixels
+    tokens_per_image: int  # positions an image takes in the prompt
+    max_images: int
+    max_image_bytes: int
+    max_image_pixels: int
+
+
+@dataclass(frozen=True, slots=True)
 class EngineInfo:
     """Static facts about a running engine. The live state (mode, occupancy, KV use) is in StepStats."""
 
@@ -80,6 +94,7 @@ class EngineInfo:
     # the CPU kernels: their build and what the integer dot products run on (kernels.cpu.extension.describe)
     cpu_kernels: str | None = None
     loras: tuple[str, ...] = ()  # the LoRA adapters its --lora names (a request names one as its model)
+    vision: VisionFacts | None = None  # a model that sees images: its tower and what a request may send
 
     def as_dict(self, public: bool = False) -> dict:
         """JSON-ready: the fields, with `memory` nested (None fields left out); `public`: without the server's

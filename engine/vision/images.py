@@ -1,0 +1,126 @@
+"""A vision model's images as a prompt takes them: where an image goes in the rendered conversation (its
+layout: the marker the chat template writes, what the processor makes of it), and the encoder that turns an
+image's bytes into its embeddings, within the daemon's bounds, keeping recent ones by content hash so an image
+sent again, by any request, is not encoded again."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from minibatch.engine.core.request import ImageSpan
+
+from .loader import VisionError, VisionModel
+from .preprocess import ImageError, decode_image
+
+# What each family's chat template writes where an image is, and what its processor puts around the image's
+# placeholder run (Gemma 3's processor: "\n\n<start_of_image>" + 256 x <image_soft_token> + "<end_of_image>\n\n")
+_MARKERS = {"gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>", "\n\n", "\n\n")}
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLayout:
+    """How an image sits in a prompt. The chat template writes `marker` where the image is (a template that
+    does not know images gets it in the message's text); each marker becomes `before`, the `start` token, the
+    image's `tokens` placeholder positions, the `end` token and `after`. The texts around are encoded apart from
+    the special tokens, as the tokenizer splits them at special tokens anyway."""
+
+    marker: str
+    start: int
+    end: int
+    placeholder: int  # the id in an image's positions (its embeddings take their place)
+    tokens: int
+    before: str
+    after: str
+    whole: bool  # the image's positions attend to each other, later ones too (Gemma 3)
+
+    @classmethod
+    def of(cls, vision: VisionModel, vocab: dict[str, int], placeholder: int | None) -> ImageLayout:
+        marker, end, image, before, after = _MARKERS[vision.family]
+        missing = [t for t in (marker, end) if t not in vocab]
+        if missing:
+            raise VisionError(f"the tokenizer has no {' or '.join(missing)} token, which a {vision.family} image needs")
+        if placeholder is None:
+            placeholder = vocab.get(image, vocab[marker])  # (any id: the image's embeddings replace it)
+        return cls(marker, vocab[marker], vocab[end], placeholder, vision.tokens_per_image, before, after, True)
+
+    def prompt(
+        self, text: str, encode: Callable[[str], list[int]], marker: str | None = None
+    ) -> tuple[list[int], list[int]]:
+        """The rendered conversation's token ids with each marker (the layout's own, or `marker`) made an
+        image's run, and the runs' offsets."""
+        pieces = text.split(marker or self.marker)
+        ids: list[int] = []
+        offsets = []
+        for i, piece in enumerate(pieces):
+            if i:
+                piece = self.after + piece
+            if i < len(pieces) - 1:
+                piece = piece + self.before
+            ids += encode(piece) if piece else []
+            if i < len(pieces) - 1:
+                ids.append(self.start)
+                offsets.append(len(ids))
+                ids += [self.placeholder] * self.tokens
+                ids.append(self.end)
+        return ids, offsets
+
+
+@dataclass(frozen=True, slots=True)
+class ImageLimits:
+    """What one request may send (the daemon's --max-images, --max-image-bytes, --max-image-pixels)."""
+
+    max_images: int
+    max_image_bytes: int
+    max_image_pixels: int
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedImage:
+    key: int  # from the image's content hash (the prefix caches key its positions by it)
+    embeds: torch.Tensor  # [tokens, text width]
+
+
+class ImageEncoder:
+    """The model's vision tower behind its bounds: bytes decoded (size from the header first), processed and
+    encoded one image at a time (the tower's threads are the machine's), the last `keep` outputs kept by
+    content hash. An output is kept only while it is among the recent ones; a request holds its own in its
+    ImageSpans until it ends."""
+
+    def __init__(self, vision: VisionModel, layout: ImageLayout, limits: ImageLimits, keep: int = 16) -> None:
+        self.vision, self.layout, self.limits, self.keep = vision, layout, limits, keep
+        self._recent: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+        self.encoded = 0  # images run through the tower (a hit in the recent ones is not)
+        self.hits = 0
+
+    def check_size(self, data: bytes) -> None:
+        if len(data) > self.limits.max_image_bytes:
+            raise ImageError(f"{len(data)} bytes; at most {self.limits.max_image_bytes} bytes an image")
+
+    def encode(self, data: bytes) -> EncodedImage:
+        """An image's embeddings, or ImageError saying why it cannot be taken. Blocks: call it off the loop."""
+        self.check_size(data)
+        digest = hashlib.sha256(data).digest()
+        key = int.from_bytes(digest[:8], "little") >> 1
+        with self._lock:
+            embeds = self._recent.get(digest)
+            if embeds is not None:
+                self._recent.move_to_end(digest)
+                self.hits += 1
+                return EncodedImage(key, embeds)
+            pixels = self.vision.processor.pixels(decode_image(data, self.limits.max_image_pixels))
+            embeds = self.vision.encode(pixels[None])[0]
+            self.encoded += 1
+            self._recent[digest] = embeds
+            while len(self._recent) > self.keep:
+                self._recent.popitem(last=False)
+        return EncodedImage(key, embeds)
+
+    def span(self, offset: int, image: EncodedImage) -> ImageSpan:
+        return ImageSpan(offset, image.embeds, image.key, whole=self.layout.whole)
