@@ -16,7 +16,7 @@ from minibatch.engine.encoders.config import is_encoder_dir
 from minibatch.engine.heap import release_free_memory
 from minibatch.engine.kv_offload.disk import DEFAULT_MIN_TOKENS
 from minibatch.engine.lora.names import parse_loras
-from minibatch.engine.models.config import ModelSettingError
+from minibatch.engine.models.config import ModelConfig, ModelSettingError
 from minibatch.engine.spec_decode.config import DEFAULT_METHOD, DEFAULT_NUM_TOKENS, SpecConfig
 from minibatch.engine.store.cache import DEFAULT_MODEL, resolve_model
 from minibatch.engine.testing import faults
@@ -350,7 +350,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
             adapter = engine.lora_reader(path, name)
             if i < config.max_loras:
                 engine.add_lora(adapter)
-    vision = attach_images(engine, config, model_dir, cfg.hidden_size, cfg.image_token_id)
+    vision = attach_images(engine, config, model_dir, cfg)
     engine.info = EngineInfo(
         model=config.model,
         model_dir=str(model_dir),
@@ -389,14 +389,13 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     return engine
 
 
-def attach_images(
-    engine: LLMEngine, config: EngineConfig, model_dir, text_width: int, image_token_id: int | None
-) -> VisionFacts | None:
+def attach_images(engine: LLMEngine, config: EngineConfig, model_dir, cfg: ModelConfig) -> VisionFacts | None:
     """The model's vision tower (--mmproj's, else its folder's own, when it has one) behind the request bounds,
     set as engine.images; its facts for EngineInfo. None for a model that sees no images."""
     from minibatch.engine.vision.images import ImageEncoder, ImageLayout, ImageLimits
     from minibatch.engine.vision.loader import VisionError, load_vision
 
+    text_width, image_token_id = cfg.hidden_size, cfg.image_token_id
     if config.mmproj is None and image_token_id is None:
         return None
     source = config.mmproj or str(model_dir)
@@ -410,7 +409,7 @@ def attach_images(
         raise ModelSettingError(
             f"mmproj: its projector makes {vision.text_width}-wide embeddings; the model's are {text_width} wide"
         )
-    layout = ImageLayout.of(vision, engine.tokenizer.vocab(), image_token_id)
+    layout = ImageLayout.of(vision, engine.tokenizer.vocab(), image_token_id, cfg.image_bounds)
     if layout.tokens > config.max_num_batched_tokens:
         raise ModelSettingError(
             f"max_num_batched_tokens {config.max_num_batched_tokens}: an image takes {layout.tokens} positions, "

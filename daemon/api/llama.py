@@ -301,7 +301,22 @@ async def infill(request: web.Request) -> web.StreamResponse:
     return await respond(request, fill=True)
 
 
+async def props(request: web.Request) -> web.Response:
+    """llama-server's GET /props for a loaded model (?model=, default the daemon's own): its slots, context,
+    chat template and what it takes in (`modalities`: vision where it has a tower)."""
+    m = request.app[STATE].served(request.query.get("model") or None)
+    body = {
+        "model_alias": m.name,
+        "total_slots": m.info.max_num_seqs,
+        "default_generation_settings": {"n_ctx": m.info.max_model_len},
+        "chat_template": m.tokenizer.chat_template or "",
+        "modalities": {"vision": m.info.vision is not None, "audio": False},
+    }
+    return web.json_response(body)
+
+
 def add_routes(app: web.Application) -> None:
+    app.router.add_get("/props", props)
     app.router.add_post("/completion", completion)
     app.router.add_post("/infill", infill)
     app.router.add_get("/lora-adapters", lora.get_adapters)

@@ -155,6 +155,15 @@ def _operations() -> list[tuple]:
         ),
         (
             "get",
+            "/props",
+            "llama-server: a loaded model's slots, context, chat template and modalities (vision: it takes images)",
+            None,
+            {200: {JSON: s.Props}},
+            {**GUARDED, **ENGINE, **loaded},
+            [model],
+        ),
+        (
+            "get",
             "/lora-adapters",
             "llama-server: the model's LoRA adapters by id, with the scales of requests that name the base model",
             None,

@@ -336,6 +336,21 @@ class LoraAdapters(RootModel[list[LoraAdapter]]):
     """llama-server's GET /lora-adapters: a bare list."""
 
 
+class Modalities(_Out):
+    vision: bool
+    audio: bool
+
+
+class Props(_Out):
+    """llama-server's GET /props: a loaded model's slots, context, chat template and what it takes in."""
+
+    model_alias: str
+    total_slots: int
+    default_generation_settings: dict[str, Any]
+    chat_template: str
+    modalities: Modalities
+
+
 class ModeState(_Out):
     mode: Literal["continuous", "static"]
     pending_mode: Literal["continuous", "static"] | None

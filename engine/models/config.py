@@ -83,6 +83,7 @@ class ModelConfig:
     # a vision model's text side (Gemma 3's folder): the token whose run in a prompt an image's embeddings take
     # the place of (engine/vision/ makes them), None for a model that sees no images
     image_token_id: int | None = None
+    image_bounds: tuple[int, int] | None = None  # the tokens before and after an image's run (Gemma 3's boi, eoi)
 
     @property
     def default_context(self) -> int:
@@ -111,7 +112,12 @@ class ModelConfig:
             # a vision model's folder: its text model's config, with what marks an image in a prompt
             text = {**cfg["text_config"], "model_type": VISION_WRAPPERS[model_type]}
             image = cfg.get("image_token_id", cfg.get("image_token_index"))
-            return dataclasses.replace(cls.from_dict(text), image_token_id=None if image is None else int(image))
+            bounds = cfg.get("boi_token_index"), cfg.get("eoi_token_index")
+            return dataclasses.replace(
+                cls.from_dict(text),
+                image_token_id=None if image is None else int(image),
+                image_bounds=None if None in bounds else (int(bounds[0]), int(bounds[1])),
+            )
         if model_type in _NOT_YET:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported yet (it needs {_NOT_YET[model_type]}); "

@@ -40,14 +40,20 @@ class ImageLayout:
     whole: bool  # the image's positions attend to each other, later ones too (Gemma 3)
 
     @classmethod
-    def of(cls, vision: VisionModel, vocab: dict[str, int], placeholder: int | None) -> ImageLayout:
+    def of(
+        cls, vision: VisionModel, vocab: dict[str, int], placeholder: int | None, bounds: tuple[int, int] | None
+    ) -> ImageLayout:
+        """The family's layout with the model's ids: its config's (a vision folder's), else its vocabulary's."""
         marker, end, image, before, after = _MARKERS[vision.family]
-        missing = [t for t in (marker, end) if t not in vocab]
-        if missing:
-            raise VisionError(f"the tokenizer has no {' or '.join(missing)} token, which a {vision.family} image needs")
+        if bounds is None:
+            missing = [t for t in (marker, end) if t not in vocab]
+            if missing:
+                msg = f"the tokenizer has no {' or '.join(missing)} token, which a {vision.family} image needs"
+                raise VisionError(msg)
+            bounds = vocab[marker], vocab[end]
         if placeholder is None:
-            placeholder = vocab.get(image, vocab[marker])  # (any id: the image's embeddings replace it)
-        return cls(marker, vocab[marker], vocab[end], placeholder, vision.tokens_per_image, before, after, True)
+            placeholder = vocab.get(image, bounds[0])  # (any id: the image's embeddings replace it)
+        return cls(marker, *bounds, placeholder, vision.tokens_per_image, before, after, True)
 
     def prompt(
         self, text: str, encode: Callable[[str], list[int]], marker: str | None = None

@@ -76,6 +76,23 @@ def test_chat_completion_non_streaming(daemon):
     assert 0 <= t["queue_wait_ms"] <= t["ttft_ms"] <= t["e2e_ms"]
 
 
+def test_an_image_to_a_model_without_a_tower_is_a_400_naming_it(daemon):
+    from minibatch.daemon.client import request_json
+
+    png = (
+        "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2OUAAAAABJRU5E"
+    )
+    png += "rkJggg=="  # (one pixel)
+    content = [{"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": png}}]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    status, out = request_json(str(daemon.socket), "POST", "/v1/chat/completions", body)
+    assert status == 400 and out["error"]["param"] == "messages.0.content.1.image_url", out
+    assert "does not take images" in out["error"]["message"]
+    status, props = daemon.get("/props")
+    assert status == 200 and props["modalities"] == {"vision": False, "audio": False}
+    assert props["total_slots"] >= 1 and props["chat_template"]
+
+
 def test_chat_streaming_sse_format(daemon):
     async def go():
         async with session(daemon.socket) as s:

@@ -130,6 +130,20 @@ def test_llama_server_multimodal_data_and_a_file_url(daemon, expected):
     assert _text("openai", out) == text
 
 
+def test_counted_tokens_are_the_generation_s_and_props_say_vision(daemon, expected):
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": _b64(4)}}
+    content = [block, {"type": "text", "text": TEXT}]
+    body = {"model": daemon.model, "messages": [{"role": "user", "content": content}]}
+    status, out = request_json(str(daemon.socket), "POST", "/v1/messages/count_tokens", body)
+    assert status == 200 and out["input_tokens"] == expected[1], out
+    content = [{"type": "input_image", "image_url": _url(4)}, {"type": "input_text", "text": TEXT}]
+    body = {"input": [{"role": "user", "content": content}]}
+    status, out = request_json(str(daemon.socket), "POST", "/v1/responses/input_tokens", body)
+    assert status == 200 and out["input_tokens"] == expected[1], out
+    status, props = daemon.get("/props")
+    assert props["modalities"] == {"vision": True, "audio": False}
+
+
 def test_another_image_another_answer_and_the_same_image_a_prefix_hit(daemon, expected):
     status, other = _ask(daemon, "openai", {"type": "image_url", "image_url": {"url": _url(2)}})
     assert status == 200, other

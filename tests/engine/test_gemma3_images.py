@@ -170,8 +170,16 @@ def test_a_prefix_hit_on_the_same_image_gives_the_same_tokens(gemma3_dir, expect
 def test_an_image_longer_than_a_step_is_refused(gemma3_dir, expected):
     from minibatch.engine.core.admission import RequestRejected
 
+    from minibatch.engine.models.config import ModelSettingError
+
     _, embeds = expected
-    eng = _engine(gemma3_dir, "kernel", max_num_batched_tokens=8, max_num_seqs=2)
+    # a model whose images could never fit a step is refused at its load, naming the option
+    with pytest.raises(ModelSettingError, match="max_num_batched_tokens 8: an image takes 16 positions"):
+        _engine(gemma3_dir, "kernel", max_num_batched_tokens=8, max_num_seqs=2)
+    # and a program's own span longer than a step, at its submission
+    eng = _engine(gemma3_dir, "kernel", max_num_batched_tokens=16, max_num_seqs=2)
+    long = PROMPT[:OFFSET] + [IMAGE_TOKEN] * 32 + PROMPT[OFFSET + TOKENS_PER_IMAGE :]
+    span = ImageSpan(OFFSET, torch.cat([embeds[1], embeds[1]]), 1, True)
     with pytest.raises(RequestRejected, match="more positions than one step computes"):
-        eng.add_request("x", PROMPT, SamplingParams(max_tokens=2), images=(ImageSpan(OFFSET, embeds[1], 1, True),))
+        eng.add_request("x", long, SamplingParams(max_tokens=2), images=(span,))
     assert not eng.has_work()
