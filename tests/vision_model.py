@@ -57,7 +57,9 @@ def save_tiny_gemma3_vision(path: Path, builtin_model_dir: Path, seed: int = 5) 
         for name, p in model.named_parameters():
             if "norm" in name and "vision_tower" not in name:
                 p.normal_(0.0, 0.3)
-        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.3)
+        proj = model.model.multi_modal_projector.mm_input_projection_weight
+        proj.normal_(0, 0.3)
+        proj.copy_(proj.half().float())  # (what an mmproj file keeps it in: served from one, the same values)
     model.save_pretrained(path)
     tok.save(str(path / "tokenizer.json"))
     config = json.loads((builtin_model_dir / "tokenizer_config.json").read_text())
@@ -106,3 +108,70 @@ def expected_answer(folder: Path, messages_text: str, image, tokens: int) -> tup
             min_new_tokens=tokens, attention_mask=torch.ones_like(ids),
         )  # fmt: skip
     return out[0, ids.shape[1] :].tolist(), ids.shape[1]
+
+
+def write_mmproj(folder, out):
+    """The folder's tower and projector as llama.cpp's `convert_hf_to_gguf.py --mmproj` writes Gemma 3's:
+    `clip` architecture, `clip.vision.*` sizes, `v.*` / `mm.*` tensor names, the soft embedding norm stored as
+    1 + weight, the projection in F16, the rest F32 (checked key for key and tensor for tensor, names, types and
+    shapes, against what llama.cpp 0c1e570's converter writes from the same folder under the hub's names)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text())
+    vision = cfg["vision_config"]
+    side = vision["image_size"] // vision["patch_size"]
+    w = {k.removeprefix("model."): v for k, v in load_file(folder / "model.safetensors").items()}
+    w = {k.replace("vision_tower.vision_model.", "vision_tower.", 1): v for k, v in w.items()}
+    writer = gguf.GGUFWriter(str(out), "clip")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", "gemma3")
+    writer.add_bool("clip.use_gelu", True)
+    writer.add_uint32("clip.vision.projection_dim", cfg["text_config"]["hidden_size"])
+    writer.add_uint32("clip.vision.image_size", vision["image_size"])
+    writer.add_uint32("clip.vision.patch_size", vision["patch_size"])
+    writer.add_uint32("clip.vision.embedding_length", vision["hidden_size"])
+    writer.add_uint32("clip.vision.feed_forward_length", vision["intermediate_size"])
+    writer.add_uint32("clip.vision.block_count", vision["num_hidden_layers"])
+    writer.add_uint32("clip.vision.attention.head_count", vision["num_attention_heads"])
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer.add_uint32("clip.vision.projector.scale_factor", side // round(cfg["mm_tokens_per_image"] ** 0.5))
+    pre = "vision_tower."
+    names = {
+        "embeddings.patch_embedding": "v.patch_embd",
+        "embeddings.position_embedding": "v.position_embd",
+        "post_layernorm": "v.post_ln",
+    }
+    layer = {
+        "layer_norm1": "ln1",
+        "layer_norm2": "ln2",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.out_proj": "attn_out",
+        "mlp.fc1": "ffn_up",
+        "mlp.fc2": "ffn_down",
+    }
+    for name, t in w.items():
+        if name.startswith("multi_modal_projector."):
+            if "norm" in name:
+                writer.add_tensor("mm.soft_emb_norm.weight", (t.float() + 1).numpy())
+            else:
+                writer.add_tensor("mm.input_projection.weight", t.half().numpy())
+            continue
+        if not name.startswith(pre):
+            continue
+        base, kind = name.removeprefix(pre).rsplit(".", 1)
+        if base.startswith("encoder.layers."):
+            i, part = base.removeprefix("encoder.layers.").split(".", 1)
+            new = f"v.blk.{i}.{layer[part]}.{kind}"
+        else:
+            new = f"{names[base]}.{kind}"
+        writer.add_tensor(new, t.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -12,7 +12,7 @@ import pytest
 
 from minibatch.daemon.client import request_json
 from minibatch.engine.text.tokenizer import TextTokenizer
-from tests.vision_model import BOI, expected_answer, photo, png_bytes, save_tiny_gemma3_vision
+from tests.vision_model import BOI, expected_answer, photo, png_bytes, save_tiny_gemma3_vision, write_mmproj
 
 from .helpers import running_daemon
 
@@ -197,3 +197,20 @@ def test_facts_capability_and_nothing_held_after_refusals(daemon, expected):
     assert status == 200 and _text("ollama", out) == expected[0]
     status, stats = daemon.get("/v1/engine/stats")
     assert stats["running"] == 0 and stats["kv_blocks_used"] == 0, stats  # (cached blocks are not in use)
+
+
+def test_the_tower_from_an_mmproj_file_gives_the_same_answer(folder, expected, tmp_path):
+    """--mmproj: the tower and projector from llama.cpp's mmproj GGUF of the same model (its projection is
+    F16 there, as it is in the folder here), not from the folder."""
+    mmproj = write_mmproj(folder, tmp_path / "mmproj-tiny.gguf")
+    with running_daemon(folder, "--kv-cache-gb", "0.05", "--mmproj", str(mmproj), prefix="mbm-") as d:
+        status, health = d.get("/health")
+        assert health["vision"]["source"] == "mmproj mmproj-tiny.gguf"
+        d.model = health["model"]
+        status, out = _ask(d, "openai")
+        assert status == 200 and _text("openai", out) == expected[0], out
+    bad = tmp_path / "not-mmproj.gguf"
+    bad.write_bytes(b"GGUF nonsense")
+    with pytest.raises(RuntimeError, match="mmproj not-mmproj.gguf: not an mmproj file"):  # (its model: it stops)
+        with running_daemon(folder, "--kv-cache-gb", "0.05", "--mmproj", str(bad), prefix="mbm-"):
+            pass

@@ -169,7 +169,6 @@ def test_a_prefix_hit_on_the_same_image_gives_the_same_tokens(gemma3_dir, expect
 
 def test_an_image_longer_than_a_step_is_refused(gemma3_dir, expected):
     from minibatch.engine.core.admission import RequestRejected
-
     from minibatch.engine.models.config import ModelSettingError
 
     _, embeds = expected

@@ -17,6 +17,7 @@ from PIL import Image  # noqa: E402
 
 from minibatch.engine.vision.loader import VisionError, load_hf, load_mmproj, load_vision  # noqa: E402
 from minibatch.engine.vision.preprocess import ImageError, ImageProcessor, decode_image  # noqa: E402
+from tests.vision_model import write_mmproj  # noqa: E402
 
 VISION = dict(
     hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, image_size=64, patch_size=8
@@ -90,70 +91,6 @@ def test_the_processor_gives_transformers_pixels():
         theirs = torch.as_tensor(np.asarray(ref(images=[image], return_tensors="np")["pixel_values"]))[0]
         ours = ImageProcessor(64).pixels(image)
         torch.testing.assert_close(ours, theirs.float(), atol=1e-6, rtol=0)
-
-
-def write_mmproj(folder, out):
-    """The folder's tower and projector as llama.cpp's `convert_hf_to_gguf.py --mmproj` writes Gemma 3's:
-    `clip` architecture, `clip.vision.*` sizes, `v.*` / `mm.*` tensor names, the soft embedding norm stored as
-    1 + weight, the projection in F16, the rest F32 (checked key for key and tensor for tensor, names, types and
-    shapes, against what llama.cpp 0c1e570's converter writes from the same folder under the hub's names)."""
-    import gguf
-    from safetensors.torch import load_file
-
-    w = {k.removeprefix("model."): v for k, v in load_file(folder / "model.safetensors").items()}
-    w = {k.replace("vision_tower.vision_model.", "vision_tower.", 1): v for k, v in w.items()}
-    writer = gguf.GGUFWriter(str(out), "clip")
-    writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_string("clip.projector_type", "gemma3")
-    writer.add_bool("clip.use_gelu", True)
-    writer.add_uint32("clip.vision.projection_dim", 64)
-    writer.add_uint32("clip.vision.image_size", VISION["image_size"])
-    writer.add_uint32("clip.vision.patch_size", VISION["patch_size"])
-    writer.add_uint32("clip.vision.embedding_length", VISION["hidden_size"])
-    writer.add_uint32("clip.vision.feed_forward_length", VISION["intermediate_size"])
-    writer.add_uint32("clip.vision.block_count", VISION["num_hidden_layers"])
-    writer.add_uint32("clip.vision.attention.head_count", VISION["num_attention_heads"])
-    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
-    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    writer.add_uint32("clip.vision.projector.scale_factor", 2)
-    pre = "vision_tower."
-    names = {
-        "embeddings.patch_embedding": "v.patch_embd",
-        "embeddings.position_embedding": "v.position_embd",
-        "post_layernorm": "v.post_ln",
-    }
-    layer = {
-        "layer_norm1": "ln1",
-        "layer_norm2": "ln2",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.out_proj": "attn_out",
-        "mlp.fc1": "ffn_up",
-        "mlp.fc2": "ffn_down",
-    }
-    for name, t in w.items():
-        if name.startswith("multi_modal_projector."):
-            if "norm" in name:
-                writer.add_tensor("mm.soft_emb_norm.weight", (t.float() + 1).numpy())
-            else:
-                writer.add_tensor("mm.input_projection.weight", t.half().numpy())
-            continue
-        if not name.startswith(pre):
-            continue
-        base, kind = name.removeprefix(pre).rsplit(".", 1)
-        if base.startswith("encoder.layers."):
-            i, part = base.removeprefix("encoder.layers.").split(".", 1)
-            new = f"v.blk.{i}.{layer[part]}.{kind}"
-        else:
-            new = f"{names[base]}.{kind}"
-        writer.add_tensor(new, t.float().numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
 
 
 def test_an_mmproj_gguf_gives_the_folders_embeddings_within_f16s_rounding(folder, tmp_path):
