@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
+from pathlib import Path
 
 from textual import on, work
 from textual.app import App, ComposeResult
@@ -17,6 +18,7 @@ from .frames import FRAME_MIN_S, FULL_GC_MAX_S, NO_FULL_GC, PANEL_S, POLL_S, STA
 from .history import History, PaneSettings
 from .messages import PaneSubmitted, RequestOwner, TurnFinished
 from .names import short_model_name
+from .screens.attach import AttachScreen
 from .screens.help import HelpScreen
 from .screens.models import ModelScreen
 from .screens.settings import SettingsScreen
@@ -38,6 +40,7 @@ class MinibatchChat(App):
         Binding("ctrl+g", "toggle_timeline", "timeline", priority=True),
         Binding("ctrl+s", "settings", "settings", priority=True),
         Binding("ctrl+o", "pick_model", "model", priority=True),
+        Binding("ctrl+f", "attach", "image", priority=True),
         Binding("ctrl+l", "clear_pane", "clear", priority=True),
         Binding("escape", "cancel", "stop answer"),
         Binding("f1,question_mark", "help", "help"),
@@ -148,7 +151,7 @@ class MinibatchChat(App):
 
     @on(TurnFinished)
     def _turn_finished(self, event: TurnFinished) -> None:
-        self.history.add_message(event.pane_id, "user", event.user)
+        self.history.add_message(event.pane_id, "user", event.user, event.images)
         self.history.add_message(event.pane_id, "assistant", event.assistant)
 
     @on(RequestOwner)
@@ -262,6 +265,19 @@ class MinibatchChat(App):
         self.watch_events()  # (exclusive: the stream of the previous model ends)
         if self.panel.showing_timeline:
             self.poll_steps()
+
+    def action_attach(self) -> None:
+        """An image file for the focused pane's next message (its path asked for, with a preview)."""
+        pane = self.focused_pane()
+
+        def apply(path: Path | None) -> None:
+            if path is not None:
+                problem = pane.attach(path)
+                if problem is not None:
+                    self.notify(problem, severity="error")
+            pane.focus_input()
+
+        self.push_screen(AttachScreen(f"pane {pane.index + 1}: attach an image"), apply)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())

@@ -24,7 +24,8 @@ CREATE TABLE IF NOT EXISTS messages (
     pane_id INTEGER NOT NULL REFERENCES panes(id) ON DELETE CASCADE,
     role TEXT NOT NULL,
     content TEXT NOT NULL,
-    created REAL NOT NULL
+    created REAL NOT NULL,
+    images TEXT  -- a user message's attached images: their paths, one a line
 );
 """
 
@@ -53,7 +54,7 @@ class PaneSettings:
 class StoredPane:
     id: int
     settings: PaneSettings
-    messages: list[dict] = field(default_factory=list)  # {"role", "content"}
+    messages: list[dict] = field(default_factory=list)  # {"role", "content"}, and "images" (paths) where it has some
 
 
 class History:
@@ -69,6 +70,9 @@ class History:
         if "model" not in columns:  # a history from before panes had their model
             with self.db:
                 self.db.execute("ALTER TABLE panes ADD COLUMN model TEXT")
+        if "images" not in {row[1] for row in self.db.execute("PRAGMA table_info(messages)")}:
+            with self.db:  # a history from before messages had images
+                self.db.execute("ALTER TABLE messages ADD COLUMN images TEXT")
 
     def close(self) -> None:
         self.db.close()
@@ -80,13 +84,12 @@ class History:
         out = []
         for pid, sp, t, p, m, seed, model in rows:
             msgs = self.db.execute(
-                "SELECT role, content FROM messages WHERE pane_id = ? ORDER BY id", (pid,)
+                "SELECT role, content, images FROM messages WHERE pane_id = ? ORDER BY id", (pid,)
             ).fetchall()
-            out.append(
-                StoredPane(
-                    pid, PaneSettings(sp, t, p, m or None, seed, model), [{"role": r, "content": c} for r, c in msgs]
-                )
-            )
+            messages = [
+                {"role": r, "content": c, **({"images": images.split("\n")} if images else {})} for r, c, images in msgs
+            ]
+            out.append(StoredPane(pid, PaneSettings(sp, t, p, m or None, seed, model), messages))
         return out
 
     def new_pane(self, position: int, settings: PaneSettings | None = None) -> int:
@@ -123,11 +126,11 @@ class History:
                 ),
             )
 
-    def add_message(self, pane_id: int, role: str, content: str) -> None:
+    def add_message(self, pane_id: int, role: str, content: str, images: tuple[str, ...] = ()) -> None:
         with self.db:
             self.db.execute(
-                "INSERT INTO messages (pane_id, role, content, created) VALUES (?, ?, ?, ?)",
-                (pane_id, role, content, time.time()),
+                "INSERT INTO messages (pane_id, role, content, created, images) VALUES (?, ?, ?, ?, ?)",
+                (pane_id, role, content, time.time(), "\n".join(images) or None),
             )
 
     def clear(self, pane_id: int) -> None:

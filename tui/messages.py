@@ -16,9 +16,10 @@ class PaneSubmitted(Message):
 class TurnFinished(Message):
     """A pane finished (or ended) a turn: persist it."""
 
-    def __init__(self, pane_id: int, user: str, assistant: str, complete: bool) -> None:
+    def __init__(self, pane_id: int, user: str, assistant: str, complete: bool, images: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.pane_id, self.user, self.assistant, self.complete = pane_id, user, assistant, complete
+        self.images = images  # the user message's attached images (paths)
 
 
 class RequestOwner(Message):

@@ -89,6 +89,84 @@ def test_multi_turn_history_is_sent_each_turn_and_restored(history):
     assert [t.strip() for t in asyncio.run(reopen())] == ["one", "ok", "two", "ok"]
 
 
+def _png(path, size=(40, 20)):
+    from PIL import Image
+
+    Image.new("RGB", size, (200, 30, 30)).save(path)
+    return path
+
+
+def test_an_image_dropped_into_the_input_goes_with_the_message_and_stays_as_a_thumbnail(history, tmp_path):
+    """A dropped file's path (quoted, with a space in it) at the start of the input attaches it; the rest is the
+    message. The image goes as a data: URL part before the text, is drawn in the transcript in half-block
+    cells with its name, is sent again with the next turn and comes back with the history."""
+    cat = _png(tmp_path / "my cat.png")
+    client = FakeClient("A red square.")
+
+    async def go():
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 36)) as pilot:
+            pane = app.panes()[0]
+            pane.input.value = f"'{cat}' what is it?"
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: not pane.busy and len(pane.messages) == 2)
+            shown = "\n".join(pane.transcript.plain_lines())
+            attached_then = list(pane.attached)
+            await type_and_send(pilot, "and now?")
+            await wait_until(pilot, lambda: not pane.busy and len(pane.messages) == 4)
+            return shown, attached_then
+
+    shown, attached_then = asyncio.run(go())
+    first = client.chats[0][-1]
+    assert first["role"] == "user" and first["content"][-1] == {"type": "text", "text": "what is it?"}
+    url = first["content"][0]["image_url"]["url"]
+    assert url.startswith("data:image/png;base64,") and len(url) > 100
+    assert "my cat.png" in shown and "▀" in shown and "what is it?" in shown
+    assert attached_then == []  # (sent: the next message has none of its own)
+    assert client.chats[1][0] == first and client.chats[1][-1] == {"role": "user", "content": "and now?"}
+    stored = history.panes()[0].messages
+    assert stored[0] == {"role": "user", "content": "what is it?", "images": [str(cat)]}
+
+    async def reopen():
+        app = MinibatchChat(FakeClient(), history)
+        async with app.run_test(size=(120, 36)) as pilot:
+            await pilot.pause()
+            return "\n".join(app.panes()[0].transcript.plain_lines())
+
+    assert "my cat.png" in asyncio.run(reopen())
+
+
+def test_ctrl_f_asks_for_an_image_and_refuses_what_is_not_one(history, tmp_path):
+    from minibatch.tui.screens.attach import AttachScreen
+
+    photo = _png(tmp_path / "photo.png")
+    (tmp_path / "notes.txt").write_text("hi")
+    client = FakeClient("ok")
+
+    async def go():
+        app = MinibatchChat(client, history)
+        async with app.run_test(size=(120, 36)) as pilot:
+            pane = app.panes()[0]
+            await pilot.press("ctrl+f")
+            await wait_until(pilot, lambda: isinstance(app.screen, AttachScreen))
+            box = app.screen.query_one("#attach-path")
+            box.value = str(tmp_path / "notes.txt")
+            await pilot.press("enter")
+            await pilot.pause()
+            refused = str(app.screen.query_one("#attach-error").render())
+            box.value = str(photo)
+            await pilot.pause()
+            previewed = bool(app.screen.query("#attach-preview"))
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: not isinstance(app.screen, AttachScreen))
+            line = str(pane.query_one(".pane-attached").render())
+            return refused, previewed, list(pane.attached), line
+
+    refused, previewed, attached, line = asyncio.run(go())
+    assert "notes.txt: not an image file" in refused
+    assert previewed and attached == [photo] and "photo.png" in line
+
+
 def test_escape_cancels_the_generation(history):
     client = FakeClient("a long answer", hold=True)
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from pathlib import Path
 
 from textual import work
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Input, Static
 
+from ..attachments import api_messages, image_problem, split_attachment
 from ..client import DaemonUnavailable
 from ..history import PaneSettings
 from ..messages import PaneSubmitted, RequestOwner, TurnFinished
@@ -60,13 +63,40 @@ class ChatPane(Vertical):
         self._status = "ready"
         self._before_lost = "ready"  # the status line a reconnect gives back
         self.flushes = 0  # transcript updates drawn, over the pane's life
-        self.input = Input(placeholder="Message (enter to send, esc to stop)", classes="pane-input")
+        self.attached: list[Path] = []  # images that go with the next message
+        self.input = Input(
+            placeholder="Message (enter to send, esc to stop, ctrl+f or a dropped file: an image)", classes="pane-input"
+        )
 
     def compose(self) -> ComposeResult:
         yield Static(self._title(), classes="pane-title")
         yield Transcript(self.messages, self.color, classes="transcript")
         yield Static(self._status, classes="pane-status")
+        yield Static("", classes="pane-attached")
         yield self.input
+
+    def on_mount(self) -> None:
+        self.query_one(".pane-attached", Static).display = False
+
+    # -- images for the next message -----------------------------------------
+    def attach(self, path: Path) -> str | None:
+        """Attach an image to the next message; why not, when it cannot be."""
+        problem = image_problem(path)
+        if problem is not None:
+            return problem
+        self.attached.append(path)
+        self._show_attached()
+        return None
+
+    def detach(self) -> None:
+        self.attached.clear()
+        self._show_attached()
+
+    def _show_attached(self) -> None:
+        line = self.query_one(".pane-attached", Static)
+        line.display = bool(self.attached)
+        names = ", ".join(p.name for p in self.attached)
+        line.update(f"[b]🖼 {names}[/] [dim]goes with the next message · ctrl+f another[/]")
 
     def _title(self) -> str:
         model = short_model_name(self.settings.model) if self.settings.model else "default model"
@@ -124,10 +154,24 @@ class ChatPane(Vertical):
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
-        text = event.value.strip()
+        text = self.take_attachments(event.value.strip())
+        if event.value.strip() != text:  # image paths were taken from its start
+            event.input.value = text
         if text and not self.busy:
             event.input.value = ""
             self.post_message(PaneSubmitted(self.pane_id, text))
+
+    def take_attachments(self, text: str) -> str:
+        """Attach the image files the input starts with (a path typed, pasted or dropped); the rest."""
+        while True:
+            path, rest = split_attachment(text)
+            if path is None:
+                return text
+            problem = self.attach(path)
+            if problem is not None:
+                self.set_status(f"[red]{problem}[/]")
+                return text
+            text = rest
 
     def pending_input(self) -> str:
         return self.input.value.strip()
@@ -139,6 +183,7 @@ class ChatPane(Vertical):
 
     def clear(self) -> None:
         self.cancel()
+        self.detach()
         self.messages.clear()
         self.transcript.clear()
         self.set_status("cleared")
@@ -159,10 +204,13 @@ class ChatPane(Vertical):
     @work(exclusive=True, group="generate")
     async def generate(self, client, text: str) -> None:
         transcript = self.transcript
-        transcript.add("user", text)
+        images = tuple(str(p) for p in self.attached)
+        self.detach()
+        transcript.add("user", text, images=images)
         answer = self._answer = transcript.add("assistant", "", streaming=True)
         convo = [{"role": "system", "content": self.settings.system_prompt}] if self.settings.system_prompt else []
-        convo += self.messages + [{"role": "user", "content": text}]
+        asked = {"role": "user", "content": text, **({"images": list(images)} if images else {})}
+        convo = await asyncio.to_thread(api_messages, [*convo, *self.messages, asked])  # (the images' files read)
         self._chunks = 0
         parts: list[str] = []
         tokens, timings, finish, started, replica = 0, {}, None, time.monotonic(), None
@@ -198,7 +246,7 @@ class ChatPane(Vertical):
             elif not complete:
                 self.set_status("[yellow]stopped[/] (esc)") if self.busy else None
             answer_text = "".join(parts)
-            self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer_text}]
-            self.post_message(TurnFinished(self.pane_id, text, answer_text, complete))
+            self.messages += [asked, {"role": "assistant", "content": answer_text}]
+            self.post_message(TurnFinished(self.pane_id, text, answer_text, complete, images))
             self.post_message(RequestOwner(self.pane_id, None))
             self.busy = False

@@ -89,6 +89,7 @@ class Message:
     numbers: int = 0  # the number rich pads the parts' ordered list to (stream_cuts.last_number)
     paragraph: bool = False  # the parts are a one-line paragraph's final wrapped lines (stream_cuts.wrapped_cut)
     lines: list[Strip] = field(default_factory=list)  # all of its lines at the current width
+    images: tuple[str, ...] = ()  # a user message's attached images (paths), drawn as thumbnails above it
 
     def restart(self) -> None:
         """Render it whole at the next render."""
@@ -114,13 +115,13 @@ class Transcript(ScrollView, can_focus=False):
     def __init__(self, messages: list[dict] | None = None, accent: str = "#61afef", **kw) -> None:
         super().__init__(**kw)
         self.accent = accent
-        self.messages = [Message(m["role"], m["content"]) for m in messages or []]
+        self.messages = [Message(m["role"], m["content"], images=tuple(m.get("images") or ())) for m in messages or []]
         self._width = 0
         self._line_style = Style()
 
     # -- the conversation -------------------------------------------------
-    def add(self, role: str, text: str, streaming: bool = False) -> int:
-        self.messages.append(Message(role, text, streaming))
+    def add(self, role: str, text: str, streaming: bool = False, images: tuple[str, ...] = ()) -> int:
+        self.messages.append(Message(role, text, streaming, images=images))
         self._render(self.messages[-1])
         self._changed(len(self.messages) - 1)
         return len(self.messages) - 1
@@ -166,7 +167,7 @@ class Transcript(ScrollView, can_focus=False):
     def _render(self, m: Message) -> None:
         width = self._width or self._content_width()
         if m.role == "user":
-            m.lines = self._user_lines(m.text, width)
+            m.lines = self._image_lines(m.images, width) + self._user_lines(m.text, width)
         elif not m.streaming:
             m.lines = self._markdown_lines(m.text, width)
         else:
@@ -229,6 +230,21 @@ class Transcript(ScrollView, can_focus=False):
         bar = Segment("▌ ", Style(color=self.accent))
         lines = console.render_lines(Text(text, style="dim"), options, pad=False)
         return [Strip([bar, *line]) for line in lines]
+
+    def _image_lines(self, images: tuple[str, ...], width: int) -> list[Strip]:
+        """Each attached image as a thumbnail of half-block cells, its file's name under it."""
+        from pathlib import Path
+
+        from ..attachments import THUMB_WIDTH, thumbnail
+
+        console, out = self.app.console, []
+        options = console.options.update(width=max(1, width - 2), height=None)
+        bar = Segment("▌ ", Style(color=self.accent))
+        for image in map(Path, images):
+            picture = console.render_lines(thumbnail(image, min(THUMB_WIDTH, width - 2)), options, pad=False)
+            caption = console.render_lines(Text(f"🖼 {image.name}", style="dim italic"), options, pad=False)
+            out += [Strip([bar, *line]) for line in [*picture, *caption]]
+        return out
 
     def _changed(self, index: int | None = None, kept: int = 0) -> None:
         """Lines of message `index` from its `kept`-th on (all messages' when None) were rendered anew.
