@@ -152,6 +152,14 @@ def tiny_chat_model_dir(tmp_path_factory, builtin_model_dir) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_vision_model_dir(tmp_path_factory, builtin_model_dir) -> Path:
+    """A tiny random Gemma 3 vision folder (tests/vision_model.py): a tower, a projector, image tokens."""
+    from tests.vision_model import save_tiny_gemma3_vision
+
+    return save_tiny_gemma3_vision(tmp_path_factory.mktemp("gemma3-vision"), builtin_model_dir)
+
+
 def save_tiny_chat(path: Path, seed: int, layers: int = TINY_COMMON["num_hidden_layers"]) -> Path:
     """A tiny random Llama with the built-in model's vocabulary size (its tokenizer files copied in by the caller)."""
     import torch

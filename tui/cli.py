@@ -115,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     restore_nice = be_nice(args.nice) if args.nice else lambda: None
 
     try:
+        # textual-image asks the terminal what graphics it draws (sixel, kitty's) when it is imported: before
+        # the app owns the terminal, or the terminal's answer arrives as keys typed into a pane
+        import textual_image.widget  # noqa: F401
+
         from .app import MinibatchChat
         from .client import DaemonClient
         from .frames import FRAME_MIN_S

@@ -12,7 +12,7 @@ import pytest
 
 from minibatch.daemon.client import request_json
 from minibatch.engine.text.tokenizer import TextTokenizer
-from tests.vision_model import BOI, expected_answer, photo, png_bytes, save_tiny_gemma3_vision, write_mmproj
+from tests.vision_model import BOI, expected_answer, photo, png_bytes, write_mmproj
 
 from .helpers import running_daemon
 
@@ -21,8 +21,8 @@ TEXT = "What is in this picture?"
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory, builtin_model_dir):
-    return save_tiny_gemma3_vision(tmp_path_factory.mktemp("gemma3-vision"), builtin_model_dir)
+def folder(tiny_vision_model_dir):
+    return tiny_vision_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -128,3 +128,38 @@ def test_two_panes_on_two_models_broadcast_at_once(tiny_chat_model_dir, short_tm
     finally:
         tmux("kill-server", check=False)
         daemon.stop()
+
+
+def test_a_pane_sends_a_picture_to_a_vision_model(tiny_vision_model_dir, short_tmp):
+    """A file's path pasted at the start of the input (as a terminal pastes a dropped file) goes with the
+    message to the real daemon serving a vision model, and the answer streams (the thumbnail's drawing is
+    test_app.py's: here the answer scrolls it out of the short pane)."""
+    from tests.vision_model import photo
+
+    photo(7).save(short_tmp / "whiteboard.png")
+    sock = short_tmp / "d.sock"
+    # (a short context: the answer ends soon)
+    daemon = Daemon(sock, tiny_vision_model_dir, "--kv-cache-gb", "0.05", "--max-model-len", "96").wait_ready()
+    env = f"MINIBATCH_CHAT_DB={short_tmp / 'chat.db'}"
+    cmd = f"env {env} {sys.executable} -m minibatch.tui.cli --socket {sock} --new"
+    tmux("kill-server", check=False)
+    try:
+        tmux("new-session", "-d", "-s", "chat", "-x", "130", "-y", "40", cmd)
+        tmux("resize-window", "-t", "chat", "-x", "130", "-y", "40", check=False)
+        wait_for(lambda s: "mode" in s and "continuous" in s, what="the engine panel")
+        tmux("send-keys", "-t", "chat", "-l", f"'{short_tmp / 'whiteboard.png'}' what is drawn here?")
+        wait_for(lambda s: "what is drawn here?" in s, what="the pasted path and question")
+        tmux("send-keys", "-t", "chat", "Enter")
+        final = wait_for(lambda s: "TTFT" in s, timeout=90, what="the answer's numbers")
+        assert "error" not in final and "Traceback" not in final, final
+        assert "[?" not in final, final  # (no terminal's answer to a query typed into the input)
+        status, stats = daemon.get("/v1/engine/stats")
+        assert stats["requests_finished"] >= 1
+        import sqlite3
+
+        with sqlite3.connect(short_tmp / "chat.db") as db:  # the turn kept with its picture
+            rows = db.execute("SELECT content, images FROM messages WHERE role = 'user'").fetchall()
+        assert rows == [("what is drawn here?", str(short_tmp / "whiteboard.png"))]
+    finally:
+        tmux("kill-server", check=False)
+        daemon.stop()

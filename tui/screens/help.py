@@ -19,7 +19,10 @@ KEYS = [
     ("ctrl+g", "the batch timeline in place of the KV block map (and back): rows by step, coloured by pane"),
     ("ctrl+s", "settings of the focused pane (model, system prompt, temperature, top_p, max tokens, seed)"),
     ("ctrl+o", "the focused pane's model: any the daemon lists, loaded ones marked (it loads on first message)"),
-    ("ctrl+f", "attach an image to the focused pane's next message (or drop a file, or paste its path, into the input)"),
+    (
+        "ctrl+f",
+        "attach an image to the focused pane's next message (or drop a file, or paste its path, into the input)",
+    ),
     ("ctrl+l", "clear the focused pane"),
     ("? / f1", "this help"),
     ("ctrl+q", "quit"),
