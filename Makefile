@@ -52,7 +52,7 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -ge 4 ] && echo
 SOLO_FILES = $(shell grep -rl "pytest.mark.solo" tests)
 
 test: install lint
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not solo"
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not solo" --durations=15
 	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m solo $(SOLO_FILES)
 
 # Start the daemon with the built-in model if it is not running, then open the chat.

@@ -97,6 +97,7 @@ async def models(request: web.Request) -> web.Response:
             "loaded": entry["loaded"],
             "max_model_len": entry["max_model_len"],
             "parent": None,
+            "vision": entry["vision"],
         }
         for entry in entries
     ]

@@ -496,7 +496,8 @@ def cmd_models(args) -> int:
         if loaded:
             print(f"\nloaded by the daemon on {sock}:")
             for m in loaded:
-                print(f"  {m['name']:<32} KV cache {kv_text(m)}")
+                sees = f" · sees images ({m['vision']['source']})" if m.get("vision") else ""
+                print(f"  {m['name']:<32} KV cache {kv_text(m)}{sees}")
     from minibatch.engine.models.config import SUPPORTED_MODEL_TYPES
 
     print(

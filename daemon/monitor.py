@@ -198,6 +198,11 @@ class EngineMonitor:
         """Called on the engine thread for every step."""
         self.loop.call_soon_threadsafe(self._on_step, stats)
 
+    def changed(self) -> None:
+        """Something the events show changed between steps (an image went into the tower or came out)."""
+        self.version += 1
+        self.signal.bump()
+
     def _on_step(self, s: StepStats) -> None:
         self.steps.append(s)
         self.version += 1
@@ -267,6 +272,7 @@ class EngineMonitor:
             "prompt_tokens": self.prompt_tokens,  # of finished requests, the rate's denominator
             "cached_prompt_tokens": self.cached_prompt_tokens,
             **self.rates(),
+            **(engine.engine.images.counts() if engine.engine.images is not None else {}),
             "last_error": engine.last_error,
             # the newest `recent` steps, none for 0 (a slice from -0 would be all of them)
             "recent_steps": [asdict(s) for s in itertools.islice(reversed(self.steps), recent)][::-1],
@@ -308,7 +314,11 @@ class EngineMonitor:
         EVENT_INTERVAL (steps in between coalesce into the next event); ends once the model is unloaded.
         `others()`: every loaded model's summary, carried in each event as `models` (an event then also
         comes when another model steps)."""
-        extra = (lambda: {"models": others()}) if others else dict
+        images = engine.engine.images  # a vision model's encoder: its counts ride on every event
+
+        def extra() -> dict:
+            return ({"models": others()} if others else {}) | (images.counts() if images is not None else {})
+
         yield self.latest_or_idle(engine) | extra()
         seen, seen_any = self.version, self.signal.version
         while not self.closed:

@@ -1,77 +1,27 @@
-"""A tiny random Gemma 3 vision model as a Hugging Face folder, for the tests of images through the daemon:
-transformers' Gemma3ForConditionalGeneration (a SigLIP tower at 64 px, 16 tokens an image) with the built-in
-model's tokenizer grown by Gemma 3's three image tokens (special, as in Gemma 3's own tokenizer) and a chat
-template that writes `<start_of_image>` for an image part, as Gemma 3's does."""
+"""A tiny random Gemma 3 vision model as a Hugging Face folder (scripts/dev/make_vision_model.py's `tiny`: a SigLIP
+tower at 64 px, 16 tokens an image), for the tests of images through the daemon; test images; transformers'
+own answer for an image; and the folder's tower written as llama.cpp's mmproj GGUF."""
 
 from __future__ import annotations
 
 import json
-import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 
-BOI, EOI, IMAGE = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
-TOKENS_PER_IMAGE = 16
-IMAGE_SIZE = 64
+SCRIPTS_DEV = Path(__file__).resolve().parents[1] / "scripts" / "dev"
+if str(SCRIPTS_DEV) not in sys.path:
+    sys.path.insert(0, str(SCRIPTS_DEV))
+from make_vision_model import BOI, EOI, IMAGE, SHAPES  # noqa: E402
 
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] | trim }}{% else %}{% for item in m['content'] %}"
-    "{% if item['type'] == 'image' %}<start_of_image>{% elif item['type'] == 'text' %}{{ item['text'] | trim }}"
-    "{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
-)
+TOKENS_PER_IMAGE = SHAPES["tiny"][2]
 
 
 def save_tiny_gemma3_vision(path: Path, builtin_model_dir: Path, seed: int = 5) -> Path:
-    import torch
-    import transformers
-    from tokenizers import AddedToken, Tokenizer
+    from make_vision_model import save_gemma3_vision
 
-    tok = Tokenizer.from_file(str(builtin_model_dir / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (BOI, EOI, IMAGE)])
-    boi, eoi, image = (tok.token_to_id(t) for t in (BOI, EOI, IMAGE))
-    torch.manual_seed(seed)
-    text = transformers.Gemma3TextConfig(
-        vocab_size=49160, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, head_dim=16,
-        query_pre_attn_scalar=24, sliding_window=8, sliding_window_pattern=2, rope_theta=1e6,
-        rope_local_base_freq=1e4, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    vision = dict(
-        model_type="siglip_vision_model", hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=8, vision_use_head=False,
-    )  # fmt: skip
-    cfg = transformers.Gemma3Config(
-        text_config=text,
-        vision_config=vision,
-        mm_tokens_per_image=TOKENS_PER_IMAGE,
-        image_token_index=image,
-        boi_token_index=boi,
-        eoi_token_index=eoi,
-    )
-    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
-    with torch.no_grad():  # give the zero-initialised norms and projection a trained model's spread
-        for name, p in model.named_parameters():
-            if "norm" in name and "vision_tower" not in name:
-                p.normal_(0.0, 0.3)
-        proj = model.model.multi_modal_projector.mm_input_projection_weight
-        proj.normal_(0, 0.3)
-        proj.copy_(proj.half().float())  # (what an mmproj file keeps it in: served from one, the same values)
-    model.save_pretrained(path)
-    tok.save(str(path / "tokenizer.json"))
-    config = json.loads((builtin_model_dir / "tokenizer_config.json").read_text())
-    config.pop("added_tokens_decoder", None)
-    config["extra_special_tokens"] = {"boi_token": BOI, "eoi_token": EOI, "image_token": IMAGE}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    (path / "chat_template.jinja").write_text(TEMPLATE)
-    prep = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "size": {"height": 64, "width": 64}}
-    (path / "preprocessor_config.json").write_text(json.dumps(prep))
-    if (builtin_model_dir / "generation_config.json").exists():
-        shutil.copy(builtin_model_dir / "generation_config.json", path / "generation_config.json")
-    return path
+    return save_gemma3_vision(path, builtin_model_dir, "tiny", seed)
 
 
 def photo(seed: int, size: tuple[int, int] = (48, 80)):

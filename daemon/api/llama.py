@@ -65,6 +65,7 @@ class _Body(sampler_fields(_Lenient, "_LlamaSamplers")):
     t_max_predict_ms: Int | None = Field(default=None, ge=0)
     # the cursor line's indentation (llama.vscode's): the answer ends before a later line indented less
     n_indent: Int = Field(default=0, ge=0, le=4096)
+    return_tokens: StrictBool = False  # the answer's token ids in `tokens` (a stream's chunks always carry theirs)
 
     def sampling(self) -> dict:
         given = {
@@ -203,7 +204,7 @@ async def respond(request: web.Request, fill: bool) -> web.StreamResponse:
     async with pipeline.generate(state, gen, request) as run:
         name = run.name
         if not body.stream:
-            text, last, n, first_at, stop_type = "", None, 0, None, None
+            text, last, n, first_at, stop_type, ids = "", None, 0, None, None, []
             async with run.limit():
                 async for _, out in run.outputs():
                     if out.error:
@@ -213,6 +214,7 @@ async def respond(request: web.Request, fill: bool) -> web.StreamResponse:
                         continue
                     text += out.text
                     n += len(out.token_ids)
+                    ids += out.token_ids
                     last = out if out.finished else last
                     first_at = first_at or time.monotonic()
                     cut = _dedent(text, body.n_indent)
@@ -222,6 +224,8 @@ async def respond(request: web.Request, fill: bool) -> web.StreamResponse:
                     if _past(limit_ms, first_at, text) and not out.finished:
                         break  # (leaving ends the request: its blocks go back at the next step)
             answer = result(name, text, run, last, n, stop_type or _stop_type(last))
+            if body.return_tokens:
+                answer["tokens"] = ids
             return web.json_response(only(body.response_fields, answer))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)

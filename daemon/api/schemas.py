@@ -134,6 +134,7 @@ class ModelCard(_Out):
     loaded: bool  # loaded now (else it loads on first use)
     max_model_len: int | None  # known once loaded
     parent: str | None = None  # a LoRA adapter's base model (vLLM's field); a model's: none
+    vision: bool = False  # it takes images (a vision folder, or a model loaded with --mmproj)
 
 
 class ModelList(_Out):
@@ -235,6 +236,12 @@ class Stats(_Out):
     disk_write_errors: int  # writes the disk refused (full, read-only): misses, logged
     disk_skipped_blocks: int  # not written: the writer was behind
     last_error: str | None
+    # a vision model's tower (absent for one without): images of requests waiting for it or in it now, and over
+    # the model's life those encoded, those found again among the recent ones, and the seconds it took
+    images_queued: int | None = None
+    images_encoded: int | None = None
+    image_hits: int | None = None
+    image_seconds: float | None = None
     recent_steps: list[StepStats]
     model: str  # which loaded model this is (?model=, default the daemon's own)
     models: dict[str, ModelStats] = {}  # without ?model=: every loaded model's

@@ -5,6 +5,7 @@ template's form for the model. Each refusal is a 400 naming the field as the cli
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import os
@@ -122,16 +123,21 @@ def check_images(model_name: str, encoder: ImageEncoder | None, images: list[Ima
         raise _bad(field, f"{len(images)} images; at most {most} a request (--max-images)")
 
 
-def encode_images(encoder: ImageEncoder, images: list[ImageInput], media_path: str | None) -> list[EncodedImage]:
-    """Each image read, decoded and encoded (or found among the recent ones); blocks: call it off the loop."""
+def read_images(encoder: ImageEncoder, images: list[ImageInput], media_path: str | None) -> list[bytes]:
+    """Each image's bytes (base64 decoded, a file read); blocks: call it off the loop."""
+    return [read_bytes(image, media_path, encoder.limits.max_image_bytes) for image in images]
+
+
+async def encode_images(encoder: ImageEncoder, images: list[ImageInput], data: list[bytes]) -> list[EncodedImage]:
+    """Each image decoded and through the tower (or found among the recent ones), on the tower's own thread."""
+    loop = asyncio.get_running_loop()
     out = []
-    for image in images:
-        data = read_bytes(image, media_path, encoder.limits.max_image_bytes)
+    for image, raw in zip(images, data):
         try:
-            out.append(encoder.encode(data))
+            out.append(await loop.run_in_executor(encoder.thread, encoder.encode, raw))
         except ImageError as exc:
-            detail = "max-image-bytes" if "bytes" in str(exc) else "max-image-pixels" if "pixels" in str(exc) else None
-            raise _bad(image.field, str(exc) + (f" (--{detail})" if detail and "at most" in str(exc) else "")) from None
+            option = f" (--{exc.option.replace('_', '-')})" if exc.option else ""
+            raise _bad(image.field, f"{exc}{option}") from None
     return out
 
 

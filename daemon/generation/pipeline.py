@@ -37,7 +37,7 @@ from ..protocol import ApiError
 from ..state import DaemonState, off_loop, timed_out
 from .answer import AnswerStream, Parts, split_answer
 from .grammars import check_tool_schemas, response_grammar, text_grammar, tool_call_grammar
-from .images import MEDIA_MARKER, ImageInput, check_images, encode_images, flatten, images_of
+from .images import MEDIA_MARKER, ImageInput, check_images, encode_images, flatten, images_of, read_images
 from .images import for_template as images_for_template
 from .images import spans as image_spans
 from .loras import LoraScale, request_loras
@@ -378,7 +378,7 @@ async def render(state: DaemonState, model: LoadedModel, gen: Generation, encode
     if not inputs or not encode:
         return Rendered([ids], thinking)
     assert encoder is not None
-    encoded = await off_loop(lambda: encode_images(encoder, inputs, state.media_path))
+    encoded = await _encoded(state, model, encoder, inputs)
     return Rendered([ids], thinking, image_spans(encoder, offsets, encoded))
 
 
@@ -403,8 +403,22 @@ async def _prompt_with_images(state: DaemonState, model: LoadedModel, gen: Gener
     ids, offsets = await off_loop(run)
     if not encode:
         return Rendered([ids])
-    encoded = await off_loop(lambda: encode_images(encoder, inputs, state.media_path))
+    encoded = await _encoded(state, model, encoder, inputs)
     return Rendered([ids], None, image_spans(encoder, offsets, encoded))
+
+
+async def _encoded(state: DaemonState, model: LoadedModel, encoder, inputs: list[ImageInput]):
+    """The images read off the event loop, then through the tower on its own thread (an image waiting for it
+    holds no thread other work needs); the engine's events say when they go in and come out (the chat's panel
+    counts them)."""
+    data = await off_loop(lambda: read_images(encoder, inputs, state.media_path))
+    encoder.queued += len(inputs)
+    model.monitor.changed()
+    try:
+        return await encode_images(encoder, inputs, data)
+    finally:
+        encoder.queued -= len(inputs)
+        model.monitor.changed()
 
 
 def _check_fits(tok, text: str, limit: int | None, field: str, what: str = "the prompt") -> None:

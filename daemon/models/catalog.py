@@ -17,7 +17,8 @@ def client_name(entry: ModelEntry) -> str:
 
 
 async def catalog(state) -> list[dict]:
-    """[{id, created, loaded, max_model_len, size, family, quantization, path}], the loaded models first."""
+    """[{id, created, loaded, max_model_len, size, family, quantization, path, vision}], the loaded models
+    first."""
     pool = state.pool
     loaded = list(pool.models.values()) if pool else []
     out = [
@@ -31,6 +32,7 @@ async def catalog(state) -> list[dict]:
             "quantization": m.info.weights,
             "num_params": m.info.memory.num_params if m.info.memory else 0,
             "path": m.info.model_dir,
+            "vision": m.info.vision is not None,
         }
         for m in loaded
     ]
@@ -57,6 +59,7 @@ async def catalog(state) -> list[dict]:
                 "quantization": entry.note.split(" · ")[1] if entry.note.count(" · ") >= 1 else "",
                 "num_params": 0,
                 "path": str(entry.path) if entry.path else "",
+                "vision": entry.note.endswith("sees images"),  # (a vision folder; a GGUF's --mmproj shows once loaded)
             }
         )
     return out

@@ -207,9 +207,12 @@ class LLMEngine:
         self.scheduler.set_mode(mode)
 
     def close(self) -> None:
-        """The engine is let go (unload, shutdown): the disk tier finishes its writes and reads."""
+        """The engine is let go (unload, shutdown): the disk tier finishes its writes and reads; images waiting
+        for the tower are dropped."""
         if self.tier is not None:
             self.tier.close()
+        if self.images is not None:
+            self.images.close()
 
     @property
     def mode(self) -> str:

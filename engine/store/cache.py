@@ -377,6 +377,8 @@ def list_models(cache_dir: Path | None = None) -> list[ModelEntry]:
         )
         usable = supported and not m.quantization.startswith("unusable")
         note = f"{m.family}{'' if supported else ' (family not supported)'} · {m.quantization} · {size} · {m.path}"
+        if not is_gguf and m.family in VISION_WRAPPERS:  # a vision folder: its tower comes with it
+            note += " · sees images"
         entries.append(ModelEntry(m.name, m.source, m.path, usable, note))
     return entries
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -102,12 +104,19 @@ class ImageEncoder:
         self.vision, self.layout, self.limits, self.keep = vision, layout, limits, keep
         self._recent: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
+        # the tower's own thread: images wait for it here, not on a pool that other work (a text request's
+        # template, a body's parse) needs too
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="image-tower")
         self.encoded = 0  # images run through the tower (a hit in the recent ones is not)
-        self.hits = 0
+        self.hits = 0  # images found among the recent ones
+        self.queued = 0  # images of requests waiting for the tower or in it (counted by its caller, on one thread)
+        self.seconds = 0.0  # time in the tower, all images together
 
     def check_size(self, data: bytes) -> None:
         if len(data) > self.limits.max_image_bytes:
-            raise ImageError(f"{len(data)} bytes; at most {self.limits.max_image_bytes} bytes an image")
+            raise ImageError(
+                f"{len(data)} bytes; at most {self.limits.max_image_bytes} bytes an image", "max_image_bytes"
+            )
 
     def encode(self, data: bytes) -> EncodedImage:
         """An image's embeddings, or ImageError saying why it cannot be taken. Blocks: call it off the loop."""
@@ -120,13 +129,28 @@ class ImageEncoder:
                 self._recent.move_to_end(digest)
                 self.hits += 1
                 return EncodedImage(key, embeds)
+            started = time.perf_counter()
             pixels = self.vision.processor.pixels(decode_image(data, self.limits.max_image_pixels))
             embeds = self.vision.encode(pixels[None])[0]
+            self.seconds += time.perf_counter() - started
             self.encoded += 1
             self._recent[digest] = embeds
             while len(self._recent) > self.keep:
                 self._recent.popitem(last=False)
         return EncodedImage(key, embeds)
+
+    def close(self) -> None:
+        """Images waiting for the tower are dropped (their requests end with the engine); one in it finishes."""
+        self.thread.shutdown(wait=False, cancel_futures=True)
+
+    def counts(self) -> dict[str, float]:
+        """What the API shows of it: images waiting or in the tower, encoded, found again, seconds in the tower."""
+        return {
+            "images_queued": self.queued,
+            "images_encoded": self.encoded,
+            "image_hits": self.hits,
+            "image_seconds": round(self.seconds, 3),
+        }
 
     def span(self, offset: int, image: EncodedImage) -> ImageSpan:
         return ImageSpan(offset, image.embeds, image.key, whole=self.layout.whole)

@@ -11,7 +11,12 @@ import torch
 
 
 class ImageError(ValueError):
-    """An image that cannot be taken; the message says why (the API names the field)."""
+    """An image that cannot be taken; the message says why (the API names the field), and `option` the bound it
+    is past, where it is past one (max_image_pixels, max_image_bytes)."""
+
+    def __init__(self, message: str, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option
 
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # what a client may send
@@ -25,7 +30,9 @@ def decode_image(data: bytes, max_pixels: int):
     try:
         image = Image.open(io.BytesIO(data))  # (reads the header only)
     except Image.DecompressionBombError:  # past PIL's own bound, far past any a request may send
-        raise ImageError(f"more pixels than PIL opens; at most {max_pixels} pixels an image") from None
+        raise ImageError(
+            f"more pixels than PIL opens; at most {max_pixels} pixels an image", "max_image_pixels"
+        ) from None
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise ImageError(
             f"not an image this daemon reads ({type(exc).__name__}); send one of {', '.join(FORMATS)}"
@@ -34,7 +41,7 @@ def decode_image(data: bytes, max_pixels: int):
         raise ImageError(f"a {image.format} image; send one of {', '.join(FORMATS)}")
     width, height = image.size
     if width < 1 or height < 1 or width * height > max_pixels:
-        raise ImageError(f"{width} x {height} pixels; at most {max_pixels} pixels an image")
+        raise ImageError(f"{width} x {height} pixels; at most {max_pixels} pixels an image", "max_image_pixels")
     try:
         image.load()
         return image.convert("RGB")

@@ -90,6 +90,8 @@ def test_an_image_to_a_model_without_a_tower_is_a_400_naming_it(daemon):
     assert "does not take images" in out["error"]["message"]
     status, props = daemon.get("/props")
     assert status == 200 and props["modalities"] == {"vision": False, "audio": False}
+    status, models = daemon.get("/v1/models")
+    assert not any(card["vision"] for card in models["data"])
     assert props["total_slots"] >= 1 and props["chat_template"]
 
 

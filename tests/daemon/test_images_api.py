@@ -121,10 +121,12 @@ def test_llama_server_multimodal_data_and_a_file_url(daemon, expected):
         "prompt": {"prompt_string": rendered.replace(BOI, "<__media__>"), "multimodal_data": [_b64()]},
         "n_predict": N,
         "temperature": 0,
+        "return_tokens": True,
     }
     status, out = request_json(str(daemon.socket), "POST", "/completion", body, timeout=120)
     assert status == 200, out
     assert out["content"] == text and out["tokens_evaluated"] == prompt_len
+    assert len(out["tokens"]) == out["tokens_predicted"] and out["tokens"]
     status, out = _ask(daemon, "openai", {"type": "image_url", "image_url": {"url": "file:///cat.png"}})
     assert status == 200, out
     assert _text("openai", out) == text
@@ -191,12 +193,19 @@ def test_facts_capability_and_nothing_held_after_refusals(daemon, expected):
     assert vision["max_image_pixels"] == 20000
     status, show = request_json(str(daemon.socket), "POST", "/api/show", {"model": daemon.model})
     assert "vision" in show["capabilities"]
+    status, models = daemon.get("/v1/models")
+    assert next(c for c in models["data"] if c["id"] == daemon.model)["vision"] is True
     for face, image, _ in BAD[:3]:
         _ask(daemon, face, image)
-    status, out = _ask(daemon, "ollama")
-    assert status == 200 and _text("ollama", out) == expected[0]
+    before = daemon.get("/v1/engine/stats")[1]
+    for _ in range(2):
+        status, out = _ask(daemon, "ollama")
+        assert status == 200 and _text("ollama", out) == expected[0]
     status, stats = daemon.get("/v1/engine/stats")
     assert stats["running"] == 0 and stats["kv_blocks_used"] == 0, stats  # (cached blocks are not in use)
+    # the tower ran at most once for the picture sent twice (once when no other test sent it before)
+    assert stats["images_queued"] == 0 and stats["images_encoded"] - before["images_encoded"] <= 1, stats
+    assert stats["image_hits"] - before["image_hits"] >= 1 and stats["image_seconds"] > 0, stats
 
 
 def test_the_tower_from_an_mmproj_file_gives_the_same_answer(folder, expected, tmp_path):

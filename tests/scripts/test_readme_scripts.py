@@ -56,6 +56,8 @@ COVERED = {
     "dev/make_encoder.py": "retrieval:test_make_encoder",
     "features/bench_retrieval.py": "retrieval:test_bench_retrieval",
     "features/bench_lora.py": "lora:test_bench_lora",
+    "dev/make_vision_model.py": "vision:test_make_vision_model",
+    "features/bench_vision.py": "vision:test_bench_vision",
     "kernels/perplexity.py": "in_process:test_perplexity",
     "fuzz.sh": "own_daemons:test_fuzz_script",
     "record.py": "own_daemons:test_record_quick",

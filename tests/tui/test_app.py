@@ -406,6 +406,15 @@ def test_block_map_marks_the_blocks_of_requests_under_lora_adapters():
     assert ("b", "bold red") in spans and ("a", "bold grey70") in spans
 
 
+def test_the_panel_counts_a_vision_models_images():
+    from minibatch.tui.widgets.engine_panel import image_line
+
+    busy = image_line({"images_queued": 2, "images_encoded": 4, "image_hits": 1, "image_seconds": 10.0})
+    assert "encoding 2" in busy and "4 encoded" in busy and "1 again" in busy and "2.5 s each" in busy
+    idle = image_line({"images_queued": 0, "images_encoded": 0, "image_hits": 0, "image_seconds": 0.0})
+    assert "encoding" not in idle and "0 encoded" in idle
+
+
 def test_status_line_numbers():
     s = format_status(
         {"ttft_ms": 250.0, "decode_ms": 1000.0, "queue_wait_ms": 5.0, "cached_prompt_tokens": 32}, 21, 1.3, "length"

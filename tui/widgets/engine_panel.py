@@ -73,6 +73,14 @@ def block_map_cells(
     return out
 
 
+def image_line(e: dict) -> str:
+    """A vision model's tower: images waiting for it or in it, those encoded, found again, time it took."""
+    queued, done = e.get("images_queued", 0), e.get("images_encoded", 0)
+    busy = f"[b yellow]encoding {queued}[/] · " if queued else ""
+    per = f" · {e.get('image_seconds', 0) / done:.1f} s each" if done else ""
+    return f"images  {busy}{done} encoded · {e.get('image_hits', 0)} again{per}"
+
+
 def kv_cache_text(facts: dict) -> str:
     """A model's KV cache from its /health facts, short: type, bytes per token, tokens it holds."""
     if "kv_cache_type" not in facts:
@@ -261,6 +269,8 @@ class EnginePanel(Vertical):
         wasted = e["mode"] == "static" or e["wasted_row_steps"]
         lines.append(f"wasted row-steps {e['wasted_row_steps']}" if wasted else "")
         lines += [speculation_line(e) or "", contention_line(e.get("cpu_wait_share")) or ""]
+        if "images_encoded" in e:  # a vision model: its tower's work beside the steps
+            lines.append(image_line(e))
         changed |= self._show("engine-numbers", "\n".join(lines))
         self.redraws += changed
 
