@@ -20,7 +20,7 @@ from minibatch.engine.core.sampling_params import MAX_LOGIT_BIAS, MAX_TOP_K
 from minibatch.engine.text.fim import Infill
 
 from ..generation import pipeline
-from ..generation.images import ImageInput
+from ..generation.images import MEDIA_MARKER, ImageInput
 from ..generation.loras import MAX_ENTRIES, LoraScale
 from ..generation.pipeline import Generation, Running
 from ..protocol import ApiError, Float, Int, parse_body
@@ -315,6 +315,7 @@ async def props(request: web.Request) -> web.Response:
         "default_generation_settings": {"n_ctx": m.info.max_model_len},
         "chat_template": m.tokenizer.chat_template or "",
         "modalities": {"vision": m.info.vision is not None, "audio": False},
+        "media_marker": MEDIA_MARKER,  # where each of multimodal_data's images goes in a prompt string
     }
     return web.json_response(body)
 

@@ -356,6 +356,7 @@ class Props(_Out):
     default_generation_settings: dict[str, Any]
     chat_template: str
     modalities: Modalities
+    media_marker: str  # where each of /completion's multimodal_data images goes in its prompt string
 
 
 class ModeState(_Out):

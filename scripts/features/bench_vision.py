@@ -77,7 +77,10 @@ def files(args, cache: Path) -> tuple[Path, Path | None, Path | None]:
 
 async def _greedy(s, image: str, tokens: int, name: str) -> list[int]:
     """The greedy tokens of one picture through llama-server's /completion with multimodal_data."""
-    marker = "\n\n<__media__>\n\n" if name == "llama.cpp" else "<__media__>"
+    async with s.get("/props") as r:  # (the newest llama-server's marker is its own, drawn at its start)
+        marker = (await r.json())["media_marker"]
+    if name == "llama.cpp":
+        marker = f"\n\n{marker}\n\n"
     prompt = f"<start_of_turn>user\n{marker}{QUESTION}<end_of_turn>\n<start_of_turn>model\n"
     body = {"prompt": {"prompt_string": prompt, "multimodal_data": [image.split(",", 1)[1]]}, "n_predict": tokens}
     body |= {"temperature": 0.0, "ignore_eos": True, "return_tokens": True}

@@ -143,7 +143,7 @@ def test_counted_tokens_are_the_generation_s_and_props_say_vision(daemon, expect
     status, out = request_json(str(daemon.socket), "POST", "/v1/responses/input_tokens", body)
     assert status == 200 and out["input_tokens"] == expected[1], out
     status, props = daemon.get("/props")
-    assert props["modalities"] == {"vision": True, "audio": False}
+    assert props["modalities"] == {"vision": True, "audio": False} and props["media_marker"] == "<__media__>"
 
 
 def test_another_image_another_answer_and_the_same_image_a_prefix_hit(daemon, expected):
