@@ -88,6 +88,11 @@ class ImageLimits:
     max_image_pixels: int
 
 
+# what the API shows of a model's tower (/v1/engine/stats, the engine's events): images of requests waiting for
+# it or in it now, and over its life those encoded, those found again among the recent ones, its seconds
+IMAGE_COUNTS = ("images_queued", "images_encoded", "image_hits", "image_seconds")
+
+
 @dataclass(frozen=True, slots=True)
 class EncodedImage:
     key: int  # from the image's content hash (the prefix caches key its positions by it)
@@ -145,12 +150,8 @@ class ImageEncoder:
 
     def counts(self) -> dict[str, float]:
         """What the API shows of it: images waiting or in the tower, encoded, found again, seconds in the tower."""
-        return {
-            "images_queued": self.queued,
-            "images_encoded": self.encoded,
-            "image_hits": self.hits,
-            "image_seconds": round(self.seconds, 3),
-        }
+        values = (self.queued, self.encoded, self.hits, round(self.seconds, 3))
+        return dict(zip(IMAGE_COUNTS, values, strict=True))
 
     def span(self, offset: int, image: EncodedImage) -> ImageSpan:
         return ImageSpan(offset, image.embeds, image.key, whole=self.layout.whole)

@@ -84,4 +84,6 @@ def test_the_documented_stats_are_the_monitors():
     derived = state | set(FINISHED) | set(RATES) | set(MEANS) | set(STATS_SUMMED)
     own = {"kv_usage_percent", "prefix_cache_hit_rate", "cpu_wait_share", "last_error", "recent_steps"}
     listing = {"model", "models", "totals"}
-    assert set(schemas.Stats.model_fields) == derived | own | listing
+    from minibatch.engine.vision.images import IMAGE_COUNTS  # a vision model's tower
+
+    assert set(schemas.Stats.model_fields) == derived | own | listing | set(IMAGE_COUNTS)
