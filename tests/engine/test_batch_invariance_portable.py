@@ -1,8 +1,9 @@
 """test_batch_invariance.py's matrix on the kernels built for x86-64's baseline (the plain C++ loops), in a module
 of its own so that it runs beside the other builds' on another worker. It runs one batch of the matrix, 16
-requests in waves in chunks of 17 tokens, beside the prefix cache, static mode and preemption: the plain loops
-take minutes for 64, and the kernels' own tests check every row count to 64 on this build
-(tests/kernels/test_batch_invariance.py)."""
+requests in waves in chunks of 17 tokens, with speculation: the plain loops take minutes for 64, and the kernels'
+own tests check every row count to 64 on this build (tests/kernels/test_batch_invariance.py). The prefix cache,
+static mode and preemption run on the other builds: they reach these kernels only through the chunked prefill
+over cached blocks that the chunks of 17 run here too."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pytest
 
 from .test_batch_invariance import BATCHES, alone, chats, use_build  # noqa: F401 (the matrix's fixtures)
 from .test_batch_invariance import test_continuous_batches_and_chunks as _batches
-from .test_batch_invariance import test_prefix_hits_static_mode_and_preemption as _prefix_static_preemption
 
 pytestmark = pytest.mark.model
 
@@ -27,7 +27,3 @@ def cpu_build():
 @pytest.mark.parametrize("others,chunk,waves,speculative,rows", SMALL.values(), ids=SMALL.keys())
 def test_continuous_batches_and_chunks(cpu_build, chats, alone, others, chunk, waves, speculative, rows):  # noqa: F811
     _batches(cpu_build, chats, alone, others, chunk, waves, speculative, rows)
-
-
-def test_prefix_hits_static_mode_and_preemption(cpu_build, chats, alone):  # noqa: F811 (fixtures by name)
-    _prefix_static_preemption(cpu_build, chats, alone)
