@@ -99,12 +99,13 @@ def test_fuzz_script(env):
 
 def test_record_quick(env, tmp_path):
     """`make bench`'s pieces with the smallest parameters: a private daemon per model, both modes at two
-    points, the sweeps, the prefill; then published into a copy of the docs."""
+    points, the prefill; then published into a copy of the docs. (The sweeps piece is bench.py's --sweep over
+    other axes, which test_bench.py runs; here it took a minute of CI.)"""
     docs = tmp_path / "docs"
     (docs / "docs" / "bench").mkdir(parents=True)
     for name in ("README.md", "BENCHMARKS.md"):
         shutil.copy(ROOT / name, docs / name)
-    args = ["--quick", "--models", "smollm2-135m-instruct", "--pieces", "serving,modes,sweeps,prefill"]
+    args = ["--quick", "--models", "smollm2-135m-instruct", "--pieces", "serving,modes,prefill"]
     args += [
         "--concurrency",
         "1,2",
@@ -124,7 +125,7 @@ def test_record_quick(env, tmp_path):
     assert record["run"]["commit"] == head[:12] and record["run"]["quick"] is True
     assert record["run"]["machine"]["cores"] == os.cpu_count() and record["run"]["versions"]["torch"]
     secs = record["sections"]
-    assert set(secs) == {"serving", "modes", "variance", "rate", "prefill"}
+    assert set(secs) == {"serving", "modes", "prefill"}
     assert "outputs of 8-32 forced" in secs["modes"]["trace"]
     [model] = secs["modes"]["models"]
     assert [p["c"] for p in model["points"]] == [1, 2]
@@ -134,7 +135,6 @@ def test_record_quick(env, tmp_path):
             assert m["failed"] == 0 and m["requests"] == 2 and m["tok_s"] > 0 and m["ttft"]["p50"] > 0, (p, mode)
             assert m["e2e"]["p50"] <= m["e2e"]["p95"] <= m["e2e"]["p99"]
         assert p["continuous"]["wasted_row_steps"] == 0 and p["static"]["wasted_row_steps"] >= 0
-    assert len(secs["variance"]["points"]) == 5 and len(secs["rate"]["points"]) == 2
     [serving] = secs["serving"]["rows"]
     assert serving["start_s"] > 0 and serving["rss_after_mb"] > 100 and serving["file_mb"] > 90
     [pre] = secs["prefill"]["rows"]
