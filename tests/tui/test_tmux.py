@@ -38,16 +38,22 @@ def wait_for(predicate, timeout=60.0, what="screen condition"):
     raise AssertionError(f"timed out waiting for {what}; screen:\n{seen}")
 
 
+def open_chat(sock: Path, db: Path, width: int = 130, height: int = 40) -> None:
+    """minibatch-chat on the daemon at `sock`, a fresh history in `db`, in a tmux window of that size, once
+    its engine panel shows."""
+    cmd = f"env MINIBATCH_CHAT_DB={db} {sys.executable} -m minibatch.tui.cli --socket {sock} --new"
+    tmux("kill-server", check=False)
+    size = ("-x", str(width), "-y", str(height))
+    tmux("new-session", "-d", "-s", "chat", *size, cmd)
+    tmux("resize-window", "-t", "chat", *size, check=False)
+    wait_for(lambda s: "mode" in s and "continuous" in s, what="the engine panel")
+
+
 def test_two_panes_broadcast_in_a_real_terminal(tiny_chat_model_dir, short_tmp):
     sock = short_tmp / "d.sock"
     daemon = Daemon(sock, tiny_chat_model_dir, "--kv-cache-gb", "0.05").wait_ready()
-    env = f"MINIBATCH_CHAT_DB={short_tmp / 'chat.db'}"
-    cmd = f"env {env} {sys.executable} -m minibatch.tui.cli --socket {sock} --new"
-    tmux("kill-server", check=False)
     try:
-        tmux("new-session", "-d", "-s", "chat", "-x", "130", "-y", "40", cmd)
-        tmux("resize-window", "-t", "chat", "-x", "130", "-y", "40", check=False)
-        wait_for(lambda s: "mode" in s and "continuous" in s, what="the engine panel")
+        open_chat(sock, short_tmp / "chat.db")
         if Path("/proc/self/autogroup").exists():  # its terminal session yields to the daemon's (niceness.py)
             pid = tmux("list-panes", "-t", "chat", "-F", "#{pane_pid}").split()[0]
             assert Path(f"/proc/{pid}/autogroup").read_text().split()[-1] == "10"
@@ -94,13 +100,8 @@ def test_two_panes_on_two_models_broadcast_at_once(tiny_chat_model_dir, short_tm
     panel shows both models' lines."""
     sock = short_tmp / "d.sock"
     daemon = Daemon(sock, tiny_chat_model_dir, "--kv-cache-gb", "0.05").wait_ready()
-    env = f"MINIBATCH_CHAT_DB={short_tmp / 'chat.db'}"
-    cmd = f"env {env} {sys.executable} -m minibatch.tui.cli --socket {sock} --new"
-    tmux("kill-server", check=False)
     try:
-        tmux("new-session", "-d", "-s", "chat", "-x", "140", "-y", "44", cmd)
-        tmux("resize-window", "-t", "chat", "-x", "140", "-y", "44", check=False)
-        wait_for(lambda s: "mode" in s and "continuous" in s, what="the engine panel")
+        open_chat(sock, short_tmp / "chat.db", 140, 44)
         tmux("send-keys", "-t", "chat", "C-n")
         wait_for(lambda s: "pane 2" in s, what="a second pane")
         tmux("send-keys", "-t", "chat", "C-o")
@@ -140,13 +141,8 @@ def test_a_pane_sends_a_picture_to_a_vision_model(tiny_vision_model_dir, short_t
     sock = short_tmp / "d.sock"
     # (a short context: the answer ends soon)
     daemon = Daemon(sock, tiny_vision_model_dir, "--kv-cache-gb", "0.05", "--max-model-len", "96").wait_ready()
-    env = f"MINIBATCH_CHAT_DB={short_tmp / 'chat.db'}"
-    cmd = f"env {env} {sys.executable} -m minibatch.tui.cli --socket {sock} --new"
-    tmux("kill-server", check=False)
     try:
-        tmux("new-session", "-d", "-s", "chat", "-x", "130", "-y", "40", cmd)
-        tmux("resize-window", "-t", "chat", "-x", "130", "-y", "40", check=False)
-        wait_for(lambda s: "mode" in s and "continuous" in s, what="the engine panel")
+        open_chat(sock, short_tmp / "chat.db")
         tmux("send-keys", "-t", "chat", "-l", f"'{short_tmp / 'whiteboard.png'}' what is drawn here?")
         wait_for(lambda s: "what is drawn here?" in s, what="the pasted path and question")
         tmux("send-keys", "-t", "chat", "Enter")
