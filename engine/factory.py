@@ -392,8 +392,9 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 def attach_images(engine: LLMEngine, config: EngineConfig, model_dir, cfg: ModelConfig) -> VisionFacts | None:
     """The model's vision tower (--mmproj's, else its folder's own, when it has one) behind the request bounds,
     set as engine.images; its facts for EngineInfo. None for a model that sees no images."""
-    from minibatch.engine.vision.images import ImageEncoder, ImageLayout, ImageLimits
+    from minibatch.engine.vision.images import ImageEncoder, ImageLimits, layout_of
     from minibatch.engine.vision.loader import VisionError, load_vision
+    from minibatch.engine.vision.preprocess import Grid
 
     text_width, image_token_id = cfg.hidden_size, cfg.image_token_id
     if config.mmproj is None and image_token_id is None:
@@ -409,12 +410,14 @@ def attach_images(engine: LLMEngine, config: EngineConfig, model_dir, cfg: Model
         raise ModelSettingError(
             f"mmproj: its projector makes {vision.text_width}-wide embeddings; the model's are {text_width} wide"
         )
-    layout = ImageLayout.of(vision, engine.tokenizer.vocab(), image_token_id, cfg.image_bounds)
-    if layout.tokens > config.max_num_batched_tokens:
+    layout = layout_of(vision, engine.tokenizer.vocab(), image_token_id, cfg.image_bounds)
+    if layout.whole and layout.tokens > config.max_num_batched_tokens:  # (a chunk may cut a causal image's run)
         raise ModelSettingError(
             f"max_num_batched_tokens {config.max_num_batched_tokens}: an image takes {layout.tokens} positions, "
             "computed in one step; raise it"
         )
+    most = vision.processor.most_tiles
+    largest = Grid(most, most) if most > 1 else Grid()
     limits = ImageLimits(config.max_images, config.max_image_bytes, config.max_image_pixels)
     engine.images = ImageEncoder(vision, layout, limits)
     return VisionFacts(
@@ -422,6 +425,7 @@ def attach_images(engine: LLMEngine, config: EngineConfig, model_dir, cfg: Model
         source="mmproj " + os.path.basename(source) if config.mmproj else "the model folder",
         image_size=vision.processor.size,
         tokens_per_image=layout.tokens,
+        max_image_positions=layout.positions(largest),
         max_images=limits.max_images,
         max_image_bytes=limits.max_image_bytes,
         max_image_pixels=limits.max_image_pixels,

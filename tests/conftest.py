@@ -160,6 +160,14 @@ def tiny_vision_model_dir(tmp_path_factory, builtin_model_dir) -> Path:
     return save_tiny_gemma3_vision(tmp_path_factory.mktemp("gemma3-vision"), builtin_model_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_smolvlm_dir(tmp_path_factory, builtin_model_dir) -> Path:
+    """A tiny random SmolVLM (Idefics3) folder (tests/vision_model.py): a tower that cuts images into tiles."""
+    from tests.vision_model import save_tiny_smolvlm
+
+    return save_tiny_smolvlm(tmp_path_factory.mktemp("smolvlm"), builtin_model_dir)
+
+
 def save_tiny_chat(path: Path, seed: int, layers: int = TINY_COMMON["num_hidden_layers"]) -> Path:
     """A tiny random Llama with the built-in model's vocabulary size (its tokenizer files copied in by the caller)."""
     import torch

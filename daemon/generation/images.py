@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from minibatch.engine.core.request import ImageSpan
 from minibatch.engine.vision.images import EncodedImage, ImageEncoder, ImageLayout
-from minibatch.engine.vision.preprocess import ImageError
+from minibatch.engine.vision.preprocess import Grid, ImageError
 
 from ..protocol import ApiError
 
@@ -128,6 +128,22 @@ def read_images(encoder: ImageEncoder, images: list[ImageInput], media_path: str
     return [read_bytes(image, media_path, encoder.limits.max_image_bytes) for image in images]
 
 
+def grids(encoder: ImageEncoder, images: list[ImageInput], data: list[bytes]) -> list[Grid]:
+    """How the processor cuts each image (the prompt's layout of it), from its header; blocks: call it off the
+    loop."""
+    out = []
+    for image, raw in zip(images, data):
+        try:
+            out.append(encoder.grid(raw))
+        except ImageError as exc:
+            raise _bad(image.field, _with_option(exc)) from None
+    return out
+
+
+def _with_option(exc: ImageError) -> str:
+    return f"{exc} (--{exc.option.replace('_', '-')})" if exc.option else str(exc)
+
+
 async def encode_images(encoder: ImageEncoder, images: list[ImageInput], data: list[bytes]) -> list[EncodedImage]:
     """Each image decoded and through the tower (or found among the recent ones), on the tower's own thread."""
     loop = asyncio.get_running_loop()
@@ -136,18 +152,20 @@ async def encode_images(encoder: ImageEncoder, images: list[ImageInput], data: l
         try:
             out.append(await loop.run_in_executor(encoder.thread, encoder.encode, raw))
         except ImageError as exc:
-            option = f" (--{exc.option.replace('_', '-')})" if exc.option else ""
-            raise _bad(image.field, f"{exc}{option}") from None
+            raise _bad(image.field, _with_option(exc)) from None
     return out
 
 
 def for_template(messages: list[dict], layout: ImageLayout, lists: bool) -> list[dict]:
     """The conversation as the model's chat template reads it: a template that iterates content parts (Gemma
-    3's) gets `{"type": "image"}` parts; another gets the layout's marker in the message's text where each
-    image is."""
+    3's, SmolVLM's) gets `{"type": "image"}` parts, and a text message as one text part (SmolVLM's reads every
+    message's parts); another gets the layout's marker in the message's text where each image is."""
     out = []
     for m in messages:
         content = m.get("content")
+        if isinstance(content, str) and lists:
+            out.append({**m, "content": [{"type": "text", "text": content}]})
+            continue
         if not isinstance(content, list):
             out.append(m)
             continue
@@ -168,5 +186,6 @@ def flatten(messages: list[dict]) -> list[dict]:
     ]
 
 
-def spans(encoder: ImageEncoder, offsets: list[int], images: list[EncodedImage]) -> tuple[ImageSpan, ...]:
-    return tuple(encoder.span(o, image) for o, image in zip(offsets, images))
+def spans(encoder: ImageEncoder, offsets: list[list[int]], images: list[EncodedImage]) -> tuple[ImageSpan, ...]:
+    """Each image's runs (its views) as the engine takes them, in the prompt's order."""
+    return tuple(span for runs, image in zip(offsets, images) for span in encoder.spans(runs, image))

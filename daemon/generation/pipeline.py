@@ -31,13 +31,14 @@ from minibatch.engine.core.sampling_params import (
 )
 from minibatch.engine.lora.names import LoraUses
 from minibatch.engine.text.fim import Infill, assemble, head_bytes
+from minibatch.engine.vision.preprocess import Grid
 
 from ..models.loaded import LoadedModel
 from ..protocol import ApiError
 from ..state import DaemonState, off_loop, timed_out
 from .answer import AnswerStream, Parts, split_answer
 from .grammars import check_tool_schemas, response_grammar, text_grammar, tool_call_grammar
-from .images import MEDIA_MARKER, ImageInput, check_images, encode_images, flatten, images_of, read_images
+from .images import MEDIA_MARKER, ImageInput, check_images, encode_images, flatten, grids, images_of, read_images
 from .images import for_template as images_for_template
 from .images import spans as image_spans
 from .loras import LoraScale, request_loras
@@ -360,11 +361,12 @@ async def render(state: DaemonState, model: LoadedModel, gen: Generation, encode
         messages = images_for_template(messages, encoder.layout, lists)
     elif not inputs:
         messages = flatten(messages)
+    data, cuts = await _read(state, encoder, inputs)
 
-    def run() -> tuple[list[int], list[int], Thinking | None]:
+    def run() -> tuple[list[int], list[list[int]], Thinking | None]:
         text = tok.render_chat(messages, tools=gen.tools, **args)
         _check_fits(tok, text, limit, gen.prompt_field)
-        ids, offsets = encoder.layout.prompt(text, tok.encode) if encoder is not None else (tok.encode(text), [])
+        ids, offsets = encoder.layout.prompt(text, tok.encode, cuts) if encoder is not None else (tok.encode(text), [])
         inside = tok.thinks_from_prompt(messages, tools=gen.tools, **args) if split else False
         return ids, offsets, (Thinking(tok.reasoning_tags, inside) if split else None)
 
@@ -378,7 +380,7 @@ async def render(state: DaemonState, model: LoadedModel, gen: Generation, encode
     if not inputs or not encode:
         return Rendered([ids], thinking)
     assert encoder is not None
-    encoded = await _encoded(state, model, encoder, inputs)
+    encoded = await _encoded(model, encoder, inputs, data)
     return Rendered([ids], thinking, image_spans(encoder, offsets, encoded))
 
 
@@ -392,26 +394,38 @@ async def _prompt_with_images(state: DaemonState, model: LoadedModel, gen: Gener
         msg = f"the prompt has {text.count(MEDIA_MARKER)} {MEDIA_MARKER} markers for {len(inputs)} images"
         raise ApiError(400, f"{gen.prompt_field}: {msg}", gen.prompt_field, "invalid_image")
     _check_fits(tok, text, model.info.max_model_len, gen.prompt_field)
+    data, cuts = await _read(state, encoder, inputs)
 
-    def run() -> tuple[list[int], list[int]]:
-        ids, offsets = encoder.layout.prompt(text, tok.encode, MEDIA_MARKER)
+    def run() -> tuple[list[int], list[list[int]]]:
+        ids, offsets = encoder.layout.prompt(text, tok.encode, cuts, MEDIA_MARKER)
         bos = tok.added_bos
         if bos is not None and (not ids or ids[0] != bos):
-            ids, offsets = [bos, *ids], [o + 1 for o in offsets]
+            ids, offsets = [bos, *ids], [[o + 1 for o in runs] for runs in offsets]
         return ids, offsets
 
     ids, offsets = await off_loop(run)
     if not encode:
         return Rendered([ids])
-    encoded = await _encoded(state, model, encoder, inputs)
+    encoded = await _encoded(model, encoder, inputs, data)
     return Rendered([ids], None, image_spans(encoder, offsets, encoded))
 
 
-async def _encoded(state: DaemonState, model: LoadedModel, encoder, inputs: list[ImageInput]):
-    """The images read off the event loop, then through the tower on its own thread (an image waiting for it
-    holds no thread other work needs); the engine's events say when they go in and come out (the chat's panel
-    counts them)."""
-    data = await off_loop(lambda: read_images(encoder, inputs, state.media_path))
+async def _read(state: DaemonState, encoder, inputs: list[ImageInput]) -> tuple[list[bytes], list[Grid]]:
+    """The images' bytes and how the processor cuts each (from its header: the prompt's layout of it), off the
+    event loop."""
+    if not inputs:
+        return [], []
+
+    def read() -> tuple[list[bytes], list[Grid]]:
+        data = read_images(encoder, inputs, state.media_path)
+        return data, grids(encoder, inputs, data)
+
+    return await off_loop(read)
+
+
+async def _encoded(model: LoadedModel, encoder, inputs: list[ImageInput], data: list[bytes]):
+    """The images through the tower on its own thread (an image waiting for it holds no thread other work
+    needs); the engine's events say when they go in and come out (the chat's panel counts them)."""
     encoder.queued += len(inputs)
     model.monitor.changed()
     try:

@@ -50,10 +50,11 @@ class VisionFacts:
     """A vision model's tower and the bounds on what a request sends (--max-images, --max-image-bytes,
     --max-image-pixels)."""
 
-    family: str  # engine/vision/'s: gemma3
+    family: str  # engine/vision/'s: gemma3, idefics3
     source: str  # where the tower came from: the model folder, or mmproj (its file's name)
-    image_size: int  # the side the tower sees an image at, in pixels
-    tokens_per_image: int  # positions an image takes in the prompt
+    image_size: int  # the side the tower sees an image (or each of its tiles) at, in pixels
+    tokens_per_image: int  # positions one view of an image takes in the prompt (the whole image, or a tile)
+    max_image_positions: int  # positions the largest image takes, its tiles' runs and the tokens around them
     max_images: int
     max_image_bytes: int
     max_image_pixels: int

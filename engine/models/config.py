@@ -11,7 +11,7 @@ from pathlib import Path
 from minibatch.engine.core.request import POOLINGS
 
 # a vision model's folder type -> its text model's (config.json's `text_config`; the tower is engine/vision/'s)
-VISION_WRAPPERS = {"gemma3": "gemma3_text"}
+VISION_WRAPPERS = {"gemma3": "gemma3_text", "idefics3": "llama", "smolvlm": "llama"}
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 GEMMA = ("gemma2", "gemma3_text")
 # Families people ask for that our forward does not run yet, and what they need.

@@ -1,7 +1,8 @@
 """A vision model's images as a prompt takes them: where an image goes in the rendered conversation (its
 layout: the marker the chat template writes, what the processor makes of it), and the encoder that turns an
 image's bytes into its embeddings, within the daemon's bounds, keeping recent ones by content hash so an image
-sent again, by any request, is not encoded again."""
+sent again, by any request, is not encoded again. Gemma 3 and Idefics3 (SmolVLM), whose processor cuts a large
+image into tiles: each tile, and the whole image, is a view with its own run of positions."""
 
 from __future__ import annotations
 
@@ -17,66 +18,123 @@ import torch
 
 from minibatch.engine.core.request import ImageSpan
 
+from .idefics3 import Idefics3Processor
 from .loader import VisionError, VisionModel
-from .preprocess import ImageError, decode_image
+from .preprocess import Grid, ImageError, decode_image, open_image
 
-# What each family's chat template writes where an image is, and what its processor puts around the image's
-# placeholder run (Gemma 3's processor: "\n\n<start_of_image>" + 256 x <image_soft_token> + "<end_of_image>\n\n")
-_MARKERS = {"gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>", "\n\n", "\n\n")}
+RUN = None  # in a layout's pieces: one view's run of placeholder positions
 
 
 @dataclass(frozen=True, slots=True)
 class ImageLayout:
     """How an image sits in a prompt. The chat template writes `marker` where the image is (a template that
-    does not know images gets it in the message's text); each marker becomes `before`, the `start` token, the
-    image's `tokens` placeholder positions, the `end` token and `after`. The texts around are encoded apart from
-    the special tokens, as the tokenizer splits them at special tokens anyway."""
+    does not know images gets it in the message's text); the family's processor makes each marker a sequence
+    of pieces (`pieces`): texts, special tokens and one run of `tokens` placeholder positions for each view of
+    the image (its tiles and the whole, as the processor cut it). Texts are encoded apart from the special
+    tokens, as the tokenizer splits them at special tokens anyway, and texts that meet are encoded together."""
 
     marker: str
-    start: int
-    end: int
     placeholder: int  # the id in an image's positions (its embeddings take their place)
-    tokens: int
-    before: str
-    after: str
-    whole: bool  # the image's positions attend to each other, later ones too (Gemma 3)
+    tokens: int  # positions a view
+    whole: bool  # a view's positions attend to each other, later ones too (Gemma 3)
 
-    @classmethod
-    def of(
-        cls, vision: VisionModel, vocab: dict[str, int], placeholder: int | None, bounds: tuple[int, int] | None
-    ) -> ImageLayout:
-        """The family's layout with the model's ids: its config's (a vision folder's), else its vocabulary's."""
-        marker, end, image, before, after = _MARKERS[vision.family]
-        if bounds is None:
-            missing = [t for t in (marker, end) if t not in vocab]
-            if missing:
-                msg = f"the tokenizer has no {' or '.join(missing)} token, which a {vision.family} image needs"
-                raise VisionError(msg)
-            bounds = vocab[marker], vocab[end]
-        if placeholder is None:
-            placeholder = vocab.get(image, bounds[0])  # (any id: the image's embeddings replace it)
-        return cls(marker, *bounds, placeholder, vision.tokens_per_image, before, after, True)
+    def pieces(self, grid: Grid) -> list[str | int | None]:
+        raise NotImplementedError
+
+    def positions(self, grid: Grid) -> int:
+        """An image's positions in the prompt (its runs and the tokens around them, not the texts)."""
+        return sum(self.tokens if p is RUN else 1 for p in self.pieces(grid) if not isinstance(p, str))
 
     def prompt(
-        self, text: str, encode: Callable[[str], list[int]], marker: str | None = None
-    ) -> tuple[list[int], list[int]]:
-        """The rendered conversation's token ids with each marker (the layout's own, or `marker`) made an
-        image's run, and the runs' offsets."""
-        pieces = text.split(marker or self.marker)
+        self, text: str, encode: Callable[[str], list[int]], grids: list[Grid], marker: str | None = None
+    ) -> tuple[list[int], list[list[int]]]:
+        """The rendered conversation's token ids with each marker (the layout's own, or `marker`) made the
+        image's pieces, the i-th marker by `grids[i]` (one view where there are more markers than grids: the
+        caller refuses a count that does not match), and each image's runs' offsets."""
+        chunks = text.split(marker or self.marker)
+        grids = list(grids) + [Grid()] * (len(chunks) - 1 - len(grids))
         ids: list[int] = []
-        offsets = []
-        for i, piece in enumerate(pieces):
-            if i:
-                piece = self.after + piece
-            if i < len(pieces) - 1:
-                piece = piece + self.before
-            ids += encode(piece) if piece else []
-            if i < len(pieces) - 1:
-                ids.append(self.start)
-                offsets.append(len(ids))
-                ids += [self.placeholder] * self.tokens
-                ids.append(self.end)
+        offsets: list[list[int]] = []
+        pending = chunks[0]
+        for grid, chunk in zip(grids, chunks[1:]):
+            runs = []
+            for piece in self.pieces(grid):
+                if isinstance(piece, str):
+                    pending += piece
+                    continue
+                ids += encode(pending) if pending else []
+                pending = ""
+                if piece is RUN:
+                    runs.append(len(ids))
+                    ids += [self.placeholder] * self.tokens
+                else:
+                    ids.append(piece)
+            offsets.append(runs)
+            pending += chunk
+        ids += encode(pending) if pending else []
         return ids, offsets
+
+
+@dataclass(frozen=True, slots=True)
+class Gemma3Layout(ImageLayout):
+    """Gemma 3's processor: "\n\n<start_of_image>", the image's 256 placeholders, "<end_of_image>\n\n"."""
+
+    start: int = 0
+    end: int = 0
+
+    def pieces(self, grid: Grid) -> list[str | int | None]:
+        return ["\n\n", self.start, RUN, self.end, "\n\n"]
+
+
+@dataclass(frozen=True, slots=True)
+class Idefics3Layout(ImageLayout):
+    """Idefics3's (SmolVLM's) processor: each tile "<fake_token_around_image><row_r_col_c>" and its run, a
+    newline after each row of tiles, then "\n<fake_token_around_image><global-img>", the whole image's run and
+    "<fake_token_around_image>"; an image of one view only the last part."""
+
+    around: int = 0
+    whole_image: int = 0  # <global-img>
+    tiles: tuple[tuple[int, ...], ...] = ()  # <row_r_col_c>'s id at [r - 1][c - 1]
+
+    def pieces(self, grid: Grid) -> list[str | int | None]:
+        out: list[str | int | None] = []
+        for r in range(grid.rows):
+            for c in range(grid.cols):
+                out += [self.around, self.tiles[r][c], RUN]
+            out.append("\n")
+        if grid.rows:
+            out.append("\n")
+        return out + [self.around, self.whole_image, RUN, self.around]
+
+
+def layout_of(
+    vision: VisionModel, vocab: dict[str, int], placeholder: int | None, bounds: tuple[int, int] | None
+) -> ImageLayout:
+    """The family's layout with the model's ids: its config's (a vision folder's), else its vocabulary's."""
+
+    def ids(*names: str) -> list[int]:
+        missing = [t for t in names if t not in vocab]
+        if missing:
+            shown = " or ".join(missing[:3]) + (f" (and {len(missing) - 3} more)" if len(missing) > 3 else "")
+            raise VisionError(f"the tokenizer has no {shown} token, which a {vision.family} image needs")
+        return [vocab[t] for t in names]
+
+    tokens = vision.tokens_per_image
+    if vision.family == "idefics3":
+        processor = vision.processor
+        assert isinstance(processor, Idefics3Processor)
+        (image,) = [placeholder] if placeholder is not None else ids("<image>")
+        around, whole_image = ids("<fake_token_around_image>", "<global-img>")
+        side = processor.most_tiles if processor.most_tiles > 1 else 0
+        grid = [ids(*(f"<row_{r + 1}_col_{c + 1}>" for c in range(side))) for r in range(side)]
+        return Idefics3Layout("<image>", image, tokens, False, around, whole_image, tuple(map(tuple, grid)))
+    if bounds is None:
+        start, end = ids("<start_of_image>", "<end_of_image>")
+    else:
+        start, end = bounds
+    if placeholder is None:
+        placeholder = vocab.get("<image_soft_token>", start)  # (any id: the image's embeddings replace it)
+    return Gemma3Layout("<start_of_image>", placeholder, tokens, True, start, end)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +154,7 @@ IMAGE_COUNTS = ("images_queued", "images_encoded", "image_hits", "image_seconds"
 @dataclass(frozen=True, slots=True)
 class EncodedImage:
     key: int  # from the image's content hash (the prefix caches key its positions by it)
-    embeds: torch.Tensor  # [tokens, text width]
+    embeds: torch.Tensor  # [views, tokens, text width]: each view's run, in the prompt's order
 
 
 class ImageEncoder:
@@ -123,6 +181,11 @@ class ImageEncoder:
                 f"{len(data)} bytes; at most {self.limits.max_image_bytes} bytes an image", "max_image_bytes"
             )
 
+    def grid(self, data: bytes) -> Grid:
+        """How the processor cuts this image (from its header only), or ImageError."""
+        self.check_size(data)
+        return self.vision.processor.grid(*open_image(data, self.limits.max_image_pixels).size)
+
     def encode(self, data: bytes) -> EncodedImage:
         """An image's embeddings, or ImageError saying why it cannot be taken. Blocks: call it off the loop."""
         self.check_size(data)
@@ -135,8 +198,8 @@ class ImageEncoder:
                 self.hits += 1
                 return EncodedImage(key, embeds)
             started = time.perf_counter()
-            pixels = self.vision.processor.pixels(decode_image(data, self.limits.max_image_pixels))
-            embeds = self.vision.encode(pixels[None])[0]
+            views = self.vision.processor.views(decode_image(data, self.limits.max_image_pixels))
+            embeds = self.vision.encode(views)
             self.seconds += time.perf_counter() - started
             self.encoded += 1
             self._recent[digest] = embeds
@@ -153,5 +216,17 @@ class ImageEncoder:
         values = (self.queued, self.encoded, self.hits, round(self.seconds, 3))
         return dict(zip(IMAGE_COUNTS, values, strict=True))
 
-    def span(self, offset: int, image: EncodedImage) -> ImageSpan:
-        return ImageSpan(offset, image.embeds, image.key, whole=self.layout.whole)
+    def spans(self, offsets: list[int], image: EncodedImage) -> list[ImageSpan]:
+        """An image's runs as the engine takes them, one a view (a view's key from the image's and its place)."""
+        if len(offsets) != image.embeds.shape[0]:
+            raise ValueError(f"{len(offsets)} runs in the prompt for an image of {image.embeds.shape[0]} views")
+        whole = self.layout.whole
+        return [
+            ImageSpan(o, e, image.key if i == 0 else _view_key(image.key, i), whole=whole)
+            for i, (o, e) in enumerate(zip(offsets, image.embeds))
+        ]
+
+
+def _view_key(key: int, view: int) -> int:
+    digest = hashlib.sha256(key.to_bytes(8, "little") + view.to_bytes(4, "little")).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

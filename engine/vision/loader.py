@@ -1,6 +1,7 @@
 """A vision model's tower and projector, from a Hugging Face folder (safetensors beside config.json's
 `vision_config`) or from llama.cpp's `mmproj` GGUF (what `convert_hf_to_gguf.py --mmproj` writes and Ollama and
-LM Studio ship beside a text GGUF). Gemma 3 so far; each family's processor comes with it."""
+LM Studio ship beside a text GGUF). Gemma 3 and Idefics3 (SmolVLM), both SigLIP towers; each family's projector
+and processor come with it."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ import torch
 from minibatch.engine.models.config import ModelSettingError
 
 from .gemma3 import Gemma3Projector
+from .idefics3 import Idefics3Connector, Idefics3Processor
 from .preprocess import ImageProcessor
 from .siglip import SiglipConfig, SiglipLayer, SiglipTower
 
-FAMILIES = ("gemma3",)
+FAMILIES = ("gemma3", "idefics3")
+# a Hugging Face folder's model_type -> its family (SmolVLM's folders say idefics3, SmolVLM2's smolvlm)
+_FOLDER_FAMILIES = {"gemma3": "gemma3", "idefics3": "idefics3", "smolvlm": "idefics3"}
 
 
 class VisionError(ModelSettingError):
@@ -29,8 +33,8 @@ class VisionError(ModelSettingError):
 class VisionModel:
     family: str
     tower: SiglipTower
-    projector: Gemma3Projector
-    processor: ImageProcessor
+    projector: Gemma3Projector | Idefics3Connector
+    processor: ImageProcessor | Idefics3Processor
 
     @property
     def tokens_per_image(self) -> int:
@@ -41,10 +45,10 @@ class VisionModel:
         return self.projector.text_width
 
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[N, 3, S, S] processed images -> [N, tokens_per_image, text width]: what takes the place of each
-        image's placeholder tokens in the text model's input. One image at a time: the matrix multiplies
-        then always see the same shapes, so an image's embeddings are the same bits whatever is encoded with it
-        (an image is already a few thousand rows at 896 px: a batch of them would buy little)."""
+        """[N, 3, S, S] processed views -> [N, tokens_per_image, text width]: what takes the place of each
+        view's placeholder tokens in the text model's input. One view at a time: the matrix multiplies
+        then always see the same shapes, so a view's embeddings are the same bits whatever is encoded with it
+        (a view is already a thousand rows or more at 512 px and up: a batch of them would buy little)."""
         return torch.cat([self.projector.forward(self.tower.forward(p[None])) for p in pixels])
 
 
@@ -116,40 +120,49 @@ def _getter(tensors: dict[str, torch.Tensor], what: str) -> Callable[[str], torc
     return get
 
 
-def _build(
-    config: SiglipConfig,
-    get,
-    names: dict[str, str],
-    top: dict[str, str],
-    tokens: int,
-    norm_plus_one: bool,
-    processor: ImageProcessor,
-) -> VisionModel:
+def _tower(config: SiglipConfig, get, names: dict[str, str], top: dict[str, str]) -> SiglipTower:
+    patch_w = get(top["patch_w"]).reshape(config.hidden_size, 3, config.patch_size, config.patch_size)
+    return SiglipTower(
+        config,
+        patch_w,
+        get(top["patch_b"]),
+        get(top["positions"]),
+        [_layer(get, names, i) for i in range(config.num_layers)],
+        get(top["post_w"]),
+        get(top["post_b"]),
+    )
+
+
+def _build(family: str, make: Callable[[], tuple[SiglipTower, Gemma3Projector | Idefics3Connector]], processor):
     try:
-        patch_w = get(top["patch_w"]).reshape(config.hidden_size, 3, config.patch_size, config.patch_size)
-        tower = SiglipTower(
-            config,
-            patch_w,
-            get(top["patch_b"]),
-            get(top["positions"]),
-            [_layer(get, names, i) for i in range(config.num_layers)],
-            get(top["post_w"]),
-            get(top["post_b"]),
-        )
-        norm_w = get(top["norm"])
-        if norm_plus_one:  # llama.cpp's converter stores Gemma's norm as 1 + weight
-            norm_w = norm_w - 1.0
-        projector = Gemma3Projector(norm_w, get(top["proj"]), config.patches_per_side, tokens, config.layer_norm_eps)
+        tower, projector = make()
     except (ValueError, RuntimeError) as exc:
         if isinstance(exc, VisionError):
             raise
         raise VisionError(f"the vision tower does not fit its config: {exc}") from None
-    return VisionModel("gemma3", tower, projector, processor)
+    return VisionModel(family, tower, projector, processor)
+
+
+_HF_TOP = {
+    "patch_w": "embeddings.patch_embedding.weight",
+    "patch_b": "embeddings.patch_embedding.bias",
+    "positions": "embeddings.position_embedding.weight",
+    "post_w": "post_layernorm.weight",
+    "post_b": "post_layernorm.bias",
+}
+_GGUF_TOP = {
+    "patch_w": "v.patch_embd.weight",
+    "patch_b": "v.patch_embd.bias",
+    "positions": "v.position_embd.weight",
+    "post_w": "v.post_ln.weight",
+    "post_b": "v.post_ln.bias",
+}
 
 
 def load_hf(folder: str | Path) -> VisionModel:
-    """Gemma 3's tower and projector from a Hugging Face folder (Gemma3ForConditionalGeneration's
-    `vision_tower` and `multi_modal_projector`, under the hub's names or transformers 5's)."""
+    """The tower and projector from a Hugging Face folder: Gemma3ForConditionalGeneration's `vision_tower` and
+    `multi_modal_projector` (under the hub's names or transformers 5's), Idefics3's (SmolVLM's) `vision_model`
+    and `connector`."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -157,14 +170,15 @@ def load_hf(folder: str | Path) -> VisionModel:
         cfg = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise VisionError(f"no readable config.json ({type(exc).__name__})") from None
-    if cfg.get("model_type") not in FAMILIES or "vision_config" not in cfg:
+    family = _FOLDER_FAMILIES.get(cfg.get("model_type"))
+    if family is None or "vision_config" not in cfg:
         raise VisionError(f"a {cfg.get('model_type')!r} folder has no vision tower read here ({', '.join(FAMILIES)})")
     v = cfg["vision_config"]
     config = SiglipConfig(
-        hidden_size=v["hidden_size"],
-        intermediate_size=v["intermediate_size"],
+        hidden_size=v.get("hidden_size", 1152),  # (SmolVLM2's folders leave Idefics3's defaults out)
+        intermediate_size=v.get("intermediate_size", 3072),
         num_layers=v["num_hidden_layers"],
-        num_heads=v["num_attention_heads"],
+        num_heads=v.get("num_attention_heads", 16),
         image_size=v["image_size"],
         patch_size=v["patch_size"],
         layer_norm_eps=v.get("layer_norm_eps", 1e-6),
@@ -172,35 +186,54 @@ def load_hf(folder: str | Path) -> VisionModel:
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(folder.glob("*.safetensors")):
         for name, t in load_file(f).items():
-            # the hub's checkpoints: vision_tower.vision_model.*; transformers 5 saves vision_tower.*
+            # the hub's Gemma 3 checkpoints: vision_tower.vision_model.*; transformers 5 saves vision_tower.*;
+            # Idefics3's: model.vision_model.*
             name = name.removeprefix("model.").replace("vision_tower.vision_model.", "vision_tower.", 1)
-            if name.startswith("vision_tower."):
-                tensors[name.removeprefix("vision_tower.")] = t
-            elif name.startswith("multi_modal_projector."):
+            for part in ("vision_tower.", "vision_model."):
+                if name.startswith(part):
+                    tensors[name.removeprefix(part)] = t
+            if name.startswith(("multi_modal_projector.", "connector.")):
                 tensors[name] = t
     prep = {}
     if (folder / "preprocessor_config.json").is_file():
         prep = json.loads((folder / "preprocessor_config.json").read_text())
-    processor = ImageProcessor(
-        size=config.image_size,
-        mean=tuple(prep.get("image_mean", (0.5, 0.5, 0.5))),
-        std=tuple(prep.get("image_std", (0.5, 0.5, 0.5))),
-    )
-    top = {
-        "patch_w": "embeddings.patch_embedding.weight",
-        "patch_b": "embeddings.patch_embedding.bias",
-        "positions": "embeddings.position_embedding.weight",
-        "post_w": "post_layernorm.weight",
-        "post_b": "post_layernorm.bias",
-        "norm": "multi_modal_projector.mm_soft_emb_norm.weight",
-        "proj": "multi_modal_projector.mm_input_projection_weight",
-    }
+    mean = tuple(prep.get("image_mean", (0.5, 0.5, 0.5)))
+    std = tuple(prep.get("image_std", (0.5, 0.5, 0.5)))
+    get = _getter(tensors, "the folder")
+    if family == "idefics3":
+        side = int(prep.get("max_image_size", {}).get("longest_edge", config.image_size))
+        if side != config.image_size:
+            raise VisionError(f"preprocessor max_image_size {side} is not the tower's image_size {config.image_size}")
+        longest = int(prep.get("size", {}).get("longest_edge", 4 * side))
+        processor = Idefics3Processor(side, longest, bool(prep.get("do_image_splitting", True)), mean, std)
+        scale = int(cfg.get("scale_factor", 2))
+        return _build(
+            family,
+            lambda: (
+                _tower(config, get, _HF_LAYER, _HF_TOP),
+                Idefics3Connector(get("connector.modality_projection.proj.weight").t(), config.patches_per_side, scale),
+            ),
+            processor,
+        )
     tokens = int(cfg.get("mm_tokens_per_image", 256))
-    return _build(config, _getter(tensors, "the folder"), _HF_LAYER, top, tokens, False, processor)
+    return _build(
+        family,
+        lambda: (
+            _tower(config, get, _HF_LAYER, _HF_TOP),
+            Gemma3Projector(
+                get("multi_modal_projector.mm_soft_emb_norm.weight"),
+                get("multi_modal_projector.mm_input_projection_weight"),
+                config.patches_per_side,
+                tokens,
+                config.layer_norm_eps,
+            ),
+        ),
+        ImageProcessor(config.image_size, mean, std),
+    )
 
 
 def load_mmproj(path: str | Path) -> VisionModel:
-    """Gemma 3's tower and projector from llama.cpp's mmproj GGUF (`clip.projector_type` gemma3)."""
+    """The tower and projector from llama.cpp's mmproj GGUF (`clip.projector_type` gemma3 or idefics3)."""
     import gguf
 
     try:
@@ -231,23 +264,37 @@ def load_mmproj(path: str | Path) -> VisionModel:
     for t in reader.tensors:
         values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         tensors[t.name] = torch.from_numpy(values.reshape(tuple(int(d) for d in reversed(t.shape))).copy())
+    get = _getter(tensors, "the mmproj file")
+    mean = tuple(float(x) for x in meta("clip.vision.image_mean", (0.5, 0.5, 0.5)))
+    std = tuple(float(x) for x in meta("clip.vision.image_std", (0.5, 0.5, 0.5)))
+    if kind == "idefics3":
+        scale = int(meta("clip.vision.projector.scale_factor", 2))
+        longest = int(meta("clip.vision.preproc_image_size", 4 * config.image_size))
+        return _build(
+            kind,
+            lambda: (
+                _tower(config, get, _GGUF_LAYER, _GGUF_TOP),
+                Idefics3Connector(get("mm.model.fc.weight").t(), config.patches_per_side, scale),
+            ),
+            Idefics3Processor(config.image_size, longest, True, mean, std),
+        )
     scale = int(meta("clip.vision.projector.scale_factor", 4))
     side = config.patches_per_side // scale
-    processor = ImageProcessor(
-        size=config.image_size,
-        mean=tuple(float(x) for x in meta("clip.vision.image_mean", (0.5, 0.5, 0.5))),
-        std=tuple(float(x) for x in meta("clip.vision.image_std", (0.5, 0.5, 0.5))),
+    return _build(
+        kind,
+        lambda: (
+            _tower(config, get, _GGUF_LAYER, _GGUF_TOP),
+            # llama.cpp's converter stores Gemma's norm as 1 + weight
+            Gemma3Projector(
+                get("mm.soft_emb_norm.weight") - 1.0,
+                get("mm.input_projection.weight"),
+                config.patches_per_side,
+                side * side,
+                config.layer_norm_eps,
+            ),
+        ),
+        ImageProcessor(config.image_size, mean, std),
     )
-    top = {
-        "patch_w": "v.patch_embd.weight",
-        "patch_b": "v.patch_embd.bias",
-        "positions": "v.position_embd.weight",
-        "post_w": "v.post_ln.weight",
-        "post_b": "v.post_ln.bias",
-        "norm": "mm.soft_emb_norm.weight",
-        "proj": "mm.input_projection.weight",
-    }
-    return _build(config, _getter(tensors, "the mmproj file"), _GGUF_LAYER, top, side * side, True, processor)
 
 
 def load_vision(path: str | Path) -> VisionModel:

@@ -22,9 +22,9 @@ class ImageError(ValueError):
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # what a client may send
 
 
-def decode_image(data: bytes, max_pixels: int):
-    """A PIL image in RGB from an encoded image's bytes, or ImageError: not an image, a format not taken, or
-    more than `max_pixels` pixels (read from its header, before decoding)."""
+def open_image(data: bytes, max_pixels: int):
+    """A PIL image of an encoded image's bytes with only its header read, or ImageError: not an image, a format
+    not taken, or more than `max_pixels` pixels."""
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -42,11 +42,32 @@ def decode_image(data: bytes, max_pixels: int):
     width, height = image.size
     if width < 1 or height < 1 or width * height > max_pixels:
         raise ImageError(f"{width} x {height} pixels; at most {max_pixels} pixels an image", "max_image_pixels")
+    return image
+
+
+def decode_image(data: bytes, max_pixels: int):
+    """A PIL image in RGB from an encoded image's bytes, or ImageError (open_image's, or it does not decode)."""
+    from PIL import Image
+
+    image = open_image(data, max_pixels)
     try:
         image.load()
         return image.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as exc:
         raise ImageError(f"the {image.format} image does not decode ({type(exc).__name__})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """How a processor cuts one image: `rows` x `cols` tiles and then the whole image as one more view, or
+    (0, 0): the whole image only. Each view is a run of the image's placeholder positions in the prompt."""
+
+    rows: int = 0
+    cols: int = 0
+
+    @property
+    def views(self) -> int:
+        return self.rows * self.cols + 1 if self.rows else 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +78,15 @@ class ImageProcessor:
     size: int
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    most_tiles = 1  # (no tiles: one view, whatever the size)
+
+    def grid(self, width: int, height: int) -> Grid:
+        return Grid()
+
+    def views(self, image) -> torch.Tensor:
+        """[1, 3, size, size]: the one view the tower takes of an RGB PIL image."""
+        return self.pixels(image)[None]
 
     def pixels(self, image) -> torch.Tensor:
         """[3, size, size] float32 from an RGB PIL image."""

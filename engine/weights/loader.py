@@ -200,17 +200,18 @@ def fill_parameters(model: LlamaForCausalLM, tensors) -> None:
         raise WeightLoadError("; ".join(msg))
 
 
-_VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
+_VISION_PARTS = ("vision_tower.", "multi_modal_projector.", "vision_model.", "connector.")
 
 
 def text_model_key(key: str) -> str | None:
-    """A vision model's text tensors under a text model's names (transformers 5's `model.language_model.*`,
-    the hub's `language_model.model.*` and `language_model.lm_head.*`); None for its vision tensors; any
-    other name as it is."""
+    """A vision model's text tensors under a text model's names (Gemma 3's: transformers 5's
+    `model.language_model.*`, the hub's `language_model.model.*` and `language_model.lm_head.*`; Idefics3's
+    `model.text_model.*`); None for its vision tensors; any other name as it is."""
     if key.removeprefix("model.").startswith(_VISION_PARTS):
         return None
-    if key.startswith("model.language_model."):
-        return "model." + key.removeprefix("model.language_model.")
+    for wrapped in ("model.language_model.", "model.text_model."):
+        if key.startswith(wrapped):
+            return "model." + key.removeprefix(wrapped)
     if key.startswith("language_model."):
         return key.removeprefix("language_model.")
     return key

@@ -3,12 +3,14 @@ threads, one server at a time: time to first token with one image; tokens/s with
 --clients at once (each its own image); and a text-only chat's time to first token alone and beside those
 image chats' encoding.
 
-The model is a random Gemma 3 vision model of --shape (scripts/dev/make_vision_model.py: Gemma 3's own SigLIP
-tower at 896 px over Gemma-3-1B's text shape) unless --text and --mmproj give GGUF files; llama.cpp's
-`convert_hf_to_gguf.py` (--convert) makes the text GGUF (--outtype) and the mmproj (F16) from the folder, and
-both servers load those. Without them, minibatchd serves the folder itself and llama-server is not run. Every
-image is a different random picture (no server answers one from a cache), sent as a base64 data: URL to
-`/v1/chat/completions`, streamed, sampled with llama-server's defaults and --tokens tokens long (ignoring EOS).
+The model is a random vision model of --shape (scripts/dev/make_vision_model.py: `gemma3-896`, Gemma 3's own
+SigLIP tower at 896 px over Gemma-3-1B's text shape; `smolvlm-256m`, SmolVLM-256M's, whose processor cuts a
+picture into 512-px tiles and the whole, over SmolLM2-135M's text shape) unless --text and --mmproj give GGUF
+files; llama.cpp's `convert_hf_to_gguf.py` (--convert) makes the text GGUF (--outtype) and the mmproj (F16)
+from the folder, and both servers load those. Without them, minibatchd serves the folder itself and
+llama-server is not run. Every image is a different random picture (no server answers one from a cache), sent
+as a base64 data: URL to `/v1/chat/completions`, streamed, sampled with llama-server's defaults and --tokens
+tokens long (ignoring EOS).
 
   .venv/bin/python scripts/features/bench_vision.py --convert PATH/convert_hf_to_gguf.py --llama-server PATH
 """
@@ -39,7 +41,7 @@ from peers.compare import wait_ready  # noqa: E402
 
 DEV = Path(__file__).resolve().parents[1] / "dev"
 sys.path.insert(0, str(DEV))
-from make_vision_model import SHAPES  # noqa: E402
+from make_vision_model import SHAPES, SMOL_SHAPES  # noqa: E402
 
 SAMPLED = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}  # llama-server's defaults
 QUESTION = "Describe this picture in detail."
@@ -68,20 +70,37 @@ def files(args, cache: Path) -> tuple[Path, Path | None, Path | None]:
     text = cache / f"{args.shape}-text-{args.outtype}.gguf"
     mmproj = cache / f"{args.shape}-mmproj-f16.gguf"
     env = {**os.environ, "PYTHONPATH": str(Path(args.convert).parent / "gguf-py")}
-    for out, extra in ((text, ["--outtype", args.outtype]), (mmproj, ["--mmproj"])):
+    text_folder = _llama_view(folder) if args.shape in SMOL_SHAPES else folder
+    for out, source, extra in ((text, text_folder, ["--outtype", args.outtype]), (mmproj, folder, ["--mmproj"])):
         if not out.is_file():
-            cmd = [sys.executable, str(args.convert), str(folder), "--outfile", str(out), *extra]
+            cmd = [sys.executable, str(args.convert), str(source), "--outfile", str(out), *extra]
             subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return folder, text, mmproj
 
 
-async def _greedy(s, image: str, tokens: int, name: str) -> list[int]:
+def _llama_view(folder: Path) -> Path:
+    """A SmolVLM folder's text model as a Llama folder beside it (its text config, the same files): the
+    converter takes Idefics3's folders for the tower only, and reads `model.text_model.*` as a Llama's."""
+    view = folder.with_name(folder.name + "-text")
+    view.mkdir(exist_ok=True)
+    cfg = json.loads((folder / "config.json").read_text())
+    (view / "config.json").write_text(json.dumps({**cfg["text_config"], "architectures": ["LlamaForCausalLM"]}))
+    for f in folder.iterdir():
+        if f.name != "config.json" and not (view / f.name).exists():
+            (view / f.name).symlink_to(f)
+    return view
+
+
+async def _greedy(s, image: str, tokens: int, name: str, shape: str) -> list[int]:
     """The greedy tokens of one picture through llama-server's /completion with multimodal_data."""
     async with s.get("/props") as r:  # (the newest llama-server's marker is its own, drawn at its start)
         marker = (await r.json())["media_marker"]
-    if name == "llama.cpp":
-        marker = f"\n\n{marker}\n\n"
-    prompt = f"<start_of_turn>user\n{marker}{QUESTION}<end_of_turn>\n<start_of_turn>model\n"
+    if shape in SMOL_SHAPES:  # (both servers lay out SmolVLM's tiles around the marker themselves)
+        prompt = f"<|im_start|>User:{marker}{QUESTION}<end_of_utterance>\nAssistant:"
+    else:
+        if name == "llama.cpp":
+            marker = f"\n\n{marker}\n\n"
+        prompt = f"<start_of_turn>user\n{marker}{QUESTION}<end_of_turn>\n<start_of_turn>model\n"
     body = {"prompt": {"prompt_string": prompt, "multimodal_data": [image.split(",", 1)[1]]}, "n_predict": tokens}
     body |= {"temperature": 0.0, "ignore_eos": True, "return_tokens": True}
     async with s.post("/completion", json=body) as r:
@@ -151,7 +170,9 @@ async def side(name: str, launch: Launch, target: dict, work: Path, args, side_p
             wall = max(d[2] for d in done)  # (all started together: the last one's end)
             # greedy answers to the same pictures on one prompt layout (llama-server's: its marker with the blank
             # lines the model's processor puts around an image written out; ours puts them in itself)
-            answers = [await _greedy(s, picture(500 + k, side_px), args.tokens, name) for k in range(args.agree)]
+            answers = [
+                await _greedy(s, picture(500 + k, side_px), args.tokens, name, args.shape) for k in range(args.agree)
+            ]
         many = {
             "tokens_s": round(sum(d[1] for d in done) / wall, 2),
             "ttft_s_median": round(statistics.median(d[0] for d in done), 2),
@@ -195,7 +216,7 @@ async def main_async(args) -> dict:
     report: dict = {
         "model": (text or folder).name,
         "mmproj": mmproj.name if mmproj else None,
-        "tower": SHAPES[args.shape][1] if args.text is None else None,
+        "tower": {**SHAPES, **SMOL_SHAPES}[args.shape][1] if args.text is None else None,
         "image_px": side_px,
         "clients": args.clients,
         "tokens": args.tokens,
@@ -226,7 +247,7 @@ def _common(a: list[int], b: list[int]) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="gemma3-896", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="gemma3-896", choices=sorted([*SHAPES, *SMOL_SHAPES]))
     ap.add_argument("--text", type=Path, default=None, help="the text model's GGUF (with --mmproj)")
     ap.add_argument("--mmproj", type=Path, default=None, help="the tower's mmproj GGUF (with --text)")
     ap.add_argument("--convert", type=Path, default=None, help="llama.cpp's convert_hf_to_gguf.py")

@@ -1,6 +1,6 @@
 """make_vision_model.py and bench_vision.py (docs/scripts.md): a tiny random Gemma 3 vision folder under the
-hub's tensor names, and the benchmark's phases on its own daemon serving it (llama.cpp's side only with a
-llama-server and the converter)."""
+hub's tensor names and a tiny SmolVLM one, and the benchmark's phases on its own daemon serving it (llama.cpp's
+side only with a llama-server and the converter)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,15 @@ def test_make_vision_model(env, tmp_path):
     assert not any(n.startswith("model.") for n in names)
     tokens = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
     assert {"<start_of_image>", "<end_of_image>", "<image_soft_token>"} <= {t["content"] for t in tokens}
+    out = tmp_path / "svlm"
+    proc = run(env, SCRIPTS / "dev" / "make_vision_model.py", "--shape", "smolvlm-tiny", "--out", out)
+    assert "make_vision_model:" in proc.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "idefics3" and config["scale_factor"] == 2
+    prep = json.loads((out / "preprocessor_config.json").read_text())
+    assert prep["size"] == {"longest_edge": 128} and prep["max_image_size"] == {"longest_edge": 32}
+    tokens = {t["content"] for t in json.loads((out / "tokenizer.json").read_text())["added_tokens"]}
+    assert {"<fake_token_around_image>", "<image>", "<global-img>", "<row_4_col_4>"} <= tokens
 
 
 def test_bench_vision(env, tmp_path):
