@@ -68,15 +68,21 @@ def load_cpu_extension():
         log.info("CPU kernels built for %s (%s), not for this CPU", build, BUILD_VARIABLE)
         _ext = load_other_build(build)
         return _ext
+    _ext = _load_native()
+    return _ext
+
+
+def _load_native():
+    """This CPU's build (compiled once, then imported from where it was built), or None."""
     started = time.perf_counter()
     digest = sources_digest()
-    _ext = _load_built(digest)
-    if _ext is not None:
-        return _ext
+    ext = _load_built(digest)
+    if ext is not None:
+        return ext
     try:
         from torch.utils.cpp_extension import load
 
-        _ext = load(
+        ext = load(
             name="minibatch_cpu_kernels",
             sources=[str(_CSRC / s) for s in SOURCES],
             extra_cflags=CFLAGS + [f"-DMINIBATCH_CSRC_DIGEST={digest}"],
@@ -85,13 +91,12 @@ def load_cpu_extension():
         )
     except Exception as exc:  # no compiler, no ninja, unsupported platform: fall back
         log.warning("CPU kernels unavailable (%s: %s); using the PyTorch twins", type(exc).__name__, exc)
-        _ext = None
         return None
     took = time.perf_counter() - started
     if took > 2.0:
         log.info("compiled the CPU kernels in %.0f s (cached for later starts)", took)
-    _remember_built(digest, _ext)
-    return _ext
+    _remember_built(digest, ext)
+    return ext
 
 
 # The builds the tests make besides this CPU's, so that no path rots where this machine would not take it.
@@ -103,8 +108,26 @@ OTHER_BUILDS = {
 }
 
 
+def native_is(kind: str) -> bool:
+    """This CPU's own build takes every path `kind`'s build takes: an AVX2 CPU with neither AVX-512 nor VNNI
+    (its native build's dot products are AVX2's, its float kernels 256-bit), for `avx2`."""
+    if kind != "avx2":
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx2" in flags and "avx_vnni" not in flags and not any(x.startswith("avx512") for x in flags)
+
+
 def load_other_build(kind: str):
-    """The same sources built for another kind of CPU (OTHER_BUILDS), to test its paths here."""
+    """The same sources built for another kind of CPU (OTHER_BUILDS), to test its paths here; on a CPU of that
+    kind (native_is), its own build, which is that build's paths compiled for it (not compiled twice)."""
+    if native_is(kind):
+        ext = _load_native()
+        if ext is not None:
+            return ext
     from torch.utils.cpp_extension import load
 
     digest = sources_digest()
