@@ -170,7 +170,7 @@ def models_summary(pool) -> dict:
 
 
 async def engine_steps(request: web.Request) -> web.Response:
-    """The timeline: step records after ?since=STEP (rows: [row, request id, tokens, state]; states p d x h)."""
+    """The timeline: step records after ?since=STEP (rows: [row, request id, tokens, state, ...]; STATES)."""
     m = request.app[STATE].served(model_param(request))
     engine = m.ready_engine()
     since = request.query.get("since", "0")

@@ -234,6 +234,16 @@ def preload_of(args) -> tuple[str, ...]:
     return tuple(n.strip() for n in (args.preload or "").split(",") if n.strip())
 
 
+def check_daemon_options(args) -> None:
+    """The daemon's own settings (not the engine's), checked before anything starts: a ValueError naming the
+    option (minibatchd's and each cluster replica's daemon's)."""
+    if args.reasoning_format not in ("auto", "none"):
+        raise ValueError(f"--reasoning-format: must be auto or none, got {args.reasoning_format!r}")
+    if args.reasoning_budget < -1:
+        raise ValueError(f"--reasoning-budget: must be -1 (no bound), 0 or more, got {args.reasoning_budget}")
+    media_path_of(args)
+
+
 def media_path_of(args) -> str | None:
     """--media-path, checked: an existing folder."""
     if args.media_path is None:
@@ -288,12 +298,8 @@ def cmd_start(args) -> int:
         ensure_private_dir(sock.parent)
         cfg = engine_config(args)
         models = pool_settings(args)
-        if args.reasoning_format not in ("auto", "none"):
-            raise ValueError(f"--reasoning-format: must be auto or none, got {args.reasoning_format!r}")
-        if args.reasoning_budget < -1:
-            raise ValueError(f"--reasoning-budget: must be -1 (no bound), 0 or more, got {args.reasoning_budget}")
+        check_daemon_options(args)
         guard = guard_of(args)  # a refused bind is reported here, before anything listens
-        media_path_of(args)
     except (LifecycleError, ValueError) as exc:
         print(f"minibatchd: {exc}", file=sys.stderr)
         return 2

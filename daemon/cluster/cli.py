@@ -98,6 +98,7 @@ def cluster_config(args, sock: Path):
         raise ValueError(f"--spill-threshold: must be >= 0, got {args.spill_threshold}")
     if not 0 <= args.stream_interval_ms <= 1000:
         raise ValueError(f"--stream-interval-ms: must be in [0, 1000], got {args.stream_interval_ms:g}")
+    daemon_cli.check_daemon_options(args)
     engine = daemon_cli.engine_config(args)
     engine.threads = args.threads or default_threads(autoscale[1] if autoscale else args.replicas)
     return ClusterConfig(
@@ -118,6 +119,9 @@ def cluster_config(args, sock: Path):
         read_timeout=args.read_timeout,
         start_timeout=args.start_timeout,
         prompt_cache_shared=args.prompt_cache_shared,
+        reasoning_format=args.reasoning_format,
+        reasoning_budget=args.reasoning_budget,
+        media_path=daemon_cli.media_path_of(args),
     )
 
 

@@ -77,10 +77,13 @@ class EngineReplica:
         start_timeout: float = 600.0,
         stream_interval: float = 0.0,
         prompt_cache_shared: bool = False,
+        reasoning_format: str = "auto",
+        reasoning_budget: int = -1,
+        media_path: str | None = None,
     ) -> None:
         """`stream_interval` (s): send a stream's chunks to the ingress at most this often, coalescing what
         arrives in between (0: each as it comes); every chunk relayed costs both processes Ray's per-item
-        work (BENCHMARKS.md, Past one machine)."""
+        work (BENCHMARKS.md, Past one machine). The rest are the replica's daemon's (minibatchd's options)."""
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.pid = os.getpid()
         self.stream_interval = stream_interval
@@ -100,6 +103,9 @@ class EngineReplica:
             models=PoolSettings(on_demand=False),  # an application serves one model (docs/daemon.md, Several models)
             replica_tag=replica_tag(self.replica_id),  # its stored responses' ids say it holds them
             prompt_cache_shared=prompt_cache_shared,
+            reasoning_format=reasoning_format,
+            reasoning_budget=reasoning_budget,
+            media_path=media_path,
         )
         started = threading.Event()
 

@@ -53,6 +53,10 @@ class ClusterConfig:
     read_timeout: float = 30.0
     start_timeout: float = 600.0
     prompt_cache_shared: bool = False  # every key's requests share cached prefixes (the replicas' state.cache_salt)
+    # the replicas' daemons' own settings, as minibatchd's options set them
+    reasoning_format: str = "auto"
+    reasoning_budget: int = -1
+    media_path: str | None = None
 
     @property
     def max_replicas(self) -> int:
@@ -111,6 +115,9 @@ def deployment(conf: ClusterConfig, gpus: float):
         conf.start_timeout,
         conf.stream_interval_ms / 1000,
         conf.prompt_cache_shared,
+        conf.reasoning_format,
+        conf.reasoning_budget,
+        conf.media_path,
     )
 
 

@@ -233,6 +233,11 @@ class LLMEngine:
         if sched.is_empty:
             return outputs, None
         ids = frozenset(r.request_id for r in sched.requests)
+        imaged = {  # prompt chunks that take an image's embeddings (the timeline marks them)
+            r.request_id
+            for r, n, decode in zip(sched.requests, sched.num_new_tokens, sched.is_decode)
+            if r.images and not decode and r.takes_image(r.num_computed_tokens, n)
+        }
         if ids and not sched.padding:  # (a step whose every row was aborted meanwhile stops between layers)
             sched.abandon = lambda: ids <= self.aborted
         try:
@@ -276,7 +281,7 @@ class LLMEngine:
         step_time = time.perf_counter() - started
         spec_stats = self._observe_spec(sched, accepted_rows, step_time)
         stats = self._stats(sched, step_time, self._cpu_waited(), spec_stats)
-        self._record(sched, accepted_rows, stats)
+        self._record(sched, accepted_rows, stats, imaged)
         return outputs, stats
 
     def _observe_spec(
@@ -295,7 +300,9 @@ class LLMEngine:
             self.spec.observe_step(sched.num_decode_tokens + sched.num_draft_tokens + len(sched.padding), step_time)
         return drafted, accepted, rows
 
-    def _record(self, sched: SchedulerOutput, accepted_rows: dict[str, int], stats: StepStats) -> None:
+    def _record(
+        self, sched: SchedulerOutput, accepted_rows: dict[str, int], stats: StepStats, images: set[str]
+    ) -> None:
         computed = [
             (r.request_id, n, d, len(draft), accepted_rows.get(r.request_id, 0))
             for r, n, d, draft in zip(sched.requests, sched.num_new_tokens, sched.is_decode, sched.drafts)
@@ -316,6 +323,7 @@ class LLMEngine:
             [r.request_id for r in sched.preempted],
             {r.request_id for r in sched.requests if r.pooling is not None},
             {r.request_id: "+".join(n for n, _ in r.loras) for r in (*sched.requests, *sched.padding) if r.loras},
+            images,
         )
 
     def _take(self, req: Request) -> str | None:

@@ -122,6 +122,10 @@ class Request:
                 return max(0, span.offset - start)
         return n
 
+    def takes_image(self, start: int, n: int) -> bool:
+        """Whether its tokens [start, start + n) hold any of its images' positions."""
+        return any(span.offset < start + n and start < span.end for span in self.images)
+
     def key_tokens(self, start: int, end: int) -> tuple[int, ...]:
         """Its tokens [start, end) as the prefix caches key them: an image's positions by the image (negative
         values from its key and the position within it: never a token id), the rest by their token ids."""

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 PREFILL, DECODE, PADDING, HELD = "p", "d", "x", "h"  # HELD: in the batch, but not computed this step (token budget)
 VERIFIED = "v"  # a decoding row that verified a draft and took two or more tokens in the step
 EMBED = "e"  # an embedding request's prompt chunk (it ends with its prompt: no decode follows)
+IMAGE = "i"  # a prompt chunk that takes an image's embeddings (the vision tower's output enters the batch there)
 STATES = {
     PREFILL: "prefill",
+    IMAGE: "image",
     DECODE: "decode",
     VERIFIED: "verified",
     EMBED: "embedding",
@@ -89,10 +91,12 @@ class Timeline:
         preempted: list[str],
         embeds: frozenset[str] | set[str] = frozenset(),
         adapters: dict[str, str] | None = None,
+        images: frozenset[str] | set[str] = frozenset(),
     ) -> StepRecord:
         """computed: (request id, tokens, is a decode, draft tokens, accepted) in batch order; padding and
         held: request ids; preempted: ids; embeds: the computed requests that are embeddings; adapters: the
-        LoRA adapters of the rows under any, by request id."""
+        LoRA adapters of the rows under any, by request id; images: the computed prompt chunks that take an
+        image's positions."""
         members = {c[0] for c in computed} | set(padding) | set(held)
         for rid in [r for r in self._rows if r not in members]:  # left the batch: its row is free for the next one
             heapq.heappush(self._free, self._rows.pop(rid))
@@ -100,7 +104,9 @@ class Timeline:
         def state(rid: str, decode: bool, accepted: int) -> str:
             if rid in embeds:
                 return EMBED
-            return (VERIFIED if accepted else DECODE) if decode else PREFILL
+            if decode:
+                return VERIFIED if accepted else DECODE
+            return IMAGE if rid in images else PREFILL
 
         rows = [
             (self._row_for(rid), rid, n, state(rid, decode, accepted), drafted, accepted)

@@ -200,7 +200,9 @@ def launches(args, folder: Path, text: Path | None, mmproj: Path | None, work: P
         mine.argv += ["--mmproj", str(mmproj)]
     out = [("minibatch", mine, {"socket": sock})]
     if args.exe is not None and text is not None and mmproj is not None:
-        argv = llamacpp.command(args.exe, text, args.port, args.clients, args.threads, 1024)
+        # each slot's context: a SmolVLM picture alone is up to 17 views of 64 positions and their tags
+        ctx = 2048 if args.shape in SMOL_SHAPES else 1024
+        argv = llamacpp.command(args.exe, text, args.port, args.clients, args.threads, ctx)
         argv += ["--mmproj", str(mmproj), "--no-mmproj-offload", "--jinja"]
         url = f"http://127.0.0.1:{args.port}"
         out.append(("llama.cpp", Launch(name="llama.cpp", argv=argv, url=url), {"url": url}))
@@ -224,6 +226,8 @@ async def main_async(args) -> dict:
     }
     for name, launch, target in launches(args, folder, text, mmproj, work):
         report[name] = await side(name, launch, target, work, args, side_px)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2))  # (each side as it ends: a later failure keeps it)
     if "llama.cpp" in report:
         report["llama.cpp"]["version"] = llamacpp.server_version(args.exe)
         m, p = report["minibatch"], report["llama.cpp"]

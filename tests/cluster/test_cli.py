@@ -26,6 +26,8 @@ def test_autoscale_takes_min_colon_max():
         (["--replicas", "0"], "--replicas: must be at least 1"),
         (["--routing", "random"], "--routing: must be prefix or least-loaded"),
         (["--spill-threshold", "-1"], "--spill-threshold: must be >= 0"),
+        (["--media-path", "/no/such/folder"], "--media-path: /no/such/folder is not a folder"),
+        (["--reasoning-format", "hidden"], "--reasoning-format: must be auto or none"),
     ],
 )
 def test_start_refuses_bad_options_before_starting(args, message, short_tmp):
@@ -48,3 +50,14 @@ def test_status_and_stop_say_when_nothing_runs(short_tmp):
             timeout=60,
         )
         assert out.returncode == code and "minibatch-serve: not running" in out.stdout + out.stderr
+
+
+def test_the_replicas_daemons_get_the_daemons_own_settings(tmp_path):
+    """--media-path, --reasoning-format and --reasoning-budget reach each replica's daemon (ClusterConfig)."""
+    from minibatch.daemon.cluster.cli import build_parser, cluster_config
+
+    args = build_parser().parse_args(
+        ["start", "--media-path", str(tmp_path), "--reasoning-format", "none", "--reasoning-budget", "64"]
+    )
+    conf = cluster_config(args, tmp_path / "s.sock")
+    assert (conf.media_path, conf.reasoning_format, conf.reasoning_budget) == (str(tmp_path.resolve()), "none", 64)

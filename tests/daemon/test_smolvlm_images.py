@@ -73,6 +73,11 @@ def test_tiled_image_gives_transformers_answer_on_two_faces(daemon, one):
     assert status == 200 and again["choices"][0]["message"]["content"] == text
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     # (--max-num-batched-tokens 48: the 96-token prompt went in chunks that cut through the image's tiles)
+    status, steps = daemon.get("/v1/engine/steps?since=0")
+    assert status == 200 and steps["states"]["i"] == "image"
+    marks = [[row[3] for row in r["rows"]] for r in steps["steps"]]
+    # the first request: both its prompt chunks hold its image's positions and are marked so; then it decodes
+    assert marks[:3] == [["i"], ["i"], ["d"]], marks
 
 
 def test_two_images_of_other_grids(daemon, tiny_smolvlm_dir):

@@ -38,13 +38,15 @@ def device() -> str:
 def any_build(request):
     """The C++ extension as built for this CPU, for AVX2 without VNNI, and for x86-64's baseline (the scalar
     loops): every path, whichever this machine would take."""
-    from minibatch.kernels.cpu.extension import load_cpu_extension, load_other_build
+    from minibatch.kernels.cpu.extension import load_cpu_extension, load_other_build, native_is
 
     ext = load_cpu_extension()
     if ext is None:
         pytest.skip("the C++ extension cannot be built here")
     if request.param == "this-cpu":
         return ext
+    if native_is(request.param):
+        pytest.skip(f"this CPU's own build is the {request.param} one: the this-cpu runs are these")
     other = load_other_build(request.param)
     assert other.int_path_has_avx2() == (request.param == "avx2") and not other.int_path_has_vnni()
     assert other.int_path_kind() == request.param  # avx2 or portable

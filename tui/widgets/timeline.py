@@ -1,7 +1,8 @@
 """The batch over time: one line per batch row, one column per engine step, newest on the right.
 
 Each cell is coloured by the pane whose request held that row (grey: another
-client) and marked by what the row did: ▒ a prefill chunk, █ a decode, 2-9 a
+client) and marked by what the row did: ▒ a prefill chunk, ▣ a prefill chunk that takes an image's
+embeddings, █ a decode, 2-9 a
 decode that verified a draft and took that many tokens in the step (+ for ten
 or more), ▲ an embedding's prompt chunk (it leaves the batch with its prompt: no
 decode follows), ╳ padding (static mode computing a finished request's row: wasted),
@@ -19,7 +20,14 @@ from rich.text import Text
 from textual.widgets import Static
 
 KEEP = 512  # step records kept client-side (the daemon keeps its own ring)
-MARKS = {"p": "▒", "d": "█", "e": "▲", "x": "╳", "h": "┄"}  # "v" (verified) shows the tokens taken: verified_mark
+MARKS = {
+    "p": "▒",
+    "i": "▣",
+    "d": "█",
+    "e": "▲",
+    "x": "╳",
+    "h": "┄",
+}  # "v" (verified) shows the tokens taken: verified_mark
 
 
 def adapter_letters(names) -> dict[str, str]:
@@ -88,6 +96,8 @@ def render_timeline(
         text.append("▒ prefill █ decode ╳ pad ┄ held\n", style="dim")
         if any(row[3] == "v" for r in recent for row in r["rows"]):
             text.append("2-9 tokens a row took (speculation)\n", style="dim")
+        if any(row[3] == "i" for r in recent for row in r["rows"]):
+            text.append("▣ prefill of an image's positions\n", style="dim")
     if not recent:
         text.append("no steps yet", style="dim")
         return text
