@@ -89,6 +89,45 @@ def expected_answer(folder: Path, messages_text: str, image, tokens: int) -> tup
     return out[0, ids.shape[1] :].tolist(), ids.shape[1]
 
 
+# a SigLIP tower's tensors as llama.cpp's converter names them in an mmproj
+_TOWER_NAMES = {
+    "embeddings.patch_embedding": "v.patch_embd",
+    "embeddings.position_embedding": "v.position_embd",
+    "post_layernorm": "v.post_ln",
+}
+_LAYER_NAMES = {
+    "layer_norm1": "ln1",
+    "layer_norm2": "ln2",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.out_proj": "attn_out",
+    "mlp.fc1": "ffn_up",
+    "mlp.fc2": "ffn_down",
+}
+
+
+def _tower_sizes(writer, cfg: dict) -> None:
+    """The tower's sizes as the converter writes them (`clip.vision.*`), from a folder's config."""
+    vision = cfg["vision_config"]
+    writer.add_uint32("clip.vision.projection_dim", cfg["text_config"]["hidden_size"])
+    writer.add_uint32("clip.vision.image_size", vision["image_size"])
+    writer.add_uint32("clip.vision.patch_size", vision["patch_size"])
+    writer.add_uint32("clip.vision.embedding_length", vision["hidden_size"])
+    writer.add_uint32("clip.vision.feed_forward_length", vision["intermediate_size"])
+    writer.add_uint32("clip.vision.block_count", vision["num_hidden_layers"])
+    writer.add_uint32("clip.vision.attention.head_count", vision["num_attention_heads"])
+
+
+def _gguf_name(name: str) -> str:
+    """A tower tensor's name (below the tower's prefix) as the converter writes it."""
+    base, kind = name.rsplit(".", 1)
+    if base.startswith("encoder.layers."):
+        i, part = base.removeprefix("encoder.layers.").split(".", 1)
+        return f"v.blk.{i}.{_LAYER_NAMES[part]}.{kind}"
+    return f"{_TOWER_NAMES[base]}.{kind}"
+
+
 def write_mmproj(folder, out):
     """The folder's tower and projector as llama.cpp's `convert_hf_to_gguf.py --mmproj` writes Gemma 3's:
     `clip` architecture, `clip.vision.*` sizes, `v.*` / `mm.*` tensor names, the soft embedding norm stored as
@@ -106,33 +145,12 @@ def write_mmproj(folder, out):
     writer.add_bool("clip.has_vision_encoder", True)
     writer.add_string("clip.projector_type", "gemma3")
     writer.add_bool("clip.use_gelu", True)
-    writer.add_uint32("clip.vision.projection_dim", cfg["text_config"]["hidden_size"])
-    writer.add_uint32("clip.vision.image_size", vision["image_size"])
-    writer.add_uint32("clip.vision.patch_size", vision["patch_size"])
-    writer.add_uint32("clip.vision.embedding_length", vision["hidden_size"])
-    writer.add_uint32("clip.vision.feed_forward_length", vision["intermediate_size"])
-    writer.add_uint32("clip.vision.block_count", vision["num_hidden_layers"])
-    writer.add_uint32("clip.vision.attention.head_count", vision["num_attention_heads"])
+    _tower_sizes(writer, cfg)
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
     writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
     writer.add_uint32("clip.vision.projector.scale_factor", side // round(cfg["mm_tokens_per_image"] ** 0.5))
     pre = "vision_tower."
-    names = {
-        "embeddings.patch_embedding": "v.patch_embd",
-        "embeddings.position_embedding": "v.position_embd",
-        "post_layernorm": "v.post_ln",
-    }
-    layer = {
-        "layer_norm1": "ln1",
-        "layer_norm2": "ln2",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.out_proj": "attn_out",
-        "mlp.fc1": "ffn_up",
-        "mlp.fc2": "ffn_down",
-    }
     for name, t in w.items():
         if name.startswith("multi_modal_projector."):
             if "norm" in name:
@@ -142,13 +160,7 @@ def write_mmproj(folder, out):
             continue
         if not name.startswith(pre):
             continue
-        base, kind = name.removeprefix(pre).rsplit(".", 1)
-        if base.startswith("encoder.layers."):
-            i, part = base.removeprefix("encoder.layers.").split(".", 1)
-            new = f"v.blk.{i}.{layer[part]}.{kind}"
-        else:
-            new = f"{names[base]}.{kind}"
-        writer.add_tensor(new, t.float().numpy())
+        writer.add_tensor(_gguf_name(name.removeprefix(pre)), t.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -170,13 +182,7 @@ def write_smolvlm_mmproj(folder, out):
     vision = cfg["vision_config"]
     writer = gguf.GGUFWriter(str(out), "clip")
     writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_uint32("clip.vision.projection_dim", cfg["text_config"]["hidden_size"])
-    writer.add_uint32("clip.vision.image_size", vision["image_size"])
-    writer.add_uint32("clip.vision.patch_size", vision["patch_size"])
-    writer.add_uint32("clip.vision.embedding_length", vision["hidden_size"])
-    writer.add_uint32("clip.vision.feed_forward_length", vision["intermediate_size"])
-    writer.add_uint32("clip.vision.block_count", vision["num_hidden_layers"])
-    writer.add_uint32("clip.vision.attention.head_count", vision["num_attention_heads"])
+    _tower_sizes(writer, cfg)
     writer.add_array("clip.vision.image_mean", prep["image_mean"])
     writer.add_array("clip.vision.image_std", prep["image_std"])
     writer.add_string("clip.projector_type", "idefics3")
@@ -184,34 +190,15 @@ def write_smolvlm_mmproj(folder, out):
     writer.add_uint32("clip.vision.projector.scale_factor", cfg["scale_factor"])
     writer.add_bool("clip.use_gelu", True)
     writer.add_uint32("clip.vision.preproc_image_size", prep["size"]["longest_edge"])
-    names = {
-        "embeddings.patch_embedding": "v.patch_embd",
-        "embeddings.position_embedding": "v.position_embd",
-        "post_layernorm": "v.post_ln",
-    }
-    layer = {
-        "layer_norm1": "ln1",
-        "layer_norm2": "ln2",
-        "self_attn.q_proj": "attn_q",
-        "self_attn.k_proj": "attn_k",
-        "self_attn.v_proj": "attn_v",
-        "self_attn.out_proj": "attn_out",
-        "mlp.fc1": "ffn_up",
-        "mlp.fc2": "ffn_down",
-    }
     for name, t in load_file(folder / "model.safetensors").items():
         if name == "model.connector.modality_projection.proj.weight":
             writer.add_tensor("mm.model.fc.weight", t.half().numpy())
             continue
         if not name.startswith("model.vision_model."):
             continue
-        base, kind = name.removeprefix("model.vision_model.").rsplit(".", 1)
-        if base.startswith("encoder.layers."):
-            i, part = base.removeprefix("encoder.layers.").split(".", 1)
-            half = kind == "weight" and t.dim() == 2
-            writer.add_tensor(f"v.blk.{i}.{layer[part]}.{kind}", (t.half() if half else t.float()).numpy())
-        else:
-            writer.add_tensor(f"{names[base]}.{kind}", t.float().numpy())
+        new = _gguf_name(name.removeprefix("model.vision_model."))
+        half = new.startswith("v.blk.") and t.dim() == 2  # (the layers' matrices)
+        writer.add_tensor(new, (t.half() if half else t.float()).numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
