@@ -394,7 +394,6 @@ def attach_images(engine: LLMEngine, config: EngineConfig, model_dir, cfg: Model
     set as engine.images; its facts for EngineInfo. None for a model that sees no images."""
     from minibatch.engine.vision.images import ImageEncoder, ImageLimits, layout_of
     from minibatch.engine.vision.loader import VisionError, load_vision
-    from minibatch.engine.vision.preprocess import Grid
 
     text_width, image_token_id = cfg.hidden_size, cfg.image_token_id
     if config.mmproj is None and image_token_id is None:
@@ -416,8 +415,6 @@ def attach_images(engine: LLMEngine, config: EngineConfig, model_dir, cfg: Model
             f"max_num_batched_tokens {config.max_num_batched_tokens}: an image takes {layout.tokens} positions, "
             "computed in one step; raise it"
         )
-    most = vision.processor.most_tiles
-    largest = Grid(most, most) if most > 1 else Grid()
     limits = ImageLimits(config.max_images, config.max_image_bytes, config.max_image_pixels)
     engine.images = ImageEncoder(vision, layout, limits)
     return VisionFacts(
@@ -425,7 +422,7 @@ def attach_images(engine: LLMEngine, config: EngineConfig, model_dir, cfg: Model
         source="mmproj " + os.path.basename(source) if config.mmproj else "the model folder",
         image_size=vision.processor.size,
         tokens_per_image=layout.tokens,
-        max_image_positions=layout.positions(largest),
+        max_image_positions=layout.positions(vision.processor.largest),
         max_images=limits.max_images,
         max_image_bytes=limits.max_image_bytes,
         max_image_pixels=limits.max_image_pixels,

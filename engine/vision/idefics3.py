@@ -55,9 +55,10 @@ class Idefics3Processor:
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
 
     @property
-    def most_tiles(self) -> int:
-        """Tiles a side of the largest grid (an image's longest edge is resized to `longest_edge`)."""
-        return math.ceil(self.longest_edge / self.size) if self.split else 1
+    def largest(self) -> Grid:
+        """The grid of the largest image (its longest edge is resized to `longest_edge`: so many tiles a side)."""
+        side = math.ceil(self.longest_edge / self.size) if self.split else 1
+        return Grid(side, side) if side > 1 else Grid()
 
     def _sizes(self, width: int, height: int) -> tuple[tuple[int, int], tuple[int, int] | None]:
         first = _first_size(width, height, self.longest_edge)

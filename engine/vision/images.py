@@ -125,8 +125,8 @@ def layout_of(
         assert isinstance(processor, Idefics3Processor)
         (image,) = [placeholder] if placeholder is not None else ids("<image>")
         around, whole_image = ids("<fake_token_around_image>", "<global-img>")
-        side = processor.most_tiles if processor.most_tiles > 1 else 0
-        grid = [ids(*(f"<row_{r + 1}_col_{c + 1}>" for c in range(side))) for r in range(side)]
+        largest = processor.largest
+        grid = [ids(*(f"<row_{r + 1}_col_{c + 1}>" for c in range(largest.cols))) for r in range(largest.rows)]
         return Idefics3Layout("<image>", image, tokens, False, around, whole_image, tuple(map(tuple, grid)))
     if bounds is None:
         start, end = ids("<start_of_image>", "<end_of_image>")

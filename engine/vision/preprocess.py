@@ -79,7 +79,7 @@ class ImageProcessor:
     mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
     std: tuple[float, float, float] = (0.5, 0.5, 0.5)
 
-    most_tiles = 1  # (no tiles: one view, whatever the size)
+    largest = Grid()  # (no tiles: one view, whatever the size)
 
     def grid(self, width: int, height: int) -> Grid:
         return Grid()
