@@ -5,7 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minibatch.kernels.cpu.quant import embedding, quant_linear, quant_linear_q8, quantize_activations
+from minibatch.kernels.cpu.quant import (
+    dequantize,
+    embedding,
+    pack_rows8,
+    quant_linear,
+    quant_linear_q8,
+    quantize_activations,
+    unpack_rows8,
+)
 from minibatch.kernels.quant_types import INT_DOT_TYPES, QuantType
 
 
@@ -14,7 +22,9 @@ class QuantLinear(nn.Module):
 
     `int8`: the activations are quantized to 8 bits per weight block (32 values, 256 for the K-quants)
     and multiplied in integers (the fast path); otherwise they stay fp32 and every block is dequantised
-    exactly (the exact path). Float types (F16, BF16) always take the exact path."""
+    exactly (the exact path). Float types (F16, BF16) always take the exact path. On the integer path the
+    blocks are kept as the kernel streams them where it packs the type (`packed`: each eight rows' blocks
+    interleaved, `pack_rows8`), in place of the file's order: no second copy."""
 
     def __init__(
         self,
@@ -27,7 +37,9 @@ class QuantLinear(nn.Module):
         super().__init__()
         self.qtype, self.in_features, self.out_features = qtype, in_features, blocks.shape[0]
         self.int8 = int8 and qtype.name in INT_DOT_TYPES
-        self.register_buffer("blocks", blocks)  # [out_features, row_bytes] uint8
+        packed = pack_rows8(blocks, qtype) if self.int8 and blocks.device.type == "cpu" else None
+        self.packed = packed is not None
+        self.register_buffer("blocks", blocks if packed is None else packed)  # [out_features, row_bytes] uint8
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor, acts: dict | None = None) -> torch.Tensor:  # [rows, in] -> [rows, out]
@@ -39,15 +51,14 @@ class QuantLinear(nn.Module):
                 q = quantize_activations(x, block)
                 if acts is not None:
                     acts[block] = q
-            y = quant_linear_q8(q, self.blocks, self.qtype)
+            y = quant_linear_q8(q, self.blocks, self.qtype, self.packed)
         else:
             y = quant_linear(x, self.blocks, self.qtype)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (
-            f"{self.in_features} -> {self.out_features}, {self.qtype.name}{', int8 activations' if self.int8 else ''}"
-        )
+        path = (", int8 activations" if self.int8 else "") + (", packed by eights" if self.packed else "")
+        return f"{self.in_features} -> {self.out_features}, {self.qtype.name}{path}"
 
 
 class StackedLinear(nn.Module):
@@ -72,10 +83,15 @@ class QuantEmbedding(nn.Module):
         super().__init__()
         self.qtype, self.dim = qtype, dim
         self.register_buffer("blocks", blocks)  # [vocab, row_bytes] uint8
+        self.packed = False  # the blocks are a tied output projection's, packed by eights (QuantLinear)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [tokens] -> [tokens, dim]
+        if self.packed:
+            return dequantize(unpack_rows8(self.blocks, self.qtype, ids), self.qtype, self.dim)
         return embedding(self.blocks, self.qtype, self.dim, ids)
 
     def as_linear(self, int8: bool = False) -> QuantLinear:
-        """The tied output projection, sharing these blocks."""
-        return QuantLinear(self.blocks, self.qtype, self.dim, int8=int8)
+        """The tied output projection, sharing these blocks: kept once, in its order where it packs them."""
+        head = QuantLinear(self.blocks, self.qtype, self.dim, int8=int8)
+        self.blocks, self.packed = head.blocks, head.packed
+        return head

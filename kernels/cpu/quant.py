@@ -65,13 +65,35 @@ def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor
 
 
 def quant_linear_q8(
-    acts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], qweight: torch.Tensor, qtype: QuantType
+    acts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    qweight: torch.Tensor,
+    qtype: QuantType,
+    packed: bool = False,  # qweight is `pack_rows8`'s
 ) -> torch.Tensor:  # [rows, N] fp32
     """x W^T in integers, from `quantize_activations(x, qtype.block_elems)` and a block-quantized W."""
     ext = load_cpu_extension()
     if ext is None:
-        return quant_linear_q8_ref(acts, qweight, qtype)
-    return ext.quant_linear_q8(*acts, qweight, qtype.ggml_id)
+        return quant_linear_q8_ref(acts, unpack_rows8_ref(qweight, qtype) if packed else qweight, qtype)
+    return ext.quant_linear_q8(*acts, qweight, qtype.ggml_id, packed)
+
+
+def pack_rows8(qweight: torch.Tensor, qtype: QuantType) -> torch.Tensor | None:
+    """A copy of W [N, row_bytes] with each eight rows packed as this build's integer path reads them
+    (`Rows8` in csrc/quant_dot_blocks.h: the same bytes, moved), or None where it reads the type as GGUF
+    stores it. Once at load: the eight-column kernel then loads whole registers where it would gather and
+    transpose eight rows' blocks on every call."""
+    ext = load_cpu_extension()
+    if ext is None or not ext.quant_reads_packed(qtype.ggml_id):
+        return None
+    return ext.quant_pack_rows8(qweight, qtype.ggml_id)
+
+
+def unpack_rows8(packed: torch.Tensor, qtype: QuantType, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` ([T] int64) of a `pack_rows8` matrix as GGUF stores them: uint8 [T, row_bytes]."""
+    ext = load_cpu_extension()
+    if ext is None:
+        return unpack_rows8_ref(packed, qtype)[ids]
+    return ext.quant_unpack_rows(packed, qtype.ggml_id, ids)
 
 
 # ---- PyTorch twins: gguf's numpy dequantiser, then plain PyTorch ----
@@ -87,6 +109,71 @@ def quantize_activations_ref(x: torch.Tensor, block: int = 32) -> tuple[torch.Te
     q = torch.round(groups * inv[..., None]).clamp(-127, 127).reshape(rows, k)
     bsums = q.reshape(rows, k // 16, 16).sum(-1).to(torch.int16)
     return q.to(torch.int8), d, bsums
+
+
+# Rows8's fields per type: (a float minimum m, fifth bits, where a block's quants start, where its qh is)
+_ROWS8 = {"Q4_0": (False, False, 2, 0), "Q4_1": (True, False, 4, 0), "Q5_0": (False, True, 6, 2),
+          "Q5_1": (True, True, 8, 4), "Q8_0": (False, False, 2, 0)}  # fmt: skip
+
+
+def _rows8_lanes(qtype: QuantType) -> list[int]:
+    return [0, 2, 4, 6, 1, 3, 5, 7] if qtype.name != "Q8_0" else list(range(8))
+
+
+def pack_rows8_ref(qweight: torch.Tensor, qtype: QuantType) -> torch.Tensor:
+    """The twin of the kernels' packing, in numpy: each whole group of eight rows as Rows8 lays it down."""
+    fmin, fifth, qs, qh = _ROWS8[qtype.name]
+    n, row_bytes = qweight.shape
+    g, nb, size = n // 8, row_bytes // qtype.block_bytes, qtype.block_bytes
+    regs = 8 if qtype.name == "Q8_0" else 4
+    s = qweight[: 8 * g].numpy().reshape(g, 8, nb, size)[:, _rows8_lanes(qtype)]  # [group, lane, block, byte]
+
+    def by_block(field: np.ndarray) -> np.ndarray:  # [g, lane, nb, bytes] -> [g, nb, lane * bytes]
+        return field.transpose(0, 2, 1, 3).reshape(g, nb, -1)
+
+    parts = [by_block(s[..., 0:2])]
+    if fmin:
+        parts.append(by_block(s[..., 2:4]))
+    if fifth:
+        bits = np.ascontiguousarray(s[..., qh : qh + 4]).view("<u4")[..., 0]  # [g, lane, nb]
+        bit = (bits[..., None] >> np.arange(32, dtype=np.uint32)) & 1  # bit 4t + i at [..., t, i]
+        packed_bits = (bit.reshape(g, 8, nb, 8, 4) << np.arange(8, dtype=np.uint32)[:, None]).sum(-2)
+        parts.append(by_block(packed_bits.astype(np.uint8)))
+    quants = s[..., qs : qs + 4 * regs].reshape(g, 8, nb, regs, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, -1)
+    parts.append(quants)
+    out = qweight.clone()
+    out[: 8 * g] = torch.from_numpy(np.concatenate(parts, -1).reshape(8 * g, row_bytes))
+    return out
+
+
+def unpack_rows8_ref(packed: torch.Tensor, qtype: QuantType) -> torch.Tensor:
+    """Every row of a packed matrix as GGUF stores it (the inverse of `pack_rows8_ref`)."""
+    fmin, fifth, qs, qh = _ROWS8[qtype.name]
+    n, row_bytes = packed.shape
+    g, nb, size = n // 8, row_bytes // qtype.block_bytes, qtype.block_bytes
+    regs = 8 if qtype.name == "Q8_0" else 4
+    p = packed[: 8 * g].numpy().reshape(g, nb, 8 * size)
+    rows = np.zeros((g, 8, nb, size), np.uint8)  # [group, lane, block, byte]
+
+    def field(at: int, width: int) -> np.ndarray:  # [g, nb, lane * width] -> [g, lane, nb, width]
+        return p[..., at : at + 8 * width].reshape(g, nb, 8, width).transpose(0, 2, 1, 3)
+
+    rows[..., 0:2] = field(0, 2)
+    at = 16
+    if fmin:
+        rows[..., 2:4] = field(at, 2)
+        at += 16
+    if fifth:
+        byte = field(at, 4).astype(np.uint32)  # bit t of byte i is bit 4t + i of qh
+        bit = (byte[..., None, :] >> np.arange(8, dtype=np.uint32)[:, None]) & 1  # [..., t, i]
+        qhv = (bit.reshape(g, 8, nb, 32) << np.arange(32, dtype=np.uint32)).sum(-1).astype("<u4")
+        rows[..., qh : qh + 4] = qhv[..., None].view(np.uint8)
+        at += 32
+    quants = p[..., at : at + 32 * regs].reshape(g, nb, regs, 8, 4).transpose(0, 3, 1, 2, 4)
+    rows[..., qs : qs + 4 * regs] = quants.reshape(g, 8, nb, 4 * regs)
+    out = packed.clone()
+    out[: 8 * g] = torch.from_numpy(rows[:, np.argsort(_rows8_lanes(qtype))].reshape(8 * g, row_bytes))
+    return out
 
 
 def quant_linear_q8_ref(

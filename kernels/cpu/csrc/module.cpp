@@ -20,7 +20,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("embedding", &embedding, "dequantise only the rows of the given token ids");
   m.def("has_avx2", &has_avx2, "compiled with the AVX2+FMA paths");
   m.def("quantize_activations", &quantize_activations, "fp32 rows -> 8-bit quants, a scale per block, sums of 16");
-  m.def("quant_linear_q8", &quant_linear_q8, "y = x W^T in integers: quantized activations times GGUF blocks");
+  m.def("quant_linear_q8", &quant_linear_q8, "y = x W^T in integers: quantized activations times GGUF blocks",
+        py::arg("q"), py::arg("d"), py::arg("bs"), py::arg("qweight"), py::arg("type"), py::arg("packed") = false);
+  m.def("quant_reads_packed", &quant_reads_packed, "the integer path reads this GGML type's rows packed by eights");
+  m.def("quant_pack_rows8", &quant_pack_rows8, "GGUF blocks -> a copy with each eight rows packed for the integer path");
+  m.def("quant_unpack_rows", &quant_unpack_rows, "rows `ids` of a packed matrix as GGUF stores them");
   m.def("int_path_has_avx2", &int_path_has_avx2, "the integer path was compiled with AVX2");
   m.def("int_path_has_vnni", &int_path_has_vnni, "the integer path's 32-value types use VNNI dot products");
   m.def("int_path_kind", &int_path_kind, "the instructions the integer dot products run on (avx512-vnni, avx-vnni, avx2, portable)");

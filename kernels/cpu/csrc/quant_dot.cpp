@@ -332,20 +332,20 @@ void dot_rows32_zmm(const Acts& a, const uint8_t* w, int64_t row_bytes, float* o
 #endif
 
 // Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 eight columns at a time: the lanes of a register are eight weight rows
-// (output columns), not eight stretches of one row, so no row's block sum needs a horizontal reduction. For
-// each block the columns' bytes are transposed in registers to four weights per column and lane (a nibble
-// type's 16 bytes give eight registers from four, the 5-bit types' fifth bits ORed in from each column's
-// qh, Q8_0's 32 bytes eight from eight), and one VNNI multiply-add per register takes four activations of
-// a row broadcast to every lane: 8 per row and block for 256 products, where the 32-value loop above
-// spends 4 and a three-step reduction for 32 products of one column. Without VNNI the nibble types' maddubs
-// sums add in int16 before one madd (pair_sums16) and Q8_0 multiplies magnitudes by signed activations
-// (signed_sums). The eight columns' scales come in one vector, so a row's block then costs a conversion
-// and two or three multiply-adds. The signed types' weights go in as unsigned bytes (Q4_0's and Q5_0's
-// values as they are, offsets 8 and 16; Q8_0's, with VNNI, moved up by 128) and their offset times the
-// activations' block sum comes off in integers, as on the 512-bit loop. Integer sums are exact whatever
-// their order, and a row is computed alike whatever M is, so its result does not depend on the rows beside
-// it; the float epilogue is the same on every build. The nibble types' lanes hold the columns in the order
-// 0 2 4 6 1 3 5 7 (a 128-bit lane each for the even and the odd ones); the store puts them back.
+// (output columns), not eight stretches of one row, so no row's block sum needs a horizontal reduction. The
+// eight rows were packed at load (Rows8, pack_rows8): a block's registers of four weights per row and lane
+// are loaded whole (a nibble type's four give eight, the 5-bit types' fifth bits ORed in with a shift each,
+// Q8_0's eight), and one VNNI multiply-add per register takes four activations of a row broadcast to every
+// lane: 8 per row and block for 256 products, where the 32-value loop above spends 4 and a three-step
+// reduction for 32 products of one column. Without VNNI the nibble types' maddubs sums add in int16 before
+// one madd (pair_sums16) and Q8_0 multiplies magnitudes by signed activations (signed_sums). The eight
+// columns' scales are one load, so a row's block then costs a conversion and two or three multiply-adds.
+// The signed types' weights go in as unsigned bytes (Q4_0's and Q5_0's values as they are, offsets 8 and
+// 16; Q8_0's, with VNNI, moved up by 128) and their offset times the activations' block sum comes off in
+// integers, as on the 512-bit loop. Integer sums are exact whatever their order, and a row is computed alike
+// whatever M is, so its result does not depend on the rows beside it; the float epilogue is the same on
+// every build. The nibble types' lanes hold the columns in the order 0 2 4 6 1 3 5 7; the store puts them
+// back.
 inline int32_t load_i32(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -391,107 +391,60 @@ inline __m256i pair_sums16(const __m256i* u, const int8_t* x) {
 // is of the weights' magnitudes u and the activations with the weights' signs (sign_epi8 with the weights
 // from memory): pair sums within 2 * 128 * 127 = 32,512, one madd each. 5 instructions per 32 products
 // and row, against the 7-8 of the 32-value loop's sign fixes and horizontal sums.
-inline __m256i signed_sums(const __m256i* u, const int8_t (*signs)[32], const int8_t* x) {
+inline __m256i signed_sums(const __m256i* u, const int8_t* signs, const int8_t* x) {
   __m256i s = _mm256_setzero_si256();
   for (int t = 0; t < 8; ++t) {
     const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(x + 4 * t)),
-                                        _mm256_load_si256(reinterpret_cast<const __m256i*>(signs[t])));
+                                        load256(reinterpret_cast<const uint8_t*>(signs + 32 * t)));
     s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(u[t], xs), _mm256_set1_epi16(1)));
   }
   return s;
 }
 
+// How far ahead in a packed run its lines are asked for: 1-4 KB measured 10-20% faster than none at 1-16 rows
+// on an AVX2-only EPYC (a block's turn is too short for the hardware prefetcher to keep ahead of it).
+constexpr int64_t kAhead = 2048;
+// w: the matrix with its whole groups of eight rows packed (Rows8); n0 and n1 - n0 are multiples of 8.
 template <int64_t T, int M>
 void dot_cols8(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   using Tr = Traits<T>;
-  constexpr bool NIB = T != Q8_0;
-  constexpr bool FIFTH = T == Q5_0 || T == Q5_1;                                  // a fifth bit per weight in qh
-  constexpr int64_t QH = T == Q5_0 ? 2 : 4;                                       // where a block's qh is
-  constexpr int64_t QS = T == Q4_1 ? 4 : T == Q5_0 ? 6 : T == Q5_1 ? 8 : 2;  // where a block's quants start
-  constexpr int CH = M <= 4 ? 2 : 1;         // integer chains per row: a lone row's eight multiply-adds in two
+  using L = Rows8<T>;
+  constexpr int CH = M <= 4 ? 2 : 1;  // integer chains per row: a lone row's eight multiply-adds in two
   const int64_t nb = a.k / 32;
-  const __m256i lo = _mm256_set1_epi8(0x0f);
-  // the lanes' columns: even then odd for the nibble types, in order for Q8_0
-  constexpr int col[8] = {0, NIB ? 2 : 1, NIB ? 4 : 2, NIB ? 6 : 3, NIB ? 1 : 4, NIB ? 3 : 5, NIB ? 5 : 6, 7};
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  // The eight columns are eight streams through memory, which the hardware prefetcher follows less well
-  // than the one stream of the loops above: each block's turn also prefetches its share of the next
-  // eight columns' lines, so they arrive while these are computed.
-  const int64_t lines = (8 * row_bytes + 63) / 64, per_block = (lines + nb - 1) / nb;
-  for (int64_t n = n0; n + 8 <= n1; n += 8) {
-    const uint8_t* c[8];
-    for (int j = 0; j < 8; ++j) c[j] = w + (n + j) * row_bytes;
-    const char* next = reinterpret_cast<const char*>(w + (n + 8) * row_bytes);
-    const int64_t ahead = n + 16 <= n1 ? lines : 0;
+  const __m256i lo = _mm256_set1_epi8(0x0f), sixteen = _mm256_set1_epi8(0x10);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // the nibble types' lanes back in row order
+  for (int64_t n = n0; n < n1; n += 8) {
+    const uint8_t* g = w + n * row_bytes;  // the eight rows' packed run
     __m256 acc[M];
     for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t bi = 0; bi < nb; ++bi) {
-      const int64_t off = bi * Tr::BYTES;
-      for (int64_t l = bi * per_block; l < std::min(ahead, (bi + 1) * per_block); ++l)
-        _mm_prefetch(next + 64 * l, _MM_HINT_T0);
-      __m256i u[8];  // u[t]: weights 4t..4t+3 of the block, one column a lane
-      alignas(32) int8_t signs[NIB ? 1 : 8][32];  // Q8_0 without VNNI: the weights as stored, for their signs
-      if constexpr (NIB) {
-        __m256i y[4];  // columns 2p and 2p+1, 16 bytes each: byte i holds weights i (low nibble) and 16 + i
-        for (int p = 0; p < 4; ++p)
-          y[p] = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(c[2 * p + 1] + off + QS),
-                                     reinterpret_cast<const __m128i*>(c[2 * p] + off + QS));
-        const __m256i t0 = _mm256_unpacklo_epi32(y[0], y[1]), t1 = _mm256_unpackhi_epi32(y[0], y[1]);
-        const __m256i t2 = _mm256_unpacklo_epi32(y[2], y[3]), t3 = _mm256_unpackhi_epi32(y[2], y[3]);
-        const __m256i z[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
-                              _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+      const uint8_t* p = g + bi * 8 * Tr::BYTES;
+      for (int64_t l = 0; l < 8 * Tr::BYTES; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead + l), _MM_HINT_T0);
+      __m256i u[8];  // u[t]: weights 4t..4t+3 of the block, one row a lane
+      if constexpr (L::NIB) {
         for (int t = 0; t < 4; ++t) {
-          u[t] = _mm256_and_si256(z[t], lo);
-          u[t + 4] = _mm256_and_si256(_mm256_srli_epi16(z[t], 4), lo);
+          const __m256i z = load256(p + L::Q + 32 * t);
+          u[t] = _mm256_and_si256(z, lo);
+          u[t + 4] = _mm256_and_si256(_mm256_srli_epi16(z, 4), lo);
         }
-        if constexpr (FIFTH) {  // weight j's fifth bit is bit j of its column's qh: 16 where it is set
-          const __m256i qh = _mm256_setr_epi32(
-              load_i32(c[col[0]] + off + QH), load_i32(c[col[1]] + off + QH), load_i32(c[col[2]] + off + QH),
-              load_i32(c[col[3]] + off + QH), load_i32(c[col[4]] + off + QH), load_i32(c[col[5]] + off + QH),
-              load_i32(c[col[6]] + off + QH), load_i32(c[col[7]] + off + QH));
-          const __m256i sel = _mm256_set1_epi32(0x08040201), sixteen = _mm256_set1_epi8(0x10);
-          // every byte of a lane from the lane's byte 0 (bits 4t..4t+3 after the shift) or byte 2 (16 + 4t..)
-          const __m256i from0 = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4,
-                                                 4, 8, 8, 8, 8, 12, 12, 12, 12);
-          const __m256i from2 = _mm256_add_epi8(from0, _mm256_set1_epi8(2));
-          for (int t = 0; t < 4; ++t) {  // u[t]'s byte b is weight 4t + b; u[t + 4]'s is weight 16 + 4t + b
-            const __m256i s = _mm256_srli_epi32(qh, 4 * t);
-            const __m256i b0 = _mm256_and_si256(_mm256_shuffle_epi8(s, from0), sel);
-            const __m256i b2 = _mm256_and_si256(_mm256_shuffle_epi8(s, from2), sel);
-            u[t] = _mm256_or_si256(u[t], _mm256_and_si256(_mm256_cmpeq_epi8(b0, sel), sixteen));
-            u[t + 4] = _mm256_or_si256(u[t + 4], _mm256_and_si256(_mm256_cmpeq_epi8(b2, sel), sixteen));
+        if constexpr (L::FIFTH) {  // bit t of each byte to bit 4 (16-bit shifts: no other bit reaches it)
+          const __m256i f = load256(p + L::F);
+          for (int t = 0; t < 8; ++t) {
+            const __m256i at4 = t <= 4 ? _mm256_slli_epi16(f, 4 - t) : _mm256_srli_epi16(f, t - 4);
+            u[t] = _mm256_or_si256(u[t], _mm256_and_si256(at4, sixteen));
           }
         }
       } else {
-        __m256i y[8], t[8], v[8];
-        for (int j = 0; j < 8; ++j) y[j] = load256(c[j] + off + QS);
-        for (int j = 0; j < 8; j += 2) t[j] = _mm256_unpacklo_epi32(y[j], y[j + 1]), t[j + 1] = _mm256_unpackhi_epi32(y[j], y[j + 1]);
-        for (int g = 0; g < 8; g += 4)
-          for (int h = 0; h < 2; ++h)
-            v[g + 2 * h] = _mm256_unpacklo_epi64(t[g + h], t[g + h + 2]),
-                      v[g + 2 * h + 1] = _mm256_unpackhi_epi64(t[g + h], t[g + h + 2]);
-        for (int q = 0; q < 4; ++q) {  // v[q]: dwords q and 4 + q of columns 0-3; v[4 + q]: of columns 4-7
-          u[q] = _mm256_permute2x128_si256(v[q], v[4 + q], 0x20);
-          u[q + 4] = _mm256_permute2x128_si256(v[q], v[4 + q], 0x31);
-        }
+        for (int t = 0; t < 8; ++t) u[t] = load256(p + L::Q + 32 * t);
         if constexpr (kVnni) {  // moved up by 128 (its block sum times 128 comes off below)
-          for (int q = 0; q < 8; ++q) u[q] = _mm256_xor_si256(u[q], _mm256_set1_epi8((char)0x80));
-        } else {  // the signs kept aside for each row's activations, the magnitudes multiplied
-          for (int q = 0; q < 8; ++q) {
-            _mm256_store_si256(reinterpret_cast<__m256i*>(signs[q]), u[q]);
-            u[q] = _mm256_abs_epi8(u[q]);
-          }
+          for (int t = 0; t < 8; ++t) u[t] = _mm256_xor_si256(u[t], _mm256_set1_epi8((char)0x80));
+        } else {  // the magnitudes multiplied, the signs (the stored bytes) given to each row's activations
+          for (int t = 0; t < 8; ++t) u[t] = _mm256_abs_epi8(u[t]);
         }
       }
-      const __m256 dw = _mm256_cvtph_ps(_mm_setr_epi16(
-          load_i16(c[col[0]] + off), load_i16(c[col[1]] + off), load_i16(c[col[2]] + off), load_i16(c[col[3]] + off),
-          load_i16(c[col[4]] + off), load_i16(c[col[5]] + off), load_i16(c[col[6]] + off), load_i16(c[col[7]] + off)));
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + L::D)));
       __m256 mw = _mm256_setzero_ps();
-      if constexpr (Tr::FMIN)
-        mw = _mm256_cvtph_ps(_mm_setr_epi16(load_i16(c[col[0]] + off + 2), load_i16(c[col[1]] + off + 2),
-                                            load_i16(c[col[2]] + off + 2), load_i16(c[col[3]] + off + 2),
-                                            load_i16(c[col[4]] + off + 2), load_i16(c[col[5]] + off + 2),
-                                            load_i16(c[col[6]] + off + 2), load_i16(c[col[7]] + off + 2)));
+      if constexpr (Tr::FMIN) mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + L::M)));
       for (int r = 0; r < M; ++r) {
         const int8_t* x = a.q + r * a.k + bi * 32;
         __m256i sum[CH];
@@ -499,12 +452,12 @@ void dot_cols8(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, i
           for (int q = 0; q < CH; ++q) sum[q] = _mm256_setzero_si256();
           for (int t = 0; t < 8; ++t) sum[t % CH] = dpbusd(sum[t % CH], u[t], _mm256_set1_epi32(load_i32(x + 4 * t)));
           if constexpr (CH == 2) sum[0] = _mm256_add_epi32(sum[0], sum[1]);
-        } else if constexpr (NIB) {
+        } else if constexpr (L::NIB) {
           sum[0] = pair_sums16<kSums16<T>>(u, x);
         } else {
-          sum[0] = signed_sums(u, signs, x);
+          sum[0] = signed_sums(u, reinterpret_cast<const int8_t*>(p + L::Q), x);
         }
-        if constexpr (!Tr::FMIN && (NIB || kVnni))
+        if constexpr (!Tr::FMIN && (L::NIB || kVnni))
           sum[0] = _mm256_sub_epi32(sum[0], _mm256_set1_epi32(a.so[r * nb + bi]));
         const float da = a.d[r * nb + bi];
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[0]), _mm256_mul_ps(dw, _mm256_set1_ps(da)), acc[r]);
@@ -512,7 +465,7 @@ void dot_cols8(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, i
       }
     }
     for (int r = 0; r < M; ++r)
-      _mm256_storeu_ps(out + r * ldo + n, NIB ? _mm256_permutevar8x32_ps(acc[r], order) : acc[r]);
+      _mm256_storeu_ps(out + r * ldo + n, L::NIB ? _mm256_permutevar8x32_ps(acc[r], order) : acc[r]);
   }
 }
 
@@ -679,6 +632,128 @@ TypeInfo type_info(int64_t type) {
 
 }  // namespace
 
+namespace {
+
+// Rows8's layout, written (pack) and read back (unpack) a byte at a time: it runs once per matrix at load.
+template <int64_t T>
+void pack8(const uint8_t* src, int64_t row_bytes, uint8_t* dst) {  // eight plain rows -> their packed run
+  using L = Rows8<T>;
+  constexpr int64_t B = Traits<T>::BYTES;
+  for (int64_t bi = 0; bi < row_bytes / B; ++bi) {
+    uint8_t* o = dst + bi * 8 * B;
+    for (int l = 0; l < 8; ++l) {
+      const uint8_t* b = src + L::lane(l) * row_bytes + bi * B;
+      o[L::D + 2 * l] = b[0], o[L::D + 2 * l + 1] = b[1];
+      if constexpr (L::FMIN) o[L::M + 2 * l] = b[2], o[L::M + 2 * l + 1] = b[3];
+      if constexpr (L::FIFTH) {
+        uint32_t qh;
+        std::memcpy(&qh, b + L::QH, 4);
+        for (int i = 0; i < 4; ++i) {
+          uint8_t v = 0;
+          for (int t = 0; t < 8; ++t) v = (uint8_t)(v | (((qh >> (4 * t + i)) & 1u) << t));
+          o[L::F + 4 * l + i] = v;
+        }
+      }
+      for (int t = 0; t < L::REGS; ++t)
+        for (int i = 0; i < 4; ++i) o[L::Q + 32 * t + 4 * l + i] = b[L::QS + 4 * t + i];
+    }
+  }
+}
+
+template <int64_t T>
+void unpack8(const uint8_t* run, int64_t row_bytes, int row, uint8_t* dst) {  // row `row` of a packed run, plain
+  using L = Rows8<T>;
+  constexpr int64_t B = Traits<T>::BYTES;
+  const int l = L::lane_of(row);
+  for (int64_t bi = 0; bi < row_bytes / B; ++bi) {
+    const uint8_t* o = run + bi * 8 * B;
+    uint8_t* b = dst + bi * B;
+    b[0] = o[L::D + 2 * l], b[1] = o[L::D + 2 * l + 1];
+    if constexpr (L::FMIN) b[2] = o[L::M + 2 * l], b[3] = o[L::M + 2 * l + 1];
+    if constexpr (L::FIFTH) {
+      uint32_t qh = 0;
+      for (int i = 0; i < 4; ++i)
+        for (int t = 0; t < 8; ++t) qh |= (uint32_t)((o[L::F + 4 * l + i] >> t) & 1) << (4 * t + i);
+      std::memcpy(b + L::QH, &qh, 4);
+    }
+    for (int t = 0; t < L::REGS; ++t)
+      for (int i = 0; i < 4; ++i) b[L::QS + 4 * t + i] = o[L::Q + 32 * t + 4 * l + i];
+  }
+}
+
+using Pack8Fn = void (*)(const uint8_t*, int64_t, uint8_t*);
+using Unpack8Fn = void (*)(const uint8_t*, int64_t, int, uint8_t*);
+
+struct Packing {
+  Pack8Fn pack = nullptr;  // null: this build's integer path reads the type as GGUF stores it
+  Unpack8Fn unpack = nullptr;
+};
+
+Packing packing(int64_t type) {
+#ifdef MBQ_AVX2
+  switch (type) {
+    case Q4_0: return {pack8<Q4_0>, unpack8<Q4_0>};
+    case Q4_1: return {pack8<Q4_1>, unpack8<Q4_1>};
+    case Q5_0: return {pack8<Q5_0>, unpack8<Q5_0>};
+    case Q5_1: return {pack8<Q5_1>, unpack8<Q5_1>};
+    case Q8_0: return {pack8<Q8_0>, unpack8<Q8_0>};
+    default: break;
+  }
+#endif
+  (void)type;
+  return {};
+}
+
+at::Tensor pack_copy(const at::Tensor& qweight, Pack8Fn pack) {  // whole groups of eight rows packed, the rest copied
+  const int64_t n = qweight.size(0), row_bytes = qweight.size(1), groups = n / 8;
+  auto out = mb::empty({n, row_bytes}, at::kByte);
+  const uint8_t* src = qweight.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) pack(src + 8 * g * row_bytes, row_bytes, dst + 8 * g * row_bytes);
+  });
+  std::memcpy(dst + 8 * groups * row_bytes, src + 8 * groups * row_bytes, (n - 8 * groups) * row_bytes);
+  return out;
+}
+
+void check_weight(const at::Tensor& qweight) {
+  TORCH_CHECK(qweight.dtype() == at::kByte && qweight.dim() == 2 && qweight.is_contiguous() && qweight.device().is_cpu(),
+              "qweight must be a contiguous uint8 [N, row_bytes] CPU tensor");
+}
+
+}  // namespace
+
+bool quant_reads_packed(int64_t type) { return packing(type).pack != nullptr; }
+
+at::Tensor quant_pack_rows8(at::Tensor qweight, int64_t type) {
+  check_weight(qweight);
+  const Packing p = packing(type);
+  TORCH_CHECK(p.pack, "this build's integer path reads GGML type ", type, " as GGUF stores it: nothing to pack");
+  const int64_t bytes = type_info(type).bytes;
+  TORCH_CHECK(qweight.size(1) % bytes == 0, "qweight has ", qweight.size(1), " bytes per row, not whole blocks of ", bytes);
+  return pack_copy(qweight, p.pack);
+}
+
+at::Tensor quant_unpack_rows(at::Tensor packed, int64_t type, at::Tensor ids) {
+  check_weight(packed);
+  const Packing p = packing(type);
+  TORCH_CHECK(p.unpack, "this build packs no rows of GGML type ", type);
+  TORCH_CHECK(ids.dtype() == at::kLong && ids.dim() == 1, "ids must be int64 [T]");
+  ids = ids.contiguous();
+  const int64_t n = packed.size(0), row_bytes = packed.size(1), t = ids.size(0), whole = n / 8 * 8;
+  auto out = mb::empty({t, row_bytes}, at::kByte);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t r = ip[i];
+    TORCH_CHECK(r >= 0 && r < n, "row ", r, " is out of range for ", n, " rows");
+    if (r < whole) p.unpack(src + (r / 8) * 8 * row_bytes, row_bytes, (int)(r % 8), dst + i * row_bytes);
+    else std::memcpy(dst + i * row_bytes, src + r * row_bytes, row_bytes);
+  }
+  return out;
+}
+
 // [M, K] fp32 -> (q int8 [M, K], d [M, K / block], bsums int16 [M, K / 16]): per `block` values (32, or
 // 256 for the K-quants' blocks) d = max|x| / 127 and q = round(x / d), half to even as torch.round.
 std::vector<at::Tensor> quantize_activations(at::Tensor x, int64_t block) {
@@ -716,8 +791,11 @@ std::vector<at::Tensor> quantize_activations(at::Tensor x, int64_t block) {
 }
 
 at::Tensor quant_linear_q8(at::Tensor q, at::Tensor d, at::Tensor bs,  // quantize_activations(x, block of the type)
-                           at::Tensor qweight, int64_t type) {         // [N, row_bytes] uint8
+                           at::Tensor qweight, int64_t type,           // [N, row_bytes] uint8
+                           bool packed) {                              // qweight is quant_pack_rows8's
   const TypeInfo t = type_info(type);
+  const Packing packs = packing(type);
+  TORCH_CHECK(!packed || packs.pack, "this build's integer path reads GGML type ", type, " as GGUF stores it, not packed");
   TORCH_CHECK(q.dtype() == at::kChar && q.dim() == 2 && q.is_contiguous(), "q must be contiguous int8 [rows, K]");
   const int64_t m = q.size(0), k = q.size(1), n = qweight.size(0);
   TORCH_CHECK(k % t.elems == 0, "in_features ", k, " is not a multiple of the block size ", t.elems);
@@ -730,6 +808,7 @@ at::Tensor quant_linear_q8(at::Tensor q, at::Tensor d, at::Tensor bs,  // quanti
               " with in_features ", k, " needs ", k / t.elems * t.bytes);
   auto out = mb::empty({m, n}, d.scalar_type());
   if (m == 0 || n == 0) return out;
+  if (packs.pack && !packed) qweight = pack_copy(qweight, packs.pack);  // a matrix not packed at load
   Acts a{q.data_ptr<int8_t>(), d.data_ptr<float>(), bs.data_ptr<int16_t>(), k};
   at::Tensor sums;  // per row and block, once for every column: what the eight-column loop subtracts or adds
 #ifdef MBQ_AVX2

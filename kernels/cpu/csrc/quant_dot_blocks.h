@@ -205,3 +205,27 @@ template <> struct Traits<Q6_K> {  // 16 sub-blocks of 16 with int8 scales; u = 
 };
 
 }  // namespace quant_dot
+
+namespace quant_dot {
+
+// Eight weight rows as the eight-column kernel reads them (quant_dot.cpp's dot_cols8), packed once at load by
+// pack_rows8: rows 8g..8g+7 of a matrix become one run of 8 * row_bytes bytes, block by block, and block bi of
+// the eight is 8 * BYTES bytes: the eight fp16 scales d (one a lane), the eight fp16 minimums m (Q4_1, Q5_1),
+// the fifth bits (Q5_0, Q5_1: bit t of byte i is the fifth bit of quant register t's byte i), then the quants
+// as the kernel's registers hold them. Lane L of every register is row lane(L) of the eight (the nibble types
+// take the even rows, then the odd); byte 4L + b of quant register t is the row's qs byte 4t + b (the nibble
+// types: weights 4t + b and 16 + 4t + b, registers t and t + 4 once split) or Q8_0's weight 4t + b. The same
+// bytes, moved: the kernel loads whole registers where it would gather and transpose eight rows' blocks.
+template <int64_t T>
+struct Rows8 {
+  static constexpr bool NIB = T != Q8_0, FIFTH = T == Q5_0 || T == Q5_1, FMIN = T == Q4_1 || T == Q5_1;
+  static constexpr int64_t QH = T == Q5_0 ? 2 : 4;                                  // a plain block's qh
+  static constexpr int64_t QS = T == Q4_1 ? 4 : T == Q5_0 ? 6 : T == Q5_1 ? 8 : 2;  // and its quants
+  static constexpr int64_t D = 0, M = 16, F = FMIN ? 32 : 16, Q = F + (FIFTH ? 32 : 0);
+  static constexpr int REGS = NIB ? 4 : 8;  // quant registers of 32 bytes
+  static_assert(Q + 32 * REGS == 8 * Traits<T>::BYTES, "a packed block is the eight plain ones' bytes");
+  static constexpr int lane(int l) { return NIB ? (l % 4) * 2 + l / 4 : l; }   // the row in lane l
+  static constexpr int lane_of(int row) { return NIB ? (row % 2) * 4 + row / 2 : row; }
+};
+
+}  // namespace quant_dot
