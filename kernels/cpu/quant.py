@@ -111,36 +111,44 @@ def quantize_activations_ref(x: torch.Tensor, block: int = 32) -> tuple[torch.Te
     return q.to(torch.int8), d, bsums
 
 
-# Rows8's fields per type: (a float minimum m, fifth bits, where a block's quants start, where its qh is)
-_ROWS8 = {"Q4_0": (False, False, 2, 0), "Q4_1": (True, False, 4, 0), "Q5_0": (False, True, 6, 2),
-          "Q5_1": (True, True, 8, 4), "Q8_0": (False, False, 2, 0)}  # fmt: skip
+# Rows8's and Rows8K's fields per type, in their packed order: ("half", src) an fp16 a lane; ("bits", src) the
+# fifth bits of a 32-bit qh, bit t of byte i from bit 4t + i; ("regs", src, n) n registers of four bytes a lane
+_ROWS8 = {
+    "Q4_0": [("half", 0), ("regs", 2, 4)],
+    "Q4_1": [("half", 0), ("half", 2), ("regs", 4, 4)],
+    "Q5_0": [("half", 0), ("bits", 2), ("regs", 6, 4)],
+    "Q5_1": [("half", 0), ("half", 2), ("bits", 4), ("regs", 8, 4)],
+    "Q8_0": [("half", 0), ("regs", 2, 8)],
+    "Q4_K": [("half", 0), ("half", 2), ("regs", 4, 3), ("regs", 16, 32)],
+    "Q5_K": [("half", 0), ("half", 2), ("regs", 4, 3), ("regs", 16, 8), ("regs", 48, 32)],
+    "Q6_K": [("half", 208), ("regs", 192, 4), ("regs", 0, 32), ("regs", 128, 16)],
+}
 
 
-def _rows8_lanes(qtype: QuantType) -> list[int]:
-    return [0, 2, 4, 6, 1, 3, 5, 7] if qtype.name != "Q8_0" else list(range(8))
+def _rows8_lanes(qtype: QuantType) -> list[int]:  # the row in each lane: the 32-value nibble types even, then odd
+    return [0, 2, 4, 6, 1, 3, 5, 7] if qtype.name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1") else list(range(8))
 
 
 def pack_rows8_ref(qweight: torch.Tensor, qtype: QuantType) -> torch.Tensor:
-    """The twin of the kernels' packing, in numpy: each whole group of eight rows as Rows8 lays it down."""
-    fmin, fifth, qs, qh = _ROWS8[qtype.name]
+    """The twin of the kernels' packing, in numpy: each whole group of eight rows as Rows8 (Rows8K) lays it
+    down, the rows past the last whole group as they were."""
     n, row_bytes = qweight.shape
     g, nb, size = n // 8, row_bytes // qtype.block_bytes, qtype.block_bytes
-    regs = 8 if qtype.name == "Q8_0" else 4
     s = qweight[: 8 * g].numpy().reshape(g, 8, nb, size)[:, _rows8_lanes(qtype)]  # [group, lane, block, byte]
-
-    def by_block(field: np.ndarray) -> np.ndarray:  # [g, lane, nb, bytes] -> [g, nb, lane * bytes]
-        return field.transpose(0, 2, 1, 3).reshape(g, nb, -1)
-
-    parts = [by_block(s[..., 0:2])]
-    if fmin:
-        parts.append(by_block(s[..., 2:4]))
-    if fifth:
-        bits = np.ascontiguousarray(s[..., qh : qh + 4]).view("<u4")[..., 0]  # [g, lane, nb]
-        bit = (bits[..., None] >> np.arange(32, dtype=np.uint32)) & 1  # bit 4t + i at [..., t, i]
-        packed_bits = (bit.reshape(g, 8, nb, 8, 4) << np.arange(8, dtype=np.uint32)[:, None]).sum(-2)
-        parts.append(by_block(packed_bits.astype(np.uint8)))
-    quants = s[..., qs : qs + 4 * regs].reshape(g, 8, nb, regs, 4).transpose(0, 2, 3, 1, 4).reshape(g, nb, -1)
-    parts.append(quants)
+    parts = []
+    for kind, src, *count in _ROWS8[qtype.name]:
+        if kind == "half":
+            field = s[..., src : src + 2]
+        elif kind == "bits":
+            qh = np.ascontiguousarray(s[..., src : src + 4]).view("<u4")[..., 0]  # [g, lane, nb]
+            bit = (qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1  # bit 4t + i at [..., t, i]
+            field = (bit.reshape(g, 8, nb, 8, 4) << np.arange(8, dtype=np.uint32)[:, None]).sum(-2).astype(np.uint8)
+        else:  # register r's lane l: bytes src + 4r.. of row l
+            regs = count[0]
+            field = s[..., src : src + 4 * regs].reshape(g, 8, nb, regs, 4).transpose(0, 2, 3, 1, 4)
+            parts.append(field.reshape(g, nb, -1))
+            continue
+        parts.append(field.transpose(0, 2, 1, 3).reshape(g, nb, -1))
     out = qweight.clone()
     out[: 8 * g] = torch.from_numpy(np.concatenate(parts, -1).reshape(8 * g, row_bytes))
     return out
@@ -148,29 +156,27 @@ def pack_rows8_ref(qweight: torch.Tensor, qtype: QuantType) -> torch.Tensor:
 
 def unpack_rows8_ref(packed: torch.Tensor, qtype: QuantType) -> torch.Tensor:
     """Every row of a packed matrix as GGUF stores it (the inverse of `pack_rows8_ref`)."""
-    fmin, fifth, qs, qh = _ROWS8[qtype.name]
     n, row_bytes = packed.shape
     g, nb, size = n // 8, row_bytes // qtype.block_bytes, qtype.block_bytes
-    regs = 8 if qtype.name == "Q8_0" else 4
     p = packed[: 8 * g].numpy().reshape(g, nb, 8 * size)
     rows = np.zeros((g, 8, nb, size), np.uint8)  # [group, lane, block, byte]
-
-    def field(at: int, width: int) -> np.ndarray:  # [g, nb, lane * width] -> [g, lane, nb, width]
-        return p[..., at : at + 8 * width].reshape(g, nb, 8, width).transpose(0, 2, 1, 3)
-
-    rows[..., 0:2] = field(0, 2)
-    at = 16
-    if fmin:
-        rows[..., 2:4] = field(at, 2)
-        at += 16
-    if fifth:
-        byte = field(at, 4).astype(np.uint32)  # bit t of byte i is bit 4t + i of qh
-        bit = (byte[..., None, :] >> np.arange(8, dtype=np.uint32)[:, None]) & 1  # [..., t, i]
-        qhv = (bit.reshape(g, 8, nb, 32) << np.arange(32, dtype=np.uint32)).sum(-1).astype("<u4")
-        rows[..., qh : qh + 4] = qhv[..., None].view(np.uint8)
-        at += 32
-    quants = p[..., at : at + 32 * regs].reshape(g, nb, regs, 8, 4).transpose(0, 3, 1, 2, 4)
-    rows[..., qs : qs + 4 * regs] = quants.reshape(g, 8, nb, 4 * regs)
+    at = 0
+    for kind, src, *count in _ROWS8[qtype.name]:
+        width = 2 if kind == "half" else 4 if kind == "bits" else 4 * count[0]
+        field = p[..., at : at + 8 * width]
+        at += 8 * width
+        if kind == "regs":
+            regs = count[0]
+            rows[..., src : src + width] = (
+                field.reshape(g, nb, regs, 8, 4).transpose(0, 3, 1, 2, 4).reshape(g, 8, nb, width)
+            )
+            continue
+        field = field.reshape(g, nb, 8, width).transpose(0, 2, 1, 3)  # [g, lane, nb, width]
+        if kind == "bits":  # bit t of byte i is bit 4t + i of qh
+            bit = (field.astype(np.uint32)[..., None, :] >> np.arange(8, dtype=np.uint32)[:, None]) & 1  # [..., t, i]
+            qh = (bit.reshape(g, 8, nb, 32) << np.arange(32, dtype=np.uint32)).sum(-1).astype("<u4")
+            field = qh[..., None].view(np.uint8)
+        rows[..., src : src + width] = field
     out = packed.clone()
     out[: 8 * g] = torch.from_numpy(rows[:, np.argsort(_rows8_lanes(qtype))].reshape(8 * g, row_bytes))
     return out

@@ -18,7 +18,9 @@ from minibatch.kernels.quant_types import INT_DOT_TYPES, QUANT_TYPES
 
 from .quant_blocks import random_blocks
 
-PACKED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # the eight-column kernel's types
+PACKED32 = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]  # the eight-column kernels' types
+PACKED256 = ["Q4_K", "Q5_K", "Q6_K"]  # theirs on 256-bit registers (AVX-512's 512-bit loop reads them as stored)
+PACKED = PACKED32 + PACKED256
 
 
 def _packs(build, name: str) -> bool:
@@ -26,9 +28,10 @@ def _packs(build, name: str) -> bool:
 
 
 def test_which_types_each_build_packs(any_build):
-    """The AVX2 builds read the eight-column kernel's types packed and nothing else; the portable one none."""
+    """The AVX2 builds read the eight-column kernels' types packed and nothing else; the portable one none."""
     packs = {name for name in INT_DOT_TYPES if _packs(any_build, name)}
-    assert packs == (set(PACKED) if any_build.int_path_has_avx2() else set())
+    kind = any_build.int_path_kind()
+    assert packs == (set() if kind == "portable" else set(PACKED32) if kind == "avx512-vnni" else set(PACKED))
     if not packs:
         blocks = random_blocks(QUANT_TYPES["Q4_0"], 8, 64, seed=1)
         with pytest.raises(RuntimeError, match="nothing to pack"):
@@ -44,7 +47,7 @@ def test_packing_is_its_twins_bytes_and_comes_back(any_build, name, n):
     if not _packs(any_build, name):
         pytest.skip("this build reads the type as GGUF stores it")
     qtype = QUANT_TYPES[name]
-    blocks = random_blocks(qtype, n, 256, seed=n)
+    blocks = random_blocks(qtype, n, 512, seed=n)
     packed = any_build.quant_pack_rows8(blocks, qtype.ggml_id)
     twin = pack_rows8_ref(blocks, qtype)
     assert torch.equal(packed, twin)
@@ -64,10 +67,11 @@ def test_packed_weights_give_the_same_bits(any_build, name, rows):
     alone gives the bits it gives among the others."""
     if not _packs(any_build, name):
         pytest.skip("this build reads the type as GGUF stores it")
-    qtype, n, k = QUANT_TYPES[name], 77, 320
+    qtype, n, k = QUANT_TYPES[name], 77, 320 if name in PACKED32 else 768
     blocks = random_blocks(qtype, n, k, seed=rows)
     packed = any_build.quant_pack_rows8(blocks, qtype.ggml_id)
-    acts = quantize_activations_ref(torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)), 32)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    acts = quantize_activations_ref(x, qtype.block_elems)
     got = any_build.quant_linear_q8(*acts, packed, qtype.ggml_id, True)
     assert torch.equal(got, any_build.quant_linear_q8(*acts, blocks, qtype.ggml_id))
     ref = quant_linear_q8_ref(acts, blocks, qtype)
@@ -78,10 +82,11 @@ def test_packed_weights_give_the_same_bits(any_build, name, rows):
     assert torch.equal(alone, got)
 
 
-def test_a_tied_head_packs_the_one_copy_its_embedding_reads():
+@pytest.mark.parametrize("name", ["Q8_0", "Q6_K"])
+def test_a_tied_head_packs_the_one_copy_its_embedding_reads(name):
     """The output projection tied to the embedding packs the blocks they share, once; the embedding then
     reads its rows out of the packed order and gives the file's values."""
-    qtype, vocab, dim = QUANT_TYPES["Q8_0"], 45, 64
+    qtype, vocab, dim = QUANT_TYPES[name], 45, 512
     blocks = random_blocks(qtype, vocab, dim, seed=2)
     emb = QuantEmbedding(blocks.clone(), qtype, dim)
     ids = torch.tensor([0, 44, 9, 40, 9])
@@ -95,3 +100,27 @@ def test_a_tied_head_packs_the_one_copy_its_embedding_reads():
     assert torch.equal(head(x), plain(x))
     exact = QuantLinear(blocks, qtype, dim, int8=False)
     assert not exact.packed and exact.blocks is blocks  # the exact path reads the file's order
+
+
+# Where each 256-value type's fp16 scales lie in its block; every other byte set gives the largest quants (15,
+# 31, 63: the unsigned bytes the kernels multiply) and the int16 sums the kernels add nearest their limit.
+HALVES = {"Q4_K": (0, 4), "Q5_K": (0, 4), "Q6_K": (208, 210)}
+
+
+@pytest.mark.parametrize("name", PACKED256)
+@pytest.mark.parametrize("sign", [1, -1])
+def test_packed_k_quants_are_exact_at_the_largest_products(any_build, name, sign):
+    if not _packs(any_build, name):
+        pytest.skip("this build reads the type as GGUF stores it")
+    qtype, n, k = QUANT_TYPES[name], 16, 512
+    blocks = random_blocks(qtype, n, k, seed=5).reshape(n, k // 256, -1)
+    lo, hi = HALVES[name]
+    keep = blocks[:, :, lo:hi].clone()
+    blocks[:] = 0xFF
+    blocks[:, :, lo:hi] = keep
+    blocks = blocks.reshape(n, -1).contiguous()
+    acts = quantize_activations_ref(torch.full((16, k), float(sign)), 256)
+    packed = any_build.quant_pack_rows8(blocks, qtype.ggml_id)
+    got = any_build.quant_linear_q8(*acts, packed, qtype.ggml_id, True)
+    ref = quant_linear_q8_ref(acts, blocks, qtype)
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < 1e-6

@@ -47,6 +47,7 @@ struct Acts {
   int64_t k;
   const float* sa = nullptr;    // Q4_1, Q5_1: [M, K/32] d times the sum of the block's 32 quants (the minimum's factor)
   const int32_t* so = nullptr;  // Q4_0, Q5_0, Q8_0: [M, K/32] the sum of the block's 32 quants times the weights' offset
+  const int16_t* b32 = nullptr;  // Q4_K, Q5_K on the eight-column kernel: [M, K/32] the sum of every 32 quants
 };
 
 #ifdef MBQ_AVX2
@@ -483,6 +484,215 @@ void columns8(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, in
   dot_rows32<T, M>(a, w, row_bytes, out, ldo, n8, n1);
 }
 
+// The 256-value types' columns [n0, n1) for M rows, one column at a time: each 32-value group is unpacked once
+// and multiplied into every row; a block's products add up in int32 before its float scales.
+template <int64_t T, int M>
+void dot_rows256(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  using Tr = Traits<T>;
+  constexpr int G = Tr::ELEMS / 32;
+  const int64_t nb = a.k / Tr::ELEMS, nd = a.k / Tr::ELEMS, n16 = a.k / 16;
+  Block blk{};  // sub-block fields a type does not use stay zero
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t bi = 0; bi < nb; ++bi) {
+      const uint8_t* b = row + bi * Tr::BYTES;
+      Tr::scales(b, blk);
+      __m256i sumi[M];
+      for (int r = 0; r < M; ++r) sumi[r] = _mm256_setzero_si256();
+      for (int j = 0; j < G; ++j) {
+        const __m256i u = reg_u<T>(b, j);
+        const __m256i au = Tr::SIGNED ? _mm256_sign_epi8(u, u) : u;
+        const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(blk.sc[2 * j + 1]), _mm_set1_epi16(blk.sc[2 * j]));
+        for (int r = 0; r < M; ++r) {
+          const __m256i x = load256(reinterpret_cast<const uint8_t*>(a.q + r * a.k + bi * Tr::ELEMS + 32 * j));
+          sumi[r] = dot_scaled(sumi[r], au, Tr::SIGNED ? _mm256_sign_epi8(x, u) : x, sv);
+        }
+      }
+      for (int r = 0; r < M; ++r) {
+        const float da = a.d[r * nd + bi];
+        acc[r] = block_done<T>(acc[r], sumi[r], blk, da, a.bs + r * n16 + bi * (Tr::ELEMS / 16));
+      }
+    }
+    for (int r = 0; r < M; ++r) out[r * ldo + n] = hsum(acc[r]);
+  }
+}
+
+#ifndef MBQ_ZMM
+// Q4_K and Q5_K eight columns at a time, as the 32-value types above (their rows packed by Rows8K): for each of
+// a block's eight 32-value groups, its eight registers of four weights per row and lane are unpacked once for
+// every row, each row's eight maddubs add up in int16 (Q4_K's 15 * 127 * 2 * 8 = 30,480; Q5_K's four at a
+// time) and one madd applies the eight columns' 6-bit group scales, spread from the three scale words with a
+// shuffle a group. A row's groups add up in int32 in memory (the registers hold the weights); the minimums
+// come off with four madds of the columns' 6-bit minimums and the row's 32-value sums, and the block's d and
+// dmin then take two float multiply-adds. Exact integers in a fixed order: a row's bits do not depend on M.
+template <int64_t T>
+constexpr bool kColumns8K = T == Q4_K || T == Q5_K || T == Q6_K;
+
+template <int64_t T, int M>
+void dot_cols8k(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  using L = Rows8K<T>;
+  constexpr int64_t B = Traits<T>::BYTES;
+  constexpr int G = L::FIFTH ? 4 : 8;  // maddubs results added in int16 before one madd
+  const int64_t nb = a.k / 256;
+  const __m256i lo = _mm256_set1_epi8(0x0f), sixteen = _mm256_set1_epi8(0x10);
+  const __m256i low6 = _mm256_set1_epi32(0x3f3f3f3f), low4 = _mm256_set1_epi32(0x0f0f0f0f),
+                two = _mm256_set1_epi32(0x03030303);
+  // byte jj of every dword as both int16 of the dword (a group's scale for madd), and bytes 2i, 2i + 1 as its
+  // two int16 (two groups' minimums)
+  __m256i spread[4], pairs[2];
+  for (int jj = 0; jj < 4; ++jj) spread[jj] = _mm256_set1_epi32((int)(0x80008000u | (uint32_t)jj | ((uint32_t)jj << 16)));
+  for (int i = 0; i < 2; ++i) pairs[i] = _mm256_set1_epi32((int)(0x80008000u | (uint32_t)(2 * i) | ((uint32_t)(2 * i + 1) << 16)));
+  const __m256i dword_base = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4,
+                                              8, 8, 8, 8, 12, 12, 12, 12);
+  for (int jj = 0; jj < 4; ++jj) spread[jj] = _mm256_or_si256(spread[jj], dword_base);  // 0x80 | base stays zeroing
+  for (int i = 0; i < 2; ++i) pairs[i] = _mm256_or_si256(pairs[i], dword_base);
+  for (int64_t n = n0; n < n1; n += 8) {
+    const uint8_t* g = w + n * row_bytes;
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t bi = 0; bi < nb; ++bi) {
+      const uint8_t* p = g + bi * 8 * B;
+      for (int64_t l = 0; l < 8 * B; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead + l), _MM_HINT_T0);
+      const __m256i w0 = load256(p + L::SC), w1 = load256(p + L::SC + 32), w2 = load256(p + L::SC + 64);
+      const __m256i sc[2] = {_mm256_and_si256(w0, low6),
+                             _mm256_or_si256(_mm256_and_si256(w2, low4),
+                                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w0, 6), two), 4))};
+      const __m256i mn[2] = {_mm256_and_si256(w1, low6),
+                             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(w2, 4), low4),
+                                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(w1, 6), two), 4))};
+      alignas(32) int32_t sums[M][8];
+      for (int r = 0; r < M; ++r) _mm256_store_si256(reinterpret_cast<__m256i*>(sums[r]), _mm256_setzero_si256());
+      for (int j = 0; j < 8; ++j) {
+        __m256i u[8];  // group j's weights 4t..4t+3 of each row, a lane each
+        for (int t = 0; t < 8; ++t) {
+          const __m256i z = load256(p + L::Q + 256 * (j / 2) + 32 * t);
+          u[t] = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(z, 4) : z, lo);
+          if constexpr (L::FIFTH) {  // bit j of qh bytes 4t.. to bit 4 (16-bit shifts: no other bit reaches it)
+            const __m256i f = load256(p + L::QH + 32 * t);
+            const __m256i at4 = j <= 4 ? _mm256_slli_epi16(f, 4 - j) : _mm256_srli_epi16(f, j - 4);
+            u[t] = _mm256_or_si256(u[t], _mm256_and_si256(at4, sixteen));
+          }
+        }
+        const __m256i sv = _mm256_shuffle_epi8(sc[j / 4], spread[j % 4]);
+        for (int r = 0; r < M; ++r) {
+          const int8_t* x = a.q + r * a.k + bi * 256 + 32 * j;
+          __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums[r]));
+          for (int t0 = 0; t0 < 8; t0 += G) {
+            __m256i p16 = _mm256_maddubs_epi16(u[t0], _mm256_set1_epi32(load_i32(x + 4 * t0)));
+            for (int t = t0 + 1; t < t0 + G; ++t)
+              p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(u[t], _mm256_set1_epi32(load_i32(x + 4 * t))));
+#if !defined(MINIBATCH_NO_VNNI) && defined(__AVXVNNI__)
+            s = _mm256_dpwssd_avx_epi32(s, p16, sv);
+#elif !defined(MINIBATCH_NO_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            s = _mm256_dpwssd_epi32(s, p16, sv);
+#else
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(p16, sv));
+#endif
+          }
+          _mm256_store_si256(reinterpret_cast<__m256i*>(sums[r]), s);
+        }
+      }
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + L::D)));
+      const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + L::DMIN)));
+      const __m256i mp[4] = {_mm256_shuffle_epi8(mn[0], pairs[0]), _mm256_shuffle_epi8(mn[0], pairs[1]),
+                             _mm256_shuffle_epi8(mn[1], pairs[0]), _mm256_shuffle_epi8(mn[1], pairs[1])};
+      for (int r = 0; r < M; ++r) {
+        const int16_t* b32 = a.b32 + (r * nb + bi) * 8;  // the row's eight 32-value sums
+        __m256i mins = _mm256_madd_epi16(mp[0], _mm256_set1_epi32(load_i32(b32)));
+        for (int i = 1; i < 4; ++i) mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mp[i], _mm256_set1_epi32(load_i32(b32 + 2 * i))));
+        const __m256 da = _mm256_set1_ps(a.d[r * nb + bi]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), dm), da), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(sums[r]))),
+                                 _mm256_mul_ps(dw, da), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) _mm256_storeu_ps(out + r * ldo + n, acc[r]);
+  }
+}
+// Q6_K eight columns at a time (rows packed by Rows8K): a group's eight registers of four 6-bit weights per row
+// and lane from ql's nibbles and qh's bit pairs, unpacked once for every row; each row's maddubs add up two at a
+// time in int16 (2 * 63 * 127 * 2 = 32,004) before a madd with the columns' signed 16-value scales (four a
+// group). The offset 32 comes off in integers: eight madds of the scales and the row's 16-value sums, times 32.
+template <int64_t T, int M>
+void dot_cols8q6(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  using L = Rows8K<T>;
+  constexpr int64_t B = Traits<T>::BYTES;
+  const int64_t nb = a.k / 256, n16 = a.k / 16;
+  const __m256i lo = _mm256_set1_epi8(0x0f), hi2 = _mm256_set1_epi8(0x30);
+  const __m256i dword_base = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4,
+                                              8, 8, 8, 8, 12, 12, 12, 12);
+  // byte kk of every dword into the high byte of both its int16 (then shifted down with its sign): a scale for
+  // madd; bytes 2i and 2i + 1 into the high bytes of its two int16: two scales
+  __m256i spread[4], pairs[2];
+  for (int kk = 0; kk < 4; ++kk)
+    spread[kk] = _mm256_or_si256(_mm256_set1_epi32((int)(0x00800080u | ((uint32_t)kk << 8) | ((uint32_t)kk << 24))), dword_base);
+  for (int i = 0; i < 2; ++i)
+    pairs[i] = _mm256_or_si256(_mm256_set1_epi32((int)(0x00800080u | ((uint32_t)(2 * i) << 8) | ((uint32_t)(2 * i + 1) << 24))),
+                               dword_base);
+  for (int64_t n = n0; n < n1; n += 8) {
+    const uint8_t* g = w + n * row_bytes;
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t bi = 0; bi < nb; ++bi) {
+      const uint8_t* p = g + bi * 8 * B;
+      for (int64_t l = 0; l < 8 * B; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead + l), _MM_HINT_T0);
+      alignas(32) int32_t sums[M][8];
+      for (int r = 0; r < M; ++r) _mm256_store_si256(reinterpret_cast<__m256i*>(sums[r]), _mm256_setzero_si256());
+      for (int j = 0; j < 8; ++j) {
+        const int h = j / 4, t = j % 4;
+        __m256i u[8];  // group j's weights 4s..4s+3 of each row, a lane each
+        for (int s = 0; s < 8; ++s) {
+          const __m256i zl = load256(p + L::Q + 32 * (16 * h + 8 * (t % 2) + s));
+          const __m256i zh = load256(p + L::QH + 32 * (8 * h + s));
+          const __m256i low = _mm256_and_si256(t < 2 ? zl : _mm256_srli_epi16(zl, 4), lo);
+          // bits 2t, 2t + 1 to bits 4, 5 (16-bit shifts: no other bit reaches them)
+          const __m256i high = t < 3 ? _mm256_slli_epi16(zh, 4 - 2 * t) : _mm256_srli_epi16(zh, 2);
+          u[s] = _mm256_or_si256(low, _mm256_and_si256(high, hi2));
+        }
+        const __m256i sc = load256(p + L::SC + 32 * (j / 2));  // scales 4(j/2).. of each row: 2j and 2j + 1 here
+        const __m256i sv0 = _mm256_srai_epi16(_mm256_shuffle_epi8(sc, spread[(2 * j) % 4]), 8);
+        const __m256i sv1 = _mm256_srai_epi16(_mm256_shuffle_epi8(sc, spread[(2 * j + 1) % 4]), 8);
+        for (int r = 0; r < M; ++r) {
+          const int8_t* x = a.q + r * a.k + bi * 256 + 32 * j;
+          __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(sums[r]));
+          for (int q = 0; q < 8; q += 2) {
+            const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(u[q], _mm256_set1_epi32(load_i32(x + 4 * q))),
+                                                 _mm256_maddubs_epi16(u[q + 1], _mm256_set1_epi32(load_i32(x + 4 * q + 4))));
+            const __m256i sv = q < 4 ? sv0 : sv1;
+#if !defined(MINIBATCH_NO_VNNI) && defined(__AVXVNNI__)
+            s = _mm256_dpwssd_avx_epi32(s, p16, sv);
+#elif !defined(MINIBATCH_NO_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            s = _mm256_dpwssd_epi32(s, p16, sv);
+#else
+            s = _mm256_add_epi32(s, _mm256_madd_epi16(p16, sv));
+#endif
+          }
+          _mm256_store_si256(reinterpret_cast<__m256i*>(sums[r]), s);
+        }
+      }
+      const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + L::D)));
+      __m256i sp[8];  // scales 2i and 2i + 1 of each row, as int16
+      for (int i = 0; i < 8; ++i)
+        sp[i] = _mm256_srai_epi16(_mm256_shuffle_epi8(load256(p + L::SC + 32 * (i / 2)), pairs[i % 2]), 8);
+      for (int r = 0; r < M; ++r) {
+        const int16_t* bs = a.bs + r * n16 + bi * 16;  // the row's sixteen 16-value sums
+        __m256i off = _mm256_madd_epi16(sp[0], _mm256_set1_epi32(load_i32(bs)));
+        for (int i = 1; i < 8; ++i) off = _mm256_add_epi32(off, _mm256_madd_epi16(sp[i], _mm256_set1_epi32(load_i32(bs + 2 * i))));
+        const __m256i s = _mm256_sub_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(sums[r])), _mm256_slli_epi32(off, 5));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[r * nb + bi])), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) _mm256_storeu_ps(out + r * ldo + n, acc[r]);
+  }
+}
+
+#else
+template <int64_t T>
+constexpr bool kColumns8K = false;  // the 512-bit loop serves the 256-value types
+#endif
+
 // Columns [n0, n1) of out[r, :] for M rows. Each weight group is unpacked once and multiplied into every
 // row; the integer products of a whole block add up in int32 before one float scale per block and row.
 template <int64_t T, int M>
@@ -503,35 +713,13 @@ void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, in
   } else if constexpr (!Tr::SIGNED && T != Q3_K) {  // Q3_K measured 2.6x slower at 1 row on it: not used
     dot_rows_zmm<T, M>(a, w, row_bytes, out, ldo, n0, n1);
 #endif
+  } else if constexpr (kColumns8K<T>) {  // whole groups of eight columns, then the last few one at a time
+    const int64_t n8 = n0 + (n1 - n0) / 8 * 8;
+    if constexpr (T == Q6_K) dot_cols8q6<T, M>(a, w, row_bytes, out, ldo, n0, n8);
+    else dot_cols8k<T, M>(a, w, row_bytes, out, ldo, n0, n8);
+    if (n8 < n1) dot_rows256<T, M>(a, w, row_bytes, out, ldo, n8, n1);
   } else {
-    constexpr int G = Tr::ELEMS / 32;
-    const int64_t nb = a.k / Tr::ELEMS, nd = a.k / Tr::ELEMS, n16 = a.k / 16;
-    Block blk{};  // sub-block fields a type does not use stay zero
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* row = w + n * row_bytes;
-      __m256 acc[M];
-      for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
-      for (int64_t bi = 0; bi < nb; ++bi) {
-        const uint8_t* b = row + bi * Tr::BYTES;
-        Tr::scales(b, blk);
-        __m256i sumi[M];
-        for (int r = 0; r < M; ++r) sumi[r] = _mm256_setzero_si256();
-        for (int j = 0; j < G; ++j) {
-          const __m256i u = reg_u<T>(b, j);
-          const __m256i au = Tr::SIGNED ? _mm256_sign_epi8(u, u) : u;
-          const __m256i sv = _mm256_set_m128i(_mm_set1_epi16(blk.sc[2 * j + 1]), _mm_set1_epi16(blk.sc[2 * j]));
-          for (int r = 0; r < M; ++r) {
-            const __m256i x = load256(reinterpret_cast<const uint8_t*>(a.q + r * a.k + bi * Tr::ELEMS + 32 * j));
-            sumi[r] = dot_scaled(sumi[r], au, Tr::SIGNED ? _mm256_sign_epi8(x, u) : x, sv);
-          }
-        }
-        for (int r = 0; r < M; ++r) {
-          const float da = a.d[r * nd + bi];
-          acc[r] = block_done<T>(acc[r], sumi[r], blk, da, a.bs + r * n16 + bi * (Tr::ELEMS / 16));
-        }
-      }
-      for (int r = 0; r < M; ++r) out[r * ldo + n] = hsum(acc[r]);
-    }
+    dot_rows256<T, M>(a, w, row_bytes, out, ldo, n0, n1);
   }
 }
 #else
@@ -574,13 +762,12 @@ void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, in
 // each tile of columns, so the tile's weights come from cache. 8 rows on AVX-512's 32 vector registers:
 // measured 15-35% faster than 4 (scripts/bench_quant_matmul.py, 16 and 64 rows). On AVX2's 16, on an
 // AVX2-only EPYC (2 cores, [4864 x 896] and [896 x 4864], 8-64 rows, interleaved with the 4-row build),
-// 8 rows: 7-11% for Q8_0, 8-20% IQ4_NL, 25-50% Q6_K, Q5_K, Q3_K and IQ4_XS, 4-9% Q2_K; Q4_K's loop is 3%
-// slower and keeps 4. The eight-column kernel's types with its int16 sums take 16 (1.1-1.25x the 4-row
-// build from 9 to 512 rows in a quiet run, 1.3-1.6x in a run beside other work; 16 rows against 8: Q5_0
-// 40 against 47 us a row).
+// 8 rows: 7-11% for Q8_0, 8-20% IQ4_NL, 25-50% Q3_K and IQ4_XS, 4-9% Q2_K. The eight-column kernels' types
+// with their int16 sums take 16 (1.1-1.25x the 4-row build from 9 to 512 rows in a quiet run, 1.3-1.6x in a
+// run beside other work; 16 rows against 8: Q5_0 40 against 47 us a row), Q4_K, Q5_K and Q6_K among them.
 #if defined(MBQ_AVX2) && !defined(__AVX512VL__)
 template <int64_t T>
-constexpr int64_t kRows = T == Q4_K ? 4 : kColumns8<T> ? 16 : 8;
+constexpr int64_t kRows = kColumns8<T> || kColumns8K<T> ? 16 : 8;
 #else
 template <int64_t T>
 constexpr int64_t kRows = 8;
@@ -681,6 +868,31 @@ void unpack8(const uint8_t* run, int64_t row_bytes, int row, uint8_t* dst) {  //
   }
 }
 
+// Rows8K's, a byte permutation: packed byte j of a block comes from one byte of one row's block.
+template <int64_t T>
+void pack8k(const uint8_t* src, int64_t row_bytes, uint8_t* dst) {
+  constexpr int64_t B = Traits<T>::BYTES;
+  for (int64_t bi = 0; bi < row_bytes / B; ++bi)
+    for (int64_t j = 0; j < 8 * B; ++j) {
+      int lane = 0;
+      int64_t at = 0;
+      Rows8K<T>::source(j, lane, at);
+      dst[bi * 8 * B + j] = src[lane * row_bytes + bi * B + at];
+    }
+}
+
+template <int64_t T>
+void unpack8k(const uint8_t* run, int64_t row_bytes, int row, uint8_t* dst) {
+  constexpr int64_t B = Traits<T>::BYTES;
+  for (int64_t bi = 0; bi < row_bytes / B; ++bi)
+    for (int64_t j = 0; j < 8 * B; ++j) {
+      int lane = 0;
+      int64_t at = 0;
+      Rows8K<T>::source(j, lane, at);
+      if (lane == row) dst[bi * B + at] = run[bi * 8 * B + j];
+    }
+}
+
 using Pack8Fn = void (*)(const uint8_t*, int64_t, uint8_t*);
 using Unpack8Fn = void (*)(const uint8_t*, int64_t, int, uint8_t*);
 
@@ -697,6 +909,11 @@ Packing packing(int64_t type) {
     case Q5_0: return {pack8<Q5_0>, unpack8<Q5_0>};
     case Q5_1: return {pack8<Q5_1>, unpack8<Q5_1>};
     case Q8_0: return {pack8<Q8_0>, unpack8<Q8_0>};
+#ifndef MBQ_ZMM
+    case Q4_K: return {pack8k<Q4_K>, unpack8k<Q4_K>};
+    case Q5_K: return {pack8k<Q5_K>, unpack8k<Q5_K>};
+    case Q6_K: return {pack8k<Q6_K>, unpack8k<Q6_K>};
+#endif
     default: break;
   }
 #endif
@@ -823,6 +1040,11 @@ at::Tensor quant_linear_q8(at::Tensor q, at::Tensor d, at::Tensor bs,  // quanti
     const int shift = type == Q4_0 ? 3 : type == Q5_0 ? 4 : 7;  // offsets 8, 16 and 128
     for (int64_t i = 0; i < m * (k / 32); ++i) sp[i] = ((int32_t)a.bs[2 * i] + a.bs[2 * i + 1]) * (1 << shift);
     a.so = sp;
+  } else if (packs.pack && (type == Q4_K || type == Q5_K)) {
+    sums = mb::empty({m, k / 32}, at::kShort);
+    int16_t* sp = sums.data_ptr<int16_t>();
+    for (int64_t i = 0; i < m * (k / 32); ++i) sp[i] = (int16_t)(a.bs[2 * i] + a.bs[2 * i + 1]);
+    a.b32 = sp;
   }
 #endif
   const uint8_t* wp = qweight.data_ptr<uint8_t>();
@@ -836,8 +1058,13 @@ at::Tensor quant_linear_q8(at::Tensor q, at::Tensor d, at::Tensor bs,  // quanti
   parallel_chunks_for_rows(m, n, m <= t.rows ? 64 : tile, [&](int64_t n0, int64_t n1) {
     for (int64_t c0 = n0; c0 < n1; c0 += tile)
       for (int64_t r0 = 0; r0 < m; r0 += per) {
-        const Acts ar{a.q + r0 * k, a.d + r0 * nd, a.bs + r0 * (k / 16), k, a.sa ? a.sa + r0 * nd : nullptr,
-                      a.so ? a.so + r0 * nd : nullptr};
+        const Acts ar{a.q + r0 * k,
+                      a.d + r0 * nd,
+                      a.bs + r0 * (k / 16),
+                      k,
+                      a.sa ? a.sa + r0 * nd : nullptr,
+                      a.so ? a.so + r0 * nd : nullptr,
+                      a.b32 ? a.b32 + r0 * (k / 32) : nullptr};
         t.fn(ar, std::min<int64_t>(per, m - r0), wp, row_bytes, op + r0 * n, n, c0, std::min<int64_t>(c0 + tile, n1));
       }
   });

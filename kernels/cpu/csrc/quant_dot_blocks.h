@@ -1,6 +1,7 @@
 // The integer path's view of each GGUF block type (quant_dot.cpp): which integers it stores, their
 // sub-block scales, offsets and minimums, unpacked the portable way. Included by quant_dot.cpp only.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include "gguf_blocks.h"
@@ -226,6 +227,45 @@ struct Rows8 {
   static_assert(Q + 32 * REGS == 8 * Traits<T>::BYTES, "a packed block is the eight plain ones' bytes");
   static constexpr int lane(int l) { return NIB ? (l % 4) * 2 + l / 4 : l; }   // the row in lane l
   static constexpr int lane_of(int row) { return NIB ? (row % 2) * 4 + row / 2 : row; }
+};
+
+}  // namespace quant_dot
+
+namespace quant_dot {
+
+// Q4_K's, Q5_K's and Q6_K's eight rows for their eight-column kernels (dot_cols8k, dot_cols8q6), packed at load
+// as Rows8's types are: block bi of the eight is 8 * BYTES bytes of fields, each one stretch of every row's
+// block laid lane by lane — fp16 scales a lane (width 2), or registers of four bytes a lane (register r's lane L
+// is bytes src + 4r .. src + 4r + 3 of row L's block). Q4_K and Q5_K: d, dmin, the 12 scale bytes as three
+// words, Q5_K's qh as eight registers, the quants as 32 (register 8p + t: bytes 32p + 4t.. of qs, whose low
+// nibbles are weights 4t.. of group 2p and high ones of group 2p + 1). Q6_K: d, the 16 int8 scales as four
+// registers, ql as 32 (register 16h + 8c + s: bytes 64h + 32c + 4s..) and qh as 16 (8h + s: bytes 32h + 4s..).
+// A byte permutation; rows stay in lane order.
+template <int64_t T>
+struct Rows8K {
+  struct Field {
+    int64_t dst, src, width;  // width 2: an fp16 a lane; else bytes a lane, as width / 4 registers
+  };
+  static constexpr bool FIFTH = T == Q5_K, SIX = T == Q6_K;
+  static constexpr int64_t D = 0, DMIN = 16, SC = SIX ? 16 : 32, QH = SIX ? 1168 : 128, Q = SIX ? 144 : FIFTH ? 384 : 128;
+  static constexpr int FIELDS = FIFTH ? 5 : 4;
+  static constexpr std::array<Field, 5> fields =
+      SIX     ? std::array<Field, 5>{{{D, 208, 2}, {SC, 192, 16}, {Q, 0, 128}, {QH, 128, 64}, {0, 0, 0}}}
+      : FIFTH ? std::array<Field, 5>{{{D, 0, 2}, {DMIN, 2, 2}, {SC, 4, 12}, {QH, 16, 32}, {Q, 48, 128}}}
+              : std::array<Field, 5>{{{D, 0, 2}, {DMIN, 2, 2}, {SC, 4, 12}, {Q, 16, 128}, {0, 0, 0}}};
+  static_assert(fields[FIELDS - 1].dst + 8 * fields[FIELDS - 1].width == 8 * Traits<T>::BYTES,
+                "a packed block is the eight plain ones' bytes");
+  // the packed byte j of a block: from row *lane's byte *src
+  static void source(int64_t j, int& lane, int64_t& src) {
+    for (int f = FIELDS - 1; f >= 0; --f) {
+      const Field& fl = fields[f];
+      if (j < fl.dst) continue;
+      const int64_t k = j - fl.dst;
+      if (fl.width == 2) lane = (int)(k / 2), src = fl.src + k % 2;
+      else lane = (int)((k % 32) / 4), src = fl.src + 4 * (k / 32) + k % 4;
+      return;
+    }
+  }
 };
 
 }  // namespace quant_dot
