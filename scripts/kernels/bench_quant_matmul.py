@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from minibatch.kernels.cpu.quant import quant_linear, quant_linear_q8, quantize_activations  # noqa: E402
+from minibatch.engine.weights.quant_linear import QuantLinear  # noqa: E402
+from minibatch.kernels.cpu.quant import quant_linear  # noqa: E402
 from minibatch.kernels.quant_types import INT_DOT_TYPES, QUANT_TYPES  # noqa: E402
 from tests.kernels.quant_blocks import random_blocks  # noqa: E402  (random blocks with model-sized scales)
 
@@ -65,13 +66,13 @@ def main() -> int:
                 print(f"| {name} | - | - | - | - | - | no integer path for this shape |")
                 continue
             blocks = random_blocks(qtype, n, k, seed=1)
+            layer = QuantLinear(
+                blocks, qtype, k, int8=True
+            )  # as the engine holds it (packed where the kernel reads so)
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, k)
                 exact = timed(lambda x=x, b=blocks, t=qtype: quant_linear(x, b, t), args.repeats)
-                fast = timed(
-                    lambda x=x, b=blocks, t=qtype: quant_linear_q8(quantize_activations(x, t.block_elems), b, t),
-                    args.repeats,
-                )
+                fast = timed(lambda x=x, f=layer: f(x), args.repeats)
                 print(
                     f"| {name} | {rows} | {exact * 1e3:.2f} | {fast * 1e3:.2f} | {blocks.numel() / fast / 1e9:.1f} | "
                     f"{exact / fast:.2f} | {'integer' if fast < exact else 'exact'} |",

@@ -3,16 +3,17 @@ every integer matmul path's rate as a share of them.
 
   .venv/bin/python scripts/kernels/roofline.py                      # Qwen2.5-0.5B's MLP up projection
   .venv/bin/python scripts/kernels/roofline.py --shape llama-3.2-1b --types Q4_0,Q8_0 --rows 1,16,512
+  .venv/bin/python scripts/kernels/roofline.py --matrix down --types Q4_K,Q6_K      # its down projection
 
 Peaks: a register-only loop of each instruction the CPU has (`vpmaddubsw` on ymm, as AVX2's dot products
 start; `vpdpbusd` on ymm (AVX-VNNI or AVX-512 VNNI's 256-bit form) and on zmm; AMX's `tdpbusd` on 16x64
 tiles, after asking the kernel for the tile state), with ten independent accumulators (four tiles for AMX) on
 every thread at once, compiled here by the system's C compiler; int8 multiply-adds per second, median of
 --repeats. Copy: torch's copy of a 256 MB buffer, bytes read per second. Then each GGUF type with an integer
-path: the engine's own call (`quant_linear_q8` after `quantize_activations`, as a forward runs it) on random
-blocks of the shape, at each row count: multiply-adds per second, their share of the VNNI peak (zmm's where
-the CPU has it, else ymm's, else maddubs'), and at one row the weights' bytes read per second against the
-copy's.
+path: the engine's own layer (`QuantLinear`: `quantize_activations`, then `quant_linear_q8` on the weights as
+it keeps them, packed at load where the kernel reads them so) on random blocks of the shape, at each row
+count: multiply-adds per second, their share of the VNNI peak (zmm's where the CPU has it, else ymm's, else
+maddubs'), and at one row the weights' bytes read per second against the copy's.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from minibatch.engine.weights.quant_linear import QuantLinear  # noqa: E402
 from minibatch.kernels.cpu.extension import build_name  # noqa: E402
-from minibatch.kernels.cpu.quant import quant_linear_q8, quantize_activations  # noqa: E402
 from minibatch.kernels.quant_types import INT_DOT_TYPES, QUANT_TYPES  # noqa: E402
 from tests.kernels.quant_blocks import random_blocks  # noqa: E402  (random blocks with model-sized scales)
 
@@ -199,6 +200,7 @@ def copy_rate(repeats: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    ap.add_argument("--matrix", choices=("up", "down"), default="up", help="the MLP's up or down projection")
     ap.add_argument("--types", default=",".join(t for t in INT_DOT_TYPES))
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,512")
     ap.add_argument("--repeats", type=int, default=5)
@@ -231,9 +233,9 @@ def main() -> int:
     )
     ref = peaks[ref_symbol]
     ref_name = next(n for n, s, _, _ in PEAKS if s == ref_symbol)
-    k, n = SHAPES[args.shape]
+    k, n = SHAPES[args.shape] if args.matrix == "up" else SHAPES[args.shape][::-1]
     print()
-    print(f"{args.shape}: [{n} x {k}] weights; share of the {ref_name} peak ({ref / 1e9:,.0f} G/s)")
+    print(f"{args.shape} {args.matrix}: [{n} x {k}] weights; share of the {ref_name} peak ({ref / 1e9:,.0f} G/s)")
     print()
     print("| type | rows | ms | G multiply-adds/s | share of the peak | weights GB/s (share of copy) |")
     print("|---|---:|---:|---:|---:|---|")
@@ -246,14 +248,14 @@ def main() -> int:
                 continue
             blocks = random_blocks(qtype, n, k, seed=1)
             # copies past the caches, taken in turn: each call reads its weights from memory, as a model's layers do
-            ring = itertools.cycle([blocks.clone() for _ in range(max(1, COLD_BYTES // blocks.numel()))])
+            # (the engine's layer, as a forward calls it: activations quantized, weights packed at load where the
+            # build's kernel reads them so)
+            copies = max(1, COLD_BYTES // blocks.numel())
+            ring = itertools.cycle([QuantLinear(blocks.clone(), qtype, k, int8=True) for _ in range(copies)])
             times: dict[int, float] = {}
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, k)
-                took = timed(
-                    lambda x=x, t=qtype, w=ring: quant_linear_q8(quantize_activations(x, t.block_elems), next(w), t),
-                    args.repeats,
-                )
+                took = timed(lambda x=x, w=ring: next(w)(x), args.repeats)
                 rate = rows * n * k / took
                 gbs = f"{blocks.numel() / took / 1e9:.1f} ({blocks.numel() / took / copy:.2f})" if rows == 1 else ""
                 print(

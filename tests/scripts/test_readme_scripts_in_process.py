@@ -265,6 +265,13 @@ def test_roofline(env):
         assert (gbs != "") == (count == "1")
     assert "| Q4_K | - |" in proc.stdout  # 576 values per row hold no 256-value blocks
     assert re.search(r"^cliffs, Q8_0: ", proc.stdout, re.M), proc.stdout
+    down = run(
+        env,
+        SCRIPTS / "kernels" / "roofline.py",
+        *("--shape", "smollm2-135m", "--matrix", "down", "--types", "Q4_K", "--rows", "1", "--repeats", "1"),
+    )
+    assert "smollm2-135m down: [576 x 1536] weights" in down.stdout  # 1536 values per row: six 256-value blocks
+    assert re.search(r"^\| Q4_K \| 1 \| [\d.]+ \|", down.stdout, re.M), down.stdout
 
 
 def test_roofline_finds_cliffs():
