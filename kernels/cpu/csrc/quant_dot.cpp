@@ -85,9 +85,8 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i x) {
 
 inline __m256i dot4(__m256i u, __m256i x) { return dpbusd(_mm256_setzero_si256(), u, x); }
 
-// acc + the u8 x s8 pair sums times the int16 scales sv (per 16 values): madd + add, or one VNNI word dot
-inline __m256i dot_scaled(__m256i acc, __m256i u, __m256i x, __m256i sv) {
-  const __m256i p = _mm256_maddubs_epi16(u, x);
+// acc + the int16 pairs p times the int16 scales sv, summed in pairs into int32: madd + add, or one VNNI word dot
+inline __m256i word_dot(__m256i acc, __m256i p, __m256i sv) {
 #if defined(__AVXVNNI__) && !defined(MINIBATCH_NO_VNNI)
   return _mm256_dpwssd_avx_epi32(acc, p, sv);
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__) && !defined(MINIBATCH_NO_VNNI)
@@ -95,6 +94,11 @@ inline __m256i dot_scaled(__m256i acc, __m256i u, __m256i x, __m256i sv) {
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p, sv));
 #endif
+}
+
+// acc + the u8 x s8 pair sums times the int16 scales sv (per 16 values)
+inline __m256i dot_scaled(__m256i acc, __m256i u, __m256i x, __m256i sv) {
+  return word_dot(acc, _mm256_maddubs_epi16(u, x), sv);
 }
 
 inline int32_t reduce_add_epi32(__m256i v) {  // the sum of 8 int32 lanes
@@ -583,13 +587,7 @@ void dot_cols8k(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, 
             __m256i p16 = _mm256_maddubs_epi16(u[t0], _mm256_set1_epi32(load_i32(x + 4 * t0)));
             for (int t = t0 + 1; t < t0 + G; ++t)
               p16 = _mm256_add_epi16(p16, _mm256_maddubs_epi16(u[t], _mm256_set1_epi32(load_i32(x + 4 * t))));
-#if !defined(MINIBATCH_NO_VNNI) && defined(__AVXVNNI__)
-            s = _mm256_dpwssd_avx_epi32(s, p16, sv);
-#elif !defined(MINIBATCH_NO_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-            s = _mm256_dpwssd_epi32(s, p16, sv);
-#else
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(p16, sv));
-#endif
+            s = word_dot(s, p16, sv);
           }
           _mm256_store_si256(reinterpret_cast<__m256i*>(sums[r]), s);
         }
@@ -660,14 +658,7 @@ void dot_cols8q6(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out,
           for (int q = 0; q < 8; q += 2) {
             const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(u[q], _mm256_set1_epi32(load_i32(x + 4 * q))),
                                                  _mm256_maddubs_epi16(u[q + 1], _mm256_set1_epi32(load_i32(x + 4 * q + 4))));
-            const __m256i sv = q < 4 ? sv0 : sv1;
-#if !defined(MINIBATCH_NO_VNNI) && defined(__AVXVNNI__)
-            s = _mm256_dpwssd_avx_epi32(s, p16, sv);
-#elif !defined(MINIBATCH_NO_VNNI) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-            s = _mm256_dpwssd_epi32(s, p16, sv);
-#else
-            s = _mm256_add_epi32(s, _mm256_madd_epi16(p16, sv));
-#endif
+            s = word_dot(s, p16, q < 4 ? sv0 : sv1);
           }
           _mm256_store_si256(reinterpret_cast<__m256i*>(sums[r]), s);
         }
