@@ -859,29 +859,26 @@ void unpack8(const uint8_t* run, int64_t row_bytes, int row, uint8_t* dst) {  //
   }
 }
 
-// Rows8K's, a byte permutation: packed byte j of a block comes from one byte of one row's block.
+// Rows8K's, a byte permutation: each row's field bytes to their places in the packed block, and back.
 template <int64_t T>
 void pack8k(const uint8_t* src, int64_t row_bytes, uint8_t* dst) {
+  using L = Rows8K<T>;
   constexpr int64_t B = Traits<T>::BYTES;
   for (int64_t bi = 0; bi < row_bytes / B; ++bi)
-    for (int64_t j = 0; j < 8 * B; ++j) {
-      int lane = 0;
-      int64_t at = 0;
-      Rows8K<T>::source(j, lane, at);
-      dst[bi * 8 * B + j] = src[lane * row_bytes + bi * B + at];
-    }
+    for (int f = 0; f < L::FIELDS; ++f)
+      for (int lane = 0; lane < 8; ++lane)
+        for (int64_t k = 0; k < L::fields[f].width; ++k)
+          dst[bi * 8 * B + L::at(L::fields[f], lane, k)] = src[lane * row_bytes + bi * B + L::fields[f].src + k];
 }
 
 template <int64_t T>
 void unpack8k(const uint8_t* run, int64_t row_bytes, int row, uint8_t* dst) {
+  using L = Rows8K<T>;
   constexpr int64_t B = Traits<T>::BYTES;
   for (int64_t bi = 0; bi < row_bytes / B; ++bi)
-    for (int64_t j = 0; j < 8 * B; ++j) {
-      int lane = 0;
-      int64_t at = 0;
-      Rows8K<T>::source(j, lane, at);
-      if (lane == row) dst[bi * B + at] = run[bi * 8 * B + j];
-    }
+    for (int f = 0; f < L::FIELDS; ++f)
+      for (int64_t k = 0; k < L::fields[f].width; ++k)
+        dst[bi * B + L::fields[f].src + k] = run[bi * 8 * B + L::at(L::fields[f], row, k)];
 }
 
 using Pack8Fn = void (*)(const uint8_t*, int64_t, uint8_t*);

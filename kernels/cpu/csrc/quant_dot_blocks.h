@@ -255,16 +255,9 @@ struct Rows8K {
               : std::array<Field, 5>{{{D, 0, 2}, {DMIN, 2, 2}, {SC, 4, 12}, {Q, 16, 128}, {0, 0, 0}}};
   static_assert(fields[FIELDS - 1].dst + 8 * fields[FIELDS - 1].width == 8 * Traits<T>::BYTES,
                 "a packed block is the eight plain ones' bytes");
-  // the packed byte j of a block: from row *lane's byte *src
-  static void source(int64_t j, int& lane, int64_t& src) {
-    for (int f = FIELDS - 1; f >= 0; --f) {
-      const Field& fl = fields[f];
-      if (j < fl.dst) continue;
-      const int64_t k = j - fl.dst;
-      if (fl.width == 2) lane = (int)(k / 2), src = fl.src + k % 2;
-      else lane = (int)((k % 32) / 4), src = fl.src + 4 * (k / 32) + k % 4;
-      return;
-    }
+  // where byte k of a row's field f lies in the packed block, the row in lane `lane`
+  static constexpr int64_t at(const Field& f, int lane, int64_t k) {
+    return f.width == 2 ? f.dst + 2 * lane + k : f.dst + 32 * (k / 4) + 4 * lane + k % 4;
   }
 };
 
