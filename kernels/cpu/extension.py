@@ -21,6 +21,7 @@ SOURCES = (
     "paged_attention.cpp",
     "quant_matmul.cpp",
     "quant_dot.cpp",
+    "quant_pack.cpp",
     "cpu_ops.cpp",
     "lora.cpp",
     "sampling.cpp",

@@ -32,12 +32,13 @@ bool has_avx2();
 // quant_dot.cpp
 std::vector<at::Tensor> quantize_activations(at::Tensor x, int64_t block);
 at::Tensor quant_linear_q8(at::Tensor q, at::Tensor d, at::Tensor bs, at::Tensor qweight, int64_t type, bool packed);
-bool quant_reads_packed(int64_t type);  // the integer path reads the type's rows packed by eights (Rows8)
-at::Tensor quant_pack_rows8(at::Tensor qweight, int64_t type);
-at::Tensor quant_unpack_rows(at::Tensor packed, int64_t type, at::Tensor ids);
 bool int_path_has_avx2();
 bool int_path_has_vnni();
 std::string int_path_kind();  // the instructions the integer dot products run on: avx512-vnni, avx-vnni, avx2 or portable
+// quant_pack.cpp
+bool quant_reads_packed(int64_t type);  // the integer path reads the type's rows packed by eights (Rows8)
+at::Tensor quant_pack_rows8(at::Tensor qweight, int64_t type);
+at::Tensor quant_unpack_rows(at::Tensor packed, int64_t type, at::Tensor ids);
 // cpu_ops.cpp
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);

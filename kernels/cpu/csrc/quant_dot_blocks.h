@@ -1,10 +1,19 @@
 // The integer path's view of each GGUF block type (quant_dot.cpp): which integers it stores, their
-// sub-block scales, offsets and minimums, unpacked the portable way. Included by quant_dot.cpp only.
+// sub-block scales, offsets and minimums, unpacked the portable way; and the packed layouts its eight-column
+// kernels read (Rows8, Rows8K; written by quant_pack.cpp). Included by those two files only.
 #pragma once
 #include <array>
 #include <cstdint>
 #include <cstring>
 #include "gguf_blocks.h"
+// The integer path's instruction classes: the AVX2 kernels (256-bit registers, on AVX2, AVX-VNNI and AVX-512
+// builds), and the 512-bit multiply-adds for the 256-value types (AVX-512BW's maddubs and AVX-512 VNNI's word dot).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(MINIBATCH_PORTABLE)
+#define MBQ_AVX2 1
+#endif
+#if defined(MBQ_AVX2) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(MINIBATCH_NO_VNNI)
+#define MBQ_ZMM 1
+#endif
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
