@@ -452,9 +452,9 @@ inline void softmax_head(float* sc, int64_t n, float* mx, float* sum, float* acc
   __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t i = 0; i < n; i += 8)
     vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(vmax, _mm256_loadu_ps(sc + i), first_lanes(n - i)));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, vmax);
-  const float bmax = *std::max_element(lanes, lanes + 8);  // a maximum is exact in any order
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));  // a maximum is exact
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));                                                 // in any order
+  const float bmax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
   if (bmax > *mx) {
     const float corr = std::exp(*mx - bmax);  // 0 for the first block
     *sum *= corr;
