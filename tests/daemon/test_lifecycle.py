@@ -91,11 +91,10 @@ def test_start_refuses_a_kv_cache_type_it_cannot_keep_naming_the_option_and_the_
         "kv_cache_type: 'q3_k' is not a KV cache type; the types are f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0, "
         "iq4_nl" in out.stderr
     )
-    # the tiny model's heads have 16 values: no Q8_0 block fits them
+    # the tiny model's heads have 16 values: no Q8_0 block fits them (every block type's refusal is the same
+    # check: tests/kernels/test_kv_types.py)
     out = cli("start", "--socket", sock, "--model", str(tiny_chat_model_dir), "--kv-cache-type", "f16,q8_0", env=env)
     assert out.returncode == 1 and "kv_cache_type f16,q8_0: q8_0 needs head_dim a multiple of 32" in out.stderr
-    out = cli("start", "--socket", sock, "--model", str(tiny_chat_model_dir), "--kv-cache-type", "iq4_nl", env=env)
-    assert out.returncode == 1 and "kv_cache_type iq4_nl: iq4_nl needs head_dim a multiple of 32" in out.stderr
     started = cli("start", "--socket", sock, "--model", str(tiny_chat_model_dir), "--kv-cache-type", "f16", env=env)
     assert started.returncode == 0, started.stderr
     try:

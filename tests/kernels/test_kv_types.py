@@ -27,6 +27,7 @@ from minibatch.kernels.kv_types import (
     storage_dtype,
     store_ref,
     to_cache_ref,
+    type_problem,
 )
 
 pytestmark = pytest.mark.skipif(load_extension() is None, reason="the C++ extension cannot be built here")
@@ -201,6 +202,21 @@ def test_a_query_gets_the_same_bits_however_it_is_computed_on_a_quantized_cache(
     other = torch.randn(3, heads, head_dim, generator=g)
     mixed = attend(torch.cat([other, q[20:]]), [30, n], [3, n - 20], [1, 0])
     assert torch.equal(mixed[3:], whole[20:])
+
+
+@pytest.mark.parametrize("kv_type", KV_CACHE_TYPES)
+def test_a_model_whose_heads_no_block_fits_is_refused_for_every_block_type(kv_type):
+    """What minibatchd start says for a model whose heads have 16 values (tests/daemon/test_lifecycle.py starts
+    one with q8_0): every block type of 32 values refuses it naming the type and the model's head_dim, and
+    the float types keep it."""
+    problem = type_problem(kv_type, 16)
+    if kv_type in BLOCK_BYTES:
+        assert problem == f"{kv_type} needs head_dim a multiple of 32; this model's heads have 16"
+        with pytest.raises(ValueError, match=problem):
+            row_width(kv_type, 16)
+        assert type_problem(kv_type, 64) is None and row_width(kv_type, 64) == 2 * BLOCK_BYTES[kv_type]
+    else:
+        assert problem is None and row_width(kv_type, 16) == 16
 
 
 def test_a_cache_the_kernel_cannot_read_is_refused_naming_it():

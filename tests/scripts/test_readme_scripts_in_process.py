@@ -75,7 +75,11 @@ def test_bench_overhead(env):
     proc = run(env, SCRIPTS / "features" / "bench_overhead.py", "--requests", "3", "--repeats", "1")
     inproc = number(r"in-process: ([\d.]+) output tok/s", proc.stdout)
     socket_side = number(r"through the socket \(3 concurrent SSE streams\): ([\d.]+) output tok/s", proc.stdout)
-    assert number(r"socket / in-process: ([\d.]+)", proc.stdout) == pytest.approx(socket_side / inproc, abs=0.002)
+    # both rates are printed to 0.1 tok/s and the ratio to 0.001: the ratio of the printed rates is the printed
+    # ratio within what those roundings move it (at 15 tok/s and a ratio of 1.4, about 0.01)
+    ratio = socket_side / inproc
+    moved = ratio * (0.05 / socket_side + 0.05 / inproc) * 1.01 + 0.0005
+    assert number(r"socket / in-process: ([\d.]+)", proc.stdout) == pytest.approx(ratio, abs=moved)
 
 
 def test_bench_driver(env):
