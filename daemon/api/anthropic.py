@@ -18,9 +18,10 @@ import uuid
 
 from aiohttp import web
 
-from ..generation import pipeline
+from ..generation import pipeline, prompt
 from ..generation.images import ImageInput, image_part
-from ..generation.pipeline import Constraint, Generation, Reasoning, Running
+from ..generation.pipeline import Running
+from ..generation.spec import Constraint, Generation, Reasoning
 from ..protocol import ApiError
 from ..state import STATE, off_loop, read_body
 from .anthropic_bodies import (
@@ -396,7 +397,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     body = await read_body(request, state, CountTokensRequest)
     gen = await off_loop(generation, body)
     async with state.lease(body.model) as model:
-        rendered = await pipeline.render(state, model, gen, encode=False)  # (an image's places need no tower)
+        rendered = await prompt.render(state, model, gen, encode=False)  # (an image's places need no tower)
     return web.json_response({"input_tokens": len(rendered.prompts[0])})
 
 

@@ -19,7 +19,8 @@ from typing import Annotated, Any, Literal
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, WithJsonSchema
 
-from ..generation.pipeline import Generation, generate
+from ..generation.pipeline import generate
+from ..generation.spec import Generation
 from ..protocol import ApiError, Float, Int
 from ..state import STATE, read_body
 from .messages import Body

@@ -22,7 +22,8 @@ from minibatch.engine.text.fim import Infill
 from ..generation import pipeline
 from ..generation.images import MEDIA_MARKER, ImageInput
 from ..generation.loras import MAX_ENTRIES, LoraScale
-from ..generation.pipeline import Generation, Running
+from ..generation.pipeline import Running
+from ..generation.spec import Generation
 from ..protocol import ApiError, Float, Int, parse_body
 from ..state import STATE, off_loop, read_raw
 from . import lora

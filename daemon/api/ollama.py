@@ -27,7 +27,8 @@ from minibatch.engine.text.fim import Infill
 
 from ..generation import pipeline
 from ..generation.images import ImageInput, image_part
-from ..generation.pipeline import Constraint, Generation, Reasoning, Running
+from ..generation.pipeline import Running
+from ..generation.spec import Constraint, Generation, Reasoning
 from ..models.catalog import catalog
 from ..models.loaded import iso, parse_keep_alive
 from ..protocol import ApiError, Float, Int, parse_body

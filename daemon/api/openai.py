@@ -1,6 +1,6 @@
 """OpenAI's Chat Completions and Completions on the socket: `POST /v1/chat/completions`, `POST /v1/completions`.
 
-Only the shapes live here: a body (protocol.py) becomes a pipeline.Generation; what the pipeline gives back
+Only the shapes live here: a body (protocol.py) becomes a generation.spec.Generation; what the pipeline gives back
 becomes a `chat.completion` / `text_completion` object or a stream of SSE chunks ending in [DONE]; errors
 keep the OpenAI shape (ApiError.body).
 """
@@ -15,7 +15,8 @@ from aiohttp import web
 
 from minibatch.engine.core.request import RequestMetrics
 
-from ..generation.pipeline import Constraint, Generation, Reasoning, Running, generate
+from ..generation.pipeline import Running, generate
+from ..generation.spec import Constraint, Generation, Reasoning
 from ..models.names import cut
 from ..protocol import ApiError
 from ..state import STATE, read_body

@@ -18,7 +18,8 @@ from typing import Annotated, Any
 from aiohttp import web
 from pydantic import ConfigDict, Field, StrictBool, StrictStr
 
-from ..generation.pipeline import Generation, generate
+from ..generation.pipeline import generate
+from ..generation.spec import Generation
 from ..protocol import ApiError, Int
 from ..state import STATE, read_body
 from .embeddings import MAX_INPUTS

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from aiohttp import web
 from pydantic import BaseModel
 
-from ..generation import pipeline
+from ..generation import pipeline, prompt
 from ..generation.images import ImageInput, check_url, image_part
-from ..generation.pipeline import Constraint, Generation, Reasoning, Running
+from ..generation.pipeline import Running
+from ..generation.spec import Constraint, Generation, Reasoning
 from ..protocol import ApiError
 from ..state import STATE, off_loop, read_body
 from .response_store import STORE, ResponseStore, response_id
@@ -414,7 +415,7 @@ async def input_tokens(request: web.Request) -> web.Response:
     )
     gen = await off_loop(generation, body, earlier)
     async with state.lease(body.model) as model:
-        rendered = await pipeline.render(state, model, gen, encode=False)  # (an image's places need no tower)
+        rendered = await prompt.render(state, model, gen, encode=False)  # (an image's places need no tower)
     return web.json_response({"object": "response.input_tokens", "input_tokens": len(rendered.prompts[0])})
 
 

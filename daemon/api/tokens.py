@@ -14,8 +14,8 @@ from typing import Annotated
 from aiohttp import web
 from pydantic import ConfigDict, Field, StrictBool, StrictStr
 
-from ..generation import pipeline
-from ..generation.pipeline import Generation
+from ..generation import prompt
+from ..generation.spec import Generation
 from ..protocol import ApiError, Int
 from ..state import STATE, off_loop, read_body
 from .messages import MAX_TOOLS, Body, Message, Tool
@@ -65,7 +65,7 @@ async def tokenize(request: web.Request) -> web.Response:
                 messages=[m.for_template(f"messages.{i}") for i, m in enumerate(body.messages)],
                 tools=tools,
             )
-            ids = (await pipeline.render(state, model, gen)).prompts[0]
+            ids = (await prompt.render(state, model, gen)).prompts[0]
         else:
             ids = await off_loop(tok.encode_prompt if body.add_special else tok.encode, body.content)
         tokens: list = ids

@@ -304,8 +304,8 @@ def test_levels_and_switches_map_to_one_reasoning():
     """What each API names, as the pipeline's one Reasoning: a level is its budget (EFFORT_BUDGETS) unless a
     budget is given, "none" and enable_thinking false are off, a switch the daemon hands the template itself
     is refused by name."""
-    from minibatch.daemon.generation.pipeline import Reasoning
     from minibatch.daemon.generation.reasoning import EFFORT_BUDGETS
+    from minibatch.daemon.generation.spec import Reasoning
     from minibatch.daemon.protocol import ApiError
 
     assert Reasoning.asked("low").budget == EFFORT_BUDGETS["low"] == 1024 and not Reasoning.asked("low").off
