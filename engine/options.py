@@ -140,8 +140,8 @@ ENGINE_OPTIONS = (
     Option(
         "mmproj",
         str,
-        "a vision model's image tower and projector: llama.cpp's mmproj GGUF or a Hugging Face folder (default: "
-        "the model folder's own, when it has one)",
+        "the daemon's model's image tower and projector: llama.cpp's mmproj GGUF or a Hugging Face folder (default: "
+        "the model folder's own, or an Ollama model's projector layer, when it has one)",
     ),
     Option("max_images", int, "images one request may send at most"),
     Option("max_image_bytes", int, "bytes one image may take, encoded (as sent, before base64)"),

@@ -44,6 +44,24 @@ def baked_adapters(spec: str) -> dict[str, Path]:
         return {}  # (the load itself says what is wrong with the model)
 
 
+def baked_projector(spec: str) -> Path | None:
+    """The vision tower a model of Ollama's store sees images with (its projector layer, an mmproj GGUF);
+    None for any other model and for one without it."""
+    if not spec.startswith("ollama:"):
+        return None
+    try:
+        return sources.ollama_projector(spec.removeprefix("ollama:"))
+    except sources.SourceError:
+        return None  # (the load itself says what is wrong with the model)
+
+
+def baked_files(spec: str) -> tuple[str, ...]:
+    """What an Ollama model's own layers add to its weights' file (its ADAPTERs, its projector): the same file
+    with other layers is another model."""
+    projector = baked_projector(spec)
+    return tuple(str(p) for p in baked_adapters(spec).values()) + ((str(projector),) if projector else ())
+
+
 def served_bytes(adapter: LoraAdapter) -> int:
     """What an adapter's matrices take as the kernels keep them (rows.WEIGHTS), its rank's rows alone."""
     return adapter.nbytes // 4 * WEIGHTS.itemsize  # (nbytes: float32's, also once its weights are let go)

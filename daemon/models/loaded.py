@@ -72,7 +72,7 @@ class LoadedModel:
     loaded: bool = True
     # the scales of its LoRA adapters for requests that name it and give no `lora` list (POST /lora-adapters)
     lora_scales: dict[str, float] = field(default_factory=dict)
-    baked: tuple[str, ...] = ()  # the files of the adapters it was made with (an Ollama model's ADAPTER)
+    baked: tuple[str, ...] = ()  # the files its Ollama layers add (its ADAPTERs, its projector): adapters.baked_files
 
     @property
     def footprint(self) -> int:

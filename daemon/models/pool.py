@@ -36,7 +36,7 @@ from minibatch.engine.store.cache import (
 
 from ..monitor import EngineMonitor, Metrics, StepSignal
 from ..protocol import ApiError
-from .adapters import ModelAdapters, baked_adapters
+from .adapters import ModelAdapters, baked_adapters, baked_files, baked_projector
 from .loaded import KeepAlive, LoadedModel
 from .names import cut, display_name, listed, normal_name, spec_of
 from .settings import DEFAULT_MEMORY_SHARE, PoolSettings
@@ -91,7 +91,6 @@ class ModelPool:
         self.models: dict[str, LoadedModel] = {}
         self.loading: dict[str, asyncio.Future] = {}
         self.failed: dict[str, str] = {}  # the last load error by name (listed or the operator's names only)
-        # the names the operator gave (--model, --preload): a request may name these too, whatever they are
         # the names the operator gave (--model, --preload) and the names they are shown by, each to what it
         # loads: a request may name these too, whatever they are
         self.operator_specs = {}
@@ -241,6 +240,12 @@ class ModelPool:
             own = {**own, "lora": ",".join(f"{n}={p}" for n, p in baked.items())}
         elif "lora" not in own and spec != spec_of(self.default_name):  # --lora's adapters are the daemon's model's
             own = {**own, "lora": None}
+        if "mmproj" not in own:
+            projector = baked_projector(spec)
+            if projector is not None and (self.base.mmproj is None or spec != spec_of(self.default_name)):
+                own = {**own, "mmproj": str(projector)}  # an Ollama vision model's own tower (its projector layer)
+            elif spec != spec_of(self.default_name):  # --mmproj's tower is the daemon's model's
+                own = {**own, "mmproj": None}
         try:  # (each value read as its flag takes it and checked over the daemon's at start: settings.py)
             cfg = dataclasses.replace(self.base, model=spec, **own)
         except (TypeError, ValueError) as exc:
@@ -300,8 +305,8 @@ class ModelPool:
                 ) from None
             except Exception as exc:  # a file that is there but cannot be read as a model
                 raise self._failed(requested, exc) from None
-            baked = tuple(str(p) for p in baked_adapters(spec).values())
-            for m in self.models.values():  # another name of a loaded model (the same file and baked adapters)
+            baked = baked_files(spec)
+            for m in self.models.values():  # another name of a loaded model (the same file and baked layers)
                 if m.info.model_dir == str(model_dir) and m.baked == baked:
                     m.names.add(normal_name(requested))
                     return m
@@ -327,7 +332,7 @@ class ModelPool:
             loop.start()
         log.info("loading model %s", name)
         started = time.perf_counter()
-        baked = baked_adapters(spec)
+        baked, files = baked_adapters(spec), baked_files(spec)
         try:
             config = self.model_config(spec, name)
             engine, tokenizer = await asyncio.wrap_future(loop.call(lambda: _build_engine(config)))
@@ -350,11 +355,11 @@ class ModelPool:
             load_seconds=time.perf_counter() - started,
             keep_alive=self.settings.keep_alive,
             adapters=ModelAdapters(name, engine, config),
-            # (not by its file's folder when an Ollama ADAPTER is baked in: the same file without it is another model)
-            names={normal_name(name), normal_name(requested)} | (set() if baked else {normal_name(info.model_dir)}),
+            # (not by its file's folder when an Ollama layer is baked in: the same file without it is another model)
+            names={normal_name(name), normal_name(requested)} | (set() if files else {normal_name(info.model_dir)}),
             # an Ollama model's ADAPTER applies to its every request, as in Ollama (a `lora` list still changes it)
             lora_scales={n: 1.0 for n in baked if n in info.loras},
-            baked=tuple(str(p) for p in baked.values()),
+            baked=files,
         )
         engine.on_detach.append(lambda: self.loop.call_soon_threadsafe(self._detached, m))
         loop.attach(engine)

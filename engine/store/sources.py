@@ -4,7 +4,9 @@
   `manifests/REGISTRY/NAMESPACE/NAME/TAG` lists the model's layers; the one of
   media type `application/vnd.ollama.image.model` is a GGUF file, stored as
   `blobs/sha256-DIGEST`. Names read as Ollama prints them: `qwen2.5:0.5b`
-  (`library/` and the default registry left out, `:latest` by default).
+  (`library/` and the default registry left out, `:latest` by default). A
+  vision model's tower is its `application/vnd.ollama.image.projector` layer
+  (an mmproj GGUF), a Modelfile's ADAPTER an `...image.adapter` layer.
 - The hub cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
   `~/.cache/huggingface/hub`): `models--ORG--NAME/refs/main` names the
   snapshot under `snapshots/REV/`; read offline, never downloaded here.
@@ -28,6 +30,7 @@ import platformdirs
 OLLAMA_REGISTRY = "registry.ollama.ai"
 OLLAMA_MODEL_MEDIA = "application/vnd.ollama.image.model"
 OLLAMA_ADAPTER_MEDIA = "application/vnd.ollama.image.adapter"  # a Modelfile's ADAPTER: a LoRA GGUF
+OLLAMA_PROJECTOR_MEDIA = "application/vnd.ollama.image.projector"  # a vision model's tower: llama.cpp's mmproj GGUF
 
 
 class SourceError(LookupError):
@@ -117,18 +120,31 @@ def resolve_ollama(spec: str) -> Path:
     return _ollama_blob(*_ollama_manifest(spec))
 
 
-def ollama_adapters(spec: str) -> list[Path]:
-    """The LoRA adapters (GGUF blobs) a model of Ollama's store `NAME[:TAG]` runs under: its Modelfile's
-    ADAPTER lines, in order; none for most models."""
+def _ollama_blobs(spec: str, media: str, what: str) -> list[Path]:
+    """The blobs of the layers of type `media` of a model of Ollama's store `NAME[:TAG]`, in order."""
     name, manifest = _ollama_manifest(spec)
     out = []
     for layer in _ollama_layers(name, manifest):
-        if layer.get("mediaType") == OLLAMA_ADAPTER_MEDIA:
+        if layer.get("mediaType") == media:
             blob = ollama_dir() / "blobs" / str(layer.get("digest", "")).replace(":", "-")
             if not blob.is_file():
-                raise SourceError(f"ollama:{name}: its adapter blob {blob.name} is missing (`ollama pull` it again)")
+                raise SourceError(f"ollama:{name}: its {what} blob {blob.name} is missing (`ollama pull` it again)")
             out.append(blob)
     return out
+
+
+def ollama_adapters(spec: str) -> list[Path]:
+    """The LoRA adapters (GGUF blobs) a model of Ollama's store `NAME[:TAG]` runs under: its Modelfile's
+    ADAPTER lines, in order; none for most models."""
+    return _ollama_blobs(spec, OLLAMA_ADAPTER_MEDIA, "adapter")
+
+
+def ollama_projector(spec: str) -> Path | None:
+    """The vision tower and projector (an mmproj GGUF blob) of a model of Ollama's store `NAME[:TAG]`: its
+    projector layer, which Ollama ships beside the text model's for the vision models it runs through
+    llama.cpp's mmproj; None for a model without one."""
+    found = _ollama_blobs(spec, OLLAMA_PROJECTOR_MEDIA, "projector")
+    return found[0] if found else None
 
 
 # -- the hub cache ------------------------------------------------------------

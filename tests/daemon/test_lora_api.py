@@ -159,6 +159,44 @@ def test_adapters_belong_to_the_model_that_names_them():
         loop.close()
 
 
+def test_a_vision_tower_belongs_to_the_model_it_was_given_for(tmp_path, monkeypatch):
+    """--mmproj is the daemon's model's tower; a model of --model-settings has its own `mmproj`; an Ollama
+    vision model takes its projector layer (the daemon's own model too, unless --mmproj names another); any
+    other model loads with none (its embeddings' width is not the tower's)."""
+    import asyncio
+    import json
+
+    from minibatch.daemon.models.pool import ModelPool
+    from minibatch.daemon.models.settings import PoolSettings
+    from minibatch.engine.factory import EngineConfig
+
+    store = tmp_path / "ollama"
+    (store / "blobs").mkdir(parents=True)
+    for name in ("text", "tower"):
+        (store / "blobs" / f"sha256-{name}").write_bytes(b"GGUF")
+    manifest = store / "manifests" / "registry.ollama.ai" / "library" / "seer" / "latest"
+    manifest.parent.mkdir(parents=True)
+    layers = [("model", "text"), ("projector", "tower")]
+    manifest.write_text(json.dumps({"layers": [{"mediaType": f"application/vnd.ollama.image.{k}",
+                                                "digest": f"sha256:{d}"} for k, d in layers]}))  # fmt: skip
+    monkeypatch.setenv("OLLAMA_MODELS", str(store))
+    tower = str(store / "blobs" / "sha256-tower")
+    loop = asyncio.new_event_loop()
+    try:
+        settings = PoolSettings(model_settings={"gemma": {"mmproj": "/a/gemma-mmproj.gguf"}})
+        pool = ModelPool(EngineConfig(model="smollm2-135m-instruct", mmproj="/a/mmproj.gguf"), settings, loop)
+        assert pool.model_config("smollm2-135m-instruct", "smollm2-135m-instruct").mmproj == "/a/mmproj.gguf"
+        assert pool.model_config("gemma", "gemma").mmproj == "/a/gemma-mmproj.gguf"
+        assert pool.model_config("ollama:seer", "seer").mmproj == tower
+        assert pool.model_config("other", "other").mmproj is None
+        own = ModelPool(EngineConfig(model="ollama:seer"), PoolSettings(), loop)
+        assert own.model_config("ollama:seer", "seer").mmproj == tower
+        named = ModelPool(EngineConfig(model="ollama:seer", mmproj="/a/mmproj.gguf"), PoolSettings(), loop)
+        assert named.model_config("ollama:seer", "seer").mmproj == "/a/mmproj.gguf"
+    finally:
+        loop.close()
+
+
 def test_an_ollama_model_with_an_adapter_runs_under_it(tmp_path):
     """A Modelfile's ADAPTER (a layer of Ollama's manifest): every request to that model runs under it, as in
     Ollama, and a `lora` list can still turn it down."""

@@ -72,6 +72,26 @@ def test_ollama_names_resolve_to_the_blob(places):
     assert load_model(resolve_model("ollama:smol:q4"), TorchAttentionBackend()).config.model_type == "llama"
 
 
+def test_an_ollama_models_projector_layer_is_its_vision_tower(places, tmp_path):
+    """A vision model as `ollama pull` lays it out: the text model's layer and a projector layer (an mmproj
+    GGUF); the projector is found by the model's name, a model without one has none, and a projector whose blob
+    was never pulled is named."""
+    from minibatch.engine.store.sources import SourceError, ollama_projector
+
+    store = places["store"]
+    mmproj = tmp_path / "mmproj.gguf"
+    mmproj.write_bytes(b"GGUF")  # (only found here, not read: the engine's loader reads it)
+    digest = _blob(store, mmproj)
+    model = json.loads((store / "manifests" / "registry.ollama.ai" / "library" / "smol" / "q4").read_text())["layers"]
+    projector = {"mediaType": "application/vnd.ollama.image.projector", "digest": digest, "size": 4}
+    _manifest(store, "library/seer", "latest", [*model, projector])
+    _manifest(store, "library/blind", "latest", [*model, {**projector, "digest": "sha256:" + "e" * 64}])
+    assert ollama_projector("seer") == store / "blobs" / digest.replace(":", "-")
+    assert ollama_projector("smol:q4") is None
+    with pytest.raises(SourceError, match=r"ollama:blind:latest: its projector blob sha256-e+ is missing"):
+        ollama_projector("blind")
+
+
 def test_hub_cache_resolves_offline_through_refs_main(places, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     snap = places["hub"] / "models--org--tiny" / "snapshots" / "rev1"
