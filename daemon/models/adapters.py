@@ -12,6 +12,7 @@ weights' digest: read again, its prompts are hits again."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Iterable
@@ -46,13 +47,27 @@ def baked_adapters(spec: str) -> dict[str, Path]:
 
 def baked_projector(spec: str) -> Path | None:
     """The vision tower a model of Ollama's store sees images with (its projector layer, an mmproj GGUF);
-    None for any other model and for one without it."""
+    None for any other model, for one without it, and for a projector of a family not read here (Ollama's
+    library ships llava-style ones): that model serves text as before, and the log says why it sees nothing."""
     if not spec.startswith("ollama:"):
         return None
     try:
-        return sources.ollama_projector(spec.removeprefix("ollama:"))
+        projector = sources.ollama_projector(spec.removeprefix("ollama:"))
     except sources.SourceError:
         return None  # (the load itself says what is wrong with the model)
+    return projector if projector is None or _readable(spec, projector) else None
+
+
+@functools.lru_cache(maxsize=64)
+def _readable(spec: str, projector: Path) -> bool:
+    from minibatch.engine.vision.loader import mmproj_problem
+
+    problem = mmproj_problem(projector)
+    if problem is not None:  # (said once per model and file)
+        log.warning(
+            "model %s: its projector layer %s is not read here (%s): it takes no images", spec, projector.name, problem
+        )
+    return problem is None
 
 
 def baked_files(spec: str) -> tuple[str, ...]:

@@ -232,8 +232,9 @@ def load_hf(folder: str | Path) -> VisionModel:
     )
 
 
-def load_mmproj(path: str | Path) -> VisionModel:
-    """The tower and projector from llama.cpp's mmproj GGUF (`clip.projector_type` gemma3 or idefics3)."""
+def _mmproj_reader(path: str | Path):
+    """llama.cpp's mmproj GGUF opened, its metadata getter and its family (`clip.projector_type`, one of
+    FAMILIES); a VisionError saying why a file is not one read here."""
     import gguf
 
     try:
@@ -250,6 +251,24 @@ def load_mmproj(path: str | Path) -> VisionModel:
     kind = meta("clip.vision.projector_type") or meta("clip.projector_type")
     if kind not in FAMILIES:
         raise VisionError(f"a {kind!r} projector; read here: {', '.join(FAMILIES)}")
+    return reader, meta, kind
+
+
+def mmproj_problem(path: str | Path) -> str | None:
+    """Why an mmproj GGUF cannot be read here (its header alone: not GGUF, no vision tower, a projector of
+    another family), or None."""
+    try:
+        _mmproj_reader(path)
+    except VisionError as exc:
+        return str(exc)
+    return None
+
+
+def load_mmproj(path: str | Path) -> VisionModel:
+    """The tower and projector from llama.cpp's mmproj GGUF (`clip.projector_type` gemma3 or idefics3)."""
+    import gguf
+
+    reader, meta, kind = _mmproj_reader(path)
     heads = int(meta("clip.vision.attention.head_count"))
     config = SiglipConfig(
         hidden_size=int(meta("clip.vision.embedding_length")),

@@ -159,12 +159,15 @@ def test_adapters_belong_to_the_model_that_names_them():
         loop.close()
 
 
-def test_a_vision_tower_belongs_to_the_model_it_was_given_for(tmp_path, monkeypatch):
+def test_a_vision_tower_belongs_to_the_model_it_was_given_for(tmp_path, monkeypatch, caplog):
     """--mmproj is the daemon's model's tower; a model of --model-settings has its own `mmproj`; an Ollama
     vision model takes its projector layer (the daemon's own model too, unless --mmproj names another); any
     other model loads with none (its embeddings' width is not the tower's)."""
     import asyncio
     import json
+    import logging
+
+    from gguf import GGUFWriter
 
     from minibatch.daemon.models.pool import ModelPool
     from minibatch.daemon.models.settings import PoolSettings
@@ -172,13 +175,21 @@ def test_a_vision_tower_belongs_to_the_model_it_was_given_for(tmp_path, monkeypa
 
     store = tmp_path / "ollama"
     (store / "blobs").mkdir(parents=True)
-    for name in ("text", "tower"):
-        (store / "blobs" / f"sha256-{name}").write_bytes(b"GGUF")
-    manifest = store / "manifests" / "registry.ollama.ai" / "library" / "seer" / "latest"
-    manifest.parent.mkdir(parents=True)
-    layers = [("model", "text"), ("projector", "tower")]
-    manifest.write_text(json.dumps({"layers": [{"mediaType": f"application/vnd.ollama.image.{k}",
-                                                "digest": f"sha256:{d}"} for k, d in layers]}))  # fmt: skip
+    (store / "blobs" / "sha256-text").write_bytes(b"GGUF")  # (never read here: no model is loaded)
+    for name, family in (("tower", "gemma3"), ("llava", "mlp")):  # an mmproj's header: a family read here, or not
+        writer = GGUFWriter(str(store / "blobs" / f"sha256-{name}"), "clip")
+        writer.add_bool("clip.has_vision_encoder", True)
+        writer.add_string("clip.projector_type", family)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    for repo, projector in (("seer", "tower"), ("llava", "llava")):
+        manifest = store / "manifests" / "registry.ollama.ai" / "library" / repo / "latest"
+        manifest.parent.mkdir(parents=True)
+        layers = [("model", "text"), ("projector", projector)]
+        manifest.write_text(json.dumps({"layers": [{"mediaType": f"application/vnd.ollama.image.{k}",
+                                                    "digest": f"sha256:{d}"} for k, d in layers]}))  # fmt: skip
     monkeypatch.setenv("OLLAMA_MODELS", str(store))
     tower = str(store / "blobs" / "sha256-tower")
     loop = asyncio.new_event_loop()
@@ -189,6 +200,13 @@ def test_a_vision_tower_belongs_to_the_model_it_was_given_for(tmp_path, monkeypa
         assert pool.model_config("gemma", "gemma").mmproj == "/a/gemma-mmproj.gguf"
         assert pool.model_config("ollama:seer", "seer").mmproj == tower
         assert pool.model_config("other", "other").mmproj is None
+        # a projector of a family not read here (Ollama's library ships llava-style ones): the model serves text
+        with caplog.at_level(logging.WARNING, logger="minibatch.daemon"):
+            assert pool.model_config("ollama:llava", "llava").mmproj is None
+        assert (
+            "its projector layer sha256-llava is not read here (a 'mlp' projector; read here: gemma3, idefics3)"
+            in caplog.text
+        )
         own = ModelPool(EngineConfig(model="ollama:seer"), PoolSettings(), loop)
         assert own.model_config("ollama:seer", "seer").mmproj == tower
         named = ModelPool(EngineConfig(model="ollama:seer", mmproj="/a/mmproj.gguf"), PoolSettings(), loop)
