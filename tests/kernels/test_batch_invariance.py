@@ -105,3 +105,24 @@ def test_embedding(any_build, name):
     blocks = random_blocks(qtype, 300, k, seed=2)
     ids = torch.randint(0, 300, (ROWS, 1), generator=torch.Generator().manual_seed(3))
     assert_rows_invariant(lambda rows: any_build.embedding(blocks, qtype.ggml_id, k, rows[:, 0].contiguous()), ids)
+
+
+@pytest.mark.parametrize("name", sorted(INT_DOT_TYPES))
+def test_integer_linear_column_whatever_its_neighbours(any_build, name):
+    """A column's bits whatever the matrix around it: the same weight rows as the first 8 of 24 (where the
+    AVX-512 build's sixteen-column loop takes them), as 8 alone (its eight-column loop), as the last 8 of 24
+    (eight-column again) and as the first 8 of 16 (sixteen-column). (A matrix's last few columns past its groups
+    of eight take a one-column loop whose block sums add in another order; which loop that is depends only on
+    the matrix's shape, never on the rows in the call.)"""
+    qtype = QUANT_TYPES[name]
+    k = 512 if qtype.block_elems == 256 else 320
+    blocks = random_blocks(qtype, 40, k, seed=11)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(11))
+    acts = any_build.quantize_activations(x, qtype.block_elems)
+
+    def out(first, count):
+        return any_build.quant_linear_q8(*acts, blocks[first : first + count].contiguous(), qtype.ggml_id)
+
+    whole = out(0, 40)
+    for first, count in ((0, 24), (0, 8), (16, 8), (16, 16), (24, 16)):
+        assert torch.equal(out(first, count), whole[:, first : first + count]), (first, count)
