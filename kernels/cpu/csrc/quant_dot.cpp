@@ -835,6 +835,9 @@ void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, in
 #if defined(MBQ_AVX2) && !defined(__AVX512VL__)
 template <int64_t T>
 constexpr int64_t kRows = kColumns8<T> || kColumns8K<T> ? 16 : 8;
+#elif defined(MBQ_ZMM)
+template <int64_t T>
+constexpr int64_t kRows = kColumns8<T> ? 16 : 8;
 #else
 template <int64_t T>
 constexpr int64_t kRows = 8;
