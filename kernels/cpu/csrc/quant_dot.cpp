@@ -599,7 +599,6 @@ void dot_rows256(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out,
   }
 }
 
-#ifndef MBQ_ZMM
 // Q4_K and Q5_K eight columns at a time, as the 32-value types above (their rows packed by Rows8K): for each of
 // a block's eight 32-value groups, its eight registers of four weights per row and lane are unpacked once for
 // every row, each row's eight maddubs add up in int16 (Q4_K's 15 * 127 * 2 * 8 = 30,480; Q5_K's four at a
@@ -607,8 +606,15 @@ void dot_rows256(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out,
 // shuffle a group. A row's groups add up in int32 in memory (the registers hold the weights); the minimums
 // come off with four madds of the columns' 6-bit minimums and the row's 32-value sums, and the block's d and
 // dmin then take two float multiply-adds. Exact integers in a fixed order: a row's bits do not depend on M.
+// On AVX-512 builds Q6_K stays on the 512-bit one-column loop, which reads it as stored: there the eight-column
+// kernel was 1.3x faster from 16 rows but 1.5x slower at one row, a lone user's decode (Ice Lake Xeon, weights
+// from memory); Q4_K and Q5_K took 1.2-2x less time at every row count.
 template <int64_t T>
+#ifdef MBQ_ZMM
+constexpr bool kColumns8K = T == Q4_K || T == Q5_K;
+#else
 constexpr bool kColumns8K = T == Q4_K || T == Q5_K || T == Q6_K;
+#endif
 
 template <int64_t T, int M>
 void dot_cols8k(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0, int64_t n1) {
@@ -755,10 +761,6 @@ void dot_cols8q6(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out,
   }
 }
 
-#else
-template <int64_t T>
-constexpr bool kColumns8K = false;  // the 512-bit loop serves the 256-value types
-#endif
 
 // Columns [n0, n1) of out[r, :] for M rows. Each weight group is unpacked once and multiplied into every
 // row; the integer products of a whole block add up in int32 before one float scale per block and row.
@@ -776,15 +778,15 @@ void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, in
     if constexpr (kColumns8<T>) columns8<T, M>(a, w, row_bytes, out, ldo, n0, n1);
     else dot_rows32<T, M>(a, w, row_bytes, out, ldo, n0, n1);
 #endif
-#ifdef MBQ_ZMM
-  } else if constexpr (!Tr::SIGNED && T != Q3_K) {  // Q3_K measured 2.6x slower at 1 row on it: not used
-    dot_rows_zmm<T, M>(a, w, row_bytes, out, ldo, n0, n1);
-#endif
   } else if constexpr (kColumns8K<T>) {  // whole groups of eight columns, then the last few one at a time
     const int64_t n8 = n0 + (n1 - n0) / 8 * 8;
     if constexpr (T == Q6_K) dot_cols8q6<T, M>(a, w, row_bytes, out, ldo, n0, n8);
     else dot_cols8k<T, M>(a, w, row_bytes, out, ldo, n0, n8);
     if (n8 < n1) dot_rows256<T, M>(a, w, row_bytes, out, ldo, n8, n1);
+#ifdef MBQ_ZMM
+  } else if constexpr (!Tr::SIGNED && T != Q3_K) {  // Q3_K measured 2.6x slower at 1 row on it: not used
+    dot_rows_zmm<T, M>(a, w, row_bytes, out, ldo, n0, n1);
+#endif
   } else {
     dot_rows256<T, M>(a, w, row_bytes, out, ldo, n0, n1);
   }
@@ -837,7 +839,7 @@ template <int64_t T>
 constexpr int64_t kRows = kColumns8<T> || kColumns8K<T> ? 16 : 8;
 #elif defined(MBQ_ZMM)
 template <int64_t T>
-constexpr int64_t kRows = kColumns8<T> ? 16 : 8;
+constexpr int64_t kRows = kColumns8<T> || kColumns8K<T> ? 16 : 8;
 #else
 template <int64_t T>
 constexpr int64_t kRows = 8;
