@@ -608,15 +608,7 @@ void dot_rows256(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out,
 // shuffle a group. A row's groups add up in int32 in memory (the registers hold the weights); the minimums
 // come off with four madds of the columns' 6-bit minimums and the row's 32-value sums, and the block's d and
 // dmin then take two float multiply-adds. Exact integers in a fixed order: a row's bits do not depend on M.
-// On AVX-512 builds Q6_K stays on the 512-bit one-column loop, which reads it as stored: there the eight-column
-// kernel was 1.3x faster from 16 rows but 1.5x slower at one row, a lone user's decode (Ice Lake Xeon, weights
-// from memory); Q4_K and Q5_K took 1.2-2x less time at every row count.
-template <int64_t T>
-#ifdef MBQ_ZMM
-constexpr bool kColumns8K = T == Q4_K || T == Q5_K;
-#else
-constexpr bool kColumns8K = T == Q4_K || T == Q5_K || T == Q6_K;
-#endif
+// Which types take it: kColumns8K (quant_dot_blocks.h, the packing's owner too).
 
 template <int64_t T, int M>
 void dot_cols8k(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo, int64_t n0, int64_t n1) {
@@ -763,7 +755,6 @@ void dot_cols8q6(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out,
   }
 }
 
-
 // Columns [n0, n1) of out[r, :] for M rows. Each weight group is unpacked once and multiplied into every
 // row; the integer products of a whole block add up in int32 before one float scale per block and row.
 template <int64_t T, int M>
@@ -836,10 +827,9 @@ void dot_rows(const Acts& a, const uint8_t* w, int64_t row_bytes, float* out, in
 // 8 rows: 7-11% for Q8_0, 8-20% IQ4_NL, 25-50% Q3_K and IQ4_XS, 4-9% Q2_K. The eight-column kernels' types
 // with their int16 sums take 16 (1.1-1.25x the 4-row build from 9 to 512 rows in a quiet run, 1.3-1.6x in a
 // run beside other work; 16 rows against 8: Q5_0 40 against 47 us a row), Q4_K, Q5_K and Q6_K among them.
-#if defined(MBQ_AVX2) && !defined(__AVX512VL__)
-template <int64_t T>
-constexpr int64_t kRows = kColumns8<T> || kColumns8K<T> ? 16 : 8;
-#elif defined(MBQ_ZMM)
+// On AVX-512 VNNI builds the column kernels' types take 16 too (Q8_0 6-21% faster than 8 at 17-512 rows on
+// an Ice Lake Xeon, the others within that run's noise).
+#if defined(MBQ_AVX2) && (defined(MBQ_ZMM) || !defined(__AVX512VL__))
 template <int64_t T>
 constexpr int64_t kRows = kColumns8<T> || kColumns8K<T> ? 16 : 8;
 #else

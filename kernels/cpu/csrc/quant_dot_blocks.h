@@ -242,6 +242,17 @@ struct Rows8 {
 
 namespace quant_dot {
 
+// The 256-value types on the eight-column K-quant kernels (quant_dot.cpp), so packed at load (quant_pack.cpp).
+// On AVX-512 builds Q6_K stays on the 512-bit one-column loop, which reads it as stored: there the eight-column
+// kernel was 1.3x faster from 16 rows but 1.5x slower at one row, a lone user's decode (Ice Lake Xeon, weights
+// from memory); Q4_K and Q5_K took 1.2-2x less time at every row count.
+template <int64_t T>
+#ifdef MBQ_ZMM
+constexpr bool kColumns8K = T == Q4_K || T == Q5_K;
+#else
+constexpr bool kColumns8K = T == Q4_K || T == Q5_K || T == Q6_K;
+#endif
+
 // Q4_K's, Q5_K's and Q6_K's eight rows for their eight-column kernels (dot_cols8k, dot_cols8q6), packed at load
 // as Rows8's types are: block bi of the eight is 8 * BYTES bytes of fields, each one stretch of every row's
 // block laid lane by lane — fp16 scales a lane (width 2), or registers of four bytes a lane (register r's lane L

@@ -102,9 +102,9 @@ Packing packing(int64_t type) {
     case Q8_0: return {pack8<Q8_0>, unpack8<Q8_0>, Traits<Q8_0>::BYTES};
     case Q4_K: return {pack8k<Q4_K>, unpack8k<Q4_K>, Traits<Q4_K>::BYTES};
     case Q5_K: return {pack8k<Q5_K>, unpack8k<Q5_K>, Traits<Q5_K>::BYTES};
-#ifndef MBQ_ZMM  // AVX-512 builds read Q6_K as stored (quant_dot.cpp's kColumns8K)
-    case Q6_K: return {pack8k<Q6_K>, unpack8k<Q6_K>, Traits<Q6_K>::BYTES};
-#endif
+    case Q6_K:
+      if constexpr (kColumns8K<Q6_K>) return {pack8k<Q6_K>, unpack8k<Q6_K>, Traits<Q6_K>::BYTES};
+      break;
     default: break;
   }
 #endif
